@@ -1,0 +1,188 @@
+"""The public request and response shapes: OpenAI's, as msgspec Structs.
+
+Requests are decoded once at the edge (gateway) with typed decoders; past that no
+code sees dicts. Hard limits live here as `Meta` constraints; limits an operator can
+change (inputs per request, tokens per input) are checked against `shared.config`.
+Unknown fields are refused so that a typo is a 400, not a silently ignored option.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+# Hard ceilings. Operators lower them through config; nothing raises them.
+MAX_STRING = 1_000_000
+MAX_LIST = 4096
+MAX_STOP = 4
+
+Text = Annotated[str, Meta(max_length=MAX_STRING)]
+TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
+TokenList = Annotated[list[TokenId], Meta(max_length=MAX_LIST * 4)]
+
+
+class _Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, kw_only=True):
+    pass
+
+
+# ----------------------------------------------------------------- embeddings
+class EmbeddingRequest(_Request, kw_only=True):
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    # A string, or a list of strings, token ids, or token-id lists. msgspec unions
+    # hold one list type, so homogeneity is checked by the gateway.
+    input: Text | Annotated[list[Text | TokenId | TokenList], Meta(max_length=MAX_LIST * 4)]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    user: Annotated[str, Meta(max_length=256)] | None = None
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int | None = None
+
+
+class Embedding(msgspec.Struct):
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class EmbeddingResponse(msgspec.Struct):
+    data: list[Embedding]
+    model: str
+    usage: Usage
+    object: str = "list"
+
+
+# ---------------------------------------------------------------- generation
+class StreamOptions(_Request, kw_only=True):
+    include_usage: bool = False
+
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Stop = Annotated[str, Meta(min_length=1, max_length=256)]
+
+
+class _Sampling(_Request, kw_only=True):
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    stop: Stop | Annotated[list[Stop], Meta(max_length=MAX_STOP)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Meta(ge=1)] = 1
+    user: Annotated[str, Meta(max_length=256)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: Text | Annotated[list[Text | TokenId | TokenList], Meta(max_length=MAX_LIST * 4)] = ""
+    max_tokens: Annotated[int, Meta(ge=1)] | None = 16
+    echo: bool = False
+
+
+class ChatMessage(_Request, kw_only=True):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: Text | None = None
+    name: Annotated[str, Meta(max_length=256)] | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=1024)]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class ResponseMessage(msgspec.Struct):
+    role: str
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ResponseMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class CompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+# -------------------------------------------------------------------- models
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "tensorbus"
+    object: str = "model"
+    kind: str = ""
+    versions: list[str] = []
+    ready_workers: int = 0
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+STREAM_DONE = b"[DONE]"

@@ -1,0 +1,69 @@
+"""NATS connection and process lifecycle helpers shared by every service.
+
+Connections reconnect forever (a restarted nats-server is an outage, never an exit)
+and drain on shutdown so nothing in flight is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import nats
+from nats.aio.client import Client
+
+from shared.logging import get_logger
+
+log = get_logger("bus")
+
+
+async def connect(url: str, name: str, **kw) -> Client:
+    async def on_disconnect() -> None:
+        log.warning("nats_disconnected", client=name)
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected", client=name)
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats_error", client=name, error=str(exc) or type(exc).__name__)
+
+    return await nats.connect(
+        servers=[u.strip() for u in url.split(",")],
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.25,
+        allow_reconnect=True,
+        connect_timeout=2,
+        # Keep publishing into a buffer while reconnecting instead of raising.
+        pending_size=64 * 1024 * 1024,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        error_cb=on_error,
+        **kw,
+    )
+
+
+@asynccontextmanager
+async def connection(url: str, name: str, **kw) -> AsyncIterator[Client]:
+    nc = await connect(url, name, **kw)
+    try:
+        yield nc
+    finally:
+        if nc.is_connected:
+            try:
+                await asyncio.wait_for(nc.drain(), 5)
+            except Exception as exc:  # noqa: BLE001 - shutdown must finish
+                log.warning("drain_failed", error=str(exc))
+        if not nc.is_closed:
+            await nc.close()
+
+
+def stop_event() -> asyncio.Event:
+    """An Event set by SIGINT or SIGTERM (call inside the running loop)."""
+    ev = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, ev.set)
+    return ev

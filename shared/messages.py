@@ -1,0 +1,143 @@
+"""Internal wire messages between gateway, scheduler and workers (msgpack).
+
+Compact tagged Structs (`array_like=True, gc=False`), one union per subject, one
+typed decoder built once per process. New fields get defaults at the end; a breaking
+change gets a new tag.
+
+Times that cross a process are wall-clock UNIX seconds (`time.time()`): a deadline is
+an instant every process can compare with its own clock. Durations are measured with
+`time.perf_counter()` inside one process and travel as seconds.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class _Msg(msgspec.Struct, array_like=True, gc=False, tag_field="t", omit_defaults=False):
+    pass
+
+
+class Sampling(msgspec.Struct, array_like=True, gc=False):
+    """Sampling parameters of one generation request (already validated)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+
+class EmbedWork(_Msg, tag="embed"):
+    """Embed `inputs` (already tokenized) with `model`."""
+
+    request_id: str
+    model: str
+    version: str  # "" = whichever version the alias names; "3" = pinned
+    inputs: list[list[int]]
+    deadline: float  # UNIX seconds
+    reply: str  # where results go (the gateway's inbox for this request)
+    sched_id: str = ""
+    attempt: int = 0
+
+
+class GenerateWork(_Msg, tag="generate"):
+    """Generate from `prompt` (token ids). `n` choices share the prompt."""
+
+    request_id: str
+    model: str
+    version: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: Sampling
+    stop: list[str]
+    n: int
+    stream: bool
+    deadline: float
+    reply: str
+    sched_id: str = ""
+    attempt: int = 0
+
+
+WorkRequest = EmbedWork | GenerateWork
+
+
+class Timing(msgspec.Struct, array_like=True, gc=False):
+    """Where a request's time went inside the worker, in seconds."""
+
+    batch_wait: float = 0.0  # arrival -> its batch closed
+    queue: float = 0.0  # batch closed -> compute started
+    compute: float = 0.0  # engine time of its batch (or prefill + decode steps)
+    ttft: float = 0.0  # generation: arrival -> first token
+    itl_mean: float = 0.0  # generation: mean gap between tokens
+    batch_size: int = 0
+
+
+class EmbedResult(_Msg, tag="embed_result"):
+    request_id: str
+    worker_id: str
+    model: str
+    version: str
+    dim: int
+    vectors: bytes  # float32 little-endian, [len(inputs), dim], L2-normalised
+    prompt_tokens: int
+    timing: Timing
+
+
+class GenChunk(_Msg, tag="chunk"):
+    """New text for one choice. `finish_reason` set on its last chunk."""
+
+    request_id: str
+    index: int
+    text: str
+    tokens: int  # tokens this chunk covers
+    finish_reason: str | None = None
+
+
+class GenDone(_Msg, tag="done"):
+    """The request finished: every choice has sent its last chunk."""
+
+    request_id: str
+    worker_id: str
+    model: str
+    version: str
+    prompt_tokens: int
+    completion_tokens: int
+    timing: Timing
+
+
+class WorkError(_Msg, tag="error"):
+    request_id: str
+    status: int
+    message: str
+    code: str = ""
+    retry_after: float | None = None
+    worker_id: str = ""
+
+
+class Accepted(_Msg, tag="accepted"):
+    """Scheduler -> gateway: the request was dispatched (to `worker_id`)."""
+
+    request_id: str
+    worker_id: str
+
+
+WorkResult = EmbedResult | GenChunk | GenDone | WorkError | Accepted
+
+
+class WorkDone(_Msg, tag="work_done"):
+    """Worker -> its dispatching scheduler: these requests are finished."""
+
+    worker_id: str
+    request_ids: list[str]
+
+
+class Cancel(_Msg, tag="cancel"):
+    request_id: str
+    reason: str = "cancelled"
+
+
+encode = msgspec.msgpack.Encoder().encode
+work_decoder = msgspec.msgpack.Decoder(WorkRequest)
+result_decoder = msgspec.msgpack.Decoder(WorkResult)
+done_decoder = msgspec.msgpack.Decoder(WorkDone)
+cancel_decoder = msgspec.msgpack.Decoder(Cancel)

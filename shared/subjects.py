@@ -1,0 +1,57 @@
+"""Every NATS subject tensorbus uses, as functions and constants.
+
+Services never spell a subject literally; they call these. Public subjects are the
+v1 contract in docs/protocol.md; `tensorbus.v1.*` subjects are internal and may change.
+"""
+
+from __future__ import annotations
+
+# Public API (JSON by default, msgpack with Content-Type: application/msgpack).
+EMBEDDINGS = "inference.v1.embeddings"
+COMPLETIONS = "inference.v1.completions"
+CHAT_COMPLETIONS = "inference.v1.chat.completions"
+MODELS = "inference.v1.models"
+PUBLIC_INFERENCE = (EMBEDDINGS, COMPLETIONS, CHAT_COMPLETIONS)
+
+# Telemetry (msgpack records, schemas in shared.telemetry).
+TELEMETRY_REQUESTS = "telemetry.v1.requests"
+TELEMETRY_WORKERS = "telemetry.v1.workers"
+TELEMETRY_SCALE = "telemetry.v1.scale"
+TELEMETRY_SUMMARY = "telemetry.v1.summary"
+TELEMETRY_ALL = "telemetry.v1.>"
+TELEMETRY_STREAM = "TELEMETRY"
+
+# Internal dispatch.
+SCHED_SUBMIT = "tensorbus.v1.sched.submit"
+"""Gateway -> scheduler (queue group `scheduler`): one WorkRequest."""
+
+QUEUE_GATEWAY = "gateway"
+QUEUE_SCHEDULER = "scheduler"
+
+
+def sched_done(scheduler_id: str) -> str:
+    """Worker -> the scheduler that dispatched: ids of finished work (WorkDone)."""
+    return f"tensorbus.v1.sched.{scheduler_id}.done"
+
+
+def worker_work(worker_id: str) -> str:
+    """Scheduler -> one worker: a WorkRequest to run."""
+    return f"tensorbus.v1.worker.{worker_id}.work"
+
+
+def worker_control(worker_id: str) -> str:
+    """Control messages to one worker (Cancel)."""
+    return f"tensorbus.v1.worker.{worker_id}.control"
+
+
+CANCEL = "tensorbus.v1.cancel"
+"""Broadcast Cancel(request_id): whichever worker holds the request frees it."""
+
+
+def cancel_subject() -> str:
+    return CANCEL
+
+
+# Registry (JetStream KV and Object Store bucket names).
+REGISTRY_OBJECTS = "tensorbus_models"
+REGISTRY_META = "tensorbus_registry"
