@@ -1,0 +1,126 @@
+"""services.micro against a real nats-server: discovery, endpoints, health, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import nats
+import pytest
+
+from services.micro import ServiceHealth, add_service, health_subject, ready_subject
+
+
+def _name() -> str:
+    return f"test-micro-{uuid.uuid4().hex[:8]}"
+
+
+async def _gather(nc, subject: str, until, timeout: float = 5.0) -> list[dict]:
+    """Request on `subject` and collect JSON replies until `until(replies)` holds."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    replies: list[dict] = []
+    try:
+        await nc.publish(subject, b"", reply=inbox)
+        async with asyncio.timeout(timeout):
+            while not until(replies):
+                msg = await sub.next_msg(timeout=timeout)
+                replies.append(json.loads(msg.data))
+    finally:
+        await sub.unsubscribe()
+    return replies
+
+
+async def test_discovery_ping_info_stats(nc):
+    name = _name()
+
+    async def echo(req):
+        await req.respond(req.data)
+
+    svc = await add_service(nc, name, "1.2.3", "echoes", {"echo": echo})
+    try:
+        # $SRV.PING reaches every service on the server; ours must be among them.
+        pings = await _gather(nc, "$SRV.PING", lambda r: any(p["id"] == svc.id for p in r))
+        ours = next(p for p in pings if p["id"] == svc.id)
+        assert ours["name"] == name and ours["version"] == "1.2.3"
+        assert ours["type"] == "io.nats.micro.v1.ping_response"
+
+        info = json.loads((await nc.request(f"$SRV.INFO.{name}", b"", timeout=2)).data)
+        assert info["description"] == "echoes"
+        subjects = {e["name"]: e["subject"] for e in info["endpoints"]}
+        assert subjects == {"echo": "echo", "health": health_subject(name),
+                            "ready": ready_subject(name)}
+
+        assert (await nc.request("echo", b"hi", timeout=2)).data == b"hi"
+        stats = json.loads((await nc.request(f"$SRV.STATS.{name}.{svc.id}", b"", timeout=2)).data)
+        echo_stats = next(e for e in stats["endpoints"] if e["name"] == "echo")
+        assert echo_stats["num_requests"] == 1 and echo_stats["num_errors"] == 0
+    finally:
+        await svc.stop()
+
+
+async def test_health_and_readiness_follow_the_flags_and_checks(nc):
+    name = _name()
+    health = ServiceHealth()
+    svc = await add_service(nc, name, "0.1.0", "probe", health=health)
+    try:
+        # Live but not ready yet: health 200-like, ready answers 503 with a body.
+        msg = await nc.request(health_subject(name), b"", timeout=2)
+        assert not msg.headers and json.loads(msg.data)["status"] == "ok"
+        msg = await nc.request(ready_subject(name), b"", timeout=2)
+        assert msg.headers["Nats-Service-Error-Code"] == "503"
+        assert json.loads(msg.data)["ready"] is False
+
+        health.ready = True
+        health.details["version"] = "3"
+        body = json.loads((await nc.request(ready_subject(name), b"", timeout=2)).data)
+        assert body["status"] == "ok" and body["id"] == svc.id
+        assert body["details"] == {"version": "3"}
+
+        queue = {"depth": 10}
+        health.add_check("queue", lambda: (queue["depth"] < 5, {"depth": queue["depth"]}))
+        msg = await nc.request(ready_subject(name), b"", timeout=2)
+        assert msg.headers["Nats-Service-Error-Code"] == "503"
+        assert json.loads(msg.data)["checks"]["queue"] == {"ok": False, "depth": 10}
+        # A readiness check does not make the process unhealthy.
+        assert not (await nc.request(health_subject(name), b"", timeout=2)).headers
+
+        def broken() -> bool:
+            raise RuntimeError("boom")
+
+        health.add_check("engine", broken, liveness=True)
+        msg = await nc.request(health_subject(name), b"", timeout=2)
+        assert msg.headers["Nats-Service-Error-Code"] == "503"
+        assert "boom" in json.loads(msg.data)["checks"]["engine"]["error"]
+    finally:
+        await svc.stop()
+
+
+async def test_every_instance_answers_health(nc):
+    name = _name()
+    a = await add_service(nc, name, "0.1.0", "a", queue_group="work")
+    b = await add_service(nc, name, "0.1.0", "b", queue_group="work")
+    try:
+        replies = await _gather(nc, health_subject(name), lambda r: len(r) == 2)
+        assert {r["id"] for r in replies} == {a.id, b.id}
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_stop_is_idempotent_and_removes_interest(nats_server):
+    client = await nats.connect(nats_server.url)
+    name = _name()
+    svc = await add_service(client, name, "0.1.0", "stops")
+    await asyncio.gather(svc.stop(), svc.stop())
+    await svc.stop()
+    assert svc.stopped.is_set()
+    with pytest.raises(nats.errors.NoRespondersError):
+        await client.request(f"$SRV.INFO.{name}", b"", timeout=1)
+
+    # Stopping after the connection closed is a no-op, not an error.
+    other = await add_service(client, _name(), "0.1.0", "closed")
+    await client.close()
+    await other.stop()
+    assert other.stopped.is_set()
