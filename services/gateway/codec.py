@@ -1,0 +1,54 @@
+"""Bytes at the edge: JSON or msgpack in, the same out, errors per the contract."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared.errors import ServiceError, bad_request
+
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+
+_json_enc = msgspec.json.Encoder()
+_mp_enc = msgspec.msgpack.Encoder()
+_decoders: dict[tuple[type, bool], object] = {}
+
+
+def is_msgpack(headers: dict[str, str] | None) -> bool:
+    if not headers:
+        return False
+    ct = headers.get("Content-Type") or headers.get("content-type") or ""
+    return ct.split(";")[0].strip().lower() in (MSGPACK, "application/x-msgpack")
+
+
+def decode(body: bytes, typ: type, msgpack: bool = False):
+    """Decode a request body into `typ`, or raise a 400 that says what is wrong."""
+    key = (typ, msgpack)
+    dec = _decoders.get(key)
+    if dec is None:
+        dec = (msgspec.msgpack.Decoder if msgpack else msgspec.json.Decoder)(typ)
+        _decoders[key] = dec
+    if not body:
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        return dec.decode(body)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"invalid request: {exc}") from None
+    except msgspec.DecodeError as exc:
+        kind = "msgpack" if msgpack else "JSON"
+        raise bad_request(f"the body is not valid {kind}: {_short(exc)}") from None
+
+
+def _short(exc: Exception) -> str:
+    return str(exc).split("\n")[0][:200]
+
+
+def encode(obj, msgpack: bool = False) -> bytes:
+    return _mp_enc.encode(obj) if msgpack else _json_enc.encode(obj)
+
+
+def error_reply(err: ServiceError, msgpack: bool = False) -> tuple[bytes, dict[str, str]]:
+    headers = err.headers()
+    if msgpack:
+        headers["Content-Type"] = MSGPACK
+    return encode(err.to_body(), msgpack), headers

@@ -1,0 +1,74 @@
+"""The embeddings endpoint: validate and tokenize at the edge, format the reply."""
+
+from __future__ import annotations
+
+import array
+import base64
+
+from services.gateway.models import ModelEntry
+from shared.api import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
+from shared.config import Config
+from shared.errors import bad_request
+from shared.messages import EmbedResult
+
+
+def tokenize_inputs(req: EmbeddingRequest, entry: ModelEntry, config: Config) -> list[list[int]]:
+    """Token ids per input (special tokens included), or a 400 that names the input."""
+    inp = req.input
+    if isinstance(inp, str):
+        inp = [inp]
+    if not inp:
+        raise bad_request("'input' is empty: send a string or a non-empty list")
+    if len(inp) > config.max_inputs:
+        raise bad_request(f"too many inputs: {len(inp)}; at most {config.max_inputs} per request")
+    kinds = {type(x) for x in inp}
+    if kinds == {str}:
+        for i, s in enumerate(inp):
+            if not s:
+                raise bad_request(f"input {i} is an empty string")
+            if "\x00" in s:
+                raise bad_request(f"input {i} contains a NUL character")
+        ids = entry.tokenizer.encode_batch(inp)
+    elif kinds == {int}:
+        ids = [_wrap(inp, entry, 0)]
+    elif kinds == {list}:
+        ids = [_wrap(x, entry, i) for i, x in enumerate(inp)]
+    else:
+        raise bad_request("'input' mixes strings, token ids and token-id lists; use one kind")
+    limit = entry.info.max_tokens
+    for i, x in enumerate(ids):
+        if len(x) > limit:
+            raise bad_request(
+                f"input {i} has {len(x)} tokens; model '{entry.info.name}' accepts at most {limit}",
+                code="context_length_exceeded")
+    return ids
+
+
+def _wrap(tokens: list[int], entry: ModelEntry, i: int) -> list[int]:
+    if not tokens:
+        raise bad_request(f"input {i} is an empty token list")
+    vocab = entry.tokenizer.vocab_size
+    bad = next((t for t in tokens if t >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"input {i} has token id {bad}; the vocabulary has {vocab} tokens")
+    return entry.prefix + list(tokens) + entry.suffix
+
+
+def check_dimensions(req: EmbeddingRequest, dim: int) -> None:
+    if req.dimensions is not None and req.dimensions != dim:
+        raise bad_request(f"'dimensions' must be {dim} for this model (it is not truncatable)")
+
+
+def build_response(req: EmbeddingRequest, res: EmbedResult) -> EmbeddingResponse:
+    flat = array.array("f")
+    flat.frombytes(res.vectors)
+    dim = res.dim
+    n = len(flat) // dim if dim else 0
+    data = []
+    for i in range(n):
+        row = flat[i * dim:(i + 1) * dim]
+        vec = base64.b64encode(row.tobytes()).decode() if req.encoding_format == "base64" else row.tolist()
+        data.append(Embedding(index=i, embedding=vec))
+    model = req.model
+    return EmbeddingResponse(data=data, model=model,
+                             usage=Usage(prompt_tokens=res.prompt_tokens, total_tokens=res.prompt_tokens))

@@ -1,0 +1,170 @@
+"""The gateway's transport-free core: one method per endpoint, shared by NATS and HTTP.
+
+  1. Decode the body into the endpoint's Struct (JSON or msgpack); 400 on any error.
+  2. Resolve the model (404 if unknown), tokenize, check limits (400 / 413).
+  3. Publish a WorkRequest to the scheduler with this gateway's per-request inbox as
+     the reply; the NATS "no responders" status becomes a 503 at once.
+  4. Wait for the worker's answer until the request's deadline (504 after it, and a
+     Cancel goes out so the worker frees whatever it holds).
+  5. Build the OpenAI-shaped reply; publish one RequestRecord to telemetry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.fleet import Fleet
+from services.gateway import codec
+from services.gateway.embeddings import build_response, check_dimensions, tokenize_inputs
+from services.gateway.inbox import ReplyInbox
+from services.gateway.models import ModelTable, split_name
+from shared import subjects
+from shared.api import EmbeddingRequest, ModelCard, ModelList
+from shared.config import Config
+from shared.errors import ServiceError, bad_request, deadline_exceeded, internal, too_large, unavailable
+from shared.logging import get_logger
+from shared.messages import Cancel, EmbedResult, EmbedWork, Timing, WorkError, encode, result_decoder
+from shared.telemetry import RequestRecord
+from shared.telemetry import encode as encode_record
+
+log = get_logger("gateway")
+
+
+@dataclass
+class Outcome:
+    """What telemetry needs to know about one finished request."""
+
+    endpoint: str
+    model: str = ""
+    version: str = ""
+    worker_id: str = ""
+    status: int = 200
+    error_code: str = ""
+    timing: Timing = field(default_factory=Timing)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Frontend:
+    def __init__(self, nc: Client, config: Config, fleet: Fleet | None = None,
+                 models: ModelTable | None = None) -> None:
+        self.nc = nc
+        self.config = config
+        self.fleet = fleet or Fleet(expiry_s=config.worker_expiry_s)
+        self.models = models or ModelTable(self.fleet)
+        self.inbox = ReplyInbox(nc)
+
+    async def start(self) -> None:
+        await self.inbox.start()
+
+    async def stop(self) -> None:
+        await self.inbox.stop()
+
+    def deadline(self, timeout_s: float | None = None) -> float:
+        t = self.config.request_timeout_s if timeout_s is None else min(
+            timeout_s, self.config.request_timeout_s * 10)
+        return time.time() + max(t, 0.001)
+
+    def check_size(self, body: bytes) -> None:
+        if len(body) > self.config.max_payload:
+            raise too_large(f"the request body is {len(body)} bytes; "
+                            f"the limit is {self.config.max_payload}")
+
+    # -------------------------------------------------------------- embeddings
+    async def embeddings(self, body: bytes, msgpack: bool, rid: str, deadline: float,
+                         out: Outcome):
+        self.check_size(body)
+        req = codec.decode(body, EmbeddingRequest, msgpack)
+        name, version = split_name(req.model)
+        out.model = name
+        entry = await self.models.get(name)
+        if entry.info.kind != "encoder":
+            raise bad_request(f"model '{name}' generates text; use the completions endpoints")
+        ids = tokenize_inputs(req, entry, self.config)
+        out.prompt_tokens = sum(len(x) for x in ids)
+        work = EmbedWork(rid, name, version, ids, deadline, "")
+        res = await self.call(work, deadline)
+        if not isinstance(res, EmbedResult):
+            raise internal()
+        out.version, out.worker_id, out.timing = res.version, res.worker_id, res.timing
+        check_dimensions(req, res.dim)
+        return build_response(req, res)
+
+    # ------------------------------------------------------------------ models
+    def model_list(self) -> ModelList:
+        cards = []
+        for name, workers in sorted(self.fleet.models().items()):
+            ready = [w for w in workers if w.ready]
+            if not ready:
+                continue
+            versions = sorted({v for w in ready for v in w.hb.versions})
+            cards.append(ModelCard(id=name, created=int(time.time()), kind=ready[0].hb.kind,
+                                   versions=versions, ready_workers=len(ready)))
+        return ModelList(data=cards)
+
+    # ---------------------------------------------------------------- dispatch
+    def open(self, rid: str) -> tuple[str, asyncio.Queue[Msg]]:
+        return self.inbox.open(rid)
+
+    async def submit(self, work, reply: str) -> None:
+        work.reply = reply
+        await self.nc.publish(subjects.SCHED_SUBMIT, encode(work), reply=reply)
+
+    async def next_result(self, q: asyncio.Queue[Msg], rid: str, deadline: float):
+        """The next message for a request, decoded; errors raised as ServiceError."""
+        left = deadline - time.time()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            msg = await asyncio.wait_for(q.get(), left)
+        except TimeoutError:
+            await self.cancel(rid, "deadline")
+            raise deadline_exceeded() from None
+        if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
+            raise unavailable("no scheduler is running; retry shortly")
+        try:
+            res = result_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            raise internal() from None
+        if isinstance(res, WorkError):
+            raise ServiceError(res.status, res.message, code=res.code or None,
+                               retry_after=res.retry_after)
+        return res
+
+    async def call(self, work, deadline: float):
+        """Submit work and wait for its single answer."""
+        reply, q = self.open(work.request_id)
+        try:
+            await self.submit(work, reply)
+            return await self.next_result(q, work.request_id, deadline)
+        finally:
+            self.inbox.close(work.request_id)
+
+    async def cancel(self, rid: str, reason: str) -> None:
+        await self.nc.publish(subjects.CANCEL, encode(Cancel(rid, reason)))
+
+    # --------------------------------------------------------------- telemetry
+    async def record(self, rid: str, out: Outcome, started: float) -> None:
+        t = out.timing
+        rec = RequestRecord(
+            request_id=rid, endpoint=out.endpoint, model=out.model, version=out.version,
+            worker_id=out.worker_id, status=out.status, error_code=out.error_code,
+            total_s=time.perf_counter() - started, queue_s=t.queue, batch_wait_s=t.batch_wait,
+            compute_s=t.compute, prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens, ttft_s=t.ttft, itl_s=t.itl_mean,
+            batch_size=t.batch_size, finished_at=time.time())
+        try:
+            await self.nc.publish(subjects.TELEMETRY_REQUESTS, encode_record(rec))
+        except Exception as exc:  # noqa: BLE001 - telemetry never fails a request
+            log.warning("telemetry_publish_failed", error=str(exc))

@@ -1,0 +1,83 @@
+"""What the gateway knows about each model: its tokenizer, its limits, who serves it.
+
+Model names may pin a version: `NAME@VERSION`. The catalogue (and, when present, the
+registry) says which names exist; heartbeats say which are served and ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from services.fleet import Fleet
+from shared import catalog
+from shared.errors import bad_request, not_found
+
+
+@dataclass
+class ModelEntry:
+    info: catalog.ModelInfo
+    tokenizer: object  # engine.tokenizer.Tokenizer (no tensors)
+    prefix: list[int]  # special tokens around raw token-id input
+    suffix: list[int]
+    created: int
+
+
+def split_name(model: str) -> tuple[str, str]:
+    name, _, version = model.partition("@")
+    if not name or (_ and not version):
+        raise bad_request(f"bad model name {model!r}: use NAME or NAME@VERSION")
+    return name, version
+
+
+# A resolver returns the directory holding a model's tokenizer and config, or None.
+Resolver = Callable[[str], Awaitable["catalog.ModelInfo | None"]]
+
+
+async def catalogue_resolver(name: str) -> catalog.ModelInfo | None:
+    return catalog.resolve(name)
+
+
+class ModelTable:
+    def __init__(self, fleet: Fleet, resolver: Resolver = catalogue_resolver) -> None:
+        self.fleet = fleet
+        self.resolver = resolver
+        self._entries: dict[str, ModelEntry] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def get(self, name: str) -> ModelEntry:
+        entry = self._entries.get(name)
+        if entry is not None:
+            return entry
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            if name in self._entries:
+                return self._entries[name]
+            info = await self.resolver(name)
+            if info is None:
+                raise not_found(f"the model '{name}' does not exist")
+            entry = await asyncio.to_thread(_load_entry, info)
+            self._entries[name] = entry
+            return entry
+
+    def preload(self, names: list[str]) -> None:
+        for name in names:
+            info = catalog.resolve(name)
+            if info is not None:
+                self._entries[name] = _load_entry(info)
+
+    def known(self) -> list[str]:
+        names = {i.name for i in catalog.bundled()} | set(self._entries) | set(self.fleet.models())
+        return sorted(names)
+
+
+def _load_entry(info: catalog.ModelInfo) -> ModelEntry:
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(Path(info.path))
+    specials = tok.encode_batch([""])[0]
+    prefix, suffix = (specials[:1], specials[1:]) if len(specials) >= 2 else (specials, [])
+    return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()))

@@ -1,0 +1,141 @@
+"""The gateway's NATS surface: `inference.v1.*` request/reply (queue group `gateway`).
+
+Each request runs in its own task (a subscription callback must not wait on a
+model), with the request id bound to every log line. Failures become the error
+contract: `Nats-Service-Error-Code` / `Nats-Service-Error` headers plus the body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from services.gateway import codec
+from services.gateway.frontend import Frontend, Outcome, new_request_id
+from shared import subjects
+from shared.config import Config
+from shared.errors import ServiceError, internal
+from shared.logging import get_logger
+from shared.telemetry import heartbeat_decoder
+
+log = get_logger("gateway")
+
+REQUEST_ID_HEADERS = ("X-Request-Id", "Nats-Msg-Id")
+TIMEOUT_HEADER = "Tensorbus-Timeout"
+
+
+class Gateway:
+    def __init__(self, nc: Client, config: Config, frontend: Frontend | None = None) -> None:
+        self.nc = nc
+        self.config = config
+        self.front = frontend or Frontend(nc, config)
+        self._tasks: set[asyncio.Task] = set()
+        self._subs: list = []
+        self._stop = asyncio.Event()
+        self.generation = None  # services.gateway.generation.Generation, set in run()
+
+    async def run(self, ready: asyncio.Event | None = None) -> None:
+        await self.front.start()
+        from services.gateway.generation import Generation
+
+        self.generation = Generation(self.front)
+        handlers = {
+            subjects.EMBEDDINGS: "embeddings",
+            subjects.COMPLETIONS: "completions",
+            subjects.CHAT_COMPLETIONS: "chat.completions",
+        }
+        self._subs.append(await self.nc.subscribe(
+            subjects.TELEMETRY_WORKERS, cb=self._on_heartbeat, pending_msgs_limit=100_000))
+        for subject, endpoint in handlers.items():
+            self._subs.append(await self.nc.subscribe(
+                subject, queue=subjects.QUEUE_GATEWAY, cb=self._spawner(endpoint),
+                pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30))
+        self._subs.append(await self.nc.subscribe(
+            subjects.MODELS, queue=subjects.QUEUE_GATEWAY, cb=self._on_models))
+        await self.nc.flush()
+        log.info("gateway_started")
+        if ready is not None:
+            ready.set()
+        await self._stop.wait()
+        for s in self._subs:
+            await s.unsubscribe()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.config.request_timeout_s)
+        await self.front.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            self.front.fleet.observe(heartbeat_decoder.decode(msg.data))
+        except msgspec.DecodeError:
+            return
+        self.front.fleet.expire()
+
+    async def _on_models(self, msg: Msg) -> None:
+        self.front.fleet.expire()
+        mp = codec.is_msgpack(msg.headers)
+        await self._respond(msg, codec.encode(self.front.model_list(), mp), mp)
+
+    def _spawner(self, endpoint: str):
+        async def cb(msg: Msg) -> None:
+            task = asyncio.create_task(self._serve(msg, endpoint))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return cb
+
+    async def _serve(self, msg: Msg, endpoint: str) -> None:
+        started = time.perf_counter()
+        hdrs = msg.headers or {}
+        rid = next((hdrs[h] for h in REQUEST_ID_HEADERS if hdrs.get(h)), None)
+        rid = rid[:64] if rid else new_request_id()
+        mp = codec.is_msgpack(hdrs)
+        out = Outcome(endpoint)
+        with structlog.contextvars.bound_contextvars(request_id=rid):
+            try:
+                deadline = self.front.deadline(_timeout(hdrs))
+                if endpoint == "embeddings":
+                    resp = await self.front.embeddings(msg.data, mp, rid, deadline, out)
+                    await self._respond(msg, codec.encode(resp, mp), mp)
+                else:
+                    await self.generation.serve_nats(msg, endpoint, mp, rid, deadline, out)
+            except ServiceError as err:
+                out.status, out.error_code = err.status, err.code
+                if err.status >= 500 and err.status not in (503, 504):
+                    log.error("request_failed", status=err.status, error=err.message)
+                await self._respond_error(msg, err, mp)
+            except Exception:  # noqa: BLE001 - a bug must still answer the client
+                log.exception("request_crashed")
+                out.status, out.error_code = 500, "internal_error"
+                await self._respond_error(msg, internal(), mp)
+            finally:
+                await self.front.record(rid, out, started)
+
+    async def _respond(self, msg: Msg, body: bytes, mp: bool) -> None:
+        if not msg.reply:
+            return
+        headers = {"Content-Type": codec.MSGPACK} if mp else None
+        await self.nc.publish(msg.reply, body, headers=headers)
+
+    async def _respond_error(self, msg: Msg, err: ServiceError, mp: bool) -> None:
+        if not msg.reply:
+            return
+        body, headers = codec.error_reply(err, mp)
+        await self.nc.publish(msg.reply, body, headers=headers)
+
+
+def _timeout(headers: dict[str, str]) -> float | None:
+    raw = headers.get(TIMEOUT_HEADER)
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if value > 0 and value == value else None

@@ -1,0 +1,56 @@
+"""python -m services.worker: process wiring only (config, engine, signals, drain)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from services.worker.service import Worker
+from shared import catalog
+from shared.bus import connection, stop_event
+from shared.config import Config
+from shared.logging import configure_logging, get_logger
+
+log = get_logger("worker")
+
+
+def build_engine(config: Config, info: catalog.ModelInfo):
+    """The engine for one model directory, by kind and `TENSORBUS_ENGINE`."""
+    from engine import jaxrt
+
+    jaxrt.setup(str(Path(config.data_dir) / "jax-cache"))
+    if info.kind == "encoder":
+        kw = dict(name=info.name, dtype=config.dtype, batch_buckets=config.batch_bucket_list,
+                  seq_buckets=config.seq_bucket_list, max_batch=config.max_batch)
+        if config.engine == "torch":
+            from engine.torch_encoder import TorchEncoder
+
+            return TorchEncoder(info.path, **kw)
+        from engine.encoder import JaxEncoder
+
+        return JaxEncoder(info.path, **kw)
+    from engine.decoder.engine import DecoderEngine
+
+    return DecoderEngine(info.path, name=info.name, dtype=config.dtype,
+                         slots=config.decode_slots, max_context=config.max_context)
+
+
+async def main() -> None:
+    config = Config.from_env()
+    configure_logging("worker", config.log_level, config.log_format)
+    stop = stop_event()
+    info = catalog.resolve(config.model, config.model_dir)
+    if info is None:
+        raise SystemExit(f"unknown model {config.model!r}: set TENSORBUS_MODEL_DIR")
+    async with connection(config.nats_url, f"worker-{config.model}") as nc:
+        engine = build_engine(config, info)
+        worker = Worker(nc, config, engine, kind=info.kind)
+        task = asyncio.create_task(worker.run())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        worker.stop()
+        await task
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

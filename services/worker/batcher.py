@@ -1,0 +1,179 @@
+"""Dynamic batching for encoders.
+
+  1. Work arrives in `submit()` and waits in a FIFO inbox.
+  2. When the engine is free, the loop closes a batch: everything waiting, up to
+     `max_batch` inputs, after waiting at most `max_wait_s` for the batch to fill
+     (0 = never wait: under load the inbox fills while the engine computes anyway).
+  3. Expired requests are answered 504 and never computed.
+  4. The batch runs on the single engine thread; the event loop stays free.
+  5. Results go to each request's reply subject via `on_result`, one call per batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from shared.messages import EmbedWork, Timing
+
+
+@dataclass
+class Pending:
+    work: EmbedWork
+    arrived: float  # perf_counter
+    closed: float = 0.0  # when its batch was closed
+
+
+@dataclass
+class BatchOutcome:
+    items: list[Pending]
+    vectors: list[np.ndarray]  # per item: [n_inputs, dim] float32
+    timings: list[Timing]
+    error: BaseException | None = None  # the whole batch failed
+    failed: list[tuple["Pending", BaseException]] = field(default_factory=list)
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    items: int = 0
+    inputs: int = 0
+    window_batches: int = 0
+    window_inputs: int = 0
+
+    def take_occupancy(self, max_batch: int) -> float:
+        if not self.window_batches:
+            return 0.0
+        occ = self.window_inputs / (self.window_batches * max_batch)
+        self.window_batches = self.window_inputs = 0
+        return min(occ, 1.0)
+
+
+class DynamicBatcher:
+    def __init__(self, embed: Callable[[list[list[int]]], np.ndarray], executor: Executor,
+                 max_batch: int, max_wait_s: float,
+                 on_result: Callable[[BatchOutcome], Awaitable[None]],
+                 on_expired: Callable[[EmbedWork], Awaitable[None]]) -> None:
+        self.embed = embed
+        self.executor = executor
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self.on_result = on_result
+        self.on_expired = on_expired
+        self.inbox: deque[Pending] = deque()
+        self.in_flight = 0
+        self.stats = BatchStats()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.inbox)
+
+    def submit(self, work: EmbedWork) -> None:
+        self.inbox.append(Pending(work, time.perf_counter()))
+        self._idle.clear()
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.inbox:
+                self._idle.set()
+                if self._closed:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = await self._close_batch()
+            if not batch:
+                continue
+            self.in_flight = len(batch)
+            outcome = await loop.run_in_executor(self.executor, self._compute, batch)
+            self.in_flight = 0
+            await self.on_result(outcome)
+
+    async def _close_batch(self) -> list[Pending]:
+        if self.max_wait_s > 0 and self._inputs_waiting() < self.max_batch:
+            deadline = self.inbox[0].arrived + self.max_wait_s
+            while self._inputs_waiting() < self.max_batch and not self._closed:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except TimeoutError:
+                    break
+        now_wall, now = time.time(), time.perf_counter()
+        batch: list[Pending] = []
+        n = 0
+        while self.inbox:
+            p = self.inbox[0]
+            size = len(p.work.inputs)
+            if batch and n + size > self.max_batch:
+                break
+            self.inbox.popleft()
+            if p.work.deadline <= now_wall:
+                await self.on_expired(p.work)
+                continue
+            p.closed = now
+            batch.append(p)
+            n += size
+        return batch
+
+    def _inputs_waiting(self) -> int:
+        return sum(len(p.work.inputs) for p in self.inbox)
+
+    def _compute(self, batch: list[Pending]) -> BatchOutcome:
+        """Runs on the engine thread."""
+        flat = [ids for p in batch for ids in p.work.inputs]
+        start = time.perf_counter()
+        try:
+            vecs = self.embed(flat)  # [sum(inputs), dim]
+        except Exception as exc:  # noqa: BLE001 - reported per request
+            if len(batch) == 1:
+                return BatchOutcome(batch, [], [], exc)
+            return self._compute_one_by_one(batch)
+        end = time.perf_counter()
+        out, timings, i = [], [], 0
+        for p in batch:
+            k = len(p.work.inputs)
+            out.append(vecs[i:i + k])
+            i += k
+            timings.append(Timing(batch_wait=p.closed - p.arrived, queue=start - p.closed,
+                                  compute=end - start, batch_size=len(flat)))
+        self.stats.batches += 1
+        self.stats.window_batches += 1
+        self.stats.items += len(batch)
+        self.stats.inputs += len(flat)
+        self.stats.window_inputs += len(flat)
+        return BatchOutcome(batch, out, timings)
+
+    def _compute_one_by_one(self, batch: list[Pending]) -> BatchOutcome:
+        """A batch failed: isolate the culprit so its batch-mates still get answers."""
+        outs = [self._compute([p]) for p in batch]
+        merged = BatchOutcome([], [], [])
+        failed = [o for o in outs if o.error is not None]
+        for o in outs:
+            if o.error is None:
+                merged.items += o.items
+                merged.vectors += o.vectors
+                merged.timings += o.timings
+        merged.failed = [(o.items[0], o.error) for o in failed]
+        return merged

@@ -1,0 +1,98 @@
+"""The services wired together in one event loop, each on its own NATS connection,
+as separate processes would be. Used by integration tests; a real nats-server and,
+unless a test passes a mock, the real JAX engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+
+import nats
+
+from services.gateway.service import Gateway
+from services.scheduler.service import Scheduler
+from services.worker.service import Worker
+from shared.config import Config
+
+
+async def wait_until(cond, timeout: float = 30.0, interval: float = 0.01) -> None:
+    """Poll a condition (not a sleep-as-synchronisation: it returns as soon as true)."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError("condition not met in time")
+        await asyncio.sleep(interval)
+
+
+@dataclass
+class Stack:
+    config: Config
+    client: nats.aio.client.Client
+    gateway: Gateway
+    scheduler: Scheduler
+    workers: dict[str, Worker] = field(default_factory=dict)
+    _tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+    _exit: AsyncExitStack | None = None
+
+    async def add_worker(self, engine, worker_id: str, kind: str = "encoder",
+                         wait_ready: bool = True) -> Worker:
+        nc = await nats.connect(self.config.nats_url, name=worker_id)
+        self._exit.push_async_callback(_close, nc)
+        w = Worker(nc, self.config, engine, kind=kind, worker_id=worker_id)
+        ready = asyncio.Event()
+        self.workers[worker_id] = w
+        self._tasks[worker_id] = asyncio.create_task(w.run(ready))
+        if wait_ready:
+            await asyncio.wait_for(ready.wait(), 300)
+            await wait_until(lambda: any(
+                v.ready for v in self.scheduler.fleet.workers.values() if v.worker_id == worker_id)
+                and worker_id in self.gateway.front.fleet.workers)
+        return w
+
+    async def stop_worker(self, worker_id: str) -> None:
+        self.workers[worker_id].stop()
+        await self._tasks.pop(worker_id)
+
+    def kill_worker(self, worker_id: str) -> None:
+        """Vanish without a word (no drain, no heartbeat)."""
+        self._tasks.pop(worker_id).cancel()
+        self.workers.pop(worker_id)
+
+
+async def _close(nc) -> None:
+    if not nc.is_closed:
+        await nc.close()
+
+
+@asynccontextmanager
+async def running_stack(nats_url: str, **overrides):
+    base = dict(nats_url=nats_url, heartbeat_s=0.1, worker_expiry_s=0.5, log_format="json",
+                log_level="warning")
+    base.update(overrides)
+    config = Config.from_env({}, **base)
+    async with AsyncExitStack() as ex:
+        ncs = []
+        for name in ("client", "gateway", "scheduler"):
+            nc = await nats.connect(nats_url, name=name)
+            ex.push_async_callback(_close, nc)
+            ncs.append(nc)
+        client, gnc, snc = ncs
+        sched = Scheduler(snc, config, scale_interval_s=0.5)
+        gw = Gateway(gnc, config)
+        s_ready, g_ready = asyncio.Event(), asyncio.Event()
+        stack = Stack(config, client, gw, sched, _exit=ex)
+        stack._tasks["scheduler"] = asyncio.create_task(sched.run(s_ready))
+        stack._tasks["gateway"] = asyncio.create_task(gw.run(g_ready))
+        await asyncio.wait_for(asyncio.gather(s_ready.wait(), g_ready.wait()), 10)
+        try:
+            yield stack
+        finally:
+            for wid in list(stack.workers):
+                stack.workers[wid].stop()
+            gw.stop()
+            sched.stop()
+            for t in stack._tasks.values():
+                t.cancel()
+            await asyncio.gather(*stack._tasks.values(), return_exceptions=True)
