@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 import nats
+import nats.errors
 from nats.aio.client import Client
 
 from shared.logging import get_logger
@@ -29,7 +30,7 @@ async def connect(url: str, name: str, **kw) -> Client:
     async def on_error(exc: Exception) -> None:
         log.warning("nats_error", client=name, error=str(exc) or type(exc).__name__)
 
-    return await nats.connect(
+    opts = dict(
         servers=[u.strip() for u in url.split(",")],
         name=name,
         max_reconnect_attempts=-1,
@@ -43,6 +44,16 @@ async def connect(url: str, name: str, **kw) -> Client:
         error_cb=on_error,
         **kw,
     )
+    # The first connection is retried too: under honcho every service starts at
+    # once, and nats-server may need a moment to listen.
+    delay = 0.1
+    while True:
+        try:
+            return await nats.connect(**opts)
+        except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
+            log.info("nats_waiting", client=name, error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 @asynccontextmanager

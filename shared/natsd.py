@@ -70,8 +70,9 @@ class NatsServer:
 
     def start(self) -> "NatsServer":
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        config = self.config or str(default_config(self.store_dir))
         self.proc = subprocess.Popen(
-            command(self.port, self.store_dir, config=self.config, extra=self.extra),
+            command(self.port, self.store_dir, config=config, extra=self.extra),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_listening(self.port)
@@ -94,9 +95,24 @@ class NatsServer:
         self.stop()
 
 
-def main(port: int, data_dir: str) -> None:
+DEFAULT_CONF = """# Written by `tensorbus nats`; edit TENSORBUS_* settings instead.
+# Requests up to 8 MB reach the gateway, which answers 413 above its own
+# TENSORBUS_MAX_PAYLOAD (1 MB) instead of the client library refusing to send.
+max_payload: 8MB
+"""
+
+
+def default_config(data_dir: str | Path) -> Path:
+    path = Path(data_dir) / "nats-server.conf"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != DEFAULT_CONF:
+        path.write_text(DEFAULT_CONF)
+    return path
+
+
+def main(port: int, data_dir: str, config: str | None = None) -> None:
     """Exec the server in the foreground (Procfile entry)."""
     store = Path(data_dir) / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
-    cmd = command(port, store)
+    cmd = command(port, store, config=config or str(default_config(data_dir)))
     os.execv(cmd[0], cmd)
