@@ -1,0 +1,228 @@
+"""Prometheus metrics of the whole fleet, built from telemetry records.
+
+Names mirror vLLM's where the meaning is the same (`vllm:e2e_request_latency_seconds`
+-> `tensorbus_e2e_request_latency_seconds`, ...). Base units, `_total` on counters, a
+`model` label wherever a model applies. Every metric lives in the registry passed in.
+
+What each kind of record feeds:
+
+1. RequestRecord: `tensorbus_requests_total` counts every finished request by status;
+   histograms and token counters describe served requests only (status < 400), so a
+   fast 429 under overload cannot make latency look better. Failures show in the
+   counter's `status` label.
+2. Heartbeat: per-worker gauges, replaced on every beat; a worker silent for
+   `expiry_s` (or one that reports `stopped`) has all its series removed, and the
+   per-model fleet gauges are recomputed from the workers still alive.
+3. ScaleDecision: `tensorbus_model_desired_replicas`, the value KEDA scales on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from shared.telemetry import Heartbeat, RequestRecord, ScaleDecision
+
+NS = "tensorbus"
+
+# 100 us .. 2 min: sub-millisecond encoder batches up to long generations.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                   0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+# Per-token gaps: 100 us .. 5 s.
+ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06,
+               0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
+BATCH_BUCKETS = tuple(float(2**i) for i in range(10))  # 1 .. 512
+
+
+@dataclass
+class _Seen:
+    model: str
+    state: str
+    last_seen: float  # monotonic seconds in this process
+    queue_depth: int
+
+
+@dataclass(slots=True)
+class _ModelSeries:
+    """One model's children of the request metrics."""
+
+    e2e: Histogram
+    queue: Histogram
+    batch_wait: Histogram
+    compute: Histogram
+    ttft: Histogram
+    itl: Histogram
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    request_prompt_tokens: Histogram
+    request_generation_tokens: Histogram
+    batch_size: Histogram
+
+
+class TelemetryMetrics:
+    def __init__(self, registry: CollectorRegistry, *, expiry_s: float = 2.0) -> None:
+        self.registry = registry
+        self.expiry_s = expiry_s
+        self._workers: dict[str, _Seen] = {}
+        self._models: set[str] = set()
+        self._build_request_metrics(registry)
+        self._build_worker_metrics(registry)
+        self._build_self_metrics(registry)
+        self._record_child = self.records.labels("request")
+        self._request_children: dict[tuple[str, str, int], Counter] = {}
+        self._series: dict[str, _ModelSeries] = {}
+
+    # --- construction
+
+    def _build_request_metrics(self, r: CollectorRegistry) -> None:
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"{NS}_{name}", doc, ["model"], buckets=buckets, registry=r)
+
+        self.requests = Counter(f"{NS}_requests", "Finished requests by endpoint and status.",
+                                ["model", "endpoint", "status"], registry=r)
+        self.e2e = hist("e2e_request_latency_seconds",
+                        "Gateway receipt to reply sent, served requests.", LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds",
+                          "Time waiting in scheduler and worker queues.", LATENCY_BUCKETS)
+        self.batch_wait = hist("request_batch_wait_seconds",
+                               "Time waiting for a batch to fill.", LATENCY_BUCKETS)
+        self.compute = hist("request_compute_seconds",
+                            "Time in the engine's forward passes.", LATENCY_BUCKETS)
+        self.ttft = hist("time_to_first_token_seconds",
+                         "Gateway receipt to first generated token.", LATENCY_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds",
+                        "Mean gap between generated tokens of a request.", ITL_BUCKETS)
+        self.prompt_tokens = Counter(f"{NS}_prompt_tokens", "Prompt (input) tokens processed.",
+                                     ["model"], registry=r)
+        self.generation_tokens = Counter(f"{NS}_generation_tokens", "Tokens generated.",
+                                         ["model"], registry=r)
+        self.request_prompt_tokens = hist("request_prompt_tokens",
+                                          "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.request_generation_tokens = hist("request_generation_tokens",
+                                              "Generated tokens per request.", TOKEN_BUCKETS)
+        self.batch_size = hist("batch_size", "Size of the batch a request ran in.",
+                               BATCH_BUCKETS)
+
+    def _build_worker_metrics(self, r: CollectorRegistry) -> None:
+        def worker_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"{NS}_{name}", doc, ["worker", "model"], registry=r)
+
+        self.w_queue = worker_gauge("worker_queue_depth", "Requests waiting in the worker.")
+        self.w_in_flight = worker_gauge("worker_in_flight", "Requests the worker is running.")
+        self.w_occupancy = worker_gauge("worker_batch_occupancy",
+                                        "Mean batch fill (items / max_batch), last interval.")
+        self.w_rss = worker_gauge("worker_rss_bytes", "Resident memory of the worker process.")
+        self.w_kv = worker_gauge("kv_cache_usage_perc", "KV cache usage, 1 = full.")
+        self.w_slots = worker_gauge("worker_slots_used", "Decode slots holding a sequence.")
+        self.w_up = Gauge(f"{NS}_worker_up", "1 per live worker, labelled with its state.",
+                          ["worker", "model", "state"], registry=r)
+        self.m_queue = Gauge(f"{NS}_model_queue_depth", "Queued requests over live workers.",
+                             ["model"], registry=r)
+        self.m_ready = Gauge(f"{NS}_model_ready_workers", "Live workers in state ready.",
+                             ["model"], registry=r)
+        self.m_desired = Gauge(f"{NS}_model_desired_replicas",
+                               "Replicas the scheduler wants (the autoscaling target).",
+                               ["model"], registry=r)
+
+    def _build_self_metrics(self, r: CollectorRegistry) -> None:
+        self.records = Counter(f"{NS}_telemetry_records", "Telemetry records consumed.",
+                               ["kind"], registry=r)
+        self.bad_records = Counter(f"{NS}_telemetry_bad_records",
+                                   "Messages that did not decode as a telemetry record.",
+                                   registry=r)
+        self.dropped = Counter(f"{NS}_telemetry_dropped_messages",
+                               "Messages dropped because this consumer fell behind.",
+                               ["subject"], registry=r)
+        self.pending = Gauge(f"{NS}_telemetry_pending_messages",
+                             "Messages received but not yet processed.", ["subject"],
+                             registry=r)
+
+    # --- records
+
+    def observe_request(self, rec: RequestRecord) -> None:
+        self._record_child.inc()
+        key = (rec.model, rec.endpoint, rec.status)
+        counter = self._request_children.get(key)
+        if counter is None:
+            counter = self._request_children[key] = self.requests.labels(
+                rec.model, rec.endpoint, str(rec.status))
+        counter.inc()
+        if rec.status >= 400:
+            return
+        s = self._series.get(rec.model) or self._model_series(rec.model)
+        s.e2e.observe(rec.total_s)
+        s.queue.observe(rec.queue_s)
+        s.batch_wait.observe(rec.batch_wait_s)
+        s.compute.observe(rec.compute_s)
+        if rec.batch_size > 0:
+            s.batch_size.observe(rec.batch_size)
+        s.prompt_tokens.inc(rec.prompt_tokens)
+        s.request_prompt_tokens.observe(rec.prompt_tokens)
+        if rec.endpoint != "embeddings":
+            s.generation_tokens.inc(rec.completion_tokens)
+            s.request_generation_tokens.observe(rec.completion_tokens)
+        if rec.ttft_s > 0:
+            s.ttft.observe(rec.ttft_s)
+        if rec.itl_s > 0:
+            s.itl.observe(rec.itl_s)
+
+    def _model_series(self, model: str) -> "_ModelSeries":
+        # `labels()` costs about as much as `observe()`; resolve each child once.
+        s = _ModelSeries(**{f: getattr(self, f).labels(model) for f in _ModelSeries.__slots__})
+        self._series[model] = s
+        return s
+
+    def observe_heartbeat(self, hb: Heartbeat, now: float) -> None:
+        self.records.labels("heartbeat").inc()
+        w, m = hb.worker_id, hb.model
+        old = self._workers.get(w)
+        if hb.state == "stopped":
+            if old is not None:
+                self._drop(w)
+            return
+        if old is not None and old.model != m:
+            self._drop(w)
+        elif old is not None and old.state != hb.state:
+            self.w_up.remove(w, old.model, old.state)
+        self._workers[w] = _Seen(m, hb.state, now, hb.queue_depth)
+        self._models.add(m)
+        self.w_up.labels(w, m, hb.state).set(1)
+        self.w_queue.labels(w, m).set(hb.queue_depth)
+        self.w_in_flight.labels(w, m).set(hb.in_flight)
+        self.w_occupancy.labels(w, m).set(hb.batch_occupancy)
+        self.w_rss.labels(w, m).set(hb.rss_bytes)
+        self.w_kv.labels(w, m).set(hb.kv_usage)
+        self.w_slots.labels(w, m).set(hb.slots_used)
+        self._refresh_model(m)
+
+    def observe_scale(self, d: ScaleDecision) -> None:
+        self.records.labels("scale").inc()
+        self.m_desired.labels(d.model).set(d.desired_replicas)
+
+    def expire_workers(self, now: float) -> list[str]:
+        """Drop workers silent for longer than `expiry_s`; returns their ids."""
+        gone = [w for w, s in self._workers.items() if now - s.last_seen > self.expiry_s]
+        for w in gone:
+            self._drop(w)
+        return gone
+
+    def workers(self) -> dict[str, str]:
+        """Live worker id -> model."""
+        return {w: s.model for w, s in self._workers.items()}
+
+    def _drop(self, worker: str) -> None:
+        seen = self._workers.pop(worker)
+        self.w_up.remove(worker, seen.model, seen.state)
+        for g in (self.w_queue, self.w_in_flight, self.w_occupancy, self.w_rss, self.w_kv,
+                  self.w_slots):
+            g.remove(worker, seen.model)
+        self._refresh_model(seen.model)
+
+    def _refresh_model(self, model: str) -> None:
+        # Fleet gauges stay at 0 once every worker of a model is gone (KEDA reads 0,
+        # not a missing series).
+        live = [s for s in self._workers.values() if s.model == model]
+        self.m_queue.labels(model).set(sum(s.queue_depth for s in live))
+        self.m_ready.labels(model).set(sum(1 for s in live if s.state == "ready"))
