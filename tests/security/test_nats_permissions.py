@@ -15,8 +15,8 @@ import nats
 import nats.errors
 import pytest
 from nats.js.api import KeyValueConfig
-from nats.micro import ServiceConfig, add_service
 
+from services.micro import ServiceHealth, add_service, ready_subject
 from shared import messages, subjects
 from shared.telemetry import Heartbeat, encode as encode_record, record_decoder
 
@@ -277,15 +277,28 @@ async def test_telemetry_owns_its_stream_and_nothing_else(bus):
 
 # --- service discovery ---------------------------------------------------------
 
+SERVICE_OF_ROLE = {"gateway": "tensorbus-gateway", "scheduler": "tensorbus-scheduler",
+                   "worker": "tensorbus-worker", "telemetry": "tensorbus-telemetry"}
 
-async def test_services_answer_discovery_from_the_operator(bus):
-    worker = await bus.connect("worker")
+
+@pytest.mark.parametrize("role", sorted(SERVICE_OF_ROLE))
+async def test_services_answer_discovery_and_probes_from_the_operator(bus, role):
+    name = SERVICE_OF_ROLE[role]
+    svc_conn = await bus.connect(role)
     deploy = await bus.connect("deploy")
-    svc = await add_service(worker.nc, ServiceConfig(name="tensorbus-worker", version="0.1.0"))
+    svc = await add_service(svc_conn.nc, name, "0.1.0", "test", health=ServiceHealth(ready=True))
     try:
-        await worker.nc.flush()
-        reply = await deploy.nc.request("$SRV.PING.tensorbus-worker", b"", timeout=5)
-        assert msgspec.json.decode(reply.data)["name"] == "tensorbus-worker"
-        await worker.assert_clean()
+        ping = await deploy.nc.request(f"$SRV.PING.{name}", b"", timeout=5)
+        assert msgspec.json.decode(ping.data)["name"] == name
+        ready = await deploy.nc.request(ready_subject(name), b"", timeout=5)
+        assert msgspec.json.decode(ready.data)["ready"] is True
+        await svc_conn.assert_clean()
+        await deploy.assert_clean()
     finally:
         await svc.stop()
+
+
+async def test_a_service_cannot_take_another_services_probes(bus):
+    worker = await bus.connect("worker")
+    await worker.nc.subscribe(ready_subject("tensorbus-scheduler"))
+    await worker.violations.wait("Subscription", ready_subject("tensorbus-scheduler"))
