@@ -1,0 +1,6 @@
+"""The model registry on NATS JetStream: versions, files, aliases (prod / canary).
+
+`store.Registry` is the library; `source.ModelSource` is what a worker loads from;
+`routing.choose_version` splits traffic; `seed.seed_bundled` fills an empty registry;
+`cli.main` is `tensorbus registry ...`.
+"""

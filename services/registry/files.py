@@ -1,0 +1,134 @@
+"""Model directories on disk: what gets pushed, hashing while bytes move, safe paths.
+
+The registry never parses weight files: it moves bytes and checks their sha256. The
+format is read from file names only (safetensors, or torch `.bin` which engines load
+with `weights_only=True`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path, PurePosixPath
+
+import msgspec
+
+from services.registry.errors import RegistryError
+from shared.registry import FileEntry, ModelVersion
+
+VERIFIED_MARKER = ".tensorbus-version.json"
+"""Written into a fetched directory after every file matched its sha256."""
+
+
+def scan(model_dir: Path) -> list[tuple[str, Path]]:
+    """Every regular file under `model_dir` as (relative POSIX path, path), sorted.
+
+    Hidden files and folders (.git, .gitattributes, caches, our marker) are skipped.
+    """
+    if not (model_dir / "config.json").is_file():
+        raise RegistryError(f"{model_dir} is not a model directory (no config.json)")
+    out = []
+    for p in sorted(model_dir.rglob("*")):
+        rel = p.relative_to(model_dir)
+        if any(part.startswith(".") or part == "__pycache__" for part in rel.parts):
+            continue
+        if p.is_file():
+            out.append((rel.as_posix(), p))
+    return out
+
+
+def weight_format(paths: list[str]) -> str:
+    names = [PurePosixPath(p).name for p in paths]
+    if any(n.endswith(".safetensors") for n in names):
+        return "safetensors"
+    if any(n.startswith("pytorch_model") and n.endswith(".bin") for n in names):
+        return "torch-bin"
+    raise RegistryError("no weights found (expected *.safetensors or pytorch_model*.bin)")
+
+
+def safe_join(root: Path, rel: str) -> Path:
+    """`root / rel`, refusing paths that would leave `root` (metadata is not trusted)."""
+    parts = PurePosixPath(rel).parts
+    if not parts or PurePosixPath(rel).is_absolute() or ".." in parts:
+        raise RegistryError(f"unsafe file path in metadata: {rel!r}")
+    return root.joinpath(*parts)
+
+
+class UploadAborted(Exception):
+    """Raised inside the object store's read loop so that it purges the sent chunks."""
+
+
+class HashingReader(io.RawIOBase):
+    """A file reader that hashes and reports every byte the object store pulls from it.
+
+    The digest is of the bytes actually uploaded, so a file edited mid-push cannot
+    leave metadata that disagrees with the stored object. `abort()` makes the next
+    read fail (the way to stop an upload at a chunk boundary).
+    """
+
+    def __init__(self, f, progress=None) -> None:
+        self._f = f
+        self._progress = progress
+        self._aborted = False
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def abort(self) -> None:
+        self._aborted = True
+
+    def readinto(self, buf) -> int:
+        if self._aborted:
+            raise UploadAborted("upload cancelled")
+        n = self._f.readinto(buf)
+        if n:
+            self.sha.update(memoryview(buf)[:n])
+            self.size += n
+            if self._progress is not None:
+                self._progress.update(n)
+        return n or 0
+
+
+class HashingWriter:
+    """A file writer that hashes and reports every byte the object store hands it."""
+
+    def __init__(self, f, progress=None) -> None:
+        self._f = f
+        self._progress = progress
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        if self._progress is not None:
+            self._progress.update(len(data))
+        return self._f.write(data)
+
+
+def write_marker(model_dir: Path, mv: ModelVersion) -> None:
+    (model_dir / VERIFIED_MARKER).write_bytes(msgspec.json.encode(mv))
+
+
+def is_verified_copy(model_dir: Path, mv: ModelVersion) -> bool:
+    """True when `model_dir` was fetched and verified for exactly this version.
+
+    Sizes are re-checked (cheap); hashes were checked when the copy was made, and
+    the directory only became visible after that.
+    """
+    try:
+        seen = msgspec.json.decode((model_dir / VERIFIED_MARKER).read_bytes(), type=ModelVersion)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return False
+    if (seen.name, seen.version, seen.files) != (mv.name, mv.version, mv.files):
+        return False
+    try:
+        return all(safe_join(model_dir, f.path).stat().st_size == f.size for f in mv.files)
+    except OSError:
+        return False
+
+
+def file_entry(rel: str, reader: HashingReader | HashingWriter) -> FileEntry:
+    return FileEntry(rel, reader.size, reader.sha.hexdigest())

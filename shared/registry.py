@@ -1,0 +1,74 @@
+"""The model registry's records, as stored in the JetStream KV bucket `tensorbus_registry`.
+
+Workers, the scheduler and the `tensorbus registry` CLI all read these, so they are part
+of the wire contract: JSON (msgspec), new fields get defaults, a breaking change gets a
+new key layout. Keys (dots in names and versions are written as `=`):
+
+    model.<NAME>.v.<VERSION>   ModelVersion   one per pushed version
+    model.<NAME>.aliases       Aliases        prod / canary; the key's KV history is the
+                                              alias history (who served what, when)
+
+Weight files live in the Object Store bucket `tensorbus_models` as
+`<NAME>/<VERSION>/<relative path>`.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+"""Model names and versions: letters, digits, `.`, `_`, `-` (they become KV key tokens)."""
+
+FORMATS = ("safetensors", "torch-bin")
+KINDS = ("encoder", "decoder")
+PENDING = "pending"  # version key reserved, files still uploading
+READY = "ready"
+
+
+class FileEntry(msgspec.Struct, frozen=True):
+    path: str  # relative to the model directory, POSIX separators
+    size: int  # bytes
+    sha256: str  # hex digest of the file's bytes
+
+
+class ModelVersion(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    version: str
+    kind: str  # encoder | decoder (shared.catalog.describe)
+    format: str  # safetensors | torch-bin
+    files: list[FileEntry] = []
+    total_size: int = 0  # bytes, sum of files
+    max_tokens: int = 0
+    created_at: datetime  # aware UTC, when the push claimed this version
+    created_by: str = ""  # user@host that pushed it
+    lineage: dict[str, str] = {}  # source checkpoint, training data, free keys
+    config: dict[str, Any] = {}  # the model's config.json
+    status: str = READY  # pending while its files upload
+
+
+class Aliases(msgspec.Struct, frozen=True, kw_only=True):
+    """Which versions of a model serve traffic. One KV revision per change."""
+
+    prod: str = ""
+    canary: str = ""
+    canary_weight: float = 0.0  # share of requests sent to `canary`, in [0, 1]
+    updated_at: datetime | None = None  # aware UTC
+    previous: list[str] = []  # earlier prod versions, oldest first; rollback pops
+    change: str = ""  # what made this revision: promote | canary | rollback | seed
+    by: str = ""  # user@host that made it
+
+
+class AliasChange(msgspec.Struct, frozen=True):
+    """One entry of a model's alias history (a KV revision of its aliases key)."""
+
+    revision: int
+    at: datetime | None
+    change: str
+    prod: str
+    canary: str
+    canary_weight: float
+    by: str
