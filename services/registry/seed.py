@@ -1,0 +1,80 @@
+"""Put the bundled models into an empty registry (run from a service on first start).
+
+Idempotent and safe to race: a model with any version is left alone; version "1" is
+reserved with a KV create, so of two seeding processes one uploads and the other skips;
+prod is set with a KV create too, so it never overrides a later promotion.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+from services.registry.errors import VersionExists
+from services.registry.store import Registry
+from shared import catalog
+from shared.catalog import ModelInfo
+from shared.logging import get_logger
+
+SEED_VERSION = "1"
+
+log = get_logger("registry.seed")
+
+# What made each bundled model, beyond what the directory says itself.
+_LINEAGE = {
+    catalog.ENCODER: {"data": "sentence-transformers training pairs (see data_config.json)"},
+    catalog.DEMO_LM: {
+        "source": "script:scripts/train_demo_lm.py",
+        "data": "pydoc_data.topics and standard-library docstrings (CPython 3.11)",
+    },
+}
+
+
+async def seed_bundled(registry: Registry, models: list[ModelInfo] | None = None) -> list[str]:
+    """Push each model not yet in the registry as version "1" and make it prod.
+
+    Returns the names this call uploaded (empty when everything was there already).
+    """
+    models = catalog.bundled() if models is None else models
+    pushed = []
+    for info in models:
+        if await _has_versions(registry, info.name):
+            log.debug("seed_skip", model=info.name)
+        else:
+            try:
+                await registry.push(info.path, info.name, version=SEED_VERSION,
+                                    lineage=lineage_of(info), progress=False)
+                pushed.append(info.name)
+            except VersionExists:
+                log.info("seed_raced", model=info.name)  # another process is seeding it
+        if await registry.get(info.name, SEED_VERSION) is not None:
+            await registry.promote_if_unset(info.name, SEED_VERSION)
+    return pushed
+
+
+async def _has_versions(registry: Registry, name: str) -> bool:
+    # Ready ones only: a reservation left by a crashed seeder is retried (and taken
+    # over by push once stale) instead of blocking the model forever.
+    return bool(await registry.versions(name))
+
+
+def lineage_of(info: ModelInfo) -> dict[str, str]:
+    out = {"source": _source(Path(info.path))}
+    out.update(_LINEAGE.get(info.name, {}))
+    return out
+
+
+def _source(path: Path) -> str:
+    """The installed distribution that ships `path`, else the path inside the repo."""
+    path = path.resolve()
+    for top, dists in importlib.metadata.packages_distributions().items():
+        dist = importlib.metadata.distribution(dists[0])
+        if _within(path, Path(str(dist.locate_file(top))).resolve()):
+            return f"pypi:{dist.metadata['Name']}=={dist.version}"
+    if _within(path, catalog.REPO_ROOT):
+        return f"repo:{path.relative_to(catalog.REPO_ROOT).as_posix()}"
+    return str(path)
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
