@@ -292,6 +292,9 @@ async def test_services_answer_discovery_and_probes_from_the_operator(bus, role)
         assert msgspec.json.decode(ping.data)["name"] == name
         ready = await deploy.nc.request(ready_subject(name), b"", timeout=5)
         assert msgspec.json.decode(ready.data)["ready"] is True
+        if role != "telemetry":  # an exec probe asks with the pod's own credential
+            own = await svc_conn.nc.request(ready_subject(name), b"", timeout=5)
+            assert msgspec.json.decode(own.data)["status"] == "ok"
         await svc_conn.assert_clean()
         await deploy.assert_clean()
     finally:
