@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -27,8 +28,16 @@ async def connect(url: str, name: str, **kw) -> Client:
     async def on_reconnect() -> None:
         log.info("nats_reconnected", client=name)
 
+    last: dict[str, float] = {}
+
     async def on_error(exc: Exception) -> None:
-        log.warning("nats_error", client=name, error=str(exc) or type(exc).__name__)
+        # A slow consumer reports one error per dropped message: log each kind at
+        # most once a second so a burst cannot flood the logs.
+        kind = type(exc).__name__
+        now = time.monotonic()
+        if now - last.get(kind, 0.0) >= 1.0:
+            last[kind] = now
+            log.warning("nats_error", client=name, error=str(exc) or kind)
 
     opts = dict(
         servers=[u.strip() for u in url.split(",")],

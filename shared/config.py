@@ -41,7 +41,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = "float32"  # float32 | bfloat16 | float16
     engine: str = "jax"  # jax | torch
     max_batch: int = 64  # dynamic batching: largest batch
-    max_wait_ms: float = 0.0  # dynamic batching: longest wait to fill a batch
+    max_wait_ms: float = 5.0  # dynamic batching: longest wait to fill a batch (0 = never)
     batch_buckets: str = "1,2,4,8,16,32,64"  # padded batch sizes compiled at warm-up
     seq_buckets: str = "16,32,64,128,256"  # padded sequence lengths
     decode_slots: int = 16  # decoder: concurrent sequences (KV cache slots)

@@ -1,14 +1,222 @@
-"""Text generation endpoints (completions, chat). Filled in with the decoder path."""
+"""Completions and chat completions: prompts in, tokens streamed back.
+
+  1. Decode the request, resolve a decoder model, render chat messages with the
+     model's chat template, tokenize, check the context limit, `n` and `stop`.
+  2. Submit one GenerateWork; the worker streams GenChunks (per choice) to this
+     request's inbox and ends with a GenDone carrying usage.
+  3. Non-streaming: assemble the choices. Streaming: each chunk becomes an OpenAI
+     chunk object — on NATS one message per chunk to the reply subject, then `[DONE]`;
+     on HTTP one SSE event each, then `data: [DONE]`.
+  4. A client that goes away (HTTP) or a deadline that passes sends a Cancel, which
+     frees the worker's slot within one step.
+"""
 
 from __future__ import annotations
 
-from shared.errors import ServiceError
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from nats.aio.msg import Msg
+
+from services.gateway import codec
+from services.gateway.models import ModelEntry, split_name
+from shared.api import (
+    STREAM_DONE,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    ResponseMessage,
+    Usage,
+)
+from shared.errors import ServiceError, bad_request
+from shared.messages import GenChunk, GenDone, GenerateWork, Sampling
+
+
+@dataclass
+class Prepared:
+    req: CompletionRequest | ChatCompletionRequest
+    chat: bool
+    work: GenerateWork
+    model: str  # as the client named it
+    created: int
+    include_usage: bool
 
 
 class Generation:
     def __init__(self, front) -> None:
         self.front = front
+        self.config = front.config
 
-    async def serve_nats(self, msg, endpoint, mp, rid, deadline, out) -> None:
-        raise ServiceError(404, f"no text-generation model is served on '{endpoint}' yet",
-                           code="model_not_found")
+    # ---------------------------------------------------------------- prepare
+    async def prepare(self, body: bytes, endpoint: str, msgpack: bool, rid: str,
+                      deadline: float, out) -> Prepared:
+        self.front.check_size(body)
+        chat = endpoint == "chat.completions"
+        req = codec.decode(body, ChatCompletionRequest if chat else CompletionRequest, msgpack)
+        name, version = split_name(req.model)
+        out.model = name
+        entry = await self.front.models.get(name)
+        if entry.info.kind != "decoder":
+            raise bad_request(f"model '{name}' is an embedding model; use the embeddings endpoint")
+        prompt = self._chat_prompt(req, entry) if chat else self._prompt(req, entry)
+        limit = min(entry.info.max_tokens, self.config.max_context)
+        if len(prompt) > limit - 1:
+            raise bad_request(
+                f"the prompt has {len(prompt)} tokens; model '{name}' has a context of {limit} "
+                f"tokens, at least one of which must be left to generate",
+                code="context_length_exceeded")
+        if req.n > self.config.max_n:
+            raise bad_request(f"'n' is {req.n}; at most {self.config.max_n} choices per request")
+        max_tokens = (req.max_completion_tokens if chat else None) or req.max_tokens
+        max_tokens = min(max_tokens or limit, limit - len(prompt))
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                            seed=req.seed)
+        out.prompt_tokens = len(prompt)
+        work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
+                            req.stream, deadline, "")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return Prepared(req, chat, work, req.model, int(time.time()), include_usage)
+
+    def _prompt(self, req: CompletionRequest, entry: ModelEntry) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list):
+            kinds = {type(x) for x in p}
+            if not p:
+                raise bad_request("'prompt' is empty")
+            if kinds == {int}:
+                return self._check_ids(p, entry)
+            if kinds == {str} and len(p) == 1:
+                p = p[0]
+            elif kinds == {list} and len(p) == 1:
+                return self._check_ids(p[0], entry)
+            else:
+                raise bad_request("send one prompt per request (a string or a list of token ids)")
+        if not p:
+            raise bad_request("'prompt' is empty")
+        return entry.tokenizer.encode(p)
+
+    def _check_ids(self, ids: list[int], entry: ModelEntry) -> list[int]:
+        vocab = entry.tokenizer.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary of {vocab} tokens")
+        if not ids:
+            raise bad_request("'prompt' is empty")
+        return list(ids)
+
+    def _chat_prompt(self, req: ChatCompletionRequest, entry: ModelEntry) -> list[int]:
+        from engine.chat import render_chat
+
+        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+        try:
+            text = render_chat(entry.info.path, messages)
+        except ValueError as exc:
+            raise bad_request(f"cannot render the chat: {exc}") from None
+        return entry.tokenizer.encode(text, add_special_tokens=False)
+
+    # ---------------------------------------------------------------- events
+    async def events(self, prep: Prepared, deadline: float) -> AsyncIterator[GenChunk | GenDone]:
+        rid = prep.work.request_id
+        reply, q = self.front.open(rid)
+        try:
+            await self.front.submit(prep.work, reply)
+            while True:
+                ev = await self.front.next_result(q, rid, deadline)
+                if isinstance(ev, (GenChunk, GenDone)):
+                    yield ev
+                    if isinstance(ev, GenDone):
+                        return
+        finally:
+            self.front.inbox.close(rid)
+
+    async def complete(self, prep: Prepared, deadline: float, out):
+        texts = [[] for _ in range(prep.work.n)]
+        finish: list[str | None] = [None] * prep.work.n
+        done = None
+        async for ev in self.events(prep, deadline):
+            if isinstance(ev, GenChunk):
+                texts[ev.index].append(ev.text)
+                finish[ev.index] = ev.finish_reason or finish[ev.index]
+            else:
+                done = ev
+        self._account(out, done)
+        usage = _usage(done)
+        if prep.chat:
+            choices = [ChatChoice(i, ResponseMessage("assistant", "".join(t)), _reason(finish[i]))
+                       for i, t in enumerate(texts)]
+            return ChatCompletionResponse(id=f"chatcmpl-{prep.work.request_id}", created=prep.created,
+                                          model=prep.model, choices=choices, usage=usage)
+        choices = [CompletionChoice(i, "".join(t), _reason(finish[i])) for i, t in enumerate(texts)]
+        return CompletionResponse(id=f"cmpl-{prep.work.request_id}", created=prep.created,
+                                  model=prep.model, choices=choices, usage=usage)
+
+    async def chunks(self, prep: Prepared, deadline: float, out) -> AsyncIterator[object]:
+        """OpenAI chunk objects, in order, for a streaming request."""
+        rid, model, created = prep.work.request_id, prep.model, prep.created
+        if prep.chat:
+            cid = f"chatcmpl-{rid}"
+            for i in range(prep.work.n):
+                yield ChatCompletionChunk(cid, created, model, [
+                    ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
+        async for ev in self.events(prep, deadline):
+            if isinstance(ev, GenChunk):
+                reason = _reason(ev.finish_reason) if ev.finish_reason else None
+                if prep.chat:
+                    delta = ChatDelta(content=ev.text) if ev.text else ChatDelta()
+                    yield ChatCompletionChunk(cid, created, model, [ChatChunkChoice(ev.index, delta, reason)])
+                else:
+                    yield CompletionChunk(f"cmpl-{rid}", created, model,
+                                          [CompletionChoice(ev.index, ev.text, reason)])
+            else:
+                self._account(out, ev)
+                if prep.include_usage:
+                    cls = ChatCompletionChunk if prep.chat else CompletionChunk
+                    ident = f"chatcmpl-{rid}" if prep.chat else f"cmpl-{rid}"
+                    yield cls(ident, created, model, [], usage=_usage(ev))
+
+    def _account(self, out, done: GenDone | None) -> None:
+        if done is None:
+            return
+        out.version, out.worker_id, out.timing = done.version, done.worker_id, done.timing
+        out.completion_tokens = done.completion_tokens
+
+    # ------------------------------------------------------------------ NATS
+    async def serve_nats(self, msg: Msg, endpoint: str, mp: bool, rid: str, deadline: float,
+                         out) -> None:
+        prep = await self.prepare(msg.data, endpoint, mp, rid, deadline, out)
+        headers = {"Content-Type": codec.MSGPACK} if mp else None
+        if not prep.work.stream:
+            resp = await self.complete(prep, deadline, out)
+            if msg.reply:
+                await self.front.nc.publish(msg.reply, codec.encode(resp, mp), headers=headers)
+            return
+        if not msg.reply:
+            raise bad_request("a streaming request needs a reply subject")
+        try:
+            async for chunk in self.chunks(prep, deadline, out):
+                await self.front.nc.publish(msg.reply, codec.encode(chunk, mp), headers=headers)
+        except ServiceError as err:
+            out.status, out.error_code = err.status, err.code
+            body, eh = codec.error_reply(err, mp)
+            await self.front.nc.publish(msg.reply, body, headers=eh)
+        await self.front.nc.publish(msg.reply, STREAM_DONE)
+
+
+def _reason(reason: str | None) -> str | None:
+    return "stop" if reason in ("stop", "cancelled", "error") else reason
+
+
+def _usage(done: GenDone | None) -> Usage | None:
+    if done is None:
+        return None
+    return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
+                 total_tokens=done.prompt_tokens + done.completion_tokens)

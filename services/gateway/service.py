@@ -17,7 +17,8 @@ from nats.aio.msg import Msg
 
 from services.gateway import codec
 from services.gateway.frontend import Frontend, Outcome, new_request_id
-from shared import subjects
+from services.micro import ServiceHealth, add_service
+from shared import VERSION, subjects
 from shared.config import Config
 from shared.errors import ServiceError, internal
 from shared.logging import get_logger
@@ -27,10 +28,12 @@ log = get_logger("gateway")
 
 REQUEST_ID_HEADERS = ("X-Request-Id", "Nats-Msg-Id")
 TIMEOUT_HEADER = "Tensorbus-Timeout"
+VERSION_HEADER = "Tensorbus-Model-Version"  # which version of the model answered
 
 
 class Gateway:
-    def __init__(self, nc: Client, config: Config, frontend: Frontend | None = None) -> None:
+    def __init__(self, nc: Client, config: Config, frontend: Frontend | None = None,
+                 http: bool = True) -> None:
         self.nc = nc
         self.config = config
         self.front = frontend or Frontend(nc, config)
@@ -38,6 +41,9 @@ class Gateway:
         self._subs: list = []
         self._stop = asyncio.Event()
         self.generation = None  # services.gateway.generation.Generation, set in run()
+        self.http = http and config.http_port >= 0
+        self.http_port: int | None = None  # the bound port, once serving
+        self._ready = False
 
     async def run(self, ready: asyncio.Event | None = None) -> None:
         await self.front.start()
@@ -57,11 +63,29 @@ class Gateway:
                 pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30))
         self._subs.append(await self.nc.subscribe(
             subjects.MODELS, queue=subjects.QUEUE_GATEWAY, cb=self._on_models))
+        self.micro = await add_service(
+            self.nc, "tensorbus-gateway", VERSION, "OpenAI-shaped inference API over NATS",
+            health=ServiceHealth(ready=True))
         await self.nc.flush()
-        log.info("gateway_started")
+        server = None
+        if self.http:
+            from services.gateway.http import build_app, serve_http
+
+            app = build_app(self.front, self.generation, lambda: self._ready)
+            bound: list[int] = []
+            server, http_task = await serve_http(app, self.config.http_host, self.config.http_port,
+                                                 self.config.max_header_bytes, bound=bound)
+            self.http_port = bound[0] if bound else None
+        self._ready = True
+        log.info("gateway_started", http_port=self.http_port)
         if ready is not None:
             ready.set()
         await self._stop.wait()
+        self._ready = False
+        await self.micro.stop()
+        if server is not None:
+            server.should_exit = True
+            await http_task
         for s in self._subs:
             await s.unsubscribe()
         if self._tasks:
@@ -102,7 +126,7 @@ class Gateway:
                 deadline = self.front.deadline(_timeout(hdrs))
                 if endpoint == "embeddings":
                     resp = await self.front.embeddings(msg.data, mp, rid, deadline, out)
-                    await self._respond(msg, codec.encode(resp, mp), mp)
+                    await self._respond(msg, codec.encode(resp, mp), mp, out.version)
                 else:
                     await self.generation.serve_nats(msg, endpoint, mp, rid, deadline, out)
             except ServiceError as err:
@@ -117,11 +141,13 @@ class Gateway:
             finally:
                 await self.front.record(rid, out, started)
 
-    async def _respond(self, msg: Msg, body: bytes, mp: bool) -> None:
+    async def _respond(self, msg: Msg, body: bytes, mp: bool, version: str = "") -> None:
         if not msg.reply:
             return
-        headers = {"Content-Type": codec.MSGPACK} if mp else None
-        await self.nc.publish(msg.reply, body, headers=headers)
+        headers = {"Content-Type": codec.MSGPACK} if mp else {}
+        if version:
+            headers[VERSION_HEADER] = version
+        await self.nc.publish(msg.reply, body, headers=headers or None)
 
     async def _respond_error(self, msg: Msg, err: ServiceError, mp: bool) -> None:
         if not msg.reply:

@@ -31,7 +31,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.fleet import Fleet, WorkerView
-from shared import subjects
+from services.micro import ServiceHealth, add_service
+from shared import VERSION, subjects
 from shared.config import Config
 from shared.errors import ServiceError, deadline_exceeded, overloaded, unavailable
 from shared.logging import get_logger
@@ -86,6 +87,9 @@ class Scheduler:
                                     cb=self._on_submit, pending_msgs_limit=1_000_000,
                                     pending_bytes_limit=1 << 30),
         ]
+        self.micro = await add_service(
+            self.nc, "tensorbus-scheduler", VERSION, "admission, routing and scaling signals",
+            health=ServiceHealth(ready=True), metadata={"scheduler_id": self.id})
         await self.nc.flush()
         log.info("scheduler_started", scheduler_id=self.id)
         if ready is not None:
@@ -94,6 +98,7 @@ class Scheduler:
             tg.create_task(self._housekeeping())
             tg.create_task(self._scaling())
             await self._stop.wait()
+            await self.micro.stop()
             for s in self._subs:
                 await s.unsubscribe()
 

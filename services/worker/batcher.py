@@ -2,8 +2,10 @@
 
   1. Work arrives in `submit()` and waits in a FIFO inbox.
   2. When the engine is free, the loop closes a batch: everything waiting, up to
-     `max_batch` inputs, after waiting at most `max_wait_s` for the batch to fill
-     (0 = never wait: under load the inbox fills while the engine computes anyway).
+     `max_batch` inputs. It first waits (at most `max_wait_s` after the oldest
+     arrival) until as many inputs wait as the largest of the last few batches: under
+     steady load batches stay full, while a lone request (recent batches of one) never
+     waits at all.
   3. Expired requests are answered 504 and never computed.
   4. The batch runs on the single engine thread; the event loop stays free.
   5. Results go to each request's reply subject via `on_result`, one call per batch.
@@ -73,6 +75,8 @@ class DynamicBatcher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._closed = False
+        self._waiting = 0  # inputs in the inbox
+        self._recent: deque[int] = deque(maxlen=8)  # sizes of the last batches
 
     @property
     def queue_depth(self) -> int:
@@ -80,6 +84,7 @@ class DynamicBatcher:
 
     def submit(self, work: EmbedWork) -> None:
         self.inbox.append(Pending(work, time.perf_counter()))
+        self._waiting += len(work.inputs)
         self._idle.clear()
         self._wake.set()
 
@@ -109,9 +114,10 @@ class DynamicBatcher:
             await self.on_result(outcome)
 
     async def _close_batch(self) -> list[Pending]:
-        if self.max_wait_s > 0 and self._inputs_waiting() < self.max_batch:
+        target = min(self.max_batch, max(self._recent, default=1))
+        if self.max_wait_s > 0 and self._waiting < target:
             deadline = self.inbox[0].arrived + self.max_wait_s
-            while self._inputs_waiting() < self.max_batch and not self._closed:
+            while self._waiting < target and not self._closed:
                 left = deadline - time.perf_counter()
                 if left <= 0:
                     break
@@ -129,16 +135,16 @@ class DynamicBatcher:
             if batch and n + size > self.max_batch:
                 break
             self.inbox.popleft()
+            self._waiting -= size
             if p.work.deadline <= now_wall:
                 await self.on_expired(p.work)
                 continue
             p.closed = now
             batch.append(p)
             n += size
+        if batch:
+            self._recent.append(n)
         return batch
-
-    def _inputs_waiting(self) -> int:
-        return sum(len(p.work.inputs) for p in self.inbox)
 
     def _compute(self, batch: list[Pending]) -> BatchOutcome:
         """Runs on the engine thread."""

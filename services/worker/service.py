@@ -26,7 +26,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.worker.batcher import BatchOutcome, DynamicBatcher
-from shared import subjects
+from services.micro import ServiceHealth, add_service
+from shared import VERSION, subjects
 from shared.config import Config
 from shared.errors import ServiceError, deadline_exceeded, internal
 from shared.logging import get_logger
@@ -95,6 +96,11 @@ class Worker:
 
     # --------------------------------------------------------------- lifecycle
     async def run(self, ready: asyncio.Event | None = None) -> None:
+        self.health = ServiceHealth(ready=False)
+        self.health.add_check("forward_progress", self._progressing, liveness=True)
+        self.micro = await add_service(
+            self.nc, "tensorbus-worker", VERSION, f"{self.kind} worker for {self.model}",
+            health=self.health, metadata={"worker_id": self.id, "model": self.model})
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._heartbeats())
             await self.warmup()
@@ -110,6 +116,8 @@ class Worker:
                 pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30)
             await self.nc.flush()
             self.state = "ready"
+            self.health.ready = True
+            self.health.details = {"model": self.model, "versions": self.versions}
             self._hb_now.set()
             log.info("ready", worker_id=self.id, model=self.model, kind=self.kind)
             if ready is not None:
@@ -122,7 +130,19 @@ class Worker:
         """Begin draining (idempotent)."""
         self._stop.set()
 
+    def _progressing(self) -> bool:
+        """Live unless work is held and no engine step finished for a while."""
+        busy = self.batcher.in_flight or (self.generator and self.generator.in_flight)
+        if not busy:
+            self._last_steps, self._last_progress = self.steps, time.monotonic()
+            return True
+        steps = self.generator.steps if self.generator else self.steps
+        if steps != getattr(self, "_last_steps", -1):
+            self._last_steps, self._last_progress = steps, time.monotonic()
+        return time.monotonic() - getattr(self, "_last_progress", time.monotonic()) < 10.0
+
     async def _drain(self) -> None:
+        self.health.ready = False
         self.state = "draining"
         self._hb_now.set()
         log.info("draining", worker_id=self.id)
@@ -139,6 +159,7 @@ class Worker:
         self.state = "stopped"
         await self._publish_heartbeat()
         await self.nc.flush()
+        await self.micro.stop()
         self.executor.shutdown(wait=False)
         log.info("stopped", worker_id=self.id)
 

@@ -28,6 +28,8 @@ async def wait_until(cond, timeout: float = 30.0, interval: float = 0.01) -> Non
 
 @dataclass
 class Stack:
+    """A running stack; `http_url` is the gateway's HTTP API (on a free port)."""
+
     config: Config
     client: nats.aio.client.Client
     gateway: Gateway
@@ -55,6 +57,10 @@ class Stack:
         self.workers[worker_id].stop()
         await self._tasks.pop(worker_id)
 
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway.http_port}"
+
     def kill_worker(self, worker_id: str) -> None:
         """Vanish without a word (no drain, no heartbeat)."""
         self._tasks.pop(worker_id).cancel()
@@ -69,7 +75,7 @@ async def _close(nc) -> None:
 @asynccontextmanager
 async def running_stack(nats_url: str, **overrides):
     base = dict(nats_url=nats_url, heartbeat_s=0.1, worker_expiry_s=0.5, log_format="json",
-                log_level="warning")
+                log_level="warning", http_port=0)
     base.update(overrides)
     config = Config.from_env({}, **base)
     async with AsyncExitStack() as ex:

@@ -1,0 +1,67 @@
+"""The gateway's OpenAPI 3.1 document, generated from the msgspec Structs it serves."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shared import VERSION
+from shared.api import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    ModelList,
+)
+from shared.errors import ErrorBody
+
+_ERRORS = {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model",
+           "413": "body too large", "429": "over capacity (see Retry-After)",
+           "503": "no ready worker", "504": "deadline exceeded", "500": "internal error"}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _op(summary: str, req: str | None, resp: str, stream: str | None = None) -> dict:
+    ok: dict = {"description": "success", "content": {"application/json": {"schema": _ref(resp)}}}
+    if stream:
+        ok["content"]["text/event-stream"] = {
+            "schema": {"type": "string", "description": f"SSE: `data: <{stream}>` events, then `data: [DONE]`"}}
+    responses = {"200": ok}
+    for code, why in _ERRORS.items():
+        responses[code] = {"description": why,
+                           "content": {"application/json": {"schema": _ref("ErrorBody")}}}
+    op = {"summary": summary, "responses": responses}
+    if req:
+        op["requestBody"] = {"required": True,
+                             "content": {"application/json": {"schema": _ref(req)}}}
+    return op
+
+
+def openapi_document() -> dict:
+    types = [EmbeddingRequest, EmbeddingResponse, CompletionRequest, CompletionResponse,
+             CompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
+             ModelList, ErrorBody]
+    _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
+    plain = lambda d: {"responses": {"200": {"description": d}, "503": {"description": "not ready"}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "tensorbus", "version": VERSION,
+                 "description": "OpenAI-compatible inference API served over NATS and HTTP."},
+        "paths": {
+            "/v1/embeddings": {"post": _op("Create embeddings", "EmbeddingRequest", "EmbeddingResponse")},
+            "/v1/completions": {"post": _op("Create a completion", "CompletionRequest",
+                                            "CompletionResponse", "CompletionChunk")},
+            "/v1/chat/completions": {"post": _op("Create a chat completion", "ChatCompletionRequest",
+                                                 "ChatCompletionResponse", "ChatCompletionChunk")},
+            "/v1/models": {"get": _op("List served models", None, "ModelList")},
+            "/healthz": {"get": plain("alive")},
+            "/readyz": {"get": plain("ready: at least one model has a ready worker")},
+        },
+        "components": {"schemas": components},
+    }
