@@ -72,8 +72,20 @@ async def _close(nc) -> None:
         await nc.close()
 
 
+def table_resolver(models: dict[str, str]):
+    """A gateway model resolver that knows `models` (name -> dir) besides the catalogue."""
+    from shared import catalog
+
+    async def resolve(name: str):
+        if name in models:
+            return catalog.describe(name, models[name])
+        return catalog.resolve(name)
+
+    return resolve
+
+
 @asynccontextmanager
-async def running_stack(nats_url: str, **overrides):
+async def running_stack(nats_url: str, models: dict[str, str] | None = None, **overrides):
     base = dict(nats_url=nats_url, heartbeat_s=0.1, worker_expiry_s=0.5, log_format="json",
                 log_level="warning", http_port=0)
     base.update(overrides)
@@ -86,7 +98,15 @@ async def running_stack(nats_url: str, **overrides):
             ncs.append(nc)
         client, gnc, snc = ncs
         sched = Scheduler(snc, config, scale_interval_s=0.5)
-        gw = Gateway(gnc, config)
+        front = None
+        if models:
+            from services.gateway.frontend import Frontend
+            from services.gateway.models import ModelTable
+            from services.fleet import Fleet
+
+            fleet = Fleet(expiry_s=config.worker_expiry_s)
+            front = Frontend(gnc, config, fleet, ModelTable(fleet, table_resolver(models)))
+        gw = Gateway(gnc, config, front)
         s_ready, g_ready = asyncio.Event(), asyncio.Event()
         stack = Stack(config, client, gw, sched, _exit=ex)
         stack._tasks["scheduler"] = asyncio.create_task(sched.run(s_ready))

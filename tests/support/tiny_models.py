@@ -1,0 +1,63 @@
+"""Tiny decoders built locally from a config (random weights, fixed seed, no download),
+saved in the Hugging Face layout with a small byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 320
+TEXT = ["the quick brown fox jumps over the lazy dog", "a stream of tokens, one by one"]
+
+
+def write_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TEXT * 20, trainer)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}))
+
+
+def build(kind: str, out_dir: Path, positions: int = 128):
+    """Save a tiny `kind` ("gpt2" | "llama") model to out_dir; return the torch model."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=positions, n_embd=64, n_layer=2, n_head=4,
+                         bos_token_id=0, eos_token_id=0, initializer_range=0.1)
+        model = GPT2LMHeadModel(cfg)
+    else:
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=positions, rope_theta=500.0,
+                          tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+                          initializer_range=0.1)
+        model = LlamaForCausalLM(cfg)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(out_dir, safe_serialization=True)
+    write_tokenizer(out_dir)
+    return model
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
