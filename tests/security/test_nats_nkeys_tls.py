@@ -64,7 +64,8 @@ def full_env(passwords, nkeys_dir, tls_dir) -> dict[str, str]:
     return env | tls_env(tls_dir)
 
 
-@pytest.mark.parametrize("conf", ["auth.conf", "auth-nkeys.conf", "tls.conf", "tls-mtls.conf"])
+@pytest.mark.parametrize("conf", ["auth.conf", "auth-nkeys.conf", "tls.conf", "tls-mtls.conf",
+                                  "users.conf", "users-nkeys.conf"])
 def test_config_is_valid(conf, passwords, nkeys_dir, tls_dir):
     env = full_env(passwords, nkeys_dir, tls_dir)
     res = subprocess.run([server_binary(), "-t", "-c", str(NATS_DIR / conf)], env=env,
@@ -211,8 +212,8 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path, passw
 
 
 def test_every_role_has_a_user_in_every_auth_config():
-    for conf in ("auth.conf", "auth-nkeys.conf"):
+    for conf, secret in (("users.conf", "PASS"), ("users-nkeys.conf", "NKEY")):
         text = (NATS_DIR / conf).read_text()
         for role in ROLES:
-            assert f"$TENSORBUS_NATS_{'PASS' if conf == 'auth.conf' else 'NKEY'}_{role.upper()}" in text
+            assert f"$TENSORBUS_NATS_{secret}_{role.upper()}" in text
             assert f"permissions: ${role.upper()}_PERMS" in text
