@@ -1,0 +1,67 @@
+"""GPT-2 family: learned positions, pre-LayerNorm blocks, gelu_new MLP, tied lm head.
+
+Hugging Face stores GPT-2's projections as `Conv1D`, whose weight is already
+[in, out], so no transpose at load. c_attn packs q, k and v side by side: [E, 3E].
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.decoder.config import DecoderConfig
+from engine.decoder.layers import activation, dense, unembed, layer_norm
+
+
+def load_params(weights: dict[str, np.ndarray], cfg: DecoderConfig) -> dict:
+    """HF tensor names ("transformer." already stripped) -> parameter pytree."""
+    w = weights
+
+    def layer(i: int) -> dict:
+        p = f"h.{i}."
+        return {
+            "ln1_w": w[p + "ln_1.weight"], "ln1_b": w[p + "ln_1.bias"],
+            "qkv_w": w[p + "attn.c_attn.weight"], "qkv_b": w[p + "attn.c_attn.bias"],  # [E, 3E]
+            "o_w": w[p + "attn.c_proj.weight"], "o_b": w[p + "attn.c_proj.bias"],  # [E, E]
+            "ln2_w": w[p + "ln_2.weight"], "ln2_b": w[p + "ln_2.bias"],
+            "up_w": w[p + "mlp.c_fc.weight"], "up_b": w[p + "mlp.c_fc.bias"],  # [E, I]
+            "down_w": w[p + "mlp.c_proj.weight"], "down_b": w[p + "mlp.c_proj.bias"],  # [I, E]
+        }  # fmt: skip
+
+    params = {
+        "wte": w["wte.weight"],  # [V, E]
+        "wpe": w["wpe.weight"],  # [P, E]
+        "lnf_w": w["ln_f.weight"],
+        "lnf_b": w["ln_f.bias"],
+        "layers": [layer(i) for i in range(cfg.layers)],
+    }
+    if not cfg.tie_embeddings and "lm_head.weight" in w:
+        params["lm_head"] = w["lm_head.weight"]  # [V, E]
+    return params
+
+
+def embed(params: dict, cfg: DecoderConfig, tokens, positions):
+    """tokens, positions: [N] -> x: [N, E]"""
+    return params["wte"][tokens] + params["wpe"][positions]
+
+
+def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq):
+    """x: [N, E] -> q: [N, H, D], k, v: [N, KV, D] (GPT-2 has no RoPE)."""
+    n = x.shape[0]
+    h = layer_norm(x, lp["ln1_w"], lp["ln1_b"], cfg.norm_eps)
+    qkv = dense(h, lp["qkv_w"], lp["qkv_b"]).reshape(n, 3, cfg.heads, cfg.head_dim)
+    return qkv[:, 0], qkv[:, 1], qkv[:, 2]
+
+
+def attn_out(lp: dict, cfg: DecoderConfig, x, attn):
+    """Residual adds of the attention output and the MLP. attn: [N, H * D] -> [N, E]"""
+    x = x + dense(attn, lp["o_w"], lp["o_b"])
+    h = layer_norm(x, lp["ln2_w"], lp["ln2_b"], cfg.norm_eps)
+    h = activation(cfg.activation, dense(h, lp["up_w"], lp["up_b"]))
+    return x + dense(h, lp["down_w"], lp["down_b"])
+
+
+def head(params: dict, cfg: DecoderConfig, x):
+    """x: [N, E] -> logits: [N, V] float32"""
+    h = layer_norm(x, params["lnf_w"], params["lnf_b"], cfg.norm_eps)
+    w = params.get("lm_head", params["wte"])  # [V, E]
+    return unembed(h, w)

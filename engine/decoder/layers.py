@@ -1,0 +1,136 @@
+"""Math both decoder families share: norms, activations, RoPE, causal attention.
+
+Everything is a pure function of arrays. Activations stay in the parameter dtype;
+norms, softmax and logits are computed in float32, as the reference implementation
+does, so bfloat16/float16 runs drift no more than theirs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.decoder.config import DecoderConfig
+
+NEG_INF = -1e30  # finite, so a fully masked row (padding) gives a uniform softmax, not NaN
+
+
+def precision(dtype):
+    """float32 asks for full precision: accelerators otherwise default to TF32."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def dense(x, w, b=None):
+    y = jnp.matmul(x, w, precision=precision(x.dtype))
+    return y if b is None else y + b
+
+
+def unembed(h, w):
+    """h: [N, E], w: [V, E] (embedding layout, no transpose copy) -> [N, V] float32"""
+    return jnp.einsum(
+        "ne,ve->nv", h, w, preferred_element_type=jnp.float32, precision=precision(h.dtype)
+    )
+
+
+def layer_norm(x, w, b, eps: float):
+    xf = x.astype(jnp.float32)
+    mean = xf.mean(-1, keepdims=True)
+    var = ((xf - mean) ** 2).mean(-1, keepdims=True)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    return (y * w.astype(jnp.float32) + b.astype(jnp.float32)).astype(x.dtype)
+
+
+def rms_norm(x, w, eps: float):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt((xf * xf).mean(-1, keepdims=True) + eps)
+    return w * y.astype(x.dtype)  # cast before the weight, as Llama's reference does
+
+
+def activation(name: str, x):
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return jax.nn.gelu(x, approximate=True)
+    if name == "gelu":
+        return jax.nn.gelu(x, approximate=False)
+    if name == "relu":
+        return jax.nn.relu(x)
+    if name in ("silu", "swish"):
+        return jax.nn.silu(x)
+    raise NotImplementedError(f"activation {name!r} is not supported")
+
+
+# ----------------------------------------------------------------------- RoPE
+def inv_frequencies(cfg: DecoderConfig) -> np.ndarray:
+    """[D/2] float32, with the configured context-extension scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    kind = cfg.rope_scaling[0]
+    if kind == "linear":
+        inv = inv / cfg.rope_scaling[1]
+    elif kind == "llama3":
+        factor, low, high, original = cfg.rope_scaling[1:]
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = original / low, original / high
+        smooth = (original / wavelen - low) / (high - low)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        inv = np.where(wavelen > low_wl, inv / factor, np.where(wavelen < high_wl, inv, mid))
+    return inv.astype(np.float32)
+
+
+def rope(x, positions, inv_freq):
+    """Rotate-half RoPE (the Hugging Face Llama convention, not interleaved pairs).
+
+    x: [N, H, D], positions: [N] int32, inv_freq: [D/2] -> [N, H, D]
+    """
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [N, D/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, None, :]  # [N, 1, D]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], -1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+# ------------------------------------------------------------------ attention
+def causal_attention(q, k, v, cfg: DecoderConfig):
+    """Attention within one prompt (prefill).
+
+    q: [T, H, D], k, v: [T, KV, D] -> [T, H * D]
+    """
+    t = q.shape[0]
+    qg = q.reshape(t, cfg.kv_heads, cfg.groups, cfg.head_dim)  # [T, KV, G, D]
+    scores = jnp.einsum(
+        "tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32, precision=precision(q.dtype)
+    )
+    scores = scores / math.sqrt(cfg.head_dim)  # [KV, G, T, T]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores, NEG_INF), axis=-1).astype(v.dtype)
+    out = jnp.einsum(
+        "kgts,skd->tkgd", probs, v, preferred_element_type=jnp.float32, precision=precision(q.dtype)
+    )
+    return out.astype(q.dtype).reshape(t, cfg.heads * cfg.head_dim)
+
+
+def cached_attention(q, k_cache, v_cache, positions, cfg: DecoderConfig):
+    """One new query per slot against that slot's cache (decode).
+
+    q: [S, H, D], k_cache, v_cache: [S, KV, MAX_LEN, D], positions: [S] -> [S, H * D]
+    Cache entries past a slot's position (stale or padding) are masked out.
+    """
+    s, max_len = q.shape[0], k_cache.shape[2]
+    qg = q.reshape(s, cfg.kv_heads, cfg.groups, cfg.head_dim)  # [S, KV, G, D]
+    scores = jnp.einsum(
+        "skgd,sktd->skgt", qg, k_cache, preferred_element_type=jnp.float32,
+        precision=precision(q.dtype),
+    )  # fmt: skip
+    scores = scores / math.sqrt(cfg.head_dim)  # [S, KV, G, MAX_LEN]
+    visible = jnp.arange(max_len)[None, :] <= positions[:, None]  # [S, MAX_LEN]
+    scores = jnp.where(visible[:, None, None, :], scores, NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
+    out = jnp.einsum(
+        "skgt,sktd->skgd", probs, v_cache, preferred_element_type=jnp.float32,
+        precision=precision(q.dtype),
+    )  # fmt: skip
+    return out.astype(q.dtype).reshape(s, cfg.heads * cfg.head_dim)

@@ -1,0 +1,85 @@
+"""Llama family (also Mistral and Qwen2 configs): RoPE, RMSNorm, SwiGLU MLP,
+grouped-query attention, optionally tied embeddings.
+
+Hugging Face stores `nn.Linear` weights as [out, in]; they are transposed once at
+load to [in, out]. q, k and v are concatenated into one [E, (H + 2 KV) * D] matrix and
+gate and up into one [E, 2I], so a decode step runs two matmuls where it would run
+five: at batch 16 a step is launch-bound more than FLOP-bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.decoder.config import DecoderConfig
+from engine.decoder.layers import activation, dense, unembed, rms_norm, rope
+
+
+def _t(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a.T)
+
+
+def load_params(weights: dict[str, np.ndarray], cfg: DecoderConfig) -> dict:
+    """HF tensor names ("model." already stripped) -> parameter pytree."""
+    w = weights
+
+    def layer(i: int) -> dict:
+        p = f"layers.{i}."
+        a = p + "self_attn."
+        lp = {
+            "ln1_w": w[p + "input_layernorm.weight"],
+            "qkv_w": np.concatenate(
+                [_t(w[a + "q_proj.weight"]), _t(w[a + "k_proj.weight"]), _t(w[a + "v_proj.weight"])],
+                axis=1,
+            ),  # [E, (H + 2 KV) * D]
+            "o_w": _t(w[a + "o_proj.weight"]),  # [H * D, E]
+            "ln2_w": w[p + "post_attention_layernorm.weight"],
+            "gate_up_w": np.concatenate(
+                [_t(w[p + "mlp.gate_proj.weight"]), _t(w[p + "mlp.up_proj.weight"])], axis=1
+            ),  # [E, 2I]
+            "down_w": _t(w[p + "mlp.down_proj.weight"]),  # [I, E]
+        }
+        if cfg.attn_bias:
+            lp["qkv_b"] = np.concatenate([w[a + f"{n}_proj.bias"] for n in "qkv"])
+        return lp
+
+    params = {
+        "embed": w["embed_tokens.weight"],  # [V, E]
+        "norm_w": w["norm.weight"],
+        "layers": [layer(i) for i in range(cfg.layers)],
+    }
+    if not cfg.tie_embeddings:
+        params["lm_head"] = w["lm_head.weight"]  # [V, E]
+    return params
+
+
+def embed(params: dict, cfg: DecoderConfig, tokens, positions):
+    """tokens: [N] -> x: [N, E] (positions enter through RoPE instead)."""
+    return params["embed"][tokens]
+
+
+def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq):
+    """x: [N, E] -> q: [N, H, D], k, v: [N, KV, D], RoPE applied to q and k."""
+    n, d = x.shape[0], cfg.head_dim
+    h = rms_norm(x, lp["ln1_w"], cfg.norm_eps)
+    qkv = dense(h, lp["qkv_w"], lp.get("qkv_b"))  # [N, (H + 2 KV) * D]
+    q = qkv[:, : cfg.heads * d].reshape(n, cfg.heads, d)
+    k = qkv[:, cfg.heads * d : (cfg.heads + cfg.kv_heads) * d].reshape(n, cfg.kv_heads, d)
+    v = qkv[:, (cfg.heads + cfg.kv_heads) * d :].reshape(n, cfg.kv_heads, d)
+    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
+
+
+def attn_out(lp: dict, cfg: DecoderConfig, x, attn):
+    """Residual adds of the attention output and the SwiGLU MLP. attn: [N, H * D]"""
+    x = x + dense(attn, lp["o_w"])
+    h = rms_norm(x, lp["ln2_w"], cfg.norm_eps)
+    gate_up = dense(h, lp["gate_up_w"])  # [N, 2I]
+    gate, up = gate_up[:, : cfg.intermediate], gate_up[:, cfg.intermediate :]
+    return x + dense(activation(cfg.activation, gate) * up, lp["down_w"])
+
+
+def head(params: dict, cfg: DecoderConfig, x):
+    """x: [N, E] -> logits: [N, V] float32"""
+    h = rms_norm(x, params["norm_w"], cfg.norm_eps)
+    w = params.get("lm_head", params["embed"])  # [V, E]
+    return unembed(h, w)

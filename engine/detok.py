@@ -1,0 +1,128 @@
+"""Incremental detokenization with stop strings, one `Detokenizer` per sequence.
+
+1. Text: each new token is decoded together with a few tokens before it (the
+   tokenizer's own decoder, so byte-level BPE, sentencepiece `▁` spaces, byte-fallback
+   `<0xE2>` pieces and leading-space stripping all behave as in a full decode), and
+   only the difference from the previous decode is new text. While that text ends in
+   U+FFFD, the last token(s) are part of a multi-byte character still arriving: it is
+   held back until the character is whole.
+2. Stop strings: new text joins a pending buffer. When a stop string appears (the one
+   that completes first, if several do), the text before it is emitted, the stop string and everything after it are not, and the
+   sequence is `stopped`. Otherwise the longest suffix of the buffer that could still
+   grow into a stop string is held back and the rest is emitted.
+3. `flush()` at the end returns whatever is still held (never after a stop).
+
+Concatenating every `feed` and the `flush` gives exactly the full decode of the
+tokens, cut before the stop string that completes first.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+REPLACEMENT = "\ufffd"
+CONTEXT_TOKENS = 5  # tokens decoded before the new ones: enough for any merge rule
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class StopMatcher:
+    """Stop-string search over a stream of text pieces."""
+
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        self.stop = tuple(s for s in stop if s)
+        self.pending = ""
+        self.matched: str | None = None
+
+    def push(self, text: str) -> str:
+        """Add text; return what is now safe to emit."""
+        if self.matched is not None:
+            return ""
+        self.pending += text
+        if not self.stop:
+            out, self.pending = self.pending, ""
+            return out
+        # The stop that completes first wins: generation would have ended there.
+        hits = [(i + len(s), i, s) for s in self.stop if (i := self.pending.find(s)) >= 0]
+        if hits:
+            _, at, stop = min(hits)
+            out, self.pending, self.matched = self.pending[:at], "", stop
+            return out
+        keep = self._held_suffix()
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out
+
+    def _held_suffix(self) -> int:
+        """Length of the longest suffix of `pending` that is a proper prefix of a stop."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def flush(self) -> str:
+        out, self.pending = ("" if self.matched is not None else self.pending), ""
+        return out
+
+
+class Detokenizer:
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        # The prompt's last tokens give the first generated token its left context
+        # (a sentencepiece decoder drops the leading space of a sequence's first piece).
+        self._ids: list[int] = list(prompt_ids)[-CONTEXT_TOKENS:]
+        self._prefix = 0  # ids[prefix:read] decode to text already emitted (as context)
+        self._read = len(self._ids)
+        self._stops = StopMatcher(stop)
+        self.tokens = 0  # tokens fed
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.matched is not None
+
+    @property
+    def matched_stop(self) -> str | None:
+        return self._stops.matched
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def _new_text(self) -> str:
+        before = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
+        if len(full) <= len(before) or full.endswith(REPLACEMENT):
+            return ""  # nothing yet, or a character is still incomplete
+        self._prefix, self._read = self._read, len(self._ids)
+        return full[len(before) :]
+
+    def feed(self, token_id: int) -> str:
+        """Add one generated token; return newly safe text ("" after a stop)."""
+        if self.stopped:
+            return ""
+        self.tokens += 1
+        self._ids.append(int(token_id))
+        return self._stops.push(self._new_text())
+
+    def flush(self) -> str:
+        """End of sequence: everything still held, incomplete characters included."""
+        if self.stopped:
+            return ""
+        tail = ""
+        if self._read < len(self._ids):
+            before = self._decode(self._ids[self._prefix : self._read])
+            full = self._decode(self._ids[self._prefix :])
+            tail = full[len(before) :]
+            self._prefix = self._read = len(self._ids)
+        return self._stops.push(tail) + self._stops.flush()
