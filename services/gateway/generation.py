@@ -54,6 +54,7 @@ class Generation:
     def __init__(self, front) -> None:
         self.front = front
         self.config = front.config
+        self._templates: dict[str, object] = {}  # model dir -> engine.chat.ChatTemplate
 
     # ---------------------------------------------------------------- prepare
     async def prepare(self, body: bytes, endpoint: str, msgpack: bool, rid: str,
@@ -114,14 +115,16 @@ class Generation:
         return list(ids)
 
     def _chat_prompt(self, req: ChatCompletionRequest, entry: ModelEntry) -> list[int]:
-        from engine.chat import render_chat
+        from engine.chat import ChatTemplate
 
+        tmpl = self._templates.get(entry.info.path)
+        if tmpl is None:
+            tmpl = self._templates[entry.info.path] = ChatTemplate.from_dir(entry.info.path)
         messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
         try:
-            text = render_chat(entry.info.path, messages)
+            return tmpl.encode(entry.tokenizer, messages)
         except ValueError as exc:
             raise bad_request(f"cannot render the chat: {exc}") from None
-        return entry.tokenizer.encode(text, add_special_tokens=False)
 
     # ---------------------------------------------------------------- events
     async def events(self, prep: Prepared, deadline: float) -> AsyncIterator[GenChunk | GenDone]:

@@ -221,11 +221,12 @@ class GenerationLoop:
             text = seq.detok.flush()
         else:
             text = seq.detok.feed(tok)
+            if not seq.detok.stopped and (seq.generated >= seq.work.max_tokens
+                                          or self.engine.context_left(seq.slot) <= 0):
+                seq.finish = "length"
+                text += seq.detok.flush()  # may still complete a stop string
             if seq.detok.stopped:
                 seq.finish = "stop"
-            elif seq.generated >= seq.work.max_tokens or self.engine.context_left(seq.slot) <= 0:
-                seq.finish = "length"
-                text += seq.detok.flush()
         if seq.work.stream:
             if text or seq.finish:
                 await self._chunk(seq, text)

@@ -86,7 +86,7 @@ def table_resolver(models: dict[str, str]):
 
 @asynccontextmanager
 async def running_stack(nats_url: str, models: dict[str, str] | None = None, **overrides):
-    base = dict(nats_url=nats_url, heartbeat_s=0.1, worker_expiry_s=0.5, log_format="json",
+    base = dict(nats_url=nats_url, heartbeat_s=0.1, worker_expiry_s=1.0, log_format="json",
                 log_level="warning", http_port=0)
     base.update(overrides)
     config = Config.from_env({}, **base)

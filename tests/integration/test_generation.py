@@ -1,0 +1,191 @@
+"""Text generation end to end: real nats-server, tiny real decoders, the JAX engine.
+
+The reference is transformers' `generate` on the same saved weights. Requests run
+concurrently so they share one continuous batch: equal outputs prove slot isolation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from shared import subjects
+from shared.errors import HEADER_CODE
+from tests.support.stack import running_stack, wait_until
+from tests.support.tiny_models import build, hf_greedy
+
+CONTEXT = 1024
+PROMPTS = [[5, 17, 300, 42], list(range(40, 49)), list(range(100, 117)), list(range(7, 307, 10))]
+NEW = 32
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def tiny(request, tmp_path_factory, jax_cache_dir):
+    from engine import jaxrt
+    from engine.decoder import DecoderEngine
+
+    jaxrt.setup(jax_cache_dir)
+    path = tmp_path_factory.mktemp(request.param)
+    model = build(request.param, path, positions=CONTEXT)
+    engine = DecoderEngine(path, name=f"tiny-{request.param}", slots=4, max_context=CONTEXT,
+                           prefill_buckets=(16, 64))
+    engine.warmup(progress=False)
+    # References are computed here, before any service runs: a synchronous torch call
+    # inside a test would stall the event loop every in-process service shares.
+    refs = {tuple(p): expected(model, engine, p) for p in PROMPTS}
+    return refs, engine, str(path)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(nats_server, tiny):
+    _, engine, path = tiny
+    async with running_stack(nats_server.url, models={engine.name: path}, max_context=CONTEXT,
+                             decode_slots=4) as st:
+        await st.add_worker(engine, f"dec-{engine.name}", kind="decoder")
+        yield st
+
+
+async def request(nc, subject, payload, timeout=30.0):
+    msg = await nc.request(subject, msgspec.json.encode(payload), timeout=timeout)
+    return int((msg.headers or {}).get(HEADER_CODE, 200)), msgspec.json.decode(msg.data)
+
+
+async def stream(nc, subject, payload, timeout=30.0) -> list[bytes]:
+    """Every message a streaming request gets, up to and including [DONE]."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(subject, msgspec.json.encode(payload), reply=inbox)
+    out = []
+    while True:
+        msg = await sub.next_msg(timeout=timeout)
+        out.append(msg.data)
+        if msg.data == b"[DONE]":
+            break
+    await sub.unsubscribe()
+    return out
+
+
+def expected(model, engine, prompt, n=NEW) -> tuple[str, str]:
+    """Transformers' greedy text and finish reason for `prompt` (cut at EOS)."""
+    ids = hf_greedy(model, prompt, n)
+    eos = set(engine.eos_token_ids)
+    cut = next((i for i, t in enumerate(ids) if t in eos), None)
+    kept = ids if cut is None else ids[:cut]
+    return engine.tokenizer.decode(kept), "length" if cut is None else "stop"
+
+
+async def test_concurrent_greedy_equals_transformers_generate(stack, tiny):
+    model, engine, _ = tiny
+    reqs = [request(stack.client, subjects.COMPLETIONS,
+                    {"model": engine.name, "prompt": p, "max_tokens": NEW, "temperature": 0})
+            for p in PROMPTS]
+    results = await asyncio.gather(*reqs)
+    for prompt, (code, resp) in zip(PROMPTS, results):
+        assert code == 200, resp
+        text, reason = model[tuple(prompt)]
+        choice = resp["choices"][0]
+        assert choice["text"] == text
+        assert choice["finish_reason"] == reason
+        assert resp["usage"]["prompt_tokens"] == len(prompt)
+        assert resp["object"] == "text_completion"
+
+
+async def test_streaming_chunks_then_done_equal_the_whole_text(stack, tiny):
+    model, engine, _ = tiny
+    prompt = PROMPTS[1]
+    msgs = await stream(stack.client, subjects.COMPLETIONS, {
+        "model": engine.name, "prompt": prompt, "max_tokens": NEW, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}})
+    assert msgs[-1] == b"[DONE]"
+    chunks = [msgspec.json.decode(m) for m in msgs[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == model[tuple(prompt)][0]
+    assert len([c for c in chunks if c["choices"]]) > 1  # it really streamed
+    usage = chunks[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
+
+
+async def test_chat_completion_and_chat_stream(stack, tiny):
+    _, engine, _ = tiny
+    body = {"model": engine.name, "messages": [{"role": "user", "content": "the quick brown fox"}],
+            "max_tokens": 8, "temperature": 0}
+    code, resp = await request(stack.client, subjects.CHAT_COMPLETIONS, body)
+    assert code == 200 and resp["object"] == "chat.completion"
+    msg = resp["choices"][0]["message"]
+    assert msg["role"] == "assistant" and isinstance(msg["content"], str)
+    msgs = await stream(stack.client, subjects.CHAT_COMPLETIONS, {**body, "stream": True})
+    chunks = [msgspec.json.decode(m) for m in msgs[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == msg["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_max_tokens_and_stop_strings(stack, tiny):
+    model, engine, _ = tiny
+    prompt = PROMPTS[2]
+    full, _ = model[tuple(prompt)]
+    code, resp = await request(stack.client, subjects.COMPLETIONS,
+                               {"model": engine.name, "prompt": prompt, "max_tokens": 5, "temperature": 0})
+    assert code == 200
+    assert resp["choices"][0]["finish_reason"] == "length" and resp["usage"]["completion_tokens"] == 5
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    assert stop.strip(), "pick a visible stop string"
+    code, resp = await request(stack.client, subjects.COMPLETIONS, {
+        "model": engine.name, "prompt": prompt, "max_tokens": NEW, "temperature": 0, "stop": [stop]})
+    choice = resp["choices"][0]
+    assert choice["text"] == full[:full.index(stop)]
+    assert choice["finish_reason"] == "stop"
+
+
+async def test_n_choices_and_seeded_sampling(stack, tiny):
+    _, engine, _ = tiny
+    body = {"model": engine.name, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 1.0,
+            "seed": 1234, "n": 3}
+    code, a = await request(stack.client, subjects.COMPLETIONS, body)
+    _, b = await request(stack.client, subjects.COMPLETIONS, body)
+    assert code == 200 and len(a["choices"]) == 3
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+    assert len({c["text"] for c in a["choices"]}) > 1
+
+
+BAD = [
+    ("prompt over the context", lambda name: {"model": name, "prompt": [1] * CONTEXT}, 400, "context"),
+    ("token id outside the vocabulary", lambda name: {"model": name, "prompt": [10**7]}, 400, "vocabulary"),
+    ("n too large", lambda name: {"model": name, "prompt": "x", "n": 99}, 400, "'n'"),
+    ("negative max_tokens", lambda name: {"model": name, "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("zero max_tokens", lambda name: {"model": name, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("temperature out of range", lambda name: {"model": name, "prompt": "x", "temperature": 9}, 400, "temperature"),
+    ("top_p zero", lambda name: {"model": name, "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("empty prompt", lambda name: {"model": name, "prompt": ""}, 400, "empty"),
+    ("embedding model", lambda name: {"model": "all-MiniLM-L6-v2", "prompt": "x"}, 400, "embedding"),
+]
+
+
+@pytest.mark.parametrize("name,make,status,needle", BAD, ids=[b[0] for b in BAD])
+async def test_bad_requests_fail_alone(stack, tiny, name, make, status, needle):
+    model, engine, _ = tiny
+    good = [request(stack.client, subjects.COMPLETIONS,
+                    {"model": engine.name, "prompt": p, "max_tokens": NEW, "temperature": 0})
+            for p in PROMPTS[:2]]
+    bad = request(stack.client, subjects.COMPLETIONS, make(engine.name))
+    (c1, r1), (c2, r2), (cb, rb) = await asyncio.gather(*good, bad)
+    assert cb == status and needle in rb["error"]["message"], rb
+    assert r1["choices"][0]["text"] == model[tuple(PROMPTS[0])][0]
+    assert r2["choices"][0]["text"] == model[tuple(PROMPTS[1])][0]
+
+
+async def test_deadline_cancels_and_frees_the_slot(stack, tiny):
+    _, engine, _ = tiny
+    worker = next(iter(stack.workers.values()))
+    msg = await stack.client.request(
+        subjects.COMPLETIONS,
+        msgspec.json.encode({"model": engine.name, "prompt": PROMPTS[0], "max_tokens": CONTEXT - 10,
+                             "temperature": 0}),
+        headers={"Tensorbus-Timeout": "0.3"}, timeout=10)
+    assert msg.headers[HEADER_CODE] == "504"
+    await wait_until(lambda: worker.generator.in_flight == 0, timeout=5)
+    assert engine.active_slots == 0
