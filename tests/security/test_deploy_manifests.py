@@ -1,0 +1,264 @@
+"""What a reviewer checks in deploy/k8s, checked on every run.
+
+The manifests are read as plain YAML (no cluster, no kustomize binary): every
+Deployment is resourced, probed, configured, credentialled per role and non-root;
+every reference (kustomization, Service, ScaledObject, patch, policy) lands on
+something that exists; KEDA scales on metrics the telemetry service really exports.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from services.telemetry.metrics import TelemetryMetrics
+from shared import catalog
+from shared.config import PREFIX, Config
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+BASE = K8S / "base"
+GPU = K8S / "overlays" / "gpu"
+CONFIGMAP = "tensorbus-config"
+CREDENTIALS = "tensorbus-nats-credentials"
+ROLE_OF = {"gateway": "gateway", "scheduler": "scheduler", "telemetry": "telemetry",
+           "worker-encoder": "worker", "worker-decoder": "worker", "registry-seed": "deploy"}
+SCALING_METRICS = {"tensorbus_model_desired_replicas", "tensorbus_model_queue_depth"}
+# Settings the manifests set ahead of shared/config.py reading them.
+PENDING_SETTINGS = {"TENSORBUS_METRICS_HOST"}
+
+
+def load(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def base_docs() -> list[dict]:
+    return [d for p in sorted(BASE.glob("*.yaml")) if p.name != "kustomization.yaml"
+            for d in load(p)]
+
+
+def of_kind(kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in base_docs() if d["kind"] == kind}
+
+
+DEPLOYMENTS = of_kind("Deployment")
+CONFIG = of_kind("ConfigMap")[CONFIGMAP]["data"]
+
+
+def pod_spec(doc: dict) -> dict:
+    return doc["spec"]["template"]["spec"]
+
+
+def env_of(container: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def workloads() -> dict[str, dict]:
+    return DEPLOYMENTS | of_kind("Job")
+
+
+# --- files and kustomizations ---------------------------------------------------
+
+
+def test_every_yaml_parses_and_names_itself():
+    files = sorted(K8S.rglob("*.yaml"))
+    assert files
+    for path in files:
+        for doc in load(path):
+            assert {"apiVersion", "kind"} <= doc.keys(), path
+            if doc["kind"] != "Kustomization":
+                assert doc["metadata"]["name"], path
+
+
+def test_the_base_kustomization_lists_every_manifest_exactly_once():
+    kust = load(BASE / "kustomization.yaml")[0]
+    listed = kust["resources"]
+    assert len(listed) == len(set(listed))
+    on_disk = {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(listed) == on_disk
+    assert kust["namespace"] == "tensorbus"
+
+
+def test_the_gpu_overlay_patches_real_workers_with_a_gpu_each():
+    kust = load(GPU / "kustomization.yaml")[0]
+    assert (GPU / kust["resources"][0] / "kustomization.yaml").resolve() == BASE / "kustomization.yaml"
+    patched = set()
+    for patch in kust["patches"]:
+        target = patch["target"]
+        assert target["kind"] == "Deployment" and target["name"] in DEPLOYMENTS
+        patched.add(target["name"])
+        body = load(GPU / patch["path"])[0]
+        base_names = {c["name"] for c in pod_spec(DEPLOYMENTS[target["name"]])["containers"]}
+        for c in pod_spec(body)["containers"]:
+            assert c["name"] in base_names  # a strategic merge keys containers by name
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+            assert c["resources"]["requests"]["nvidia.com/gpu"] == 1
+            assert env_of(c)["JAX_PLATFORMS"]["value"] == "cuda"
+            assert "cuda" in c["image"]
+    assert patched == {n for n in DEPLOYMENTS if n.startswith("worker-")}
+
+
+# --- every Deployment -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(DEPLOYMENTS))
+def test_deployment_is_resourced_probed_and_configured(name):
+    spec = pod_spec(DEPLOYMENTS[name])
+    for c in spec["containers"]:
+        req, lim = c["resources"]["requests"], c["resources"]["limits"]
+        assert req["cpu"] and req["memory"] and lim["memory"], name
+        assert c["readinessProbe"] and c["livenessProbe"], name
+        assert {"configMapRef": {"name": CONFIGMAP}} in c["envFrom"], name
+        assert c["command"][:2] == ["python", "-m"]
+        module = c["command"][2]
+        assert (REPO / module.replace(".", "/") / "__main__.py").exists(), module
+    # Long enough to drain: at least one request deadline.
+    assert spec["terminationGracePeriodSeconds"] >= float(CONFIG["TENSORBUS_REQUEST_TIMEOUT_S"])
+    d = DEPLOYMENTS[name]
+    labels = d["spec"]["template"]["metadata"]["labels"]
+    assert d["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert labels["app.kubernetes.io/part-of"] == "tensorbus"  # the NetworkPolicy selects on it
+
+
+@pytest.mark.parametrize("name", sorted(workloads()))
+def test_workload_runs_unprivileged(name):
+    spec = pod_spec(workloads()[name])
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] > 0
+    assert spec["automountServiceAccountToken"] is False
+    for c in spec["containers"]:
+        sc = c["securityContext"]
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert "/tmp" in mounts  # the only writable places are volumes
+
+
+@pytest.mark.parametrize("name", sorted(workloads()))
+def test_workload_logs_in_as_its_own_role_from_the_secret(name):
+    role = ROLE_OF[name]
+    for c in pod_spec(workloads()[name])["containers"]:
+        env = env_of(c)
+        ref = env["NATS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": CREDENTIALS, "key": role}
+        assert env["TENSORBUS_NATS_URL"]["value"] == f"nats://{role}:$(NATS_PASSWORD)@$(NATS_ADDRESS)"
+        # No credential is ever written into a manifest.
+        for e in env.values():
+            assert "value" not in e or not re.search(r"://[^:$]+:[^$@]+@", e["value"])
+
+
+def test_every_tensorbus_setting_is_a_real_one():
+    known = {PREFIX + f.upper() for f in Config.__struct_fields__}
+    used = {k for k in CONFIG if k.startswith(PREFIX)}
+    for d in workloads().values():
+        for c in pod_spec(d)["containers"]:
+            used |= {k for k in env_of(c) if k.startswith(PREFIX)}
+    assert used - known <= PENDING_SETTINGS, sorted(used - known - PENDING_SETTINGS)
+    assert CONFIG["TENSORBUS_DATA_DIR"] == "/data"
+    for d in DEPLOYMENTS.values():
+        for c in pod_spec(d)["containers"]:
+            assert "/data" in {m["mountPath"] for m in c["volumeMounts"]}
+
+
+def test_scheduler_runs_two_replicas_and_workers_serve_bundled_models():
+    assert DEPLOYMENTS["scheduler"]["spec"]["replicas"] == 2
+    for name in ("worker-encoder", "worker-decoder"):
+        env = env_of(pod_spec(DEPLOYMENTS[name])["containers"][0])
+        assert env["TENSORBUS_MODEL"]["value"] in {catalog.ENCODER, catalog.DEMO_LM}
+        assert env["TENSORBUS_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert pod_spec(DEPLOYMENTS[name])["containers"][0]["startupProbe"]
+
+
+# --- Services, policies, budgets ----------------------------------------------
+
+
+def deployment_selected_by(selector: dict) -> dict:
+    hits = [d for d in DEPLOYMENTS.values()
+            if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+    assert len(hits) == 1, selector
+    return hits[0]
+
+
+def test_services_route_to_a_named_container_port():
+    services = of_kind("Service")
+    for svc in services.values():
+        d = deployment_selected_by(svc["spec"]["selector"])
+        ports = {p["name"]: p["containerPort"] for c in pod_spec(d)["containers"]
+                 for p in c.get("ports", [])}
+        for p in svc["spec"]["ports"]:
+            assert p["targetPort"] in ports
+    assert services["gateway"]["spec"]["ports"][0]["port"] == int(CONFIG["TENSORBUS_HTTP_PORT"])
+    tel = services["telemetry"]
+    assert tel["spec"]["ports"][0]["port"] == int(CONFIG["TENSORBUS_METRICS_PORT"])
+    ann = tel["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true"
+    assert ann["prometheus.io/port"] == CONFIG["TENSORBUS_METRICS_PORT"]
+
+
+def test_network_policies_and_budgets_select_real_pods():
+    for pol in of_kind("NetworkPolicy").values():
+        sel = pol["spec"]["podSelector"]["matchLabels"]
+        if sel == {"app.kubernetes.io/part-of": "tensorbus"}:
+            assert "ingress" not in pol["spec"]  # the default deny
+            continue
+        d = deployment_selected_by(sel)
+        ports = {p["containerPort"] for c in pod_spec(d)["containers"] for p in c["ports"]}
+        assert {p["port"] for rule in pol["spec"]["ingress"] for p in rule["ports"]} <= ports
+    for pdb in of_kind("PodDisruptionBudget").values():
+        d = deployment_selected_by(pdb["spec"]["selector"]["matchLabels"])
+        assert d["spec"]["replicas"] > pdb["spec"]["minAvailable"]
+
+
+# --- autoscaling ----------------------------------------------------------------
+
+
+def exported_metrics() -> set[str]:
+    registry = CollectorRegistry()
+    TelemetryMetrics(registry)
+    return {m.name for m in registry.collect()}
+
+
+def test_every_worker_scales_on_metrics_the_telemetry_service_exports():
+    exported = exported_metrics()
+    assert SCALING_METRICS <= exported
+    scaled = {}
+    for so in of_kind("ScaledObject").values():
+        target = so["spec"]["scaleTargetRef"]["name"]
+        assert target in DEPLOYMENTS
+        scaled[target] = so
+        model = env_of(pod_spec(DEPLOYMENTS[target])["containers"][0])["TENSORBUS_MODEL"]["value"]
+        s = so["spec"]
+        assert 0 <= s["minReplicaCount"] <= s["maxReplicaCount"]
+        assert s["cooldownPeriod"] > 0 and s["pollingInterval"] > 0
+        for trig in s["triggers"]:
+            assert trig["type"] == "prometheus"
+            query = trig["metadata"]["query"]
+            names = set(re.findall(r"tensorbus_[a-z_]+", query))
+            assert names and names <= SCALING_METRICS and names <= exported, query
+            assert f'model="{model}"' in query
+            assert float(trig["metadata"]["threshold"]) > 0
+            if "tensorbus_model_queue_depth" in names:
+                assert float(trig["metadata"]["threshold"]) == float(
+                    CONFIG["TENSORBUS_TARGET_QUEUE_PER_REPLICA"])
+    assert set(scaled) == {n for n in DEPLOYMENTS if n.startswith("worker-")}
+
+
+# --- the NATS side --------------------------------------------------------------
+
+
+def test_helm_values_give_the_server_every_role_from_the_same_secret():
+    values = load(REPO / "deploy" / "nats" / "helm-values.yaml")[0]
+    assert values["config"]["cluster"]["replicas"] == 3
+    assert values["config"]["jetstream"]["fileStore"]["enabled"] is True
+    assert values["config"]["merge"]["$include"] == "users.conf"
+    env = values["container"]["env"]
+    users = (REPO / "deploy" / "nats" / "users.conf").read_text()
+    for role in set(ROLE_OF.values()) | {"client"}:
+        var = f"TENSORBUS_NATS_PASS_{role.upper()}"
+        assert env[var]["valueFrom"]["secretKeyRef"] == {"name": CREDENTIALS, "key": role}
+        assert f"${var}" in users
