@@ -1,0 +1,138 @@
+"""The HTTP API with the official `openai` client, unchanged, plus what HTTP adds:
+SSE streaming, API keys, body limits, health, metrics, the OpenAPI document, and a
+client that disconnects mid-stream freeing its slot."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.support.stack import running_stack, wait_until
+from tests.support.tiny_models import build
+
+KEY = "sk-test-key"
+CONTEXT = 1024
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory, jax_cache_dir):
+    from engine import jaxrt
+    from engine.decoder import DecoderEngine
+
+    jaxrt.setup(jax_cache_dir)
+    path = tmp_path_factory.mktemp("lm")
+    build("gpt2", path, positions=CONTEXT)
+    engine = DecoderEngine(path, name="tiny-lm", slots=4, max_context=CONTEXT, prefill_buckets=(16, 64))
+    engine.warmup(progress=False)
+    return engine, str(path)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(nats_server, minilm, tiny_lm):
+    engine, path = tiny_lm
+    async with running_stack(nats_server.url, models={"tiny-lm": path}, api_keys=KEY,
+                             max_context=CONTEXT, decode_slots=4, max_payload=200_000) as st:
+        await st.add_worker(minilm, "enc-http")
+        await st.add_worker(engine, "dec-http", kind="decoder")
+        yield st
+
+
+@pytest.fixture
+def client(stack):
+    return openai.AsyncOpenAI(base_url=stack.http_url + "/v1", api_key=KEY, max_retries=0)
+
+
+async def test_openai_client_embeddings(client, sentence_transformer):
+    resp = await client.embeddings.create(model="all-MiniLM-L6-v2", input=["hello world", "tensor bus"])
+    got = np.array([d.embedding for d in resp.data])
+    ref = sentence_transformer.encode(["hello world", "tensor bus"], normalize_embeddings=True)
+    cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.9999 and resp.usage.prompt_tokens > 0
+
+
+async def test_openai_client_completions_and_chat(client):
+    c = await client.completions.create(model="tiny-lm", prompt="the quick", max_tokens=6, temperature=0)
+    assert c.choices[0].finish_reason in ("stop", "length") and c.usage.completion_tokens <= 6
+    stream = await client.completions.create(model="tiny-lm", prompt="the quick", max_tokens=6,
+                                             temperature=0, stream=True)
+    text = "".join([ch.choices[0].text async for ch in stream if ch.choices])
+    assert text == c.choices[0].text
+    chat = await client.chat.completions.create(
+        model="tiny-lm", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0)
+    assert chat.choices[0].message.role == "assistant"
+    stream = await client.chat.completions.create(
+        model="tiny-lm", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    pieces, usage = [], None
+    async for ch in stream:
+        if ch.choices:
+            pieces.append(ch.choices[0].delta.content or "")
+        if ch.usage:
+            usage = ch.usage
+    assert "".join(pieces) == chat.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == chat.usage.completion_tokens
+
+
+async def test_models_and_errors_through_the_client(client):
+    models = await client.models.list()
+    assert {"all-MiniLM-L6-v2", "tiny-lm"} <= {m.id for m in models.data}
+    with pytest.raises(openai.NotFoundError):
+        await client.embeddings.create(model="nope", input="x")
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model="tiny-lm", prompt=[1] * CONTEXT, max_tokens=1)
+    assert "context" in str(e.value)
+
+
+async def test_api_key_is_required(stack):
+    bad = openai.AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await bad.embeddings.create(model="all-MiniLM-L6-v2", input="x")
+    async with httpx.AsyncClient(base_url=stack.http_url) as h:
+        r = await h.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+async def test_sse_wire_format_and_limits_and_probes(stack):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=30) as h:
+        async with h.stream("POST", "/v1/completions", json={
+                "model": "tiny-lm", "prompt": "the", "max_tokens": 4, "stream": True}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            lines = [ln async for ln in r.aiter_lines() if ln]
+        assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+        r = await h.post("/v1/embeddings", content=b"{" + b" " * 300_000 + b"}",
+                         headers={"content-type": "application/json"})
+        assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+        r = await h.post("/v1/embeddings", content=b"not json")
+        assert r.status_code == 400
+        assert (await h.get("/healthz")).status_code == 200
+        assert (await h.get("/readyz")).json() == {"ready": True}
+        metrics = (await h.get("/metrics")).text
+        assert "tensorbus_gateway_http_requests_total" in metrics
+        spec = (await h.get("/openapi.json")).json()
+        assert {"/v1/embeddings", "/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(spec["paths"])
+        r = await h.get("/v1/nothing-here")
+        assert r.status_code == 404 and "error" in r.json()
+
+
+async def test_client_disconnect_cancels_and_frees_the_slot(stack, tiny_lm):
+    engine, _ = tiny_lm
+    worker = stack.workers["dec-http"]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=30) as h:
+        async with h.stream("POST", "/v1/completions", json={
+                "model": "tiny-lm", "prompt": "the", "max_tokens": CONTEXT - 8, "temperature": 0,
+                "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    break  # one chunk arrived; now hang up
+    await wait_until(lambda: worker.generator.in_flight == 0, timeout=10)
+    assert engine.active_slots == 0
+    # The slot was freed long before the request could have run to max_tokens.
+    assert worker.generator.steps < CONTEXT
