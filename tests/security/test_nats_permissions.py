@@ -261,10 +261,19 @@ async def test_telemetry_owns_its_stream_and_nothing_else(bus):
     await js.add_stream(name=subjects.TELEMETRY_STREAM, subjects=[subjects.TELEMETRY_ALL])
     records = await telemetry.nc.subscribe(subjects.TELEMETRY_ALL)
     await telemetry.nc.flush()
+    # Heartbeats also tell the gateway and the schedulers which models are served.
+    listeners = []
+    for role in ("gateway", "scheduler"):
+        r = await bus.connect(role)
+        listeners.append((r, await r.nc.subscribe(subjects.TELEMETRY_WORKERS)))
+        await r.nc.flush()
 
     hb = Heartbeat("w1", "all-MiniLM-L6-v2", "encoder", "ready", ["1"], 0, 0, 64, 0.0, 0, 0, "cpu", 0.0)
     await worker.nc.publish(subjects.TELEMETRY_WORKERS, encode_record(hb))
     assert record_decoder.decode((await next_msg(records)).data) == hb
+    for r, sub in listeners:
+        assert record_decoder.decode((await next_msg(sub)).data) == hb
+        await r.assert_clean()
     await telemetry.nc.publish(subjects.TELEMETRY_SUMMARY, b"summary")
     await telemetry.assert_clean()
     await worker.assert_clean()
