@@ -8,6 +8,7 @@ message arriving, and by a PING/PONG round trip that brings no violation with it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import msgspec
@@ -228,6 +229,8 @@ async def test_worker_cannot_write_or_reshape_the_registry(bus):
     put = asyncio.create_task(kv.put(ALIAS_KEY, b"evil"))
     await worker.violations.wait("Publish", f"$KV.{subjects.REGISTRY_META}.{ALIAS_KEY}")
     put.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await put
     await worker.nc.publish(f"$O.{subjects.REGISTRY_OBJECTS}.M.x", b"{}")
     await worker.violations.wait("Publish", f"$O.{subjects.REGISTRY_OBJECTS}.M.x")
 

@@ -4,6 +4,7 @@ a worker fetches (sha256-verified) and follows the aliases, and cannot move them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -57,4 +58,6 @@ async def test_a_reader_role_cannot_promote(bus, tmp_path, role):
     attempt = asyncio.create_task(reader.promote("tiny", version))
     await r.violations.wait("Publish", f"$KV.{subjects.REGISTRY_META}.{alias_key('tiny')}")
     attempt.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await attempt
     assert await admin.aliases("tiny") == before
