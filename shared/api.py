@@ -79,6 +79,7 @@ class _Sampling(_Request, kw_only=True):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Meta(ge=1)] = 1
     user: Annotated[str, Meta(max_length=256)] | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
     presence_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None
 

@@ -56,6 +56,7 @@ class GenerateWork(_Msg, tag="generate"):
     reply: str
     sched_id: str = ""
     attempt: int = 0
+    ignore_eos: bool = False
 
 
 WorkRequest = EmbedWork | GenerateWork

@@ -83,7 +83,7 @@ class Generation:
                             seed=req.seed)
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
-                            req.stream, deadline, "")
+                            req.stream, deadline, "", ignore_eos=req.ignore_eos)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(req, chat, work, req.model, int(time.time()), include_usage)
 

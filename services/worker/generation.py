@@ -216,7 +216,7 @@ class GenerationLoop:
         seq.last_at = now
         seq.generated += 1
         st.completion_tokens += 1
-        if tok in self._eos:
+        if tok in self._eos and not seq.work.ignore_eos:
             seq.finish = "stop"
             text = seq.detok.flush()
         else:

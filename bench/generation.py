@@ -1,0 +1,180 @@
+"""Generation benchmark: the served demo model against its own engine and transformers.
+
+    .venv/bin/python -m bench.generation [--seconds 15] [--max-tokens 64]
+
+One run measures, on this machine:
+  1. bench.engine_decoder: the engine's static batch-16 decode tokens/s and sequential
+     transformers `generate` tokens/s on the same weights;
+  2. the full stack (nats-server, gateway, scheduler, a decoder worker with 16 slots,
+     telemetry as separate processes) with closed-loop streaming clients at
+     concurrency 1, 4 and 16: output tokens/s, time to first token and inter-token
+     latency (p50/p99), measured at the client from the chunks' arrival times;
+  3. writes bench/out/generation.json, docs/img/generation.png and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from shared import catalog
+
+MODEL = catalog.DEMO_LM
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = ["The module", "This function returns", "A list of", "The default value is",
+           "When the file", "An exception is raised", "The following example", "In Python"]
+
+
+async def stream_once(nc, body: bytes, timeout: float = 60.0) -> tuple[float, list[float], int]:
+    """Send one streaming request; (send time, chunk arrival times, tokens)."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    t0 = time.perf_counter()
+    await nc.publish("inference.v1.completions", body, reply=inbox)
+    arrivals, tokens = [], 0
+    while True:
+        msg = await sub.next_msg(timeout=timeout)
+        if msg.data == b"[DONE]":
+            break
+        chunk = msgspec.json.decode(msg.data)
+        if chunk.get("choices"):
+            arrivals.append(time.perf_counter())
+            tokens += 1
+        if (msg.headers or {}).get("Nats-Service-Error-Code"):
+            raise RuntimeError(msg.data.decode())
+    await sub.unsubscribe()
+    return t0, arrivals, tokens
+
+
+async def load(nc, concurrency: int, seconds: float, max_tokens: int) -> dict:
+    ttft, itl, tokens, done = [], [], 0, 0
+    t_end = time.perf_counter() + seconds
+    t_start = time.perf_counter()
+
+    async def client(i: int) -> None:
+        nonlocal tokens, done
+        k = i
+        while time.perf_counter() < t_end:
+            body = msgspec.json.encode({"model": MODEL, "prompt": PROMPTS[k % len(PROMPTS)],
+                                        "max_tokens": max_tokens, "temperature": 0.7, "seed": k,
+                                        "ignore_eos": True, "stream": True})
+            t0, arr, n = await stream_once(nc, body)
+            k += concurrency
+            if arr:
+                ttft.append(arr[0] - t0)
+                itl.extend(np.diff(arr).tolist())
+            tokens += n
+            done += 1
+
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    wall = time.perf_counter() - t_start
+    ms = lambda xs, q: float(np.percentile(np.array(xs) * 1000, q)) if xs else float("nan")
+    return {"concurrency": concurrency, "requests": done, "tokens": tokens,
+            "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
+            "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99)}
+
+
+async def stack_figures(seconds: float, max_tokens: int, workdir: Path) -> list[dict]:
+    import nats
+
+    from services.supervisor import Supervisor, wait_ready
+
+    rows = []
+    with Supervisor(workdir) as sup:
+        sup.start_nats()
+        env = dict(TENSORBUS_DATA_DIR=str(REPO / ".data"), TENSORBUS_METRICS_PORT="0",
+                   TENSORBUS_LOG_LEVEL="warning", TENSORBUS_HTTP_PORT="-1")
+        sup.start("gateway", "services.gateway", **env)
+        sup.start("scheduler", "services.scheduler", **env)
+        sup.start("telemetry", "services.telemetry", **env)
+        sup.start("worker", "services.worker", TENSORBUS_MODEL=MODEL, TENSORBUS_DECODE_SLOTS="16", **env)
+        nc = await nats.connect(sup.nats_url)
+        try:
+            await wait_ready(nc, MODEL, 1)
+            await load(nc, 4, 2.0, 8)  # warm the path
+            for c in (1, 4, 16):
+                r = await load(nc, c, seconds, max_tokens)
+                print(f"stack c={c}: {r['tokens_per_s']:.1f} tok/s ttft p50 {r['ttft_p50_ms']:.1f} "
+                      f"p99 {r['ttft_p99_ms']:.1f} ms itl p50 {r['itl_p50_ms']:.2f} "
+                      f"p99 {r['itl_p99_ms']:.2f} ms", flush=True)
+                rows.append(r)
+        finally:
+            await nc.close()
+    return rows
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["stack"]
+    cs = [r["concurrency"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    axes[0].plot(cs, [r["tokens_per_s"] for r in rows], "o-", label="served, streaming")
+    axes[0].axhline(res["engine"]["engine"]["decode_tokens_per_s"], ls="--", color="tab:green",
+                    label="engine static batch 16")
+    axes[0].axhline(res["engine"]["transformers_sequential"]["tokens_per_s"], ls=":", color="tab:red",
+                    label="transformers generate, sequential")
+    axes[0].set(xlabel="concurrent streams", ylabel="output tokens / s", title="Throughput")
+    for ax, key, title in ((axes[1], "ttft", "Time to first token"), (axes[2], "itl", "Inter-token latency")):
+        ax.plot(cs, [r[f"{key}_p50_ms"] for r in rows], "o-", label="p50")
+        ax.plot(cs, [r[f"{key}_p99_ms"] for r in rows], "s:", label="p99")
+        ax.set(xlabel="concurrent streams", ylabel="ms", title=title)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def table(res: dict) -> str:
+    eng = res["engine"]["engine"]["decode_tokens_per_s"]
+    hf = res["engine"]["transformers_sequential"]["tokens_per_s"]
+    lines = ["| streams | tokens/s | vs transformers | vs engine batch 16 | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
+             "|---|---|---|---|---|---|"]
+    for r in res["stack"]:
+        lines.append(f"| {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / hf:.1f}x | "
+                     f"{r['tokens_per_s'] / eng:.0%} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
+                     f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} |")
+    lines.append(f"\nengine static batch 16: {eng:.1f} tokens/s; transformers sequential: {hf:.1f} tokens/s")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from bench.engine_decoder import run as engine_run
+    from engine import jaxrt
+
+    jaxrt.setup(str(REPO / ".data" / "jax-cache"))
+    res: dict = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores",
+                 "max_tokens": args.max_tokens}
+    res["engine"] = engine_run(max_new=args.max_tokens)
+    print("engine:", json.dumps(res["engine"]), flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        res["stack"] = asyncio.run(stack_figures(args.seconds, args.max_tokens, Path(d)))
+    out = REPO / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "generation.json").write_text(json.dumps(res, indent=2))
+    plot(res, REPO / "docs" / "img" / "generation.png")
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()
