@@ -1,0 +1,236 @@
+"""BERT sentence encoder as pure JAX functions over a parameter pytree.
+
+Dataflow of one `JaxEncoder.embed` call:
+  1. `buckets.plan` sorts the inputs by length and groups them into padded batches of
+     bucketed shape (at most `max_batch` rows each);
+  2. each group is padded to int32 ids + mask [B, S] and dispatched to the single
+     jitted `forward` (one executable per bucket, all compiled at warm-up); dispatch
+     is asynchronous, so the next group is padded while the previous one runs;
+  3. the pooled [B, D] float32 outputs come back in one `device_get` and are written
+     into their input order.
+
+`forward` = embeddings -> L x (fused-QKV attention, GELU MLP, post-LayerNorm) ->
+mean pooling over the mask -> L2 normalisation, i.e. sentence-transformers'
+Transformer + Pooling(mean) + Normalize. Matmuls run in the model dtype; LayerNorm,
+softmax and pooling statistics in float32.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine import buckets as bk
+from engine import jaxrt
+from engine.bert_config import BertConfig
+from engine.weights import load_weights, strip_prefix
+
+Params = dict[str, Any]
+
+
+# --- parameters
+
+
+def load_params(model_dir: str | Path, dtype: str = "float32") -> Params:
+    """HF BERT weights -> the pytree `forward` expects, on the default device.
+
+    Done once at load so that the jitted step does no layout work: dense weights are
+    transposed to [in, out]; Q, K and V are concatenated into one [D, 3D] matmul;
+    the position and (always zero) token-type embeddings are summed into one table.
+    LayerNorm parameters stay float32; matmul weights take `dtype`."""
+    cfg = BertConfig(model_dir)
+    w = strip_prefix(load_weights(model_dir))
+    dt = jaxrt.parse_dtype(dtype)
+
+    def f32(name: str) -> np.ndarray:
+        return np.asarray(w[name], dtype=np.float32)
+
+    def dense(prefix: str) -> tuple[np.ndarray, np.ndarray]:
+        return f32(prefix + ".weight").T, f32(prefix + ".bias")  # [in, out], [out]
+
+    layers = []
+    for i in range(cfg.layers):
+        p = f"encoder.layer.{i}."
+        q, k, v = (dense(p + "attention.self." + n) for n in ("query", "key", "value"))
+        wo, bo = dense(p + "attention.output.dense")
+        wi, bi = dense(p + "intermediate.dense")
+        wf, bf = dense(p + "output.dense")
+        layers.append({
+            "qkv_w": np.concatenate([q[0], k[0], v[0]], axis=1),  # [D, 3D]
+            "qkv_b": np.concatenate([q[1], k[1], v[1]]),  # [3D]
+            "o_w": wo, "o_b": bo,  # [D, D], [D]
+            "ln1_g": f32(p + "attention.output.LayerNorm.weight"),
+            "ln1_b": f32(p + "attention.output.LayerNorm.bias"),
+            "i_w": wi, "i_b": bi,  # [D, F], [F]
+            "f_w": wf, "f_b": bf,  # [F, D], [D]
+            "ln2_g": f32(p + "output.LayerNorm.weight"),
+            "ln2_b": f32(p + "output.LayerNorm.bias"),
+        })  # fmt: skip
+    type0 = f32("embeddings.token_type_embeddings.weight")[0]  # [D]
+    tree = {
+        "word": f32("embeddings.word_embeddings.weight"),  # [V, D]
+        "pos": f32("embeddings.position_embeddings.weight") + type0,  # [P, D]
+        "emb_ln_g": f32("embeddings.LayerNorm.weight"),
+        "emb_ln_b": f32("embeddings.LayerNorm.bias"),
+        "layers": layers,
+    }
+    keep_f32 = {"emb_ln_g", "emb_ln_b", "ln1_g", "ln1_b", "ln2_g", "ln2_b"}
+
+    def place(path, x):
+        name = getattr(path[-1], "key", None)
+        return jnp.asarray(x, dtype=jnp.float32 if name in keep_f32 else dt)
+
+    return jax.tree_util.tree_map_with_path(place, tree)
+
+
+# --- the math (pure functions; shapes: B batch, S seq, D hidden, H heads, K head dim)
+
+
+def _layer_norm(x, g, b, eps: float):
+    """x: [..., D] any float dtype -> same dtype; statistics in float32."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps) * g + b
+    return y.astype(x.dtype)
+
+
+def _gelu(x, act: str):
+    if act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return jax.nn.gelu(x, approximate=True)
+    if act == "relu":
+        return jax.nn.relu(x)
+    return jax.nn.gelu(x, approximate=False)  # HF "gelu" is the exact erf form
+
+
+def _attention(qkv, bias, heads: int):
+    """qkv: [B, S, 3D]; bias: [B, 1, 1, S] float32 (0 or a large negative) -> [B, S, D]."""
+    b, s, three_d = qkv.shape
+    d = three_d // 3
+    k_dim = d // heads
+    qkv = qkv.reshape(b, s, 3, heads, k_dim)  # [B, S, 3, H, K]
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, S, H, K]
+    q = q * jnp.asarray(1.0 / np.sqrt(k_dim), q.dtype)  # scale the small operand
+    scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores + bias, axis=-1).astype(v.dtype)  # [B, H, S, S]
+    ctx = jnp.einsum("bhqs,bshk->bqhk", probs, v)  # [B, S, H, K]
+    return ctx.reshape(b, s, d)
+
+
+def _layer(x, bias, p: Params, cfg: BertConfig):
+    """x: [B, S, D] -> [B, S, D]: post-LN BERT block."""
+    qkv = x @ p["qkv_w"] + p["qkv_b"]  # [B, S, 3D]
+    attn = _attention(qkv, bias, cfg.heads) @ p["o_w"] + p["o_b"]  # [B, S, D]
+    x = _layer_norm(attn + x, p["ln1_g"], p["ln1_b"], cfg.eps)
+    h = _gelu(x @ p["i_w"] + p["i_b"], cfg.act)  # [B, S, F]
+    y = h @ p["f_w"] + p["f_b"]  # [B, S, D]
+    return _layer_norm(y + x, p["ln2_g"], p["ln2_b"], cfg.eps)
+
+
+def forward(params: Params, ids, mask, cfg: BertConfig):
+    """ids, mask: [B, S] int32 -> [B, D] float32 unit vectors (mean over mask)."""
+    s = ids.shape[1]
+    dt = params["layers"][0]["qkv_w"].dtype
+    x = params["word"][ids] + params["pos"][:s]  # [B, S, D]
+    x = _layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps)
+    m = mask.astype(jnp.float32)  # [B, S]
+    # Padding keys get a large negative logit (not -inf: an all-padding row of a
+    # padded batch must stay finite, its output is discarded anyway).
+    bias = ((m - 1.0) * 1e9)[:, None, None, :]  # [B, 1, 1, S]
+    for p in params["layers"]:
+        x = _layer(x, bias, p, cfg)
+    x32 = x.astype(jnp.float32)  # [B, S, D]
+    summed = jnp.einsum("bsd,bs->bd", x32, m)  # [B, D]
+    count = jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1e-9)  # [B, 1]
+    pooled = summed / count  # [B, D]
+    norm = jnp.sqrt(jnp.sum(jnp.square(pooled), axis=1, keepdims=True))  # [B, 1]
+    return pooled / jnp.maximum(norm, 1e-12)  # [B, D]
+
+
+# --- the engine
+
+
+class JaxEncoder:
+    """`engine.interface.Encoder` over one jitted `forward` and bucketed shapes."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        name: str = "all-MiniLM-L6-v2",
+        dtype: str = "float32",
+        batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+        seq_buckets: Sequence[int] = (16, 32, 64, 128, 256),
+        max_batch: int = 64,
+    ) -> None:
+        self.cfg = BertConfig(model_dir)
+        self.name = name
+        self.dtype = jaxrt.dtype_name(dtype)
+        self.device = jaxrt.device_name()
+        self.dim = self.cfg.hidden
+        self.max_tokens = self.cfg.max_tokens
+        self.batch_buckets = bk.parse(batch_buckets)
+        seqs = tuple(s for s in bk.parse(seq_buckets) if s < self.max_tokens)
+        self.seq_buckets = seqs + (self.max_tokens,)  # the limit is always a bucket
+        self.max_batch = min(int(max_batch), self.batch_buckets[-1])
+        self.params = load_params(model_dir, self.dtype)
+        self.traces = 0  # times `forward` was traced: one per bucket, at compile
+        self._jitted = jax.jit(self._trace)
+        self._executables: dict[tuple[int, int], Any] = {}  # (B, S) -> compiled
+        self._lock = threading.Lock()
+
+    def _trace(self, params: Params, ids, mask):
+        self.traces += 1  # runs at trace time only, never per call
+        return forward(params, ids, mask, self.cfg)
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        return bk.shapes(self.batch_buckets, self.seq_buckets)
+
+    def compiled_count(self) -> int:
+        """Executables held: one per bucket once warm, never more."""
+        return len(self._executables)
+
+    def _executable(self, b: int, s: int):
+        """The compiled forward for one bucket; compiled here if warm-up skipped it.
+
+        Ahead-of-time `lower().compile()` rather than a first call: warm-up compiles
+        every bucket without running it (running 64x256 alone is seconds of CPU),
+        and an unknown shape can never reach the compiler from the request path."""
+        exe = self._executables.get((b, s))
+        if exe is None:
+            spec = jax.ShapeDtypeStruct((b, s), jnp.int32)  # ids and mask: [B, S]
+            exe = self._executables[(b, s)] = self._jitted.lower(self.params, spec, spec).compile()
+        return exe
+
+    def warmup(self, progress: bool = True) -> int:
+        from tqdm import tqdm
+
+        shapes = self.shapes
+        bar = tqdm(shapes, desc=f"compile {self.name}", disable=not progress, leave=False)
+        with self._lock:
+            for b, s in bar:
+                bar.set_postfix_str(f"{b}x{s}")
+                self._executable(b, s)
+        return len(shapes)
+
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        out = np.empty((len(inputs), self.dim), dtype=np.float32)  # [N, D]
+        if not inputs:
+            return out
+        lengths = [len(x) for x in inputs]
+        bk.check_lengths(lengths, self.max_tokens)
+        groups = bk.plan(lengths, self.batch_buckets, self.seq_buckets, self.max_batch)
+        pending = []
+        with self._lock:  # one caller at a time keeps device memory bounded
+            for rows, b, s in groups:
+                ids, mask = bk.pad([inputs[r] for r in rows], b, s, self.cfg.pad_id)
+                pending.append(self._executable(b, s)(self.params, ids, mask))  # [b, D]
+            results = jax.device_get(pending)  # one transfer for the whole call
+        for (rows, _, _), res in zip(groups, results):
+            out[rows] = res[: len(rows)]
+        return out

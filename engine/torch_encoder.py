@@ -1,0 +1,149 @@
+"""The same BERT sentence encoder in plain torch: the second engine.
+
+It reads the same safetensors weights through `engine.weights` and implements the same
+`engine.interface.Encoder`, so a worker can run either (`TENSORBUS_ENGINE=torch`)
+without the serving layer noticing. Eager mode under `torch.inference_mode()`;
+inputs are grouped by `buckets.plan` like the JAX engine, but each group is padded
+only to its longest input, since eager torch has nothing to recompile.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine import buckets as bk
+from engine.bert_config import BertConfig, canonical_dtype
+from engine.weights import load_weights, strip_prefix
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _tensor(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(x, dtype=np.float32)).to(dtype).contiguous()
+
+
+class _Layer:
+    def __init__(self, w: dict, i: int, dtype: torch.dtype) -> None:
+        p = f"encoder.layer.{i}."
+
+        def t(name: str, dt: torch.dtype = dtype) -> torch.Tensor:
+            return _tensor(w[p + name], dt)
+
+        att = "attention.self."
+        # Q, K, V as one [3D, D] weight: one matmul instead of three.
+        self.qkv_w = torch.cat([t(att + n + ".weight") for n in ("query", "key", "value")])
+        self.qkv_b = torch.cat([t(att + n + ".bias") for n in ("query", "key", "value")])
+        self.o_w, self.o_b = t("attention.output.dense.weight"), t("attention.output.dense.bias")
+        self.ln1 = (t("attention.output.LayerNorm.weight", torch.float32),
+                    t("attention.output.LayerNorm.bias", torch.float32))  # fmt: skip
+        self.i_w, self.i_b = t("intermediate.dense.weight"), t("intermediate.dense.bias")
+        self.f_w, self.f_b = t("output.dense.weight"), t("output.dense.bias")
+        self.ln2 = (t("output.LayerNorm.weight", torch.float32),
+                    t("output.LayerNorm.bias", torch.float32))  # fmt: skip
+
+
+def _layer_norm(x: torch.Tensor, gb: tuple[torch.Tensor, torch.Tensor], eps: float):
+    """x: [B, S, D]; statistics in float32 whatever the compute dtype."""
+    y = F.layer_norm(x.float(), (x.shape[-1],), gb[0], gb[1], eps)
+    return y.to(x.dtype)
+
+
+class TorchEncoder:
+    """`engine.interface.Encoder` in eager torch, same constructor as `JaxEncoder`."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        name: str = "all-MiniLM-L6-v2",
+        dtype: str = "float32",
+        batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
+        seq_buckets: Sequence[int] = (16, 32, 64, 128, 256),
+        max_batch: int = 64,
+    ) -> None:
+        self.cfg = BertConfig(model_dir)
+        self.name = name
+        self.dtype = canonical_dtype(dtype)
+        self.device = "cpu"
+        self.dim = self.cfg.hidden
+        self.max_tokens = self.cfg.max_tokens
+        self.batch_buckets = bk.parse(batch_buckets)
+        seqs = tuple(s for s in bk.parse(seq_buckets) if s < self.max_tokens)
+        self.seq_buckets = seqs + (self.max_tokens,)
+        self.max_batch = min(int(max_batch), self.batch_buckets[-1])
+        self._dt = _TORCH_DTYPES[self.dtype]
+        w = strip_prefix(load_weights(model_dir))
+        type0 = _tensor(w["embeddings.token_type_embeddings.weight"], self._dt)[0]
+        self.word = _tensor(w["embeddings.word_embeddings.weight"], self._dt)  # [V, D]
+        self.pos = _tensor(w["embeddings.position_embeddings.weight"], self._dt) + type0
+        self.emb_ln = (_tensor(w["embeddings.LayerNorm.weight"], torch.float32),
+                       _tensor(w["embeddings.LayerNorm.bias"], torch.float32))  # fmt: skip
+        self.layers = [_Layer(w, i, self._dt) for i in range(self.cfg.layers)]
+        self._lock = threading.Lock()
+
+    # --- the math
+
+    def _attention(self, qkv: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """qkv: [B, S, 3D]; keep: [B, 1, 1, S] bool -> [B, S, D]."""
+        b, s, _ = qkv.shape
+        h = self.cfg.heads
+        q, k, v = qkv.view(b, s, 3, h, -1).permute(2, 0, 3, 1, 4)  # each [B, H, S, K]
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)  # [B, H, S, K]
+        return ctx.transpose(1, 2).reshape(b, s, self.dim)
+
+    def _act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+            return F.gelu(x, approximate="tanh")
+        if self.cfg.act == "relu":
+            return F.relu(x)
+        return F.gelu(x)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """ids, mask: [B, S] int64 -> [B, D] float32 unit vectors."""
+        eps = self.cfg.eps
+        x = self.word[ids] + self.pos[: ids.shape[1]]  # [B, S, D]
+        x = _layer_norm(x, self.emb_ln, eps)
+        keep = mask.bool()[:, None, None, :]  # [B, 1, 1, S]
+        for p in self.layers:
+            attn = F.linear(self._attention(F.linear(x, p.qkv_w, p.qkv_b), keep), p.o_w, p.o_b)
+            x = _layer_norm(attn + x, p.ln1, eps)
+            y = F.linear(self._act(F.linear(x, p.i_w, p.i_b)), p.f_w, p.f_b)  # [B, S, D]
+            x = _layer_norm(y + x, p.ln2, eps)
+        m = mask.to(torch.float32).unsqueeze(-1)  # [B, S, 1]
+        pooled = (x.float() * m).sum(1) / m.sum(1).clamp(min=1e-9)  # [B, D]
+        return F.normalize(pooled, p=2.0, dim=1)
+
+    # --- the engine
+
+    def warmup(self, progress: bool = True) -> int:
+        """Run one forward per sequence bucket (thread pool and allocator warm).
+        Eager torch compiles nothing, so the count of compiled shapes is 0."""
+        from tqdm import tqdm
+
+        for s in tqdm(self.seq_buckets, desc=f"warm {self.name}", disable=not progress,
+                      leave=False):  # fmt: skip
+            ids = torch.full((1, s), self.cfg.pad_id, dtype=torch.long)
+            with torch.inference_mode():
+                self.forward(ids, torch.ones_like(ids))
+        return 0
+
+    def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        out = np.empty((len(inputs), self.dim), dtype=np.float32)  # [N, D]
+        if not inputs:
+            return out
+        lengths = [len(x) for x in inputs]
+        bk.check_lengths(lengths, self.max_tokens)
+        groups = bk.plan(lengths, self.batch_buckets, self.seq_buckets, self.max_batch)
+        with self._lock, torch.inference_mode():
+            for rows, _, _ in groups:
+                seqs = [inputs[r] for r in rows]
+                width = max(len(x) for x in seqs)
+                ids, mask = bk.pad(seqs, len(seqs), width, self.cfg.pad_id)  # [b, w]
+                res = self.forward(torch.from_numpy(ids).long(), torch.from_numpy(mask))
+                out[rows] = res.numpy()
+        return out
