@@ -63,7 +63,7 @@ class Violations:
             self.seen.append(str(exc))
             self._cond.notify_all()
 
-    async def wait(self, op: str, subject: str, timeout: float = 5.0) -> str:
+    async def wait(self, op: str, subject: str, timeout: float = 10.0) -> str:
         """Wait for `Permissions Violation for <op> to "<subject>..."` (op: Publish or
         Subscription); `subject` may be a prefix of the denied subject."""
         # nats-py lower-cases the server's -ERR text.
@@ -90,7 +90,7 @@ class Role:
 
     async def assert_clean(self) -> None:
         """A PING/PONG round trip: any -ERR for earlier operations arrives before it."""
-        await self.nc.flush(timeout=5)
+        await self.nc.flush(timeout=10)
         assert self.violations.permission_errors() == [], self.violations.seen
 
 
