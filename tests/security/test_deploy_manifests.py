@@ -127,8 +127,10 @@ def test_deployment_is_resourced_probed_and_configured(name):
 @pytest.mark.parametrize("name", sorted(workloads()))
 def test_workload_runs_unprivileged(name):
     spec = pod_spec(workloads()[name])
+    # The `restricted` Pod Security Standard, field by field.
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert spec["securityContext"]["runAsUser"] > 0
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert spec["automountServiceAccountToken"] is False
     for c in spec["containers"]:
         sc = c["securityContext"]
