@@ -12,9 +12,10 @@ Dataflow of a served sequence:
      `context_left(slot) == 0`) and calls `free(slot)`; the slot's cache rows are
      simply overwritten by the next insert.
 
-Compiles: one per prefill bucket plus one for the step, all at `warmup()`. Nothing
-else compiles afterwards: every per-request value (slot, length, seed, sampling) is
-traced.
+Compiles: one per prefill bucket plus one per decode attention window (the step
+attends to the smallest window that holds every active sequence: reading the cache
+is most of a step's cost), all at `warmup()`. Nothing else compiles afterwards:
+every per-request value (slot, length, seed, sampling) is traced.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 GREEDY = Sampling(temperature=0.0)
 
 
+def _windows(requested: tuple[int, ...] | None, max_context: int) -> tuple[int, ...]:
+    """Attention windows of the decode step: powers of two from 128, and the context."""
+    if requested is None:
+        requested = tuple(2**i for i in range(7, 16))
+    return tuple(sorted({w for w in requested if 0 < w < max_context} | {max_context}))
+
+
 def _buckets(requested: tuple[int, ...], max_context: int) -> tuple[int, ...]:
     """Buckets up to max_context, and always one that holds the longest prompt."""
     out = sorted({b for b in requested if 0 < b < max_context})
@@ -56,6 +64,7 @@ class DecoderEngine:
         slots: int = 16,
         max_context: int = 512,
         prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        decode_windows: tuple[int, ...] | None = None,
     ) -> None:
         from engine.jaxrt import device_name, dtype_name, parse_dtype
 
@@ -73,6 +82,7 @@ class DecoderEngine:
         self._dtype = dtype_name(dtype)
         self._jdtype = parse_dtype(dtype)
         self.buckets = _buckets(tuple(prefill_buckets), self._max_context)
+        self.windows = _windows(decode_windows, self._max_context)
         self.device = device_name()
         self.tokenizer = self._load_tokenizer()
         self.params = load_params(model_dir, self.cfg, self._jdtype)
@@ -83,12 +93,17 @@ class DecoderEngine:
             lambda params, state, *args: prefill_insert(params, cfg, state, *args),
             donate_argnums=1,
         )
-        self._generate = jax.jit(lambda params, state: generate(params, cfg, state), donate_argnums=1)
+        self._generate = jax.jit(
+            lambda params, state, window: generate(params, cfg, state, window),
+            donate_argnums=1,
+            static_argnums=2,
+        )
         self._lengths = np.zeros(self._slots, np.int64)  # tokens in context per slot
         self._active = np.zeros(self._slots, bool)
         log.info(
             "decoder_loaded", model=name, family=self.cfg.family, dtype=self._dtype,
             slots=self._slots, max_context=self._max_context, buckets=list(self.buckets),
+            windows=list(self.windows),
             param_bytes=param_bytes(self.params), cache_bytes=cache_bytes(self._state),
             seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
@@ -139,10 +154,10 @@ class DecoderEngine:
 
     # ----------------------------------------------------------------- warmup
     def warmup(self, progress: bool = True) -> int:
-        """Compile every prefill bucket and the decode step; return how many."""
+        """Compile every prefill bucket and every decode window; return how many."""
         from tqdm import tqdm
 
-        jobs = [("prefill", b) for b in self.buckets] + [("step", self._slots)]
+        jobs = [("prefill", b) for b in self.buckets] + [("step", w) for w in self.windows]
         bar = tqdm(jobs, desc=f"compile {self.name}", file=sys.stderr, disable=not progress)
         t0 = time.perf_counter()
         for kind, size in bar:
@@ -150,7 +165,7 @@ class DecoderEngine:
             if kind == "prefill":
                 self._run_prefill(0, [0] * min(size, self._max_context - 1), GREEDY, 0)
             else:
-                jax.block_until_ready(self._run_step())
+                jax.block_until_ready(self._run_step(size))
         self._active[:] = False
         self._lengths[:] = 0
         log.info("decoder_warm", model=self.name, compiled=len(jobs),
@@ -199,13 +214,18 @@ class DecoderEngine:
         )  # fmt: skip
         return int(token)
 
-    def _run_step(self):
-        self._state, tokens = self._generate(self.params, self._state)
+    def _run_step(self, window: int):
+        self._state, tokens = self._generate(self.params, self._state, window)
         return tokens
+
+    def window_for(self) -> int:
+        """Smallest attention window that holds every active slot's next position."""
+        need = int(self._lengths[self._active].max()) if self._active.any() else 1
+        return next(w for w in self.windows if w >= need)
 
     def step(self) -> np.ndarray:
         """One decode step for every slot -> [slots] int32 (free slots: ignore)."""
-        tokens = np.asarray(self._run_step())  # the step's one host copy
+        tokens = np.asarray(self._run_step(self.window_for()))  # the step's one host copy
         self._lengths[self._active] = np.minimum(
             self._lengths[self._active] + 1, self._max_context
         )

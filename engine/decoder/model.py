@@ -73,11 +73,17 @@ def last_logits(params: dict, cfg: DecoderConfig, x, true_length):
     return family(cfg).head(params, cfg, row)[0]
 
 
-def decode_forward(params: dict, cfg: DecoderConfig, tokens, positions, k_cache, v_cache):
+def decode_forward(
+    params: dict, cfg: DecoderConfig, tokens, positions, k_cache, v_cache, window: int | None = None
+):
     """One step for every slot.
 
     tokens, positions: [S] int32; k_cache, v_cache: L x [S, KV, MAX_LEN, D]
     -> logits: [S, V] float32, and both caches with each slot's new K/V at its position.
+
+    `window` (static) limits attention to the first `window` cache positions: reading
+    the whole cache is most of a step's cost, and live sequences are usually short.
+    Every slot whose output is used must have its position below the window.
     """
     fam, inv_freq = family(cfg), _inv_freq(cfg)
     slots = jnp.arange(tokens.shape[0])
@@ -88,7 +94,8 @@ def decode_forward(params: dict, cfg: DecoderConfig, tokens, positions, k_cache,
         # Donated buffers: XLA writes these scatters in place, no cache copy.
         kc = kc.at[slots, :, positions].set(k)
         vc = vc.at[slots, :, positions].set(v)
-        x = fam.attn_out(lp, cfg, x, cached_attention(q, kc, vc, positions, cfg))
+        kw, vw = (kc, vc) if window is None else (kc[:, :, :window], vc[:, :, :window])
+        x = fam.attn_out(lp, cfg, x, cached_attention(q, kw, vw, positions, cfg))
         new_k.append(kc)
         new_v.append(vc)
     return fam.head(params, cfg, x), tuple(new_k), tuple(new_v)

@@ -45,17 +45,38 @@ def filter_logits(logits, temperature, top_k, top_p):
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def _draw(shaped, keys, positions):
+    """Inverse-CDF sampling: one uniform per slot instead of one Gumbel per vocabulary
+    entry (a quarter of a CPU step at batch 16 and V = 4096).
+
+    shaped: [S, V] (-inf = excluded) -> [S] int32. u is in (0, 1], so the first index
+    whose cumulative mass reaches u * total always has non-zero probability.
+    """
+    keys = jax.vmap(jax.random.fold_in)(keys, positions)
+    u = 1.0 - jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)  # [S] in (0, 1]
+    cdf = jnp.cumsum(jax.nn.softmax(shaped, axis=-1), axis=-1)  # [S, V]
+    below = (cdf < (u * cdf[:, -1])[:, None]).sum(-1)
+    return jnp.minimum(below, shaped.shape[-1] - 1).astype(jnp.int32)
+
+
 def sample(logits, keys, positions, temperature, top_k, top_p):
     """logits: [S, V] float32, keys: [S, 2], positions: [S] (where each drawn token
-    will sit), per-slot params: [S] -> tokens: [S] int32. temperature == 0 is greedy."""
+    will sit), per-slot params: [S] -> tokens: [S] int32. temperature == 0 is greedy.
+
+    Device-side branches skip the sort when no slot filters and the draw when every
+    slot is greedy (the common cases of a benchmark and of OpenAI's defaults)."""
     vocab = logits.shape[-1]
-    draw = jax.vmap(jax.random.fold_in)(keys, positions)
-    wants_filter = (temperature > 0) & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-    shaped = jax.lax.cond(
-        jnp.any(wants_filter),
-        lambda: filter_logits(logits, temperature, top_k, top_p),
-        lambda: _scale(logits, temperature),
-    )
-    drawn = jax.vmap(jax.random.categorical)(draw, shaped)
-    greedy = jnp.argmax(logits, axis=-1)
-    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+    hot = temperature > 0
+    wants_filter = hot & (((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+
+    def drawn():
+        shaped = jax.lax.cond(
+            jnp.any(wants_filter),
+            lambda: filter_logits(logits, temperature, top_k, top_p),
+            lambda: _scale(logits, temperature),
+        )
+        return _draw(shaped, keys, positions)
+
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = jax.lax.cond(jnp.any(hot), drawn, lambda: greedy)
+    return jnp.where(hot, tokens, greedy)

@@ -5,9 +5,10 @@
     one prompt, padded to a length bucket (static), true length traced; samples the
     first token with the request's own freshly seeded key.
 - insert(prefix, state, slot) -> state           (kvcache.insert)
-- generate(params, state) -> (state, tokens)
+- generate(params, state, window) -> (state, tokens)
     one decode step for every slot; positions are per slot and traced; the only
     output that leaves the device is `tokens` [SLOTS] int32, one host copy per step.
+    `window` is a static attention-length bucket (one compile per window).
 - prefill_insert: prefill then insert, fused so each bucket is one compile and one
     dispatch.
 """
@@ -41,11 +42,14 @@ def prefill(
     )  # fmt: skip
 
 
-def generate(params: dict, cfg: DecoderConfig, state: DecodeState):
+def generate(params: dict, cfg: DecoderConfig, state: DecodeState, window: int | None = None):
     """-> (state, tokens: [SLOTS] int32). Free slots compute too (their output is
-    ignored); their cursor is clamped so it never leaves the cache."""
+    ignored); their cursor is clamped so it never leaves the cache. `window` (static):
+    attend to the first `window` positions only (see decode_forward)."""
     max_len = state.k[0].shape[2]
-    logits, k, v = decode_forward(params, cfg, state.tokens, state.positions, state.k, state.v)
+    logits, k, v = decode_forward(
+        params, cfg, state.tokens, state.positions, state.k, state.v, window
+    )
     # The drawn tokens sit one past the ones just fed.
     tokens = sample(
         logits, state.keys, state.positions + 1, state.temperature, state.top_k, state.top_p
