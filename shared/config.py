@@ -30,6 +30,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     max_n: int = 4  # generation choices per request
     max_header_bytes: int = 16_384  # HTTP header bytes accepted
     # --- scheduler
+    scheduler_id: str = ""  # stable id (probes, logs); empty = random per process
     worker_expiry_s: float = 2.0  # a worker silent this long is dropped
     max_queue_per_worker: int = 256  # fleet queue bound = this x ready workers
     cold_start_hold_s: float = 60.0  # hold requests this long while a worker warms
@@ -50,10 +51,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_s: float = 0.5  # heartbeat interval
     # --- telemetry
     metrics_port: int = 9400  # Prometheus /metrics of the whole fleet
+    metrics_host: str = "127.0.0.1"  # /metrics bind address; 0.0.0.0 inside a pod
     summary_interval_s: float = 5.0  # telemetry.v1.summary period
     cost_per_hour: float = 0.0  # fleet cost, for cost per 1M tokens
     # --- logs
-    log_level: str = "info"
+    log_level: str = "info"  # debug / info / warning / error
     log_format: str = "auto"  # auto (JSON unless a TTY) | json | console
 
     @classmethod

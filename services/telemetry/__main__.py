@@ -15,7 +15,7 @@ async def main(config: Config) -> None:
     log = get_logger("telemetry")
     stop = stop_event()
     async with connection(config.nats_url, SERVICE_NAME) as nc:
-        service = TelemetryService(nc, config)
+        service = TelemetryService(nc, config, metrics_host=config.metrics_host)
         runner = asyncio.create_task(service.run())
         waiter = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)
