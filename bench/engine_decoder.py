@@ -5,7 +5,9 @@
   decode steps produce over the time they take (prefill excluded), and end-to-end
   tokens/s counts every generated token over the whole call.
 - transformers: `generate(do_sample=False)` on the same weights, one request after
-  another, same prompt and length.
+  another, same prompt and length, with `--torch-threads` (default 1: on a small
+  shared CPU, torch's second thread made a 4M-parameter model's generate 8x slower,
+  and the comparison should be against the reference at its best).
 
 Timings on a shared CPU are noisy; compare figures from one run.
 
@@ -56,10 +58,11 @@ def _engine_figures(model_dir, slots: int, max_context: int, max_new: int, promp
     }, out[0]
 
 
-def _hf_figures(model_dir, max_new: int, prompt: list[int], requests: int):
+def _hf_figures(model_dir, max_new: int, prompt: list[int], requests: int, threads: int):
     import torch
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     model.generation_config.eos_token_id = None  # same length as the engine's run
     model.generation_config.pad_token_id = 0
@@ -77,14 +80,15 @@ def _hf_figures(model_dir, max_new: int, prompt: list[int], requests: int):
     }, out[0, len(prompt) :].tolist()
 
 
-def run(max_new: int = 64, hf_requests: int = 3, slots: int = 16, max_context: int = 512) -> dict:
+def run(max_new: int = 64, hf_requests: int = 3, slots: int = 16, max_context: int = 512,
+        torch_threads: int = 1) -> dict:  # fmt: skip
     from engine.tokenizer import Tokenizer
     from shared.catalog import DEMO_LM, bundled_dir
 
     model_dir = bundled_dir(DEMO_LM)
     prompt = Tokenizer.from_dir(model_dir).encode(PROMPT)
     engine, ours = _engine_figures(model_dir, slots, max_context, max_new, prompt)
-    hf, theirs = _hf_figures(model_dir, max_new, prompt, hf_requests)
+    hf, theirs = _hf_figures(model_dir, max_new, prompt, hf_requests, torch_threads)
     return {
         "model": DEMO_LM,
         "prompt_tokens": len(prompt),
@@ -102,8 +106,10 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=3)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--max-context", type=int, default=512)
+    ap.add_argument("--torch-threads", type=int, default=1)
     args = ap.parse_args()
-    print(json.dumps(run(args.max_new, args.hf_requests, args.slots, args.max_context), indent=2))
+    out = run(args.max_new, args.hf_requests, args.slots, args.max_context, args.torch_threads)
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

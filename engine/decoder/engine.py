@@ -55,6 +55,19 @@ def _buckets(requested: tuple[int, ...], max_context: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+class PendingStep:
+    """A dispatched decode step; its tokens leave the device on `result()`."""
+
+    def __init__(self, tokens: jax.Array) -> None:
+        self._tokens = tokens  # [SLOTS] int32, on device
+        self._host: np.ndarray | None = None
+
+    def result(self) -> np.ndarray:
+        if self._host is None:
+            self._host = np.asarray(self._tokens)  # the step's one host copy
+        return self._host
+
+
 class DecoderEngine:
     def __init__(
         self,
@@ -225,11 +238,20 @@ class DecoderEngine:
 
     def step(self) -> np.ndarray:
         """One decode step for every slot -> [slots] int32 (free slots: ignore)."""
-        tokens = np.asarray(self._run_step(self.window_for()))  # the step's one host copy
+        return self.step_async().result()
+
+    def step_async(self) -> "PendingStep":
+        """Dispatch one decode step and return at once; `.result()` waits for it.
+
+        Lets a caller do host work (detokenize, publish) while the device computes.
+        Calls made before `.result()` queue behind the step on the device, so a slot
+        inserted meanwhile is not part of this step: ignore its entry in the result.
+        """
+        pending = PendingStep(self._run_step(self.window_for()))
         self._lengths[self._active] = np.minimum(
             self._lengths[self._active] + 1, self._max_context
         )
-        return tokens
+        return pending
 
     def free(self, slot: int) -> None:
         self._active[slot] = False

@@ -132,6 +132,23 @@ def test_top_k_one_and_tiny_top_p_are_greedy(pair):
     assert _sampled(engine, 2, Sampling(temperature=1.5, top_p=1e-6), 4) == greedy
 
 
+def test_async_step_overlaps_host_work_with_same_tokens(pair):
+    """A slot inserted while a step is in flight joins at the next step."""
+    ref, engine = pair
+    a = [engine.prefill_insert(0, PROMPTS[0], GREEDY, 0)]
+    pending = engine.step_async()
+    b = [engine.prefill_insert(1, PROMPTS[2], GREEDY, 0)]  # queued behind the step
+    a.append(int(pending.result()[0]))
+    for _ in range(10):
+        tokens = engine.step_async().result()
+        a.append(int(tokens[0]))
+        b.append(int(tokens[1]))
+    engine.free(0)
+    engine.free(1)
+    assert a == _hf_greedy(ref, PROMPTS[0], 12)
+    assert b == _hf_greedy(ref, PROMPTS[2], 11)
+
+
 def test_prompt_limits(pair):
     _, engine = pair
     with pytest.raises(ValueError, match="at most 63"):
@@ -198,20 +215,23 @@ def test_sample_frequencies_follow_filtered_distribution():
 
 
 # ------------------------------------------------------------ real weights
-def test_demo_model_logits_match_transformers():
+def test_demo_model_matches_transformers():
+    """The bundled model: logits at every prompt position, then greedy text."""
     from transformers import AutoModelForCausalLM
 
-    from engine.decoder.config import load_config
-    from engine.decoder.model import load_params
-    from engine.tokenizer import Tokenizer
-
     d = bundled_dir(DEMO_LM)
-    ids = Tokenizer.from_dir(d).encode("This module provides functions for working with files.")
     ref = AutoModelForCausalLM.from_pretrained(d).eval()
-    cfg = load_config(d)
-    params = load_params(d, cfg, jnp.float32)
-    ours = np.asarray(jax.jit(lambda p, t: prompt_logits(p, cfg, t))(params, np.array(ids)))
+    ref.generation_config.eos_token_id = None
+    engine = DecoderEngine(d, DEMO_LM, slots=2, max_context=64, prefill_buckets=(16,))
+    ids = engine.tokenizer.encode("This module provides functions for working with files.")
+    padded = np.zeros(16, np.int32)
+    padded[: len(ids)] = ids
+    fwd = jax.jit(lambda p, t: prompt_logits(p, engine.cfg, t))
+    ours = np.asarray(fwd(engine.params, padded))[: len(ids)]
     np.testing.assert_allclose(ours, _hf_logits(ref, ids), atol=1e-4, rtol=0)
+    [tokens] = engine.generate_static([ids], 24)
+    assert tokens == _hf_greedy(ref, ids, 24)
+    assert engine.eos_token_ids == (0,)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -229,3 +249,22 @@ def test_half_precision_tracks_float32_reference(tmp_path, dtype):
     assert np.abs(ours - expected).max() < 0.05 * scale
     agree = (ours.argmax(-1) == expected.argmax(-1)).mean()
     assert agree >= 0.9
+
+
+def test_config_variants_load_as_their_family():
+    from engine.decoder.config import LLAMA, from_dict
+
+    mistral = from_dict({
+        "model_type": "mistral", "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "max_position_embeddings": 32768, "rope_theta": 1e6,
+        "sliding_window": 4096,
+    })  # fmt: skip
+    assert (mistral.family, mistral.groups, mistral.sliding_window) == (LLAMA, 4, 4096)
+    assert mistral.rope_theta == 1e6 and not mistral.tie_embeddings
+    nested = from_dict({
+        "model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+        "num_hidden_layers": 1, "num_attention_heads": 2,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+    })  # fmt: skip
+    assert nested.rope_theta == 500.0 and nested.kv_heads == 2
