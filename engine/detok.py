@@ -7,8 +7,8 @@
    U+FFFD, the last token(s) are part of a multi-byte character still arriving: it is
    held back until the character is whole.
 2. Stop strings: new text joins a pending buffer. When a stop string appears (the one
-   that completes first, if several do), the text before it is emitted, the stop string and everything after it are not, and the
-   sequence is `stopped`. Otherwise the longest suffix of the buffer that could still
+   that completes first, if several do), the text before it is emitted, the stop
+   string and everything after it are not, and the sequence is `stopped`. Otherwise the longest suffix of the buffer that could still
    grow into a stop string is held back and the rest is emitted.
 3. `flush()` at the end returns whatever is still held (never after a stop).
 

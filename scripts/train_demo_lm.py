@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {n_params}", flush=True)
     train(model, data, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed)
-    for prompt in ("The function returns", "This module provides", f"{USER}\nTell me about lambda.\n{ASSISTANT}\n"):
+    chat = f"{USER}\nTell me about lambda.\n{ASSISTANT}\n"
+    for prompt in ("The function returns", "This module provides", chat):
         print(repr(prompt), "->", repr(sample_text(model, tok, prompt)), flush=True)
     save(model, tok, Path(args.out))
     print(f"saved to {args.out}", flush=True)

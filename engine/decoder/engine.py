@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from engine.decoder.config import DecoderConfig, load_config

@@ -29,8 +29,7 @@ def load_params(weights: dict[str, np.ndarray], cfg: DecoderConfig) -> dict:
         lp = {
             "ln1_w": w[p + "input_layernorm.weight"],
             "qkv_w": np.concatenate(
-                [_t(w[a + "q_proj.weight"]), _t(w[a + "k_proj.weight"]), _t(w[a + "v_proj.weight"])],
-                axis=1,
+                [_t(w[a + f"{n}_proj.weight"]) for n in "qkv"], axis=1
             ),  # [E, (H + 2 KV) * D]
             "o_w": _t(w[a + "o_proj.weight"]),  # [H * D, E]
             "ln2_w": w[p + "post_attention_layernorm.weight"],

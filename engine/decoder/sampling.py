@@ -5,7 +5,9 @@ only on its seed and its own logits: never on which slot it sits in or what the 
 slots do. The key never changes during a sequence: the draw for the token that will
 sit at position i uses `fold_in(key, i)`. That is one hash per slot and step instead of
 a split plus a draw (it also halves the compile time of the sampler on CPU), and it
-makes a sequence reproducible from its seed alone. The order of filters is the reference one (temperature, then top-k, then
+makes a sequence reproducible from its seed alone.
+
+The order of filters is the reference one (temperature, then top-k, then
 top-p over what top-k kept).
 
 No Python branch looks at a device value. The sort behind top-k/top-p is skipped by
