@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -56,6 +57,23 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+INLINE_TOKENIZE = 16_384  # bodies up to this many bytes are tokenized on the event loop
+
+
+def wire_id(client_id: str | None) -> str:
+    """The id a request travels under: unique, and a single NATS subject token.
+
+    A client's X-Request-Id stays the id of logs and telemetry, but it may repeat
+    (two requests would share one inbox and scheduler entry) or hold characters a
+    subject cannot (dots, spaces, wildcards). The wire id starts with its safe
+    characters, so worker logs still show it."""
+    unique = uuid.uuid4().hex
+    if not client_id:
+        return unique
+    return f"{_UNSAFE.sub('_', client_id)[:40]}-{unique[:16]}"
+
+
 class Frontend:
     def __init__(self, nc: Client, config: Config, fleet: Fleet | None = None,
                  models: ModelTable | None = None) -> None:
@@ -64,6 +82,7 @@ class Frontend:
         self.fleet = fleet or Fleet(expiry_s=config.worker_expiry_s)
         self.models = models or ModelTable(self.fleet)
         self.inbox = ReplyInbox(nc)
+        self._tokenizing = asyncio.Semaphore(2)  # large inputs tokenized at once
 
     async def start(self) -> None:
         await self.inbox.start()
@@ -75,6 +94,14 @@ class Frontend:
         t = self.config.request_timeout_s if timeout_s is None else min(
             timeout_s, self.config.request_timeout_s * 10)
         return time.time() + max(t, 0.001)
+
+    async def tokenize(self, fn, *args, size: int):
+        """`fn(*args)`, off the event loop when the body is large: an adversarial 1 MB
+        input takes the tokenizer seconds, and it releases the GIL meanwhile."""
+        if size <= INLINE_TOKENIZE:
+            return fn(*args)
+        async with self._tokenizing:
+            return await asyncio.to_thread(fn, *args)
 
     def check_size(self, body: bytes) -> None:
         if len(body) > self.config.max_payload:
@@ -91,7 +118,7 @@ class Frontend:
         entry = await self.models.get(name)
         if entry.info.kind != "encoder":
             raise bad_request(f"model '{name}' generates text; use the completions endpoints")
-        ids = tokenize_inputs(req, entry, self.config)
+        ids = await self.tokenize(tokenize_inputs, req, entry, self.config, size=len(body))
         out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(rid, name, version, ids, deadline, "")
         res = await self.call(work, deadline)

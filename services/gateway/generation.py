@@ -67,7 +67,10 @@ class Generation:
         entry = await self.front.models.get(name)
         if entry.info.kind != "decoder":
             raise bad_request(f"model '{name}' is an embedding model; use the embeddings endpoint")
-        prompt = self._chat_prompt(req, entry) if chat else self._prompt(req, entry)
+        if not chat and req.echo:
+            raise bad_request("'echo' is not supported; send the prompt back yourself")
+        render = self._chat_prompt if chat else self._prompt
+        prompt = await self.front.tokenize(render, req, entry, size=len(body))
         limit = min(entry.info.max_tokens, self.config.max_context)
         if len(prompt) > limit - 1:
             raise bad_request(

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.gateway import codec
-from services.gateway.frontend import Frontend, Outcome, new_request_id
+from services.gateway.frontend import Frontend, Outcome, new_request_id, wire_id
 from services.gateway.openapi import openapi_document
 from shared.errors import ServiceError, internal, too_large
 from shared.logging import get_logger
@@ -78,7 +78,9 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
 
     async def serve(request: Request, endpoint: str) -> Response:
         started = time.perf_counter()
-        rid = (request.headers.get("x-request-id") or new_request_id())[:64]
+        client_id = request.headers.get("x-request-id")
+        rid = client_id[:64] if client_id else new_request_id()  # logs, telemetry, echo
+        wire = wire_id(rid) if client_id else rid  # unique, one subject token
         out = Outcome(endpoint)
         metrics.in_flight.inc()
         streaming = False
@@ -90,17 +92,18 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
                 body = await read_body(request)
                 deadline = front.deadline(_timeout(request))
                 if endpoint == "embeddings":
-                    resp = await front.embeddings(body, False, rid, deadline, out)
+                    resp = await front.embeddings(body, False, wire, deadline, out)
                     return Response(_json.encode(resp), media_type="application/json",
                                     headers={"X-Request-Id": rid})
-                prep = await generation.prepare(body, endpoint, False, rid, deadline, out)
+                prep = await generation.prepare(body, endpoint, False, wire, deadline, out)
                 if not prep.work.stream:
                     resp = await generation.complete(prep, deadline, out)
                     return Response(_json.encode(resp), media_type="application/json",
                                     headers={"X-Request-Id": rid})
                 streaming = True
                 return StreamingResponse(
-                    _sse(request, front, generation, prep, deadline, out, started, metrics, endpoint),
+                    _sse(request, front, generation, prep, deadline, out, started, metrics, endpoint,
+                         rid),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
             except ServiceError as err:
@@ -168,8 +171,9 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})
 
 
-async def _sse(request, front, generation, prep, deadline, out, started, metrics, endpoint):
-    rid = prep.work.request_id
+async def _sse(request, front, generation, prep, deadline, out, started, metrics, endpoint,
+               rid: str):
+    wire = prep.work.request_id
     finished = False
     try:
         async for chunk in generation.chunks(prep, deadline, out):
@@ -186,7 +190,7 @@ async def _sse(request, front, generation, prep, deadline, out, started, metrics
         if not finished and out.status == 200:
             out.status, out.error_code = 499, "client_closed"
         if out.status == 499:
-            await front.cancel(rid, "client disconnected")
+            await front.cancel(wire, "client disconnected")
         metrics.in_flight.dec()
         metrics.requests.labels(endpoint, str(out.status)).inc()
         await front.record(rid, out, started)

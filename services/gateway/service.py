@@ -16,7 +16,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.gateway import codec
-from services.gateway.frontend import Frontend, Outcome, new_request_id
+from services.gateway.frontend import Frontend, Outcome, new_request_id, wire_id
 from services.micro import ServiceHealth, add_service
 from shared import VERSION, subjects
 from shared.config import Config
@@ -117,18 +117,19 @@ class Gateway:
     async def _serve(self, msg: Msg, endpoint: str) -> None:
         started = time.perf_counter()
         hdrs = msg.headers or {}
-        rid = next((hdrs[h] for h in REQUEST_ID_HEADERS if hdrs.get(h)), None)
-        rid = rid[:64] if rid else new_request_id()
+        client_id = next((hdrs[h] for h in REQUEST_ID_HEADERS if hdrs.get(h)), None)
+        rid = client_id[:64] if client_id else new_request_id()  # logs and telemetry
+        wire = wire_id(rid) if client_id else rid  # unique, one subject token
         mp = codec.is_msgpack(hdrs)
         out = Outcome(endpoint)
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
                 deadline = self.front.deadline(_timeout(hdrs))
                 if endpoint == "embeddings":
-                    resp = await self.front.embeddings(msg.data, mp, rid, deadline, out)
+                    resp = await self.front.embeddings(msg.data, mp, wire, deadline, out)
                     await self._respond(msg, codec.encode(resp, mp), mp, out.version)
                 else:
-                    await self.generation.serve_nats(msg, endpoint, mp, rid, deadline, out)
+                    await self.generation.serve_nats(msg, endpoint, mp, wire, deadline, out)
             except ServiceError as err:
                 out.status, out.error_code = err.status, err.code
                 if err.status >= 500 and err.status not in (503, 504):
