@@ -72,7 +72,7 @@ class _Sampling(_Request, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    top_k: Annotated[int, Meta(ge=-1)] = -1
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1  # >= vocabulary = off
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stop: Stop | Annotated[list[Stop], Meta(max_length=MAX_STOP)] | None = None
     stream: bool = False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 
 from shared.errors import ServiceError, bad_request
@@ -11,6 +13,7 @@ JSON = "application/json"
 
 _json_enc = msgspec.json.Encoder()
 _mp_enc = msgspec.msgpack.Encoder()
+_BYTE_ESCAPE = re.compile(r"'\\x([0-9a-f]{2})'")
 _decoders: dict[tuple[type, bool], object] = {}
 
 
@@ -40,7 +43,8 @@ def decode(body: bytes, typ: type, msgpack: bool = False):
 
 
 def _short(exc: Exception) -> str:
-    return str(exc).split("\n")[0][:200]
+    # msgspec names a bad msgpack opcode as a Python bytes escape ('\xc1'): say 0xc1.
+    return _BYTE_ESCAPE.sub(r"0x\1", str(exc).split("\n")[0][:200])
 
 
 def encode(obj, msgpack: bool = False) -> bytes:
