@@ -1,10 +1,12 @@
-"""python -m services.worker: process wiring only (config, engine, signals, drain)."""
+"""python -m services.worker: process wiring only (config, registry, engine, signals, drain)."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+from services.registry.source import ModelSource
+from services.registry.store import Registry
 from services.worker.service import Worker
 from shared import catalog
 from shared.bus import connection, stop_event
@@ -35,16 +37,25 @@ def build_engine(config: Config, info: catalog.ModelInfo):
                          slots=config.decode_slots, max_context=config.max_context)
 
 
+async def open_registry(nc) -> Registry | None:
+    """The registry, or None (logged) when JetStream is unusable: serve locally then."""
+    try:
+        return await Registry.open(nc)
+    except Exception as exc:  # noqa: BLE001 - the local directory still works
+        log.warning("registry_unavailable", error=str(exc))
+        return None
+
+
 async def main() -> None:
     config = Config.from_env()
     configure_logging("worker", config.log_level, config.log_format)
     stop = stop_event()
-    info = catalog.resolve(config.model, config.model_dir)
-    if info is None:
-        raise SystemExit(f"unknown model {config.model!r}: set TENSORBUS_MODEL_DIR")
     async with connection(config.nats_url, f"worker-{config.model}") as nc:
-        engine = build_engine(config, info)
-        worker = Worker(nc, config, engine, kind=info.kind)
+        # A fixed TENSORBUS_MODEL_DIR is served as version "local" and never swapped.
+        registry = None if config.model_dir else await open_registry(nc)
+        source = ModelSource(registry, Path(config.data_dir) / "models")
+        worker = Worker(nc, config, model=config.model, source=source,
+                        engine_factory=lambda info, version: build_engine(config, info))
         task = asyncio.create_task(worker.run())
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)

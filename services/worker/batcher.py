@@ -1,11 +1,13 @@
 """Dynamic batching for encoders.
 
   1. Work arrives in `submit()` and waits in a FIFO inbox.
-  2. When the engine is free, the loop closes a batch: everything waiting, up to
-     `max_batch` inputs. It first waits (at most `max_wait_s` after the oldest
-     arrival) until as many inputs wait as the largest of the last few batches: under
-     steady load batches stay full, while a lone request (recent batches of one) never
-     waits at all.
+  2. When the engine is free, the loop closes a batch: everything waiting for the same
+     model version as the oldest request, up to `max_batch` inputs (a batch runs on one
+     engine, so it holds one version; unpinned work takes the version that is prod
+     when its batch closes, and other versions keep their place). It first waits (at
+     most `max_wait_s` after the oldest arrival) until as many inputs wait as the
+     largest of the last few batches: under steady load batches stay full, while a
+     lone request (recent batches of one) never waits at all.
   3. Expired requests are answered 504 and never computed.
   4. The batch runs on the single engine thread; the event loop stays free.
   5. Results go to each request's reply subject via `on_result`, one call per batch.
@@ -39,6 +41,7 @@ class BatchOutcome:
     timings: list[Timing]
     error: BaseException | None = None  # the whole batch failed
     failed: list[tuple["Pending", BaseException]] = field(default_factory=list)
+    version: str = ""  # the model version that computed it
 
 
 @dataclass
@@ -58,11 +61,14 @@ class BatchStats:
 
 
 class DynamicBatcher:
-    def __init__(self, embed: Callable[[list[list[int]]], np.ndarray], executor: Executor,
+    def __init__(self, embed: Callable[[str, list[list[int]]], np.ndarray], executor: Executor,
                  max_batch: int, max_wait_s: float,
                  on_result: Callable[[BatchOutcome], Awaitable[None]],
-                 on_expired: Callable[[EmbedWork], Awaitable[None]]) -> None:
-        self.embed = embed
+                 on_expired: Callable[[EmbedWork], Awaitable[None]],
+                 version_of: Callable[[str], str] | None = None) -> None:
+        self.embed = embed  # (version, inputs) -> [len(inputs), dim]
+        # requested version ("" = prod) -> the one to run; by default work runs as asked
+        self.version_of = version_of or (lambda v: v)
         self.executor = executor
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
@@ -77,6 +83,8 @@ class DynamicBatcher:
         self._closed = False
         self._waiting = 0  # inputs in the inbox
         self._recent: deque[int] = deque(maxlen=8)  # sizes of the last batches
+        self.computing: str | None = None  # version of the batch on the engine thread
+        self._batch_done = asyncio.Condition()
 
     @property
     def queue_depth(self) -> int:
@@ -95,6 +103,16 @@ class DynamicBatcher:
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
+    def uses(self, version: str) -> bool:
+        """Whether a computing batch runs on `version` or queued work pins it."""
+        return self.computing == version or any(p.work.version == version for p in self.inbox)
+
+    async def wait_unused(self, version: str) -> None:
+        """Until nothing computing or queued needs `version` (unpinned work never does:
+        it takes whichever version is prod when its batch closes)."""
+        async with self._batch_done:
+            await self._batch_done.wait_for(lambda: not self.uses(version))
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -105,15 +123,23 @@ class DynamicBatcher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            batch = await self._close_batch()
+            version, batch = await self._close_batch()
             if not batch:
+                await self._notify()
                 continue
-            self.in_flight = len(batch)
-            outcome = await loop.run_in_executor(self.executor, self._compute, batch)
-            self.in_flight = 0
+            self.in_flight, self.computing = len(batch), version
+            try:
+                outcome = await loop.run_in_executor(self.executor, self._compute, version, batch)
+            finally:
+                self.in_flight, self.computing = 0, None
             await self.on_result(outcome)
+            await self._notify()
 
-    async def _close_batch(self) -> list[Pending]:
+    async def _notify(self) -> None:
+        async with self._batch_done:
+            self._batch_done.notify_all()
+
+    async def _close_batch(self) -> tuple[str, list[Pending]]:
         target = min(self.max_batch, max(self._recent, default=1))
         if self.max_wait_s > 0 and self._waiting < target:
             deadline = self.inbox[0].arrived + self.max_wait_s
@@ -127,35 +153,53 @@ class DynamicBatcher:
                 except TimeoutError:
                     break
         now_wall, now = time.time(), time.perf_counter()
+        version, batch, expired, kept = self._take(now_wall, now)
+        self.inbox.extendleft(reversed(kept))
+        for p in expired:
+            await self.on_expired(p.work)
+        if batch:
+            self._recent.append(sum(len(p.work.inputs) for p in batch))
+        return version, batch
+
+    def _take(self, now_wall: float, now: float):
+        """Split the inbox: the batch (one version, FIFO), expired work, the rest.
+
+        Synchronous, so the version chosen for unpinned work cannot change under it."""
+        version: str | None = None
         batch: list[Pending] = []
-        n = 0
+        expired: list[Pending] = []
+        kept: list[Pending] = []
+        n, full = 0, False
         while self.inbox:
-            p = self.inbox[0]
+            p = self.inbox.popleft()
             size = len(p.work.inputs)
-            if batch and n + size > self.max_batch:
-                break
-            self.inbox.popleft()
-            self._waiting -= size
             if p.work.deadline <= now_wall:
-                await self.on_expired(p.work)
+                self._waiting -= size
+                expired.append(p)
                 continue
+            v = self.version_of(p.work.version)
+            if version is None:
+                version = v
+            if full or v != version or (batch and n + size > self.max_batch):
+                full = full or v == version  # later work of this version waits its turn
+                kept.append(p)
+                continue
+            self._waiting -= size
             p.closed = now
             batch.append(p)
             n += size
-        if batch:
-            self._recent.append(n)
-        return batch
+        return version or "", batch, expired, kept
 
-    def _compute(self, batch: list[Pending]) -> BatchOutcome:
+    def _compute(self, version: str, batch: list[Pending]) -> BatchOutcome:
         """Runs on the engine thread."""
         flat = [ids for p in batch for ids in p.work.inputs]
         start = time.perf_counter()
         try:
-            vecs = self.embed(flat)  # [sum(inputs), dim]
+            vecs = self.embed(version, flat)  # [sum(inputs), dim]
         except Exception as exc:  # noqa: BLE001 - reported per request
             if len(batch) == 1:
-                return BatchOutcome(batch, [], [], exc)
-            return self._compute_one_by_one(batch)
+                return BatchOutcome(batch, [], [], exc, version=version)
+            return self._compute_one_by_one(version, batch)
         end = time.perf_counter()
         out, timings, i = [], [], 0
         for p in batch:
@@ -169,12 +213,12 @@ class DynamicBatcher:
         self.stats.items += len(batch)
         self.stats.inputs += len(flat)
         self.stats.window_inputs += len(flat)
-        return BatchOutcome(batch, out, timings)
+        return BatchOutcome(batch, out, timings, version=version)
 
-    def _compute_one_by_one(self, batch: list[Pending]) -> BatchOutcome:
+    def _compute_one_by_one(self, version: str, batch: list[Pending]) -> BatchOutcome:
         """A batch failed: isolate the culprit so its batch-mates still get answers."""
-        outs = [self._compute([p]) for p in batch]
-        merged = BatchOutcome([], [], [])
+        outs = [self._compute(version, [p]) for p in batch]
+        merged = BatchOutcome([], [], [], version=version)
         failed = [o for o in outs if o.error is not None]
         for o in outs:
             if o.error is None:

@@ -3,8 +3,12 @@
   1. Heartbeats start at once (state `starting`, then `warming` while every shape
      bucket compiles, then `ready`), so the scheduler can hold requests during a
      cold start instead of refusing them.
+     With a model source the versions come from the registry (`versions.HotSwap`):
+     prod and canary are fetched and verified while the state is `starting`, and the
+     aliases are followed afterwards (hot swap without dropping requests).
   2. Work arrives on `tensorbus.v1.worker.<id>.work` and goes to the batcher (encoders)
-     or the continuous-batching loop (decoders).
+     or the continuous-batching loop (decoders). Work pinned to a version this worker
+     does not hold is refused with a 503 at once.
   3. Results go straight to the request's reply subject (the gateway's inbox);
      the dispatching scheduler hears which requests finished (one `WorkDone` per batch).
   4. `drain()` (SIGTERM): report `draining` so schedulers stop routing here, keep
@@ -25,8 +29,10 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.worker.batcher import BatchOutcome, DynamicBatcher
 from services.micro import ServiceHealth, add_service
+from services.registry.source import LOCAL, ModelSource
+from services.worker.batcher import BatchOutcome, DynamicBatcher
+from services.worker.versions import EngineFactory, HotSwap, LoadedModels
 from shared import VERSION, subjects
 from shared.config import Config
 from shared.errors import ServiceError, deadline_exceeded, internal
@@ -59,30 +65,57 @@ def rss_bytes() -> int:
 
 
 class Worker:
-    def __init__(self, nc: Client, config: Config, engine, *, kind: str = "encoder",
-                 worker_id: str | None = None, version: str = "local") -> None:
+    """One engine (or one per loaded version) behind a NATS inbox.
+
+    Either pass a built `engine` (it serves as `version`, fixed), or pass `model`,
+    `source` and `engine_factory`: the worker then loads the versions the registry's
+    aliases name and follows them. `kind` may be left empty in that case; the first
+    version loaded decides it.
+    """
+
+    def __init__(self, nc: Client, config: Config, engine=None, *, kind: str = "",
+                 worker_id: str | None = None, version: str = LOCAL, model: str = "",
+                 source: ModelSource | None = None,
+                 engine_factory: EngineFactory | None = None) -> None:
         self.nc = nc
         self.config = config
-        self.engine = engine
-        self.kind = kind
+        self.kind = kind or ("encoder" if engine is not None else "")
         self.id = worker_id or config.worker_id or default_worker_id()
-        self.model = engine.name
-        self.versions = [version]
+        self.model = engine.name if engine is not None else (model or config.model)
+        self.models = LoadedModels(engine, version)
+        self.swap: HotSwap | None = None
+        if engine is None:
+            if engine_factory is None:
+                raise ValueError("a worker needs an engine or an engine factory")
+            self.swap = HotSwap(self, source, engine_factory, model_dir=config.model_dir)
         self.state = "starting"
+        self.health: ServiceHealth | None = None  # set in run()
         self.last_error = ""
         self.steps = 0
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
         self.batcher = DynamicBatcher(
             self._embed, self.executor, config.max_batch, config.max_wait_ms / 1000,
-            on_result=self._on_batch, on_expired=self._on_expired)
+            on_result=self._on_batch, on_expired=self._on_expired,
+            version_of=lambda v: self.models.resolve(v))
         self.generator = None  # decoders: services.worker.generation.GenerationLoop
         self._sub = None
         self._stop = asyncio.Event()
         self._hb_now = asyncio.Event()
 
     # ------------------------------------------------------------------ engine
-    def _embed(self, inputs: list[list[int]]):
-        out = self.engine.embed(inputs)
+    @property
+    def engine(self):
+        """The prod version's engine."""
+        return self.models.engine_of("")
+
+    @property
+    def versions(self) -> list[str]:
+        """Versions traffic goes to, prod first (heartbeats, results of unpinned work)."""
+        return self.models.serving()
+
+    def _embed(self, version: str, inputs: list[list[int]]):
+        """Runs on the engine thread; `version` is held until its batch is done."""
+        out = self.models.engine_of(version).embed(inputs)
         self.steps += 1
         return out
 
@@ -91,18 +124,32 @@ class Worker:
         self._hb_now.set()
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        n = await loop.run_in_executor(self.executor, self.engine.warmup, True)
+        n = 0
+        for engine in list(self.models.engines.values()):
+            n += await loop.run_in_executor(self.executor, engine.warmup, True) or 0
         log.info("warm", buckets=n, seconds=round(time.perf_counter() - t0, 2))
+
+    def versions_changed(self) -> None:
+        """The served versions (or last_error) changed: tell everyone now."""
+        if self.health is not None and self.health.ready:
+            self.health.details = {"model": self.model, "versions": self.versions}
+        self._hb_now.set()
 
     # --------------------------------------------------------------- lifecycle
     async def run(self, ready: asyncio.Event | None = None) -> None:
         self.health = ServiceHealth(ready=False)
         self.health.add_check("forward_progress", self._progressing, liveness=True)
+        what = f"{self.kind} worker" if self.kind else "worker"
         self.micro = await add_service(
-            self.nc, "tensorbus-worker", VERSION, f"{self.kind} worker for {self.model}",
+            self.nc, "tensorbus-worker", VERSION, f"{what} for {self.model}",
             health=self.health, metadata={"worker_id": self.id, "model": self.model})
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._heartbeats())
+            if self.swap is not None:
+                t0 = time.perf_counter()
+                self.models = await self.swap.start()
+                log.info("loaded", versions=self.versions, kind=self.kind,
+                         seconds=round(time.perf_counter() - t0, 2))
             await self.warmup()
             if self.kind == "decoder":
                 from services.worker.generation import GenerationLoop
@@ -119,10 +166,15 @@ class Worker:
             self.health.ready = True
             self.health.details = {"model": self.model, "versions": self.versions}
             self._hb_now.set()
-            log.info("ready", worker_id=self.id, model=self.model, kind=self.kind)
+            log.info("ready", worker_id=self.id, model=self.model, kind=self.kind,
+                     versions=self.versions)
+            follow = tg.create_task(self.swap.run()) if self.swap is not None else None
             if ready is not None:
                 ready.set()
             await self._stop.wait()
+            if follow is not None:  # no swap while draining
+                follow.cancel()
+                await self.swap.stop()
             await self._drain()
             self._hb_now.set()
 
@@ -170,7 +222,12 @@ class Worker:
         except msgspec.DecodeError:
             log.warning("bad_work_message")
             return
-        if isinstance(work, EmbedWork) and self.kind == "encoder":
+        if work.version and not self.models.holds(work.version):
+            await self.send_error(work, ServiceError(
+                503, f"version {work.version} of '{work.model}' is not loaded on this worker; "
+                "retry shortly", code="version_unavailable", retry_after=1.0))
+            await self.report_done({work.sched_id: [work.request_id]})
+        elif isinstance(work, EmbedWork) and self.kind == "encoder":
             self.batcher.submit(work)
         elif isinstance(work, GenerateWork) and self.generator is not None:
             self.generator.submit(work)
@@ -191,7 +248,7 @@ class Worker:
             done[p.work.sched_id].append(p.work.request_id)
         for p, vecs, timing in zip(out.items, out.vectors, out.timings):
             w = p.work
-            res = EmbedResult(w.request_id, self.id, self.model, self.versions[0],
+            res = EmbedResult(w.request_id, self.id, self.model, out.version,
                               int(vecs.shape[1]), vecs.astype("<f4", copy=False).tobytes(),
                               sum(len(x) for x in w.inputs), timing)
             await self.nc.publish(w.reply, encode(res))
@@ -219,15 +276,16 @@ class Worker:
         in_flight = gen.in_flight if gen else self.batcher.in_flight
         occupancy = gen.occupancy() if gen else self.batcher.stats.take_occupancy(self.config.max_batch)
         steps = gen.steps if gen else self.steps
+        engine = self.models.engines.get(self.models.prod)  # None while starting
         return Heartbeat(
-            worker_id=self.id, model=self.model, kind=self.kind, state=self.state,
+            worker_id=self.id, model=self.model, kind=self.kind or "encoder", state=self.state,
             versions=list(self.versions), queue_depth=queue, in_flight=in_flight,
             max_batch=self.config.max_batch if not gen else gen.slots,
             batch_occupancy=occupancy, steps=steps, rss_bytes=rss_bytes(),
-            device=getattr(self.engine, "device", "cpu"), sent_at=time.time(),
+            device=getattr(engine, "device", "cpu"), sent_at=time.time(),
             slots_total=gen.slots if gen else 0, slots_used=gen.in_flight if gen else 0,
             kv_usage=gen.kv_usage() if gen else 0.0, last_error=self.last_error,
-            dtype=getattr(self.engine, "dtype", "float32"))
+            dtype=getattr(engine, "dtype", "float32"))
 
     async def _publish_heartbeat(self) -> None:
         await self.nc.publish(subjects.TELEMETRY_WORKERS, encode_record(self.heartbeat()))

@@ -1,0 +1,310 @@
+"""Which versions of its model a worker holds, and how it moves between them.
+
+  1. Start: the model's aliases name prod (and maybe a canary). Each is resolved with
+     `ModelSource` (fetched into the cache, every sha256 verified before use) and built
+     by the engine factory. Without a registry, or for a model the registry does not
+     know, the local directory serves as version "local".
+  2. A KV watch follows the aliases. The newest change wins: a change that arrives
+     while another loads is applied once that load ends.
+  3. A version the aliases name but the worker lacks is fetched, built and warmed on
+     the loader thread, so the engine thread keeps serving the old ones meanwhile.
+  4. Switch, in one step on the event loop: unpinned work closed into a batch from now
+     on runs on the new prod; a heartbeat goes out at once.
+  5. Retire: a version no alias names any more stays loaded for a grace period (a
+     scheduler that has not seen the new heartbeat may still send work pinned to it)
+     and until no queued or computing batch uses it; then its engine is dropped.
+  6. Any failure (a missing or incompatible version, a checksum mismatch, an engine
+     that does not build) leaves what is served unchanged; the reason goes to the log
+     and to the heartbeat's `last_error`.
+
+Decoders start with the alias's prod version but are not swapped live (the
+generation loop owns one engine); an alias change is logged and reported instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from nats.errors import ConnectionClosedError
+
+from services.registry.errors import IncompatibleVersion, VersionNotFound
+from services.registry.source import LOCAL, ModelSource
+from shared import catalog
+from shared.logging import get_logger
+from shared.registry import Aliases
+
+if TYPE_CHECKING:
+    from services.worker.service import Worker
+
+log = get_logger("worker.versions")
+
+EngineFactory = Callable[[catalog.ModelInfo, str], object]
+"""(model directory info, version) -> an engine, built but not yet warmed."""
+
+_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # back-off of a failed alias watch
+
+
+class LoadedModels:
+    """The engines a worker holds, by version; which one is prod and which the canary.
+
+    Pure state, read on the event loop and (engine lookups only) the engine thread.
+    """
+
+    def __init__(self, engine=None, version: str = LOCAL) -> None:
+        self.engines: dict[str, object] = {}
+        self.prod = ""
+        self.canary = ""
+        if engine is not None:
+            self.engines[version] = engine
+            self.prod = version
+
+    def serving(self) -> list[str]:
+        """The versions traffic goes to, prod first (what heartbeats list)."""
+        return [v for v in (self.prod, self.canary) if v]
+
+    def holds(self, version: str) -> bool:
+        return version in self.engines
+
+    def resolve(self, requested: str) -> str:
+        """The version that serves a request: the pinned one, else prod."""
+        return requested or self.prod
+
+    def engine_of(self, version: str = ""):
+        return self.engines[self.resolve(version)]
+
+    def switch(self, prod: str, canary: str, added: dict[str, object]) -> list[str]:
+        """Install new engines and aliases; return the versions nothing names now."""
+        self.engines.update(added)
+        self.prod, self.canary = prod, canary
+        return [v for v in self.engines if v not in (prod, canary)]
+
+    def drop(self, version: str) -> None:
+        if version not in (self.prod, self.canary):
+            self.engines.pop(version, None)
+
+
+class HotSwap:
+    """Loads a worker's versions from the registry and follows its aliases."""
+
+    def __init__(self, worker: "Worker", source: ModelSource | None,
+                 factory: EngineFactory, model_dir: str = "",
+                 grace_s: float | None = None) -> None:
+        self.worker = worker
+        self.source = source
+        self.registry = source.registry if source is not None else None
+        self.factory = factory
+        self.model_dir = model_dir  # a fixed local directory: version "local", no watch
+        self.grace_s = worker.config.heartbeat_s * 3 if grace_s is None else grace_s
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="loader")
+        self.swaps = 0  # completed switches, for tests and benchmarks
+        self._target: Aliases | None = None
+        self._changed = asyncio.Event()
+        self._retiring: dict[str, asyncio.Task] = {}
+        self._closed = False
+
+    @property
+    def model(self) -> str:
+        return self.worker.model
+
+    @property
+    def follows(self) -> bool:
+        return self.registry is not None and not self.model_dir
+
+    # ------------------------------------------------------------------ start
+    async def start(self) -> LoadedModels:
+        """The versions to serve first (built, not warmed); never an empty set."""
+        aliases = await self._current()
+        prod = aliases.prod or LOCAL
+        errors = []
+        try:
+            engines = {prod: await self._build(prod)}
+        except Exception as exc:  # noqa: BLE001 - fall back to the bundled copy
+            if prod == LOCAL:
+                raise
+            errors.append(self._describe(prod, exc))
+            prod = LOCAL
+            engines = {prod: await self._build(prod)}
+        canary = ""
+        if self._wants_canary(aliases, prod):
+            try:
+                engines[aliases.canary] = await self._build(aliases.canary)
+                canary = aliases.canary
+            except Exception as exc:  # noqa: BLE001 - serve prod alone
+                errors.append(self._describe(aliases.canary, exc))
+        models = LoadedModels()
+        models.switch(prod, canary, engines)
+        self._report(errors)
+        log.info("versions_loaded", model=self.model, prod=prod, canary=canary or None)
+        return models
+
+    async def _current(self) -> Aliases:
+        if not self.follows:
+            return Aliases()
+        try:
+            return await self.registry.aliases(self.model)
+        except Exception as exc:  # noqa: BLE001 - an unusable registry: serve locally
+            log.warning("aliases_unreadable", model=self.model, error=str(exc))
+            return Aliases()
+
+    def _wants_canary(self, aliases: Aliases, prod: str) -> bool:
+        # Decoders serve one engine: no canary beside prod.
+        return bool(aliases.canary) and aliases.canary != prod and self.worker.kind != "decoder"
+
+    # ------------------------------------------------------------------ follow
+    async def run(self) -> None:
+        """Follow the aliases until cancelled (a no-op without a registry)."""
+        if not self.follows:
+            return
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._watch())
+            while True:
+                await self._changed.wait()
+                self._changed.clear()
+                target, self._target = self._target, None
+                if target is None:
+                    continue
+                try:
+                    await self.apply(target)
+                except Exception as exc:  # noqa: BLE001 - a bug here must not stop serving
+                    log.exception("apply_failed", model=self.model)
+                    self.worker.last_error = f"alias change not applied: {exc}"
+                    self.worker.versions_changed()
+
+    async def _watch(self) -> None:
+        attempt = 0
+        while not self._closed:
+            try:
+                async with self.registry.watch_aliases(self.model) as watch:
+                    async for aliases in watch:
+                        attempt = 0
+                        self._target = aliases
+                        self._changed.set()
+            except asyncio.CancelledError:
+                raise
+            except ConnectionClosedError:
+                return  # shutting down
+            except Exception as exc:  # noqa: BLE001 - keep serving, watch again
+                log.warning("alias_watch_failed", model=self.model, error=str(exc))
+            await asyncio.sleep(_RETRY_S[min(attempt, len(_RETRY_S) - 1)])
+            attempt += 1
+
+    async def apply(self, aliases: Aliases) -> None:
+        """Serve what `aliases` name, keeping what works when a version cannot load."""
+        models = self.worker.models
+        if self.worker.kind == "decoder":
+            self._decoder_change(aliases)
+            return
+        prod = aliases.prod or models.prod  # a deleted alias keeps what is served
+        canary = aliases.canary if self._wants_canary(aliases, prod) else ""
+        errors, added = [], {}
+        t0 = time.perf_counter()
+        for version in (prod, canary):
+            if version and not models.holds(version) and version not in added:
+                try:
+                    added[version] = await self._build(version, warm=True)
+                except Exception as exc:  # noqa: BLE001 - refused, old one stays
+                    errors.append(self._describe(version, exc))
+        if prod not in added and not models.holds(prod):
+            prod = models.prod
+        if canary and canary not in added and not models.holds(canary):
+            canary = ""
+        changed = (prod, canary) != (models.prod, models.canary)
+        unused = models.switch(prod, canary, added)
+        self._report(errors)
+        if changed:
+            self.swaps += 1
+            log.info("version_switched", model=self.model, prod=prod, canary=canary or None,
+                     seconds=round(time.perf_counter() - t0, 3))
+        self.worker.versions_changed()
+        for version in unused:
+            old = self._retiring.pop(version, None)
+            if old is not None:  # demoted again: its grace starts over
+                old.cancel()
+            self._retiring[version] = asyncio.create_task(self._retire(version))
+
+    def _decoder_change(self, aliases: Aliases) -> None:
+        serving = self.worker.models.prod
+        if aliases.prod and aliases.prod != serving:
+            msg = (f"prod of {self.model} is now {aliases.prod}; this decoder keeps serving "
+                   f"{serving} until it restarts (decoders are not swapped live)")
+            log.warning("decoder_swap_deferred", model=self.model, serving=serving,
+                        prod=aliases.prod)
+            self.worker.last_error = msg
+        elif aliases.prod == serving:
+            self.worker.last_error = ""
+        self.worker.versions_changed()
+
+    async def _retire(self, version: str) -> None:
+        await asyncio.sleep(self.grace_s)
+        await self.worker.batcher.wait_unused(version)
+        models = self.worker.models
+        if version in (models.prod, models.canary):
+            return  # named again meanwhile
+        engine = models.engines.get(version)
+        models.drop(version)
+        close = getattr(engine, "close", None)
+        if close is not None:
+            await asyncio.get_running_loop().run_in_executor(self.loader, close)
+        log.info("version_retired", model=self.model, version=version)
+        self._retiring.pop(version, None)
+
+    async def stop(self) -> None:
+        self._closed = True
+        for task in list(self._retiring.values()):
+            task.cancel()
+        self.loader.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ loading
+    async def _build(self, version: str, warm: bool = False):
+        """Fetch (verified), describe, check the kind, build and maybe warm one version."""
+        info = await self._fetch(version)
+        kind = self.worker.kind
+        if not kind:  # the first version built fixes what this worker serves
+            self.worker.kind = kind = info.kind
+        if info.kind != kind:
+            raise IncompatibleVersion(
+                f"{self.model}@{version} is of kind {info.kind}; this worker serves kind {kind}")
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        engine = await loop.run_in_executor(self.loader, self._make, info, version, warm)
+        log.info("version_built", model=self.model, version=version, warm=warm,
+                 seconds=round(time.perf_counter() - t0, 3))
+        return engine
+
+    def _make(self, info: catalog.ModelInfo, version: str, warm: bool):
+        """Runs on the loader thread."""
+        engine = self.factory(info, version)
+        if warm:
+            engine.warmup(False)
+        return engine
+
+    async def _fetch(self, version: str) -> catalog.ModelInfo:
+        if version == LOCAL:
+            info = catalog.resolve(self.model, self.model_dir)
+            if info is None:
+                raise VersionNotFound(
+                    f"{self.model} is neither in the registry nor bundled; set TENSORBUS_MODEL_DIR")
+            return info
+        record = await self.registry.get(self.model, version)
+        if record is None:
+            raise VersionNotFound(f"{self.model}@{version} is not in the registry")
+        kind = self.worker.kind
+        if kind and record.kind != kind:
+            raise IncompatibleVersion(
+                f"{self.model}@{version} is of kind {record.kind}; this worker serves kind {kind}")
+        _, path = await self.source.resolve(self.model, version)
+        return catalog.describe(self.model, Path(path))
+
+    # ------------------------------------------------------------------ errors
+    def _describe(self, version: str, exc: Exception) -> str:
+        msg = f"cannot serve {self.model}@{version}: {type(exc).__name__}: {exc}"
+        log.error("version_refused", model=self.model, version=version,
+                  error=f"{type(exc).__name__}: {exc}")
+        return msg
+
+    def _report(self, errors: list[str]) -> None:
+        self.worker.last_error = "; ".join(errors)
