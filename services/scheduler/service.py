@@ -8,6 +8,11 @@ Dataflow of one request:
      Every refusal is sent to the request's reply subject at once.
   3. Routing: the least-loaded ready worker serving the model (and the version the
      request pins or the canary draw picks) gets the WorkRequest on its work subject.
+     An unpinned request that draws the canary goes out pinned to it; one that draws
+     prod goes to workers holding prod, unpinned, so each runs its own current prod
+     (a scheduler whose view lags a promotion never sends work back to the old one).
+     When no ready worker holds the drawn version yet (a canary still loading, a
+     promotion in progress), prod is used, and failing that any ready worker.
   4. The worker replies to the gateway directly and tells this scheduler which
      requests finished (`WorkDone`), so the outstanding count per worker stays exact.
   5. When a worker expires (missed heartbeats) or reports draining with work still
@@ -32,6 +37,7 @@ from nats.aio.msg import Msg
 
 from services.fleet import Fleet, WorkerView
 from services.micro import ServiceHealth, add_service
+from services.scheduler.aliases import AliasTable
 from shared import VERSION, subjects
 from shared.config import Config
 from shared.errors import ServiceError, deadline_exceeded, overloaded, unavailable
@@ -60,12 +66,17 @@ class Outstanding:
 
 class Scheduler:
     def __init__(self, nc: Client, config: Config, scheduler_id: str | None = None,
-                 choose_version=None, scale_interval_s: float = 2.0) -> None:
+                 choose_version=None, scale_interval_s: float = 2.0,
+                 registry=None) -> None:
         self.nc = nc
         self.config = config
         self.id = scheduler_id or uuid.uuid4().hex[:12]
         self.fleet = Fleet(expiry_s=config.worker_expiry_s)
-        self.choose_version = choose_version or (lambda model: "")
+        # With a registry, each model seen in heartbeats has its aliases watched.
+        self.aliases = AliasTable(registry) if registry is not None else None
+        self.choose_version = choose_version or (
+            self.aliases.choose if self.aliases is not None else (lambda model: ""))
+        self.prod_version = self.aliases.prod if self.aliases is not None else (lambda model: "")
         self.scale_interval_s = scale_interval_s
         self.outstanding: dict[str, Outstanding] = {}
         self.load: dict[str, int] = {}  # worker_id -> requests outstanding here
@@ -94,13 +105,17 @@ class Scheduler:
         log.info("scheduler_started", scheduler_id=self.id)
         if ready is not None:
             ready.set()
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(self._housekeeping())
-            tg.create_task(self._scaling())
-            await self._stop.wait()
-            await self.micro.stop()
-            for s in self._subs:
-                await s.unsubscribe()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._housekeeping())
+                tg.create_task(self._scaling())
+                await self._stop.wait()
+                await self.micro.stop()
+                for s in self._subs:
+                    await s.unsubscribe()
+        finally:
+            if self.aliases is not None:  # watches must not outlive the scheduler
+                await self.aliases.stop()
 
     def stop(self) -> None:
         self._stop.set()
@@ -144,16 +159,30 @@ class Scheduler:
         return self.config.max_queue_per_worker * max(n_ready, 1)
 
     async def _dispatch(self, work: WorkRequest, ready: list[WorkerView]) -> None:
+        sent = work
         if not work.version:
-            chosen = self.choose_version(work.model)
-            pool = [w for w in ready if chosen in w.hb.versions] if chosen else ready
-            ready = pool or ready
+            pin, ready = self._route_version(work.model, ready)
+            if pin:  # the worker runs the drawn canary, not its own prod
+                sent = msgspec.structs.replace(work, version=pin)
         target = min(ready, key=self._load_of)
         wid = target.worker_id
+        # The unpinned original is kept: a re-dispatch draws again.
         self.outstanding[work.request_id] = Outstanding(work, wid, time.monotonic())
         self.load[wid] = self.load.get(wid, 0) + 1
         self.dispatched += 1
-        await self.nc.publish(subjects.worker_work(wid), encode(work))
+        await self.nc.publish(subjects.worker_work(wid), encode(sent))
+
+    def _route_version(self, model: str, ready: list[WorkerView]) -> tuple[str, list[WorkerView]]:
+        """(version to pin, workers holding it): the draw, else prod, else ("", all).
+
+        Prod is never pinned ("" = the worker's own prod)."""
+        prod = self.prod_version(model)
+        for version in (self.choose_version(model), prod):
+            if version:
+                pool = [w for w in ready if version in w.hb.versions]
+                if pool:
+                    return ("" if version == prod else version), pool
+        return "", ready
 
     def _load_of(self, w: WorkerView) -> tuple[int, float]:
         mine = self.load.get(w.worker_id, 0)
@@ -183,6 +212,8 @@ class Scheduler:
         except msgspec.DecodeError:
             return
         was_ready = (v := self.fleet.workers.get(hb.worker_id)) is not None and v.ready
+        if self.aliases is not None:
+            self.aliases.track(hb.model)
         view = self.fleet.observe(hb)
         if view.ready and self.held:
             await self._release_held()
