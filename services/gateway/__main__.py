@@ -3,11 +3,33 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
+from services.fleet import Fleet
+from services.gateway.frontend import Frontend
+from services.gateway.models import ModelTable, registry_resolver
 from services.gateway.service import Gateway
+from services.registry.store import Registry
 from shared.bus import connection, stop_event
 from shared.config import Config
-from shared.logging import configure_logging
+from shared.logging import configure_logging, get_logger
+
+log = get_logger("gateway")
+
+
+async def open_registry(nc) -> Registry | None:
+    try:
+        return await Registry.open(nc)
+    except Exception as exc:  # noqa: BLE001 - the bundled catalogue still resolves
+        log.warning("registry_unavailable", error=str(exc))
+        return None
+
+
+def frontend(nc, config: Config, registry: Registry | None) -> Frontend:
+    """The gateway's core, resolving unbundled model names through the registry."""
+    fleet = Fleet(expiry_s=config.worker_expiry_s)
+    cache = Path(config.data_dir) / "gateway-models"
+    return Frontend(nc, config, fleet, ModelTable(fleet, registry_resolver(registry, cache, fleet)))
 
 
 async def main() -> None:
@@ -15,7 +37,7 @@ async def main() -> None:
     configure_logging("gateway", config.log_level, config.log_format)
     stop = stop_event()
     async with connection(config.nats_url, "gateway") as nc:
-        gw = Gateway(nc, config)
+        gw = Gateway(nc, config, frontend(nc, config, await open_registry(nc)))
         task = asyncio.create_task(gw.run())
         await stop.wait()
         gw.stop()

@@ -1,7 +1,10 @@
 """What the gateway knows about each model: its tokenizer, its limits, who serves it.
 
 Model names may pin a version: `NAME@VERSION`. The catalogue (and, when present, the
-registry) says which names exist; heartbeats say which are served and ready.
+registry) says which names exist; heartbeats say which are served and ready. A name
+the catalogue lacks is looked up in the registry: a version that ready workers serve
+(else prod, else an earlier prod) is fetched, verified, into the gateway's cache for
+the tokenizer and limits.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from typing import Awaitable, Callable
 from services.fleet import Fleet
 from shared import catalog
 from shared.errors import bad_request, not_found
+from shared.logging import get_logger
+
+log = get_logger("gateway.models")
 
 
 @dataclass
@@ -39,6 +45,45 @@ Resolver = Callable[[str], Awaitable["catalog.ModelInfo | None"]]
 
 async def catalogue_resolver(name: str) -> catalog.ModelInfo | None:
     return catalog.resolve(name)
+
+
+def registry_resolver(registry, cache_dir: str | Path, fleet: Fleet | None = None,
+                      fallback: Resolver = catalogue_resolver) -> Resolver:
+    """`fallback` first (the catalogue: no download), else a version from the registry.
+
+    The candidates, in order: versions ready workers serve (what requests will run on),
+    prod, earlier prods. A version that cannot be fetched (missing, corrupted) is
+    skipped. Versions of one name are expected to share a tokenizer: the first one
+    resolved tokenizes every version of that name for the life of the gateway."""
+    from services.registry.errors import RegistryError
+    from services.registry.source import ModelSource
+
+    source = ModelSource(registry, Path(cache_dir))
+
+    async def resolve(name: str) -> catalog.ModelInfo | None:
+        info = await fallback(name)
+        if info is not None or registry is None:
+            return info
+        try:
+            aliases = await registry.aliases(name)
+        except RegistryError as exc:
+            log.warning("model_unresolved", model=name, error=str(exc))
+            return None
+        served = [v for w in (fleet.ready(name) if fleet else []) for v in w.hb.versions]
+        for version in dict.fromkeys(served + [aliases.prod] + aliases.previous[::-1]):
+            if not version:
+                continue
+            try:
+                _, path = await source.resolve(name, version)
+            except RegistryError as exc:
+                log.warning("model_version_unusable", model=name, version=version,
+                            error=str(exc))
+                continue
+            log.info("model_from_registry", model=name, version=version)
+            return catalog.describe(name, path)
+        return None
+
+    return resolve
 
 
 class ModelTable:
