@@ -1,17 +1,26 @@
 """The services wired together in one event loop, each on its own NATS connection,
 as separate processes would be. Used by integration tests; a real nats-server and,
-unless a test passes a mock, the real JAX engine."""
+unless a test passes a mock, the real JAX engine.
+
+With `registry=True` the gateway, the scheduler and `add_registry_worker` workers use
+the JetStream registry as the processes do (`stack.registry` is the test's own
+handle, for pushing versions and moving aliases)."""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import tempfile
 import time
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nats
 
 from services.gateway.service import Gateway
+from services.registry.source import ModelSource
+from services.registry.store import Registry
 from services.scheduler.service import Scheduler
 from services.worker.service import Worker
 from shared.config import Config
@@ -35,6 +44,8 @@ class Stack:
     gateway: Gateway
     scheduler: Scheduler
     workers: dict[str, Worker] = field(default_factory=dict)
+    registry: Registry | None = None  # the test's own handle (registry=True)
+    cache_dir: Path | None = None  # per-stack scratch: registry fetches land here
     _tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     _exit: AsyncExitStack | None = None
 
@@ -43,6 +54,21 @@ class Stack:
         nc = await nats.connect(self.config.nats_url, name=worker_id)
         self._exit.push_async_callback(_close, nc)
         w = Worker(nc, self.config, engine, kind=kind, worker_id=worker_id)
+        return await self._start(w, wait_ready)
+
+    async def add_registry_worker(self, model: str, factory, worker_id: str,
+                                  wait_ready: bool = True) -> Worker:
+        """A worker that loads `model`'s versions from the registry with `factory`
+        (`(ModelInfo, version) -> engine`) and follows its aliases, as the process does."""
+        nc = await nats.connect(self.config.nats_url, name=worker_id)
+        self._exit.push_async_callback(_close, nc)
+        source = ModelSource(await Registry.open(nc), self.cache_dir / worker_id)
+        w = Worker(nc, self.config, model=model, worker_id=worker_id, source=source,
+                   engine_factory=factory)
+        return await self._start(w, wait_ready)
+
+    async def _start(self, w: Worker, wait_ready: bool) -> Worker:
+        worker_id = w.id
         ready = asyncio.Event()
         self.workers[worker_id] = w
         self._tasks[worker_id] = asyncio.create_task(w.run(ready))
@@ -85,7 +111,8 @@ def table_resolver(models: dict[str, str]):
 
 
 @asynccontextmanager
-async def running_stack(nats_url: str, models: dict[str, str] | None = None, **overrides):
+async def running_stack(nats_url: str, models: dict[str, str] | None = None,
+                        registry: bool = False, **overrides):
     base = dict(nats_url=nats_url, heartbeat_s=0.1, worker_expiry_s=1.0, log_format="json",
                 log_level="warning", http_port=0)
     base.update(overrides)
@@ -97,18 +124,26 @@ async def running_stack(nats_url: str, models: dict[str, str] | None = None, **o
             ex.push_async_callback(_close, nc)
             ncs.append(nc)
         client, gnc, snc = ncs
-        sched = Scheduler(snc, config, scale_interval_s=0.5)
+        cache = Path(tempfile.mkdtemp(prefix="tensorbus-stack-"))
+        ex.callback(shutil.rmtree, cache, ignore_errors=True)
+        sched = Scheduler(snc, config, scale_interval_s=0.5,
+                          registry=await Registry.open(snc) if registry else None)
         front = None
-        if models:
+        if models or registry:
             from services.gateway.frontend import Frontend
-            from services.gateway.models import ModelTable
+            from services.gateway.models import ModelTable, registry_resolver
             from services.fleet import Fleet
 
             fleet = Fleet(expiry_s=config.worker_expiry_s)
-            front = Frontend(gnc, config, fleet, ModelTable(fleet, table_resolver(models)))
+            resolver = table_resolver(models or {})
+            if registry:  # unbundled names: the registry's prod version
+                resolver = registry_resolver(await Registry.open(gnc), cache / "gateway",
+                                             fleet, fallback=resolver)
+            front = Frontend(gnc, config, fleet, ModelTable(fleet, resolver))
         gw = Gateway(gnc, config, front)
         s_ready, g_ready = asyncio.Event(), asyncio.Event()
-        stack = Stack(config, client, gw, sched, _exit=ex)
+        stack = Stack(config, client, gw, sched, _exit=ex, cache_dir=cache,
+                      registry=await Registry.open(client) if registry else None)
         stack._tasks["scheduler"] = asyncio.create_task(sched.run(s_ready))
         stack._tasks["gateway"] = asyncio.create_task(gw.run(g_ready))
         await asyncio.wait_for(asyncio.gather(s_ready.wait(), g_ready.wait()), 10)
