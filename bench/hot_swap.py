@@ -1,0 +1,221 @@
+"""Hot swap and cold start of a worker serving the bundled encoder from the registry.
+
+    .venv/bin/python -m bench.hot_swap [--batch-buckets 1,4] [--seq-buckets 16,64]
+                                       [--clients 4] [--out bench/out/hot_swap.json]
+
+One run, every service a real process against a fresh nats-server (JetStream):
+  1. The bundled encoder is pushed as versions 1 and 2 (the same weights; the
+     registry does not care) and version 1 is made prod.
+  2. Cold start, process start -> heartbeat state `ready`, three times in one data
+     directory: `first` (nothing cached: fetch, build, compile), `empty_cache` (model
+     files cached, JAX compilation cache emptied), `warm_cache` (both cached). Phases:
+     process start -> first heartbeat (imports, connect) -> `warming` -> `ready`.
+  3. Hot swap under closed-loop load: gateway, scheduler and one worker run; `clients`
+     loops send embeddings; version 2 is promoted, then rolled back (each once the
+     previous old version was retired). Each swap time is alias change -> first reply
+     whose `Tensorbus-Model-Version` is the new version: fetch (verified), build and
+     warm-up on the loader thread while version 1 serves. Failed requests are counted
+     over the whole load.
+Prints one JSON document (and writes it to --out). Figures from a shared CPU are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+
+from shared import catalog, subjects
+from shared.errors import HEADER_CODE
+
+MODEL = catalog.ENCODER
+VERSION_HEADER = "Tensorbus-Model-Version"
+REPO = Path(__file__).resolve().parent.parent
+
+
+async def push_versions(nc) -> None:
+    from services.registry.store import Registry
+
+    reg = await Registry.open(nc)
+    path = catalog.bundled_dir(MODEL)
+    for v in ("1", "2"):
+        await reg.push(path, MODEL, version=v, progress=False)
+    await reg.promote(MODEL, "1")
+
+
+class Heartbeats:
+    """First time each (worker, state) was heard, monotonic."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, str], float] = {}
+        self.changed = asyncio.Event()
+
+    async def start(self, nc) -> None:
+        from shared.telemetry import heartbeat_decoder
+
+        async def on_hb(msg) -> None:
+            hb = heartbeat_decoder.decode(msg.data)
+            self.seen.setdefault((hb.worker_id, "any"), time.monotonic())
+            self.seen.setdefault((hb.worker_id, hb.state), time.monotonic())
+            self.changed.set()
+
+        await nc.subscribe(subjects.TELEMETRY_WORKERS, cb=on_hb)
+
+    async def wait(self, worker_id: str, state: str, timeout: float = 600.0) -> float:
+        end = time.monotonic() + timeout
+        while (worker_id, state) not in self.seen:
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), max(0.01, end - time.monotonic()))
+        return self.seen[(worker_id, state)]
+
+
+async def cold_start(sup, hbs: Heartbeats, env: dict, worker_id: str) -> dict:
+    t0 = time.monotonic()
+    proc = sup.start(worker_id, "services.worker", TENSORBUS_WORKER_ID=worker_id, **env)
+    ready = await hbs.wait(worker_id, "ready")
+    up = hbs.seen[(worker_id, "any")]
+    warming = hbs.seen.get((worker_id, "warming"), ready)
+    proc.signal(15)
+    await asyncio.to_thread(proc.wait, 60)
+    return {"total_s": ready - t0, "to_first_heartbeat_s": up - t0,
+            "loading_s": warming - up, "warming_s": ready - warming}
+
+
+async def cold_starts(sup, hbs: Heartbeats, env: dict, data_dir: Path) -> dict:
+    out = {}
+    out["first"] = await cold_start(sup, hbs, env, "cold-first")
+    shutil.rmtree(data_dir / "jax-cache", ignore_errors=True)
+    out["empty_cache"] = await cold_start(sup, hbs, env, "cold-empty")
+    out["warm_cache"] = await cold_start(sup, hbs, env, "cold-warm")
+    for k, v in out.items():
+        print(f"cold start {k}: {v['total_s']:.2f} s (load {v['loading_s']:.2f} s, "
+              f"warm-up {v['warming_s']:.2f} s)", flush=True)
+    return out
+
+
+class Load:
+    """Closed-loop embedding clients; every reply's (arrival, version) is kept."""
+
+    def __init__(self, nc, clients: int) -> None:
+        self.nc, self.clients = nc, clients
+        self.replies: list[tuple[float, str]] = []
+        self.ok = self.failed = 0
+        self.stop = asyncio.Event()
+        self.tick = asyncio.Event()
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._client(i) for i in range(self.clients)))
+
+    async def _client(self, i: int) -> None:
+        body = msgspec.json.encode({"model": MODEL, "input": [f"client {i} says hello"]})
+        while not self.stop.is_set():
+            try:
+                msg = await self.nc.request(subjects.EMBEDDINGS, body, timeout=30)
+            except Exception:  # noqa: BLE001 - counted
+                self.failed += 1
+                continue
+            h = msg.headers or {}
+            if int(h.get(HEADER_CODE, 200)) != 200:
+                self.failed += 1
+                continue
+            self.ok += 1
+            self.replies.append((time.monotonic(), h.get(VERSION_HEADER, "")))
+            self.tick.set()
+
+    async def wait_version(self, version: str, since: float, timeout: float = 300.0) -> float:
+        """Seconds from `since` to the first reply by `version` that arrived after it."""
+        end, i = time.monotonic() + timeout, 0
+        while True:
+            for t, v in self.replies[i:]:
+                if t >= since and v == version:
+                    return t - since
+            i = len(self.replies)
+            self.tick.clear()
+            await asyncio.wait_for(self.tick.wait(), max(0.01, end - time.monotonic()))
+
+
+async def swaps(sup, nc, env: dict, clients: int, settle_s: float = 3.0) -> dict:
+    from services.registry.store import Registry
+    from services.supervisor import wait_ready
+
+    for name in ("gateway", "scheduler"):
+        sup.start(name, f"services.{name}", **env)
+    sup.start("swap-worker", "services.worker", TENSORBUS_WORKER_ID="swap-worker", **env)
+    await wait_ready(nc, MODEL, 1)
+    reg = await Registry.open(nc)
+    load = Load(nc, clients)
+    task = asyncio.create_task(load.run())
+    try:
+        await load.wait_version("1", 0.0)
+        out = {}
+        for version, move in (("2", lambda: reg.promote(MODEL, "2")),
+                              ("1", lambda: reg.rollback(MODEL))):
+            # Past the retire grace (3 heartbeats), so the old version is really
+            # gone: moving back within the grace would find it still loaded.
+            await asyncio.sleep(settle_s)
+            t0 = time.monotonic()
+            await move()
+            out[f"to_{version}_s"] = await load.wait_version(version, t0)
+            print(f"hot swap -> {version}: {out[f'to_{version}_s']:.2f} s", flush=True)
+    finally:
+        load.stop.set()
+        await task
+    out.update(requests_ok=load.ok, requests_failed=load.failed, clients=clients)
+    return out
+
+
+async def run(args) -> dict:
+    import nats
+
+    from services.supervisor import Supervisor
+
+    work = Path(tempfile.mkdtemp(prefix="tensorbus-bench-swap-"))
+    data_dir = work / "data"
+    env = dict(TENSORBUS_BATCH_BUCKETS=args.batch_buckets, TENSORBUS_SEQ_BUCKETS=args.seq_buckets,
+               TENSORBUS_MAX_BATCH=str(max(int(b) for b in args.batch_buckets.split(","))),
+               TENSORBUS_DATA_DIR=str(data_dir), TENSORBUS_LOG_LEVEL="warning",
+               TENSORBUS_MODEL=MODEL)
+    try:
+        with Supervisor(work) as sup:
+            sup.start_nats()
+            nc = await nats.connect(sup.nats_url)
+            try:
+                await push_versions(nc)
+                hbs = Heartbeats()
+                await hbs.start(nc)
+                cold = await cold_starts(sup, hbs, env, data_dir)
+                swap = await swaps(sup, nc, env, args.clients)
+            finally:
+                await nc.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"machine": {"cpu": platform.processor() or platform.machine(),
+                        "cores": os.cpu_count(), "python": platform.python_version()},
+            "buckets": {"batch": args.batch_buckets, "seq": args.seq_buckets},
+            "cold_start": cold, "hot_swap": swap}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch-buckets", default="1,4")
+    p.add_argument("--seq-buckets", default="16,64")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--out", default=str(REPO / "bench" / "out" / "hot_swap.json"))
+    args = p.parse_args()
+    res = asyncio.run(run(args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
