@@ -43,4 +43,9 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from services.probe import run_check
+
+    run_check(sys.argv[1:], "tensorbus-scheduler", "")
     asyncio.run(main())

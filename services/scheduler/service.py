@@ -70,7 +70,7 @@ class Scheduler:
                  registry=None) -> None:
         self.nc = nc
         self.config = config
-        self.id = scheduler_id or uuid.uuid4().hex[:12]
+        self.id = scheduler_id or config.scheduler_id or uuid.uuid4().hex[:12]
         self.fleet = Fleet(expiry_s=config.worker_expiry_s)
         # With a registry, each model seen in heartbeats has its aliases watched.
         self.aliases = AliasTable(registry) if registry is not None else None
@@ -100,7 +100,7 @@ class Scheduler:
         ]
         self.micro = await add_service(
             self.nc, "tensorbus-scheduler", VERSION, "admission, routing and scaling signals",
-            health=ServiceHealth(ready=True), metadata={"scheduler_id": self.id})
+            health=self._health(), metadata={"scheduler_id": self.id})
         await self.nc.flush()
         log.info("scheduler_started", scheduler_id=self.id)
         if ready is not None:
@@ -119,6 +119,11 @@ class Scheduler:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _health(self) -> ServiceHealth:
+        health = ServiceHealth(ready=True)
+        health.details = {"instance": self.id}
+        return health
 
     # --------------------------------------------------------------- submissions
     async def _on_submit(self, msg: Msg) -> None:

@@ -64,4 +64,9 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    import sys
+
+    from services.probe import run_check
+
+    run_check(sys.argv[1:], "tensorbus-worker", "")
     asyncio.run(main())

@@ -132,12 +132,13 @@ class Worker:
     def versions_changed(self) -> None:
         """The served versions (or last_error) changed: tell everyone now."""
         if self.health is not None and self.health.ready:
-            self.health.details = {"model": self.model, "versions": self.versions}
+            self.health.details = {"instance": self.id, "model": self.model, "versions": self.versions}
         self._hb_now.set()
 
     # --------------------------------------------------------------- lifecycle
     async def run(self, ready: asyncio.Event | None = None) -> None:
         self.health = ServiceHealth(ready=False)
+        self.health.details = {"instance": self.id}
         self.health.add_check("forward_progress", self._progressing, liveness=True)
         what = f"{self.kind} worker" if self.kind else "worker"
         self.micro = await add_service(
@@ -164,7 +165,7 @@ class Worker:
             await self.nc.flush()
             self.state = "ready"
             self.health.ready = True
-            self.health.details = {"model": self.model, "versions": self.versions}
+            self.health.details = {"instance": self.id, "model": self.model, "versions": self.versions}
             self._hb_now.set()
             log.info("ready", worker_id=self.id, model=self.model, kind=self.kind,
                      versions=self.versions)
