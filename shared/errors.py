@@ -20,6 +20,7 @@ _TYPES = {
     404: "not_found_error",
     408: "timeout_error",
     413: "payload_too_large",
+    431: "invalid_request_error",
     429: "rate_limit_exceeded",
     500: "internal_error",
     503: "service_unavailable",

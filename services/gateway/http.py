@@ -64,6 +64,13 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
         return scheme.lower() == "bearer" and any(
             hmac.compare_digest(token.strip().encode(), k.encode()) for k in keys)
 
+    def check_headers(request: Request) -> None:
+        # uvicorn's h11 limit only bounds a header block that arrives in pieces.
+        size = sum(len(k) + len(v) + 4 for k, v in request.scope["headers"])
+        if size > config.max_header_bytes:
+            raise ServiceError(431, f"the request headers take {size} bytes; the limit is "
+                               f"{config.max_header_bytes}", code="headers_too_large")
+
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > config.max_payload:
@@ -86,6 +93,7 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
         streaming = False
         with structlog.contextvars.bound_contextvars(request_id=rid):
             try:
+                check_headers(request)
                 if not authorised(request):
                     raise ServiceError(401, "a valid API key is required (Authorization: Bearer KEY)",
                                        code="invalid_api_key")
