@@ -1,0 +1,48 @@
+"""Fixtures for the reliability suite: the real bundled encoder (compiled once per
+session, shared with the integration suite's definition) and a tiny real decoder."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+
+from tests.integration.conftest import jax_cache_dir, minilm  # noqa: F401 - fixtures
+
+DECODER = "tiny-gpt2"
+DECODER_CONTEXT = 256
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder(tmp_path_factory, jax_cache_dir):  # noqa: F811 - the imported fixture
+    """(engine, model directory): a 2-layer GPT-2 with random weights, 4 KV slots."""
+    from engine import jaxrt
+    from engine.decoder import DecoderEngine
+    from tests.support.tiny_models import build
+
+    jaxrt.setup(jax_cache_dir)
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    build("gpt2", path, positions=DECODER_CONTEXT)
+    engine = DecoderEngine(path, name=DECODER, slots=4, max_context=DECODER_CONTEXT,
+                           prefill_buckets=(16, 64))
+    engine.warmup(progress=False)
+    return engine, str(path)
+
+
+ENCODER = "all-MiniLM-L6-v2"
+MAX_INPUTS = 32
+MAX_PAYLOAD = 200_000
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def served(nats_server, minilm, tiny_decoder):  # noqa: F811
+    """An in-process stack serving the real encoder and the tiny decoder, with small
+    limits so that over-limit inputs stay cheap to send."""
+    from tests.support.stack import running_stack
+
+    engine, path = tiny_decoder
+    async with running_stack(nats_server.url, models={DECODER: path}, max_inputs=MAX_INPUTS,
+                             max_payload=MAX_PAYLOAD, max_context=DECODER_CONTEXT,
+                             decode_slots=4, request_timeout_s=10) as st:
+        await st.add_worker(minilm, "enc-hostile")
+        await st.add_worker(engine, "dec-hostile", kind="decoder")
+        yield st
