@@ -118,6 +118,8 @@ class HotSwap:
     async def start(self) -> LoadedModels:
         """The versions to serve first (built, not warmed); never an empty set."""
         aliases = await self._current()
+        if self.follows and not aliases.prod:
+            aliases = await self._seed() or aliases
         prod = aliases.prod or LOCAL
         errors = []
         try:
@@ -140,6 +142,21 @@ class HotSwap:
         self._report(errors)
         log.info("versions_loaded", model=self.model, prod=prod, canary=canary or None)
         return models
+
+    async def _seed(self) -> Aliases | None:
+        """First start of a bundled model: seed it ourselves rather than start on
+        `local` and warm everything twice when the scheduler's seeding lands."""
+        info = catalog.resolve(self.model)
+        if info is None:
+            return None
+        from services.registry.seed import seed_bundled
+
+        try:
+            await seed_bundled(self.registry, [info])
+        except Exception as exc:  # noqa: BLE001 - e.g. no write permission: serve local
+            log.info("seed_skipped", model=self.model, error=f"{type(exc).__name__}: {exc}")
+            return None
+        return await self._current()
 
     async def _current(self) -> Aliases:
         if not self.follows:
