@@ -80,11 +80,18 @@ async def stack_figures(seconds: float, workdir: Path) -> dict:
         nc = await nats.connect(sup.nats_url)
         try:
             await wait_ready(nc, MODEL, 1)
+            # The first seconds after `ready` run slower (first touches of every
+            # executable and buffer); settle before measuring.
+            warm = [embed_body(MODEL, t) for t in short_inputs()]
+            await closed_loop(nc, "inference.v1.embeddings", warm, 16, 10.0)
             for kind, texts in (("short", short_inputs()), ("long", long_inputs())):
                 bodies = [embed_body(MODEL, t) for t in texts]
                 results[kind] = []
+                # A long batch of 64 takes seconds: measure long inputs for longer.
+                window = seconds if kind == "short" else seconds * 3
                 for c in (1, 16, 64):
-                    r = await closed_loop(nc, "inference.v1.embeddings", bodies, c, seconds)
+                    r = await closed_loop(nc, "inference.v1.embeddings", bodies, c, window,
+                                          warmup_s=window / 5)
                     print(f"stack {kind} c={c}: {r['rps']:.1f} req/s p50 {r['p50_ms']:.2f} ms "
                           f"p99 {r['p99_ms']:.2f} ms errors {r['errors']}", flush=True)
                     results[kind].append(r)
