@@ -109,17 +109,21 @@ def _gelu(x, act: str):
 
 
 def _attention(qkv, bias, heads: int):
-    """qkv: [B, S, 3D]; bias: [B, 1, 1, S] float32 (0 or a large negative) -> [B, S, D]."""
+    """qkv: [B, S, 3D]; bias: [B, 1, 1, S] float32 (0 or a large negative) -> [B, S, D].
+
+    One explicit transpose to head-major [3, B, H, S, K] up front: XLA's CPU batched
+    dot then runs on contiguous [S, K] tiles; letting einsum pick the layout from
+    [B, S, H, K] measured 15-20% slower end to end at S >= 128 (no change at S=16)."""
     b, s, three_d = qkv.shape
     d = three_d // 3
     k_dim = d // heads
-    qkv = qkv.reshape(b, s, 3, heads, k_dim)  # [B, S, 3, H, K]
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each [B, S, H, K]
+    qkv = qkv.reshape(b, s, 3, heads, k_dim).transpose(2, 0, 3, 1, 4)  # [3, B, H, S, K]
+    q, k, v = qkv[0], qkv[1], qkv[2]  # each [B, H, S, K]
     q = q * jnp.asarray(1.0 / np.sqrt(k_dim), q.dtype)  # scale the small operand
-    scores = jnp.einsum("bqhk,bshk->bhqs", q, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum("bhqk,bhsk->bhqs", q, k, preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(scores + bias, axis=-1).astype(v.dtype)  # [B, H, S, S]
-    ctx = jnp.einsum("bhqs,bshk->bqhk", probs, v)  # [B, S, H, K]
-    return ctx.reshape(b, s, d)
+    ctx = jnp.einsum("bhqs,bhsk->bhqk", probs, v)  # [B, H, S, K]
+    return ctx.transpose(0, 2, 1, 3).reshape(b, s, d)  # [B, S, D]
 
 
 def _layer(x, bias, p: Params, cfg: BertConfig):
@@ -135,9 +139,9 @@ def _layer(x, bias, p: Params, cfg: BertConfig):
 def forward(params: Params, ids, mask, cfg: BertConfig):
     """ids, mask: [B, S] int32 -> [B, D] float32 unit vectors (mean over mask)."""
     s = ids.shape[1]
-    dt = params["layers"][0]["qkv_w"].dtype
-    x = params["word"][ids] + params["pos"][:s]  # [B, S, D]
-    x = _layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps)
+    word, pos = params["word"], params["pos"]
+    x = word[ids].astype(jnp.float32) + pos[:s].astype(jnp.float32)  # [B, S, D]
+    x = _layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps).astype(word.dtype)
     m = mask.astype(jnp.float32)  # [B, S]
     # Padding keys get a large negative logit (not -inf: an all-padding row of a
     # padded batch must stay finite, its output is discarded anyway).
@@ -204,7 +208,8 @@ class JaxEncoder:
         exe = self._executables.get((b, s))
         if exe is None:
             spec = jax.ShapeDtypeStruct((b, s), jnp.int32)  # ids and mask: [B, S]
-            exe = self._executables[(b, s)] = self._jitted.lower(self.params, spec, spec).compile()
+            lowered = self._jitted.lower(self.params, spec, spec)
+            exe = self._executables[(b, s)] = jaxrt.compile_lowered(lowered)
         return exe
 
     def warmup(self, progress: bool = True) -> int:

@@ -44,6 +44,34 @@ def setup(cache_dir: str | os.PathLike | None = None) -> str:
     return describe()
 
 
+# XLA CPU options for the encoder and decoder executables (compile-time, per
+# executable; never process-wide XLA_FLAGS). YNNPACK fusions are switched off: XLA
+# then runs the dots on its own GEMM kernels and fuses the element-wise work into
+# loops; on the 2-core AVX2 EPYC this cut a batch-1 16-token MiniLM forward from
+# ~18 to ~11 CPU-ms and left batch-64 throughput unchanged or slightly better
+# (docs/decisions/0001-encoder-engine.md).
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def compiler_options() -> dict[str, str]:
+    """Options for `jit(...).lower(...).compile(compiler_options=...)` on this
+    backend; see `compile_lowered` for the fallback when jaxlib lacks one."""
+    return dict(CPU_COMPILER_OPTIONS) if _device().platform == "cpu" else {}
+
+
+def compile_lowered(lowered):
+    """Compile with `compiler_options()`, or with none if this jaxlib rejects them
+    (the option names are XLA's and may change between releases)."""
+    options = compiler_options()
+    if options:
+        try:
+            return lowered.compile(compiler_options=options)
+        except jax.errors.JaxRuntimeError as exc:
+            if "compile option" not in str(exc):
+                raise
+    return lowered.compile()
+
+
 def _device():
     return jax.devices()[0]
 

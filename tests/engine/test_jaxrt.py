@@ -36,3 +36,15 @@ def test_dtype_names_and_device():
     with pytest.raises(ValueError, match="unknown dtype"):
         jaxrt.parse_dtype("int8")
     assert jaxrt.device_name() == "cpu" and jaxrt.memory_bytes() >= 0
+
+
+def test_compile_falls_back_when_jaxlib_lacks_an_option(monkeypatch):
+    import jax
+    import jax.numpy as jnp
+
+    lowered = jax.jit(lambda x: x * 3).lower(jnp.ones(4))
+    monkeypatch.setattr(jaxrt, "CPU_COMPILER_OPTIONS", {"xla_cpu_no_such_option": ""})
+    assert float(jaxrt.compile_lowered(lowered)(jnp.ones(4)).sum()) == 12.0
+    monkeypatch.undo()
+    assert jaxrt.compiler_options() == jaxrt.CPU_COMPILER_OPTIONS
+    assert float(jaxrt.compile_lowered(lowered)(jnp.ones(4)).sum()) == 12.0
