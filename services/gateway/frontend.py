@@ -15,6 +15,8 @@ import asyncio
 import re
 import time
 import uuid
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import msgspec
@@ -29,7 +31,8 @@ from services.gateway.models import ModelTable, split_name
 from shared import subjects
 from shared.api import EmbeddingRequest, ModelCard, ModelList
 from shared.config import Config
-from shared.errors import ServiceError, bad_request, deadline_exceeded, internal, too_large, unavailable
+from shared.errors import (ServiceError, bad_request, deadline_exceeded, internal, overloaded,
+                           too_large, unavailable)
 from shared.logging import get_logger
 from shared.messages import Cancel, EmbedResult, EmbedWork, Timing, WorkError, encode, result_decoder
 from shared.telemetry import RequestRecord
@@ -83,6 +86,7 @@ class Frontend:
         self.models = models or ModelTable(self.fleet)
         self.inbox = ReplyInbox(nc)
         self._tokenizing = asyncio.Semaphore(2)  # large inputs tokenized at once
+        self.waiting: Counter[str] = Counter()  # model -> requests submitted, unanswered
 
     async def start(self) -> None:
         await self.inbox.start()
@@ -103,6 +107,20 @@ class Frontend:
         async with self._tokenizing:
             return await asyncio.to_thread(fn, *args)
 
+    def shed(self, model: str) -> None:
+        """429 before any work when this gateway alone already waits on as many of the
+        model's requests as the whole fleet may queue. The scheduler's admission stays
+        the exact one (it sees every gateway); this spares a request it would refuse
+        the tokenizing and two hops, which under ten times capacity made refusals take
+        a second instead of milliseconds. Counted here, so never stale."""
+        ready = len(self.fleet.ready(model))
+        if not ready:
+            return  # held during a cold start, or a 503: the scheduler's call
+        waiting = self.waiting[model]
+        if waiting >= self.config.max_queue_per_worker * ready:
+            raise overloaded(f"model '{model}' is at capacity ({waiting} requests queued); "
+                             "retry after the hinted delay", retry_after=1.0)
+
     def check_size(self, body: bytes) -> None:
         if len(body) > self.config.max_payload:
             raise too_large(f"the request body is {len(body)} bytes; "
@@ -118,6 +136,7 @@ class Frontend:
         entry = await self.models.get(name)
         if entry.info.kind != "encoder":
             raise bad_request(f"model '{name}' generates text; use the completions endpoints")
+        self.shed(name)
         ids = await self.tokenize(tokenize_inputs, req, entry, self.config, size=len(body))
         out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(rid, name, version, ids, deadline, "")
@@ -141,8 +160,16 @@ class Frontend:
         return ModelList(data=cards)
 
     # ---------------------------------------------------------------- dispatch
-    def open(self, rid: str) -> tuple[str, asyncio.Queue[Msg]]:
-        return self.inbox.open(rid)
+    @contextmanager
+    def dispatched(self, work):
+        """The request's inbox, open (and counted as waiting) while it is out."""
+        reply, q = self.inbox.open(work.request_id)
+        self.waiting[work.model] += 1
+        try:
+            yield reply, q
+        finally:
+            self.waiting[work.model] -= 1
+            self.inbox.close(work.request_id)
 
     async def submit(self, work, reply: str) -> None:
         work.reply = reply
@@ -171,12 +198,9 @@ class Frontend:
 
     async def call(self, work, deadline: float):
         """Submit work and wait for its single answer."""
-        reply, q = self.open(work.request_id)
-        try:
+        with self.dispatched(work) as (reply, q):
             await self.submit(work, reply)
             return await self.next_result(q, work.request_id, deadline)
-        finally:
-            self.inbox.close(work.request_id)
 
     async def cancel(self, rid: str, reason: str) -> None:
         await self.nc.publish(subjects.CANCEL, encode(Cancel(rid, reason)))

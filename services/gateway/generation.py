@@ -67,6 +67,7 @@ class Generation:
         entry = await self.front.models.get(name)
         if entry.info.kind != "decoder":
             raise bad_request(f"model '{name}' is an embedding model; use the embeddings endpoint")
+        self.front.shed(name)
         if not chat and req.echo:
             raise bad_request("'echo' is not supported; send the prompt back yourself")
         render = self._chat_prompt if chat else self._prompt
@@ -132,8 +133,7 @@ class Generation:
     # ---------------------------------------------------------------- events
     async def events(self, prep: Prepared, deadline: float) -> AsyncIterator[GenChunk | GenDone]:
         rid = prep.work.request_id
-        reply, q = self.front.open(rid)
-        try:
+        with self.front.dispatched(prep.work) as (reply, q):
             await self.front.submit(prep.work, reply)
             while True:
                 ev = await self.front.next_result(q, rid, deadline)
@@ -141,8 +141,6 @@ class Generation:
                     yield ev
                     if isinstance(ev, GenDone):
                         return
-        finally:
-            self.front.inbox.close(rid)
 
     async def complete(self, prep: Prepared, deadline: float, out):
         texts = [[] for _ in range(prep.work.n)]
