@@ -31,7 +31,7 @@ FIELDS = ["model", "input", "prompt", "messages", "max_tokens", "max_completion_
 MODELS = st.sampled_from([ENCODER, DECODER, f"{DECODER}@local", f"{ENCODER}@9", "", "nope", "a@b@c"])
 REFUSALS = {400, 404, 413, 503}
 
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=120, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.filter_too_much])
 
