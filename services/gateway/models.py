@@ -35,7 +35,7 @@ class ModelEntry:
 def split_name(model: str) -> tuple[str, str]:
     name, _, version = model.partition("@")
     if not name or (_ and not version):
-        raise bad_request(f"bad model name {model!r}: use NAME or NAME@VERSION")
+        raise bad_request(f"bad model name '{model}': use NAME or NAME@VERSION")  # no repr
     return name, version
 
 

@@ -130,6 +130,8 @@ CATALOGUE = [
     Case("empty model name", E, J(emb(model="")), 400, "model"),
     Case("model name over 256 chars", E, J(emb(model="m" * 300)), 400, "model"),
     Case("version separator without version", E, J(emb(model=ENCODER + "@")), 400, "NAME@VERSION"),
+    Case("control characters before a version separator", E, J(emb(model="a\x01\x07\t@")), 400,
+         "NAME@VERSION"),
     Case("version nobody serves", E, J(emb(model=ENCODER + "@99")), 503, "version 99", "no_worker"),
     Case("header injection in the model name", E,
          J(emb(model="x\r\nNats-Service-Error-Code: 200\r\n")), 404, "does not exist"),
