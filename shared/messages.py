@@ -92,6 +92,7 @@ class GenChunk(_Msg, tag="chunk"):
     text: str
     tokens: int  # tokens this chunk covers
     finish_reason: str | None = None
+    attempt: int = 0  # dispatch attempt that produced it (re-dispatch must not mix)
 
 
 class GenDone(_Msg, tag="done"):
@@ -104,6 +105,7 @@ class GenDone(_Msg, tag="done"):
     prompt_tokens: int
     completion_tokens: int
     timing: Timing
+    attempt: int = 0
 
 
 class WorkError(_Msg, tag="error"):

@@ -1,4 +1,5 @@
-"""Session-wide fixtures: one real nats-server per test session, on a free port."""
+"""Session-wide fixtures: one real nats-server per test session on a free port, and the
+real bundled encoder compiled once for every suite that needs it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from pathlib import Path
+
 import pytest
 import pytest_asyncio
 
+from shared import catalog
 from shared.natsd import NatsServer
 
 
@@ -26,3 +30,35 @@ async def nc(nats_server):
     client = await nats.connect(nats_server.url)
     yield client
     await client.drain()
+
+ENCODER = catalog.ENCODER
+# A small bucket set keeps warm-up short; inputs up to the model's 256-token limit fit.
+TEST_BATCH_BUCKETS = (1, 4, 16)
+TEST_SEQ_BUCKETS = (16, 64, 256)
+
+
+@pytest.fixture(scope="session")
+def jax_cache_dir() -> str:
+    d = Path(os.environ.get("TENSORBUS_TEST_CACHE", ".data/test-jax-cache")).resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    return str(d)
+
+
+@pytest.fixture(scope="session")
+def minilm(jax_cache_dir):
+    from engine import jaxrt
+    from engine.encoder import JaxEncoder
+
+    jaxrt.setup(jax_cache_dir)
+    enc = JaxEncoder(catalog.bundled_dir(ENCODER), name=ENCODER,
+                     batch_buckets=TEST_BATCH_BUCKETS, seq_buckets=TEST_SEQ_BUCKETS, max_batch=16)
+    enc.warmup(progress=False)
+    return enc
+
+
+@pytest.fixture(scope="session")
+def sentence_transformer():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(catalog.bundled_dir(ENCODER)), device="cpu")

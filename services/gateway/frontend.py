@@ -181,7 +181,12 @@ class Frontend:
         try:
             if left <= 0:
                 raise TimeoutError
-            msg = await asyncio.wait_for(q.get(), left)
+            if q.empty():
+                # asyncio.timeout, not wait_for: no extra Task per wait on the hot path.
+                async with asyncio.timeout(left):
+                    msg = await q.get()
+            else:
+                msg = q.get_nowait()
         except TimeoutError:
             await self.cancel(rid, "deadline")
             raise deadline_exceeded() from None

@@ -135,9 +135,14 @@ class Generation:
         rid = prep.work.request_id
         with self.front.dispatched(prep.work) as (reply, q):
             await self.front.submit(prep.work, reply)
+            attempt = None  # the first dispatch attempt heard from owns the stream
             while True:
                 ev = await self.front.next_result(q, rid, deadline)
                 if isinstance(ev, (GenChunk, GenDone)):
+                    if attempt is None:
+                        attempt = ev.attempt
+                    elif ev.attempt != attempt:
+                        continue
                     yield ev
                     if isinstance(ev, GenDone):
                         return

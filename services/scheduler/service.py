@@ -71,7 +71,7 @@ class Scheduler:
         self.nc = nc
         self.config = config
         self.id = scheduler_id or config.scheduler_id or uuid.uuid4().hex[:12]
-        self.fleet = Fleet(expiry_s=config.worker_expiry_s)
+        self.fleet = Fleet(expiry_s=config.worker_expiry_s, stall_s=config.stall_s)
         # With a registry, each model seen in heartbeats has its aliases watched.
         self.aliases = AliasTable(registry) if registry is not None else None
         self.choose_version = choose_version or (
@@ -216,15 +216,15 @@ class Scheduler:
             hb = heartbeat_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        was_ready = (v := self.fleet.workers.get(hb.worker_id)) is not None and v.ready
         if self.aliases is not None:
             self.aliases.track(hb.model)
         view = self.fleet.observe(hb)
         if view.ready and self.held:
             await self._release_held()
-        if was_ready and hb.state in ("draining", "stopped", "unhealthy") or view.stalled:
-            if hb.state in ("stopped", "unhealthy") or view.stalled:
-                await self._recover(hb.worker_id, f"worker {hb.state}")
+        # A draining worker finishes what it holds; a stopped, unhealthy or wedged one
+        # will not, so its outstanding work goes elsewhere (a no-op when it has none).
+        if hb.state in ("stopped", "unhealthy") or view.stalled:
+            await self._recover(hb.worker_id, "worker stalled" if view.stalled else f"worker {hb.state}")
 
     async def _release_held(self) -> None:
         held, self.held = self.held, deque()

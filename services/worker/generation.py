@@ -5,8 +5,11 @@
      (their slots free within one step), then admits at most `prefill_per_step`
      waiting sequences into free slots (bounded, so running decodes never stall for
      long behind a burst of prompts).
-  3. One engine call per iteration, on the engine thread: the admissions' prefills
-     plus one decode step for every active slot.
+  3. One engine call per iteration, on the engine thread: the admissions' prefills,
+     then the tokens of the step dispatched last time, then the next step is
+     dispatched (`step_async`) before returning — so detokenizing and publishing
+     step n overlap the computation of step n+1. A sequence admitted now joins the
+     step after the one in flight; tokens from steps it was not part of are ignored.
   4. New tokens are detokenized per sequence (never splitting a UTF-8 character),
      checked against EOS, stop strings, `max_tokens` and the context, and streamed to
      the gateway as GenChunks (non-streaming requests get one chunk per choice at the
@@ -21,7 +24,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared.errors import ServiceError, deadline_exceeded
+from shared.errors import ServiceError, deadline_exceeded, internal
 from shared.logging import get_logger
 from shared.messages import GenChunk, GenDone, GenerateWork, Timing, encode
 
@@ -37,6 +40,7 @@ class Sequence:
     detok: object
     slot: int = -1
     admitted: float = 0.0
+    joined: int = 0  # number of the first decode step that includes it
     first_at: float = 0.0
     last_at: float = 0.0
     generated: int = 0
@@ -68,6 +72,8 @@ class GenerationLoop:
         self.active: dict[int, Sequence] = {}  # slot -> sequence
         self.requests: dict[str, RequestState] = {}
         self.steps = 0
+        self._pending = None  # the dispatched decode step, not yet read
+        self._dispatched = 0  # decode steps dispatched so far (the pending one's number)
         self._occ_sum = 0
         self._occ_n = 0
         self._wake = asyncio.Event()
@@ -146,19 +152,19 @@ class GenerationLoop:
         loop = asyncio.get_running_loop()
         while True:
             await self._retire()
-            if not self.active and not self.waiting:
+            if not self.active and not self.waiting and self._pending is None:
                 self._idle.set()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             admits = self._admissions()
-            firsts, tokens = await loop.run_in_executor(
+            firsts, tokens, step_no = await loop.run_in_executor(
                 self.worker.executor, self._engine_step, admits)
             self.steps += 1
             self._occ_sum += len(self.active)
             self._occ_n += 1
             now = time.perf_counter()
-            await self._advance(firsts, tokens, now)
+            await self._advance(firsts, tokens, step_no, now)
 
     def _admissions(self) -> list[Sequence]:
         free = [s for s in range(self.slots) if s not in self.active]
@@ -177,7 +183,7 @@ class GenerationLoop:
         return out
 
     def _engine_step(self, admits: list[Sequence]):
-        """Runs on the engine thread: prefills for new sequences, one decode step."""
+        """Runs on the engine thread: prefills, read the step in flight, dispatch the next."""
         firsts = []
         for seq in admits:
             try:
@@ -185,21 +191,31 @@ class GenerationLoop:
                     seq.slot, seq.work.prompt, seq.work.sampling, seq.seed))
             except Exception as exc:  # noqa: BLE001 - fails this sequence only
                 firsts.append(exc)
-        # Fresh slots step too: the prefill's token is their input, the step's output
-        # their second token.
-        tokens = self.engine.step() if self.active else None
-        return list(zip(admits, firsts)), tokens
+            # Queued behind the step in flight: it joins the next one dispatched.
+            seq.joined = self._dispatched + 1
+        pending, step_no = self._pending, self._dispatched
+        tokens = pending.result() if pending is not None else None
+        if self.engine.active_slots:
+            self._pending = self.engine.step_async()
+            self._dispatched += 1
+        else:
+            self._pending = None
+        return list(zip(admits, firsts)), tokens, step_no
 
-    async def _advance(self, firsts, tokens, now: float) -> None:
+    async def _advance(self, firsts, tokens, step_no: int, now: float) -> None:
         for seq, tok in firsts:
             if isinstance(tok, Exception):
                 log.error("prefill_failed", request_id=seq.work.request_id, error=repr(tok))
                 seq.finish = "error"
+                st = self.requests.get(seq.work.request_id)
+                if st is not None and not st.cancelled:
+                    st.cancelled = True  # its other choices stop too
+                    await self.worker.send_error(seq.work, internal("the model failed on this prompt"))
                 continue
             await self._accept(seq, int(tok), now)
         if tokens is not None:
             for slot, seq in list(self.active.items()):
-                if seq.finish is not None:
+                if seq.finish is not None or seq.joined > step_no or seq.generated == 0:
                     continue
                 await self._accept(seq, int(tokens[slot]), now)
 
@@ -238,7 +254,7 @@ class GenerationLoop:
     async def _chunk(self, seq: Sequence, text: str) -> None:
         w = seq.work
         await self.nc.publish(w.reply, encode(GenChunk(
-            w.request_id, seq.index, text, 1, seq.finish)))
+            w.request_id, seq.index, text, 1, seq.finish, w.attempt)))
 
     def _finish_unstarted(self, seq: Sequence, st: RequestState | None) -> None:
         seq.finish = "cancelled"
@@ -279,5 +295,5 @@ class GenerationLoop:
             batch_size=len(self.active) + 1)
         await self.nc.publish(w.reply, encode(GenDone(
             w.request_id, self.worker.id, self.worker.model, self.worker.versions[0],
-            len(w.prompt), st.completion_tokens, timing)))
+            len(w.prompt), st.completion_tokens, timing, w.attempt)))
         await self.worker.report_done({w.sched_id: [w.request_id]})

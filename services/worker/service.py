@@ -192,7 +192,7 @@ class Worker:
         steps = self.generator.steps if self.generator else self.steps
         if steps != getattr(self, "_last_steps", -1):
             self._last_steps, self._last_progress = steps, time.monotonic()
-        return time.monotonic() - getattr(self, "_last_progress", time.monotonic()) < 10.0
+        return time.monotonic() - getattr(self, "_last_progress", time.monotonic()) < self.config.stall_s
 
     async def _drain(self) -> None:
         self.health.ready = False

@@ -385,7 +385,7 @@ async def test_first_start_seeds_the_registry_and_serves_the_real_encoder(
     loads version 1 from the registry (verified), then a re-push is hot-swapped in."""
     from engine import jaxrt
     from engine.encoder import JaxEncoder
-    from tests.integration.conftest import TEST_BATCH_BUCKETS, TEST_SEQ_BUCKETS
+    from tests.conftest import TEST_BATCH_BUCKETS, TEST_SEQ_BUCKETS
 
     jaxrt.setup(jax_cache_dir)
 

@@ -1,19 +1,17 @@
 """Fixtures for the reliability suite: the real bundled encoder (compiled once per
-session, shared with the integration suite's definition) and a tiny real decoder."""
+session, from tests/conftest.py) and a tiny real decoder."""
 
 from __future__ import annotations
 
 import pytest
 import pytest_asyncio
 
-from tests.integration.conftest import jax_cache_dir, minilm  # noqa: F401 - fixtures
-
 DECODER = "tiny-gpt2"
 DECODER_CONTEXT = 256
 
 
 @pytest.fixture(scope="session")
-def tiny_decoder(tmp_path_factory, jax_cache_dir):  # noqa: F811 - the imported fixture
+def tiny_decoder(tmp_path_factory, jax_cache_dir):
     """(engine, model directory): a 2-layer GPT-2 with random weights, 4 KV slots."""
     from engine import jaxrt
     from engine.decoder import DecoderEngine
@@ -34,7 +32,7 @@ MAX_PAYLOAD = 200_000
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def served(nats_server, minilm, tiny_decoder):  # noqa: F811
+async def served(nats_server, minilm, tiny_decoder):
     """An in-process stack serving the real encoder and the tiny decoder, with small
     limits so that over-limit inputs stay cheap to send."""
     from tests.support.stack import running_stack
