@@ -21,15 +21,9 @@ from shared.logging import get_logger
 log = get_logger("bus")
 
 
-async def connect(url: str, name: str, on_disconnect_hooks: list | None = None, **kw) -> Client:
-    """Connect (retrying the first time too). `on_disconnect_hooks`: callables run,
-    in the event loop, each time the connection drops (the list may be filled later)."""
-    hooks = on_disconnect_hooks if on_disconnect_hooks is not None else []
-
+async def connect(url: str, name: str, **kw) -> Client:
     async def on_disconnect() -> None:
         log.warning("nats_disconnected", client=name)
-        for hook in hooks:
-            hook()
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected", client=name)
@@ -72,9 +66,8 @@ async def connect(url: str, name: str, on_disconnect_hooks: list | None = None, 
 
 
 @asynccontextmanager
-async def connection(url: str, name: str, on_disconnect_hooks: list | None = None,
-                     **kw) -> AsyncIterator[Client]:
-    nc = await connect(url, name, on_disconnect_hooks, **kw)
+async def connection(url: str, name: str, **kw) -> AsyncIterator[Client]:
+    nc = await connect(url, name, **kw)
     try:
         yield nc
     finally:

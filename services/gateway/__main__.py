@@ -36,12 +36,8 @@ async def main() -> None:
     config = Config.from_env()
     configure_logging("gateway", config.log_level, config.log_format)
     stop = stop_event()
-    hooks: list = []
-    async with connection(config.nats_url, "gateway", on_disconnect_hooks=hooks) as nc:
-        front = frontend(nc, config, await open_registry(nc))
-        # Requests waiting on a dropped bus fail fast (503) instead of at their deadline.
-        hooks.append(front.inbox.fail_all)
-        gw = Gateway(nc, config, front)
+    async with connection(config.nats_url, "gateway") as nc:
+        gw = Gateway(nc, config, frontend(nc, config, await open_registry(nc)))
         task = asyncio.create_task(gw.run())
         await stop.wait()
         gw.stop()

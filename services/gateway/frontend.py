@@ -173,6 +173,9 @@ class Frontend:
 
     async def submit(self, work, reply: str) -> None:
         if not self.nc.is_connected:
+            # A request (HTTP) while the bus is down: say so now, not at its deadline.
+            # Requests already waiting keep waiting: an answer published while the
+            # client's own connection is reconnecting would be lost; a 504 later is not.
             raise unavailable("the gateway is reconnecting to the message bus; retry shortly")
         work.reply = reply
         await self.nc.publish(subjects.SCHED_SUBMIT, encode(work), reply=reply)
@@ -192,8 +195,6 @@ class Frontend:
         except TimeoutError:
             await self.cancel(rid, "deadline")
             raise deadline_exceeded() from None
-        if msg is None:  # ReplyInbox.fail_all: the connection to NATS dropped
-            raise unavailable("the gateway lost its connection to the message bus; retry shortly")
         if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
             raise unavailable("no scheduler is running; retry shortly")
         try:

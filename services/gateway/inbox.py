@@ -39,11 +39,6 @@ class ReplyInbox:
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
 
-    def fail_all(self) -> None:
-        """The bus dropped: wake every waiting request (it gets a `None`)."""
-        for q in self._queues.values():
-            q.put_nowait(None)
-
     @property
     def open_count(self) -> int:
         return len(self._queues)
