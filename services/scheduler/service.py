@@ -253,8 +253,16 @@ class Scheduler:
     # -------------------------------------------------------------- background
     async def _housekeeping(self) -> None:
         tick = max(0.05, min(0.25, self.config.worker_expiry_s / 4))
+        last = time.monotonic()
         while not self._stop.is_set():
             await asyncio.sleep(tick)
+            now = time.monotonic()
+            late, last = now - last - tick, now
+            if late > self.config.worker_expiry_s / 2:
+                # This process stalled: heartbeats may be waiting unread in our own
+                # buffers, so silence measured by our clock proves nothing yet.
+                log.warning("scheduler_stalled", seconds=round(late, 2))
+                continue
             for gone in self.fleet.expire():
                 log.warning("worker_expired", worker_id=gone.worker_id)
                 await self._recover(gone.worker_id, "missed heartbeats")

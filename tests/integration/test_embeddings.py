@@ -21,7 +21,9 @@ TOO_LONG = LONG + " and then some words past the limit" * 3
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def stack(nats_server, minilm):
+async def stack(nats_server, minilm, sentence_transformer):
+    # sentence_transformer is loaded first: a slow synchronous load while the
+    # in-process services run would freeze all of them at once.
     async with running_stack(nats_server.url, max_inputs=32) as st:
         await st.add_worker(minilm, "enc-1")
         yield st

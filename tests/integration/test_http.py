@@ -34,7 +34,7 @@ def tiny_lm(tmp_path_factory, jax_cache_dir):
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def stack(nats_server, minilm, tiny_lm):
+async def stack(nats_server, minilm, tiny_lm, sentence_transformer):  # loaded before services run
     engine, path = tiny_lm
     async with running_stack(nats_server.url, models={"tiny-lm": path}, api_keys=KEY,
                              max_context=CONTEXT, decode_slots=4, max_payload=200_000) as st:
