@@ -91,8 +91,13 @@ def plan(
     batch_buckets: Sequence[int],
     seq_buckets: Sequence[int],
     max_batch: int,
+    token_budget: int | None = None,
 ) -> list[tuple[np.ndarray, int, int]]:
     """Group inputs into padded batches: [(indices into lengths, batch, seq), ...].
+
+    `token_budget` caps a group's padded size (batch x seq), except for the smallest
+    batch bucket: on a CPU a group whose activations outgrow the cache runs slower
+    per token than several smaller ones.
 
     Dynamic programme over the inputs sorted by length: best[j] is the cheapest way to
     cover the j shortest inputs, and the last group ends at j. The cost of covering
@@ -113,6 +118,8 @@ def plan(
         seq = pick(int(sorted_lens[j - 1]), seq_buckets)
         for b in sizes:
             i = max(0, j - b)
+            if token_budget and b > sizes[0] and pick(j - i, sizes) * seq > token_budget:
+                break  # larger buckets only grow the group further past the budget
             cost = best[i] + _cost(pick(j - i, sizes), seq)
             if cost < best[j]:
                 best[j], cut[j] = cost, i

@@ -159,6 +159,12 @@ def forward(params: Params, ids, mask, cfg: BertConfig):
 # --- the engine
 
 
+# Padded tokens per executed group. On the 2-core Zen 2 development machine (16 MB L3),
+# 64 inputs of 128 tokens embed at 40 sentences/s as one group and 44 as eight groups
+# of 8; 64 x 16 stays one group (360/s, against 315/s as four of 16).
+TOKEN_BUDGET = 1024
+
+
 class JaxEncoder:
     """`engine.interface.Encoder` over one jitted `forward` and bucketed shapes."""
 
@@ -170,9 +176,11 @@ class JaxEncoder:
         batch_buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64),
         seq_buckets: Sequence[int] = (16, 32, 64, 128, 256),
         max_batch: int = 64,
+        token_budget: int | None = TOKEN_BUDGET,
     ) -> None:
         self.cfg = BertConfig(model_dir)
         self.name = name
+        self.token_budget = token_budget  # padded tokens per executed group (buckets.plan)
         self.dtype = jaxrt.dtype_name(dtype)
         self.device = jaxrt.device_name()
         self.dim = self.cfg.hidden
@@ -229,7 +237,8 @@ class JaxEncoder:
             return out
         lengths = [len(x) for x in inputs]
         bk.check_lengths(lengths, self.max_tokens)
-        groups = bk.plan(lengths, self.batch_buckets, self.seq_buckets, self.max_batch)
+        groups = bk.plan(lengths, self.batch_buckets, self.seq_buckets, self.max_batch,
+                         self.token_budget)
         pending = []
         with self._lock:  # one caller at a time keeps device memory bounded
             for rows, b, s in groups:

@@ -78,3 +78,13 @@ def test_check_lengths():
         bk.check_lengths([3, 257], 256)
     with pytest.raises(bk.BucketError, match="empty"):
         bk.check_lengths([0], 256)
+
+
+def test_token_budget_caps_every_group_but_the_smallest_bucket():
+    from engine.buckets import plan
+
+    lengths = [120] * 64 + [14] * 64 + [250] * 3
+    groups = plan(lengths, (1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256), 64, token_budget=1024)
+    assert sorted(i for idx, _, _ in groups for i in idx.tolist()) == list(range(len(lengths)))
+    assert all(b * s <= 1024 or b == 1 for _, b, s in groups)
+    assert (64, 16) in {(b, s) for _, b, s in groups}  # short inputs still fill one batch
