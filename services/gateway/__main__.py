@@ -9,20 +9,12 @@ from services.fleet import Fleet
 from services.gateway.frontend import Frontend
 from services.gateway.models import ModelTable, registry_resolver
 from services.gateway.service import Gateway
-from services.registry.store import Registry
+from services.registry.store import Registry, open_or_none
 from shared.bus import connection, stop_event
 from shared.config import Config
 from shared.logging import configure_logging, get_logger
 
 log = get_logger("gateway")
-
-
-async def open_registry(nc) -> Registry | None:
-    try:
-        return await Registry.open(nc)
-    except Exception as exc:  # noqa: BLE001 - the bundled catalogue still resolves
-        log.warning("registry_unavailable", error=str(exc))
-        return None
 
 
 def frontend(nc, config: Config, registry: Registry | None) -> Frontend:
@@ -37,7 +29,7 @@ async def main() -> None:
     configure_logging("gateway", config.log_level, config.log_format)
     stop = stop_event()
     async with connection(config.nats_url, "gateway") as nc:
-        gw = Gateway(nc, config, frontend(nc, config, await open_registry(nc)))
+        gw = Gateway(nc, config, frontend(nc, config, await open_or_none(nc, "bundled catalogue only")))
         task = asyncio.create_task(gw.run())
         await stop.wait()
         gw.stop()

@@ -474,3 +474,13 @@ def _publish_dir(tmp: Path, dest: Path, mv: ModelVersion) -> None:
         # A concurrent fetcher renamed its copy into place between our check and here.
         if not fs.is_verified_copy(dest, mv):
             raise
+
+
+async def open_or_none(nc, why: str) -> Registry | None:
+    """The registry, or None (logged with `why` the service carries on without it)
+    when JetStream is unusable."""
+    try:
+        return await Registry.open(nc)
+    except Exception as exc:  # noqa: BLE001 - every caller has a fallback
+        log.warning("registry_unavailable", error=str(exc), fallback=why)
+        return None

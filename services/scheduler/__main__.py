@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.registry.store import Registry
+from services.registry.store import open_or_none
 from services.scheduler.aliases import seed_registry
 from services.scheduler.service import Scheduler
 from shared.bus import connection, stop_event
@@ -14,21 +14,12 @@ from shared.logging import configure_logging, get_logger
 log = get_logger("scheduler")
 
 
-async def open_registry(nc) -> Registry | None:
-    """The registry, or None (logged): routing then ignores versions it cannot see."""
-    try:
-        return await Registry.open(nc)
-    except Exception as exc:  # noqa: BLE001 - scheduling works without it
-        log.warning("registry_unavailable", error=str(exc))
-        return None
-
-
 async def main() -> None:
     config = Config.from_env()
     configure_logging("scheduler", config.log_level, config.log_format)
     stop = stop_event()
     async with connection(config.nats_url, "scheduler") as nc:
-        registry = await open_registry(nc)
+        registry = await open_or_none(nc, "routing ignores versions")
         sched = Scheduler(nc, config, registry=registry)
         task = asyncio.create_task(sched.run())
         # First start: the bundled models reach the registry from here, in the

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from services.registry.source import ModelSource
-from services.registry.store import Registry
+from services.registry.store import open_or_none
 from services.worker.service import Worker
 from shared import catalog
 from shared.bus import connection, stop_event
@@ -37,22 +37,13 @@ def build_engine(config: Config, info: catalog.ModelInfo):
                          slots=config.decode_slots, max_context=config.max_context)
 
 
-async def open_registry(nc) -> Registry | None:
-    """The registry, or None (logged) when JetStream is unusable: serve locally then."""
-    try:
-        return await Registry.open(nc)
-    except Exception as exc:  # noqa: BLE001 - the local directory still works
-        log.warning("registry_unavailable", error=str(exc))
-        return None
-
-
 async def main() -> None:
     config = Config.from_env()
     configure_logging("worker", config.log_level, config.log_format)
     stop = stop_event()
     async with connection(config.nats_url, f"worker-{config.model}") as nc:
         # A fixed TENSORBUS_MODEL_DIR is served as version "local" and never swapped.
-        registry = None if config.model_dir else await open_registry(nc)
+        registry = None if config.model_dir else await open_or_none(nc, "serving the local directory")
         source = ModelSource(registry, Path(config.data_dir) / "models")
         worker = Worker(nc, config, model=config.model, source=source,
                         engine_factory=lambda info, version: build_engine(config, info))

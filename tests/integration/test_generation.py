@@ -15,7 +15,7 @@ import pytest_asyncio
 from shared import subjects
 from shared.errors import HEADER_CODE
 from tests.support.stack import running_stack, wait_until
-from tests.support.tiny_models import build, hf_greedy
+from tests.support.tiny_models import hf_greedy, serve_tiny
 
 CONTEXT = 1024
 PROMPTS = [[5, 17, 300, 42], list(range(40, 49)), list(range(100, 117)), list(range(7, 307, 10))]
@@ -24,15 +24,8 @@ NEW = 32
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def tiny(request, tmp_path_factory, jax_cache_dir):
-    from engine import jaxrt
-    from engine.decoder import DecoderEngine
-
-    jaxrt.setup(jax_cache_dir)
     path = tmp_path_factory.mktemp(request.param)
-    model = build(request.param, path, positions=CONTEXT)
-    engine = DecoderEngine(path, name=f"tiny-{request.param}", slots=4, max_context=CONTEXT,
-                           prefill_buckets=(16, 64))
-    engine.warmup(progress=False)
+    model, engine = serve_tiny(request.param, path, f"tiny-{request.param}", CONTEXT, jax_cache_dir)
     # References are computed here, before any service runs: a synchronous torch call
     # inside a test would stall the event loop every in-process service shares.
     refs = {tuple(p): expected(model, engine, p) for p in PROMPTS}

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 
 from tests.support.stack import running_stack, wait_until
-from tests.support.tiny_models import build
+from tests.support.tiny_models import serve_tiny
 
 KEY = "sk-test-key"
 CONTEXT = 1024
@@ -22,14 +22,8 @@ CONTEXT = 1024
 
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory, jax_cache_dir):
-    from engine import jaxrt
-    from engine.decoder import DecoderEngine
-
-    jaxrt.setup(jax_cache_dir)
     path = tmp_path_factory.mktemp("lm")
-    build("gpt2", path, positions=CONTEXT)
-    engine = DecoderEngine(path, name="tiny-lm", slots=4, max_context=CONTEXT, prefill_buckets=(16, 64))
-    engine.warmup(progress=False)
+    _, engine = serve_tiny("gpt2", path, "tiny-lm", CONTEXT, jax_cache_dir)
     return engine, str(path)
 
 

@@ -13,16 +13,10 @@ DECODER_CONTEXT = 256
 @pytest.fixture(scope="session")
 def tiny_decoder(tmp_path_factory, jax_cache_dir):
     """(engine, model directory): a 2-layer GPT-2 with random weights, 4 KV slots."""
-    from engine import jaxrt
-    from engine.decoder import DecoderEngine
-    from tests.support.tiny_models import build
+    from tests.support.tiny_models import serve_tiny
 
-    jaxrt.setup(jax_cache_dir)
     path = tmp_path_factory.mktemp("tiny-gpt2")
-    build("gpt2", path, positions=DECODER_CONTEXT)
-    engine = DecoderEngine(path, name=DECODER, slots=4, max_context=DECODER_CONTEXT,
-                           prefill_buckets=(16, 64))
-    engine.warmup(progress=False)
+    _, engine = serve_tiny("gpt2", path, DECODER, DECODER_CONTEXT, jax_cache_dir)
     return engine, str(path)
 
 

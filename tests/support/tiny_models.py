@@ -61,3 +61,17 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
                              attention_mask=torch.ones(1, len(ids), dtype=torch.long))
     return out[0, len(ids):].tolist()
+
+
+def serve_tiny(kind: str, out_dir: Path, name: str, context: int, cache_dir: str, slots: int = 4):
+    """Build a tiny `kind` model in out_dir and a warmed DecoderEngine on it.
+    Returns (torch model, engine)."""
+    from engine import jaxrt
+    from engine.decoder import DecoderEngine
+
+    jaxrt.setup(cache_dir)
+    model = build(kind, out_dir, positions=context)
+    engine = DecoderEngine(out_dir, name=name, slots=slots, max_context=context,
+                           prefill_buckets=(16, 64))
+    engine.warmup(progress=False)
+    return model, engine
