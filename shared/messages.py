@@ -139,8 +139,28 @@ class Cancel(_Msg, tag="cancel"):
     reason: str = "cancelled"
 
 
+class ModelStatus(msgspec.Struct, array_like=True, gc=False):
+    """What the local orchestrator knows of one model's workers."""
+
+    model: str
+    state: str  # ready | starting | scaled_to_zero | failed
+    running: int  # worker processes alive
+    desired: int
+    reason: str = ""  # why `failed` (a worker's invalid configuration), or ""
+
+
+class FleetStatus(_Msg, tag="fleet_status"):
+    """Orchestrator -> scheduler and gateway (`tensorbus.v1.orchestrator.status`),
+    every interval and at once on a change. A `failed` model gets 503 at once."""
+
+    orchestrator_id: str
+    models: list[ModelStatus]
+    at: float  # UNIX seconds
+
+
 encode = msgspec.msgpack.Encoder().encode
 work_decoder = msgspec.msgpack.Decoder(WorkRequest)
 result_decoder = msgspec.msgpack.Decoder(WorkResult)
 done_decoder = msgspec.msgpack.Decoder(WorkDone)
 cancel_decoder = msgspec.msgpack.Decoder(Cancel)
+fleet_status_decoder = msgspec.msgpack.Decoder(FleetStatus)

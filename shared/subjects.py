@@ -44,6 +44,9 @@ def worker_control(worker_id: str) -> str:
     return f"tensorbus.v1.worker.{worker_id}.control"
 
 
+ORCHESTRATOR_STATUS = "tensorbus.v1.orchestrator.status"
+"""Local orchestrator -> everyone: FleetStatus (model states, failed models' reasons)."""
+
 CANCEL = "tensorbus.v1.cancel"
 """Broadcast Cancel(request_id): whichever worker holds the request frees it."""
 

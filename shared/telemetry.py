@@ -33,6 +33,7 @@ class RequestRecord(_Rec, tag="request"):
     itl_s: float = 0.0
     batch_size: int = 0
     finished_at: float = 0.0  # UNIX seconds
+    hold_s: float = 0.0  # time held waiting for a cold start (scheduler -> first ready worker)
 
 
 class Heartbeat(_Rec, tag="heartbeat"):
@@ -56,9 +57,15 @@ class Heartbeat(_Rec, tag="heartbeat"):
     kv_usage: float = 0.0
     last_error: str = ""
     dtype: str = "float32"
+    mem_used_bytes: int = 0  # device memory in use where the backend reports it, else host RSS
+    mem_limit_bytes: int = 0  # the matching limit (device capacity, cgroup or host memory)
+    mem_source: str = ""  # "device" | "host"
 
 
 class ScaleDecision(_Rec, tag="scale"):
+    """One scheduler's view of one model. With several schedulers, consumers combine
+    the latest decision of each live one (`shared.scaling.combine`)."""
+
     model: str
     ready_replicas: int
     desired_replicas: int
@@ -66,6 +73,11 @@ class ScaleDecision(_Rec, tag="scale"):
     in_flight: int
     reason: str
     at: float
+    scheduler_id: str = ""
+    held: int = 0  # requests this scheduler holds for a cold start
+    queued: int = 0  # requests this scheduler has dispatched and not seen finish
+    min_replicas: int = 0
+    max_replicas: int = 0
 
 
 class ModelSummary(msgspec.Struct, gc=False):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from services.registry.source import ModelSource
 from services.registry.store import open_or_none
+from services.worker.engines import build_engine, engine_settings
 from services.worker.service import Worker
-from shared import catalog
 from shared.bus import connection, stop_event
 from shared.config import Config
 from shared.logging import configure_logging, get_logger
@@ -16,30 +16,10 @@ from shared.logging import configure_logging, get_logger
 log = get_logger("worker")
 
 
-def build_engine(config: Config, info: catalog.ModelInfo):
-    """The engine for one model directory, by kind and `TENSORBUS_ENGINE`."""
-    from engine import jaxrt
-
-    jaxrt.setup(str(Path(config.data_dir) / "jax-cache"))
-    if info.kind == "encoder":
-        kw = dict(name=info.name, dtype=config.dtype, batch_buckets=config.batch_bucket_list,
-                  seq_buckets=config.seq_bucket_list, max_batch=config.max_batch)
-        if config.engine == "torch":
-            from engine.torch_encoder import TorchEncoder
-
-            return TorchEncoder(info.path, **kw)
-        from engine.encoder import JaxEncoder
-
-        return JaxEncoder(info.path, **kw)
-    from engine.decoder.engine import DecoderEngine
-
-    return DecoderEngine(info.path, name=info.name, dtype=config.dtype,
-                         slots=config.decode_slots, max_context=config.max_context)
-
-
 async def main() -> None:
     config = Config.from_env()
     configure_logging("worker", config.log_level, config.log_format)
+    engine_settings(config, config.model)  # an unknown engine or dtype exits 78 here
     stop = stop_event()
     async with connection(config.nats_url, f"worker-{config.model}") as nc:
         # A fixed TENSORBUS_MODEL_DIR is served as version "local" and never swapped.
