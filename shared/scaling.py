@@ -1,9 +1,21 @@
-"""Combining scale decisions: what KEDA and the local orchestrator act on.
+"""Combining scale decisions: what KEDA, the local orchestrator and the gateway read.
 
-Every scheduler publishes one ScaleDecision per model per interval to
-`telemetry.v1.scale`. With several schedulers the desired count must not be the last
-writer's: each one holds its own cold-start requests. `combine` takes the latest
-decision of every live scheduler for one model and returns the desired replica count.
+Every scheduler publishes one ScaleDecision per known model per interval to
+`telemetry.v1.scale` (and one at once when a request is held for a cold start). With
+several schedulers the desired count must be neither the last writer's nor a plain
+sum of the decisions:
+
+- the load the workers report in heartbeats (queue depth, in flight, KV slots) is
+  the same in every scheduler's view: summed, it would be counted once per scheduler;
+- the requests a scheduler holds for a cold start, and those it dispatched and has
+  not seen finish (`held`, `queued`), are its own: no other scheduler sees them.
+
+So `combine` sums what is each scheduler's own (held + queued over the live
+schedulers) and turns that sum into replicas with the model's target, takes the
+largest decision (the shared heartbeat view, each scheduler's minimum, scale-down
+window and memory pressure), keeps the larger of the two, and clamps it to the
+model's bounds. `LiveDecisions` keeps the latest decision of each scheduler and
+forgets one whose scheduler went silent.
 """
 
 from __future__ import annotations
@@ -13,21 +25,62 @@ from typing import Iterable
 
 from shared.telemetry import ScaleDecision
 
+NOT_SERVED = "not served (fleet bounds 0:0)"  # the reason of a MODEL=0:0 decision
+DECISION_TTL_S = 10.0  # a scheduler silent this long no longer counts (5 intervals)
 
-def combine(decisions: Iterable[ScaleDecision], target_per_replica: float = 32.0) -> int:
+
+def combine(decisions: Iterable[ScaleDecision], target_per_replica: float | None = None) -> int:
     """Desired replicas for one model from the latest decision of each live scheduler.
 
-    Fleet-wide load (worker queue depth and in-flight, from heartbeats) is the same in
-    every scheduler's view, so the largest decision covers it; requests held for a
-    cold start are each scheduler's own, so the others' held requests are added on top.
-    """
+    `target_per_replica` is used for decisions that do not carry their own target."""
     ds = list(decisions)
     if not ds:
         return 0
-    top = max(ds, key=lambda d: d.desired_replicas)
-    desired = top.desired_replicas
-    others_held = sum(d.held for d in ds if d is not top)
-    if others_held:
-        desired = max(desired, math.ceil(others_held / max(target_per_replica, 1.0)))
-    hi = max((d.max_replicas for d in ds), default=0)
-    return min(desired, hi) if hi else desired
+    desired = max(d.desired_replicas for d in ds)
+    own = sum(d.held + d.queued for d in ds)
+    if own:
+        target = next((d.target_per_replica for d in ds if d.target_per_replica > 0),
+                      target_per_replica or 32.0)
+        desired = max(desired, math.ceil(own / max(target, 1e-9)))
+    hi = max(d.max_replicas for d in ds)
+    if hi or any(d.reason == NOT_SERVED for d in ds):
+        desired = min(desired, hi)
+    return desired
+
+
+class LiveDecisions:
+    """The latest ScaleDecision of every scheduler, per model; silent ones expire.
+
+    `now` is the reader's own monotonic clock at receipt: a decision's `at` is another
+    process's wall clock and is not compared here."""
+
+    def __init__(self, ttl_s: float = DECISION_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._by_model: dict[str, dict[str, tuple[float, ScaleDecision]]] = {}
+
+    def observe(self, d: ScaleDecision, now: float) -> None:
+        self._by_model.setdefault(d.model, {})[d.scheduler_id] = (now, d)
+
+    def expire(self, now: float) -> set[str]:
+        """Forget decisions older than the TTL; returns the models that lost one."""
+        changed = set()
+        for model, per in self._by_model.items():
+            for sid in [s for s, (t, _) in per.items() if now - t > self.ttl_s]:
+                del per[sid]
+                changed.add(model)
+        return changed
+
+    def models(self) -> list[str]:
+        return sorted(m for m, per in self._by_model.items() if per)
+
+    def latest(self, model: str) -> list[ScaleDecision]:
+        return [d for _, d in self._by_model.get(model, {}).values()]
+
+    def desired(self, model: str) -> int:
+        return combine(self.latest(model))
+
+    def held(self, model: str) -> int:
+        return sum(d.held for d in self.latest(model))
+
+    def kind(self, model: str) -> str:
+        return next((d.kind for d in self.latest(model) if d.kind), "")

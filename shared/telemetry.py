@@ -78,6 +78,9 @@ class ScaleDecision(_Rec, tag="scale"):
     queued: int = 0  # requests this scheduler has dispatched and not seen finish
     min_replicas: int = 0
     max_replicas: int = 0
+    kind: str = ""  # encoder | decoder | "" (not known yet)
+    target_per_replica: float = 0.0  # the load one replica is meant to carry
+    pressured: int = 0  # ready workers above TENSORBUS_MEMORY_HIGH (no new work)
 
 
 class ModelSummary(msgspec.Struct, gc=False):
