@@ -2,7 +2,9 @@
 
 Both the scheduler (routing, admission, scaling) and the gateway (`/v1/models`,
 fast 404s) keep one. A worker that has not heartbeated for `expiry_s` is dropped; a
-worker whose step counter stops moving while it holds work is marked stalled.
+worker whose step counter stops moving while it holds work is marked stalled; a ready
+worker whose heartbeat puts its memory above `memory_high` of its limit is
+`pressured`: it finishes what it holds but gets no new work until it falls back.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ class WorkerView:
     def ready(self) -> bool:
         return self.hb.state == "ready" and not self.stalled
 
+    @property
+    def mem_fraction(self) -> float:
+        """Memory in use over its limit, 0 when the worker does not report a limit."""
+        limit = self.hb.mem_limit_bytes
+        return self.hb.mem_used_bytes / limit if limit > 0 else 0.0
+
     def serves(self, model: str, version: str = "") -> bool:
         if self.hb.model != model:
             return False
@@ -38,6 +46,7 @@ class WorkerView:
 class Fleet:
     expiry_s: float = 2.0
     stall_s: float = 10.0  # holding work with no completed step this long = wedged
+    memory_high: float = 1.0  # above this fraction of its memory limit: no new work
     workers: dict[str, WorkerView] = field(default_factory=dict)
 
     def observe(self, hb: Heartbeat, now: float | None = None) -> WorkerView:
@@ -68,6 +77,13 @@ class Fleet:
 
     def ready(self, model: str, version: str = "") -> list[WorkerView]:
         return [w for w in self.for_model(model, version) if w.ready]
+
+    def pressured(self, w: WorkerView) -> bool:
+        return w.mem_fraction > self.memory_high
+
+    def available(self, model: str, version: str = "") -> list[WorkerView]:
+        """Ready workers that may take new work (not above the memory threshold)."""
+        return [w for w in self.ready(model, version) if not self.pressured(w)]
 
     def warming(self, model: str) -> list[WorkerView]:
         return [w for w in self.for_model(model) if w.hb.state in ("starting", "warming")]

@@ -179,6 +179,8 @@ class ModelCard(msgspec.Struct):
     kind: str = ""
     versions: list[str] = []
     ready_workers: int = 0
+    state: str = ""  # ready | starting | scaled_to_zero | failed
+    reason: str = ""  # why `failed`, or ""
 
 
 class ModelList(msgspec.Struct):

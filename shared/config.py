@@ -34,7 +34,6 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     worker_expiry_s: float = 2.0  # a worker silent this long is dropped
     max_queue_per_worker: int = 256  # fleet queue bound = this x ready workers
     stall_s: float = 10.0  # a worker holding work with no finished step this long is wedged
-    cold_start_hold_s: float = 60.0  # hold requests this long while a worker warms
     target_queue_per_replica: float = 32.0  # scaling signal: desired queue per worker
     target_slots_per_replica: float = 12.0  # scaling signal: desired busy KV slots per decoder worker
     # --- fleet sizing (scheduler decides, the orchestrator or KEDA acts)

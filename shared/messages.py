@@ -118,13 +118,23 @@ class WorkError(_Msg, tag="error"):
 
 
 class Accepted(_Msg, tag="accepted"):
-    """Scheduler -> gateway: the request was dispatched (to `worker_id`)."""
+    """Scheduler -> gateway: the request was dispatched (to `worker_id`). Sent when a
+    held request is released, with the time it was held for a cold start."""
 
     request_id: str
     worker_id: str
+    hold_s: float = 0.0
 
 
-WorkResult = EmbedResult | GenChunk | GenDone | WorkError | Accepted
+class Held(_Msg, tag="held"):
+    """Scheduler -> gateway: no ready worker serves `model` yet; the request waits for
+    one (a cold start) until its deadline."""
+
+    request_id: str
+    model: str
+
+
+WorkResult = EmbedResult | GenChunk | GenDone | WorkError | Accepted | Held
 
 
 class WorkDone(_Msg, tag="work_done"):

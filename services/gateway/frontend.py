@@ -2,10 +2,14 @@
 
   1. Decode the body into the endpoint's Struct (JSON or msgpack); 400 on any error.
   2. Resolve the model (404 if unknown), tokenize, check limits (400 / 413).
-  3. Publish a WorkRequest to the scheduler with this gateway's per-request inbox as
-     the reply; the NATS "no responders" status becomes a 503 at once.
+  3. A model that is not served (`MODEL=0:0`) or `failed` (the orchestrator's
+     FleetStatus) is a 503 at once, with the reason. Otherwise publish a WorkRequest
+     to the scheduler with this gateway's per-request inbox as the reply; the NATS
+     "no responders" status becomes a 503 at once.
   4. Wait for the worker's answer until the request's deadline (504 after it, and a
-     Cancel goes out so the worker frees whatever it holds).
+     Cancel goes out so the worker frees whatever it holds). A request the scheduler
+     holds for a cold start is told so (`Held`), and released with the time it was
+     held (`Accepted`): that time is the record's `hold_s`.
   5. Build the OpenAI-shaped reply; publish one RequestRecord to telemetry.
 """
 
@@ -29,12 +33,14 @@ from services.gateway.embeddings import build_response, check_dimensions, tokeni
 from services.gateway.inbox import ReplyInbox
 from services.gateway.models import ModelTable, split_name
 from shared import subjects
-from shared.api import EmbeddingRequest, ModelCard, ModelList
+from shared.api import EmbeddingRequest, ModelList
 from shared.config import Config
 from shared.errors import (ServiceError, bad_request, deadline_exceeded, internal, overloaded,
                            too_large, unavailable)
 from shared.logging import get_logger
-from shared.messages import Cancel, EmbedResult, EmbedWork, Timing, WorkError, encode, result_decoder
+from shared.messages import (Accepted, Cancel, EmbedResult, EmbedWork, Held, ModelStatus, Timing,
+                             WorkError, encode, result_decoder)
+from shared.scaling import LiveDecisions
 from shared.telemetry import RequestRecord
 from shared.telemetry import encode as encode_record
 
@@ -54,6 +60,8 @@ class Outcome:
     timing: Timing = field(default_factory=Timing)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    held_at: float = 0.0  # perf_counter when the scheduler said it holds the request
+    hold_s: float = 0.0  # time held for a cold start
 
 
 def new_request_id() -> str:
@@ -87,6 +95,8 @@ class Frontend:
         self.inbox = ReplyInbox(nc)
         self._tokenizing = asyncio.Semaphore(2)  # large inputs tokenized at once
         self.waiting: Counter[str] = Counter()  # model -> requests submitted, unanswered
+        self.decisions = LiveDecisions()  # the schedulers' scale decisions (model cards)
+        self.statuses: dict[str, ModelStatus] = {}  # the orchestrator's view, per model
 
     async def start(self) -> None:
         await self.inbox.start()
@@ -106,6 +116,16 @@ class Frontend:
             return fn(*args)
         async with self._tokenizing:
             return await asyncio.to_thread(fn, *args)
+
+    def check_served(self, model: str) -> None:
+        """503 at once for a model that will not get a worker: not served, or failed."""
+        if self.config.fleet_bounds(model)[1] == 0:
+            raise unavailable(f"model '{model}' is not served here (TENSORBUS_FLEET "
+                              f"{model}=0:0)", retry_after=None)
+        status = self.statuses.get(model)
+        if status is not None and status.state == "failed":
+            why = status.reason or "its worker exited on an invalid configuration"
+            raise unavailable(f"model '{model}' cannot start: {why}", retry_after=None)
 
     def shed(self, model: str) -> None:
         """429 before any work when this gateway alone already waits on as many of the
@@ -136,11 +156,12 @@ class Frontend:
         entry = await self.models.get(name)
         if entry.info.kind != "encoder":
             raise bad_request(f"model '{name}' generates text; use the completions endpoints")
+        self.check_served(name)
         self.shed(name)
         ids = await self.tokenize(tokenize_inputs, req, entry, self.config, size=len(body))
         out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(rid, name, version, ids, deadline, "")
-        res = await self.call(work, deadline)
+        res = await self.call(work, deadline, out)
         if not isinstance(res, EmbedResult):
             raise internal()
         out.version, out.worker_id, out.timing = res.version, res.worker_id, res.timing
@@ -149,15 +170,12 @@ class Frontend:
 
     # ------------------------------------------------------------------ models
     def model_list(self) -> ModelList:
-        cards = []
-        for name, workers in sorted(self.fleet.models().items()):
-            ready = [w for w in workers if w.ready]
-            if not ready:
-                continue
-            versions = sorted({v for w in ready for v in w.hb.versions})
-            cards.append(ModelCard(id=name, created=int(time.time()), kind=ready[0].hb.kind,
-                                   versions=versions, ready_workers=len(ready)))
-        return ModelList(data=cards)
+        """Every model this gateway knows that is served, with its workers' state."""
+        self.decisions.expire(time.monotonic())
+        names = set(self.models.known()) | set(self.decisions.models()) | set(self.statuses)
+        served = sorted(n for n in names if self.config.fleet_bounds(n)[1] > 0)
+        return ModelList(data=[self.models.card(n, self.decisions, self.statuses.get(n))
+                               for n in served])
 
     # ---------------------------------------------------------------- dispatch
     @contextmanager
@@ -180,8 +198,25 @@ class Frontend:
         work.reply = reply
         await self.nc.publish(subjects.SCHED_SUBMIT, encode(work), reply=reply)
 
-    async def next_result(self, q: asyncio.Queue[Msg], rid: str, deadline: float):
-        """The next message for a request, decoded; errors raised as ServiceError."""
+    async def next_result(self, q: asyncio.Queue[Msg], rid: str, deadline: float,
+                          out: Outcome | None = None):
+        """The next result for a request, decoded; errors raised as ServiceError.
+
+        Hold notices are taken in passing: `Held` starts the cold-start clock, and
+        `Accepted` (a held request released to a worker) sets `out.hold_s`."""
+        while True:
+            res = await self._next(q, rid, deadline, out)
+            if isinstance(res, Held):
+                if out is not None:
+                    out.held_at = time.perf_counter()
+            elif isinstance(res, Accepted):
+                if out is not None:
+                    out.hold_s, out.held_at = res.hold_s, 0.0
+            else:
+                return res
+
+    async def _next(self, q: asyncio.Queue[Msg], rid: str, deadline: float,
+                    out: Outcome | None):
         left = deadline - time.time()
         try:
             if left <= 0:
@@ -194,6 +229,11 @@ class Frontend:
                 msg = q.get_nowait()
         except TimeoutError:
             await self.cancel(rid, "deadline")
+            if out is not None and out.held_at:  # still waiting for a worker to start
+                out.hold_s = time.perf_counter() - out.held_at
+                raise deadline_exceeded(
+                    f"no worker of model '{out.model}' became ready before the request's "
+                    f"deadline (held {out.hold_s:.1f} s for a cold start)") from None
             raise deadline_exceeded() from None
         if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
             raise unavailable("no scheduler is running; retry shortly")
@@ -206,11 +246,11 @@ class Frontend:
                                retry_after=res.retry_after)
         return res
 
-    async def call(self, work, deadline: float):
+    async def call(self, work, deadline: float, out: Outcome | None = None):
         """Submit work and wait for its single answer."""
         with self.dispatched(work) as (reply, q):
             await self.submit(work, reply)
-            return await self.next_result(q, work.request_id, deadline)
+            return await self.next_result(q, work.request_id, deadline, out)
 
     async def cancel(self, rid: str, reason: str) -> None:
         await self.nc.publish(subjects.CANCEL, encode(Cancel(rid, reason)))
@@ -224,7 +264,7 @@ class Frontend:
             total_s=time.perf_counter() - started, queue_s=t.queue, batch_wait_s=t.batch_wait,
             compute_s=t.compute, prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens, ttft_s=t.ttft, itl_s=t.itl_mean,
-            batch_size=t.batch_size, finished_at=time.time())
+            batch_size=t.batch_size, finished_at=time.time(), hold_s=out.hold_s)
         try:
             await self.nc.publish(subjects.TELEMETRY_REQUESTS, encode_record(rec))
         except Exception as exc:  # noqa: BLE001 - telemetry never fails a request

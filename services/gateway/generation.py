@@ -67,6 +67,7 @@ class Generation:
         entry = await self.front.models.get(name)
         if entry.info.kind != "decoder":
             raise bad_request(f"model '{name}' is an embedding model; use the embeddings endpoint")
+        self.front.check_served(name)
         self.front.shed(name)
         if not chat and req.echo:
             raise bad_request("'echo' is not supported; send the prompt back yourself")
@@ -131,13 +132,14 @@ class Generation:
             raise bad_request(f"cannot render the chat: {exc}") from None
 
     # ---------------------------------------------------------------- events
-    async def events(self, prep: Prepared, deadline: float) -> AsyncIterator[GenChunk | GenDone]:
+    async def events(self, prep: Prepared, deadline: float,
+                     out=None) -> AsyncIterator[GenChunk | GenDone]:
         rid = prep.work.request_id
         with self.front.dispatched(prep.work) as (reply, q):
             await self.front.submit(prep.work, reply)
             attempt = None  # the first dispatch attempt heard from owns the stream
             while True:
-                ev = await self.front.next_result(q, rid, deadline)
+                ev = await self.front.next_result(q, rid, deadline, out)
                 if isinstance(ev, (GenChunk, GenDone)):
                     if attempt is None:
                         attempt = ev.attempt
@@ -151,7 +153,7 @@ class Generation:
         texts = [[] for _ in range(prep.work.n)]
         finish: list[str | None] = [None] * prep.work.n
         done = None
-        async for ev in self.events(prep, deadline):
+        async for ev in self.events(prep, deadline, out):
             if isinstance(ev, GenChunk):
                 texts[ev.index].append(ev.text)
                 finish[ev.index] = ev.finish_reason or finish[ev.index]
@@ -176,7 +178,7 @@ class Generation:
             for i in range(prep.work.n):
                 yield ChatCompletionChunk(cid, created, model, [
                     ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
-        async for ev in self.events(prep, deadline):
+        async for ev in self.events(prep, deadline, out):
             if isinstance(ev, GenChunk):
                 reason = _reason(ev.finish_reason) if ev.finish_reason else None
                 if prep.chat:

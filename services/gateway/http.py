@@ -149,8 +149,9 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def readyz(request: Request) -> Response:
-        front.fleet.expire()
-        ok = ready() and bool(front.model_list().data)
+        # The gateway's own readiness: serving and connected to the bus. Not the
+        # workers': at zero workers requests are held, so the front door stays open.
+        ok = ready() and front.nc.is_connected
         return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
     async def prometheus(request: Request) -> Response:

@@ -1,7 +1,10 @@
 """What the gateway knows about each model: its tokenizer, its limits, who serves it.
 
 Model names may pin a version: `NAME@VERSION`. The catalogue (and, when present, the
-registry) says which names exist; heartbeats say which are served and ready. A name
+registry) says which names exist; heartbeats say which are served and ready; the
+schedulers' scale decisions name every model they know (the registry's included, at
+zero workers too) and whether a worker is wanted; the orchestrator's FleetStatus says
+which failed. A model card's `state` comes from all four. A name
 the catalogue lacks is looked up in the registry: a version that ready workers serve
 (else prod, else an earlier prod) is fetched, verified, into the gateway's cache for
 the tokenizer and limits.
@@ -17,6 +20,7 @@ from typing import Awaitable, Callable
 
 from services.fleet import Fleet
 from shared import catalog
+from shared.api import ModelCard
 from shared.errors import bad_request, not_found
 from shared.logging import get_logger
 
@@ -117,6 +121,33 @@ class ModelTable:
     def known(self) -> list[str]:
         names = {i.name for i in catalog.bundled()} | set(self._entries) | set(self.fleet.models())
         return sorted(names)
+
+    def card(self, name: str, decisions, status=None) -> ModelCard:
+        """`name`'s card: `decisions` a shared.scaling.LiveDecisions, `status` the
+        orchestrator's ModelStatus (or None)."""
+        workers = self.fleet.for_model(name)
+        ready = [w for w in workers if w.ready]
+        if status is not None and status.state == "failed":
+            state = "failed"
+        elif ready:
+            state = "ready"
+        elif (self.fleet.warming(name) or decisions.desired(name) > 0
+              or (status is not None and status.state == "starting")):
+            state = "starting"
+        else:
+            state = "scaled_to_zero"
+        entry = self._entries.get(name)
+        kind = (entry.info.kind if entry else "") or next((w.hb.kind for w in workers), "") \
+            or decisions.kind(name) or _bundled_kind(name)
+        return ModelCard(id=name, created=entry.created if entry else int(time.time()),
+                         kind=kind, versions=sorted({v for w in ready for v in w.hb.versions}),
+                         ready_workers=len(ready), state=state,
+                         reason=status.reason if state == "failed" and status else "")
+
+
+def _bundled_kind(name: str) -> str:
+    info = catalog.resolve(name)
+    return info.kind if info is not None else ""
 
 
 def _load_entry(info: catalog.ModelInfo) -> ModelEntry:

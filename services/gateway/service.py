@@ -22,7 +22,8 @@ from shared import VERSION, subjects
 from shared.config import Config
 from shared.errors import ServiceError, internal
 from shared.logging import get_logger
-from shared.telemetry import heartbeat_decoder
+from shared.messages import fleet_status_decoder
+from shared.telemetry import ScaleDecision, heartbeat_decoder, record_decoder
 
 log = get_logger("gateway")
 
@@ -57,6 +58,9 @@ class Gateway:
         }
         self._subs.append(await self.nc.subscribe(
             subjects.TELEMETRY_WORKERS, cb=self._on_heartbeat, pending_msgs_limit=100_000))
+        self._subs.append(await self.nc.subscribe(subjects.TELEMETRY_SCALE, cb=self._on_scale))
+        self._subs.append(await self.nc.subscribe(subjects.ORCHESTRATOR_STATUS,
+                                                  cb=self._on_fleet_status))
         for subject, endpoint in handlers.items():
             self._subs.append(await self.nc.subscribe(
                 subject, queue=subjects.QUEUE_GATEWAY, cb=self._spawner(endpoint),
@@ -101,6 +105,21 @@ class Gateway:
         except msgspec.DecodeError:
             return
         self.front.fleet.expire()
+
+    async def _on_scale(self, msg: Msg) -> None:
+        try:
+            rec = record_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if isinstance(rec, ScaleDecision):
+            self.front.decisions.observe(rec, time.monotonic())
+
+    async def _on_fleet_status(self, msg: Msg) -> None:
+        try:
+            status = fleet_status_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        self.front.statuses = {m.model: m for m in status.models}
 
     async def _on_models(self, msg: Msg) -> None:
         self.front.fleet.expire()

@@ -3,9 +3,16 @@
 Dataflow of one request:
   1. The gateway publishes a WorkRequest to `tensorbus.v1.sched.submit` (queue group:
      one scheduler gets it) with the NATS reply set to the gateway's inbox.
-  2. Admission: an expired deadline is a 504, no worker for the model a 503 (or the
-     request is held while one warms up), a full fleet queue a 429 with Retry-After.
-     Every refusal is sent to the request's reply subject at once.
+  2. Admission: an expired deadline is a 504; a model that is not served
+     (`MODEL=0:0`) or `failed` (the orchestrator says its worker's configuration is
+     invalid) a 503 with the reason; a full fleet queue (dispatched + held, bounded
+     as for at least one worker) a 429 with Retry-After. Every refusal is sent to the
+     request's reply subject at once.
+  2b. Cold start: no ready worker takes new work for the model (none running, all
+     warming, or all above the memory threshold): the request is held, the gateway
+     is told (`Held`), and a ScaleDecision goes out at once. The first worker that
+     becomes ready gets it (with an `Accepted` carrying the time held); its own
+     deadline passing first ends it with a 504 that says so.
   3. Routing: the least-loaded ready worker serving the model (and the version the
      request pins or the canary draw picks) gets the WorkRequest on its work subject.
      An unpinned request that draws the canary goes out pinned to it; one that draws
@@ -18,13 +25,14 @@ Dataflow of one request:
   5. When a worker expires (missed heartbeats) or reports draining with work still
      outstanding here, that work is dispatched again to another worker (the gateway
      keeps only the first answer per request id).
-  6. Every `scale_interval_s` a ScaleDecision per model goes to `telemetry.v1.scale`.
+  6. Every `scale_interval_s` a ScaleDecision for every model it knows (catalogue,
+     registry, heartbeats; served or not) goes to `telemetry.v1.scale`, computed by
+     the pure `services.scheduler.scaling.Autoscaler`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import time
 import uuid
@@ -38,15 +46,20 @@ from nats.aio.msg import Msg
 from services.fleet import Fleet, WorkerView
 from services.micro import ServiceHealth, add_service
 from services.scheduler.aliases import AliasTable
+from services.scheduler.catalogue import Catalogue
+from services.scheduler.scaling import Autoscaler, Demand
 from shared import VERSION, subjects
 from shared.config import Config
 from shared.errors import ServiceError, deadline_exceeded, overloaded, unavailable
 from shared.logging import get_logger
 from shared.messages import (
+    Accepted,
+    Held,
     WorkError,
     WorkRequest,
     done_decoder,
     encode,
+    fleet_status_decoder,
     work_decoder,
 )
 from shared.telemetry import ScaleDecision, heartbeat_decoder
@@ -64,6 +77,14 @@ class Outstanding:
     dispatched_at: float
 
 
+@dataclass
+class HeldWork:
+    work: WorkRequest
+    since: float  # monotonic: when it was first held
+
+CATALOGUE_REFRESH_S = 10.0  # how often the registry's model list is read again
+
+
 class Scheduler:
     def __init__(self, nc: Client, config: Config, scheduler_id: str | None = None,
                  choose_version=None, scale_interval_s: float = 2.0,
@@ -71,7 +92,10 @@ class Scheduler:
         self.nc = nc
         self.config = config
         self.id = scheduler_id or config.scheduler_id or uuid.uuid4().hex[:12]
-        self.fleet = Fleet(expiry_s=config.worker_expiry_s, stall_s=config.stall_s)
+        self.fleet = Fleet(expiry_s=config.worker_expiry_s, stall_s=config.stall_s,
+                           memory_high=config.memory_high)
+        self.catalogue = Catalogue(config.fleet, registry)
+        self.autoscaler = Autoscaler(config, self.id)
         # With a registry, each model seen in heartbeats has its aliases watched.
         self.aliases = AliasTable(registry) if registry is not None else None
         self.choose_version = choose_version or (
@@ -80,7 +104,9 @@ class Scheduler:
         self.scale_interval_s = scale_interval_s
         self.outstanding: dict[str, Outstanding] = {}
         self.load: dict[str, int] = {}  # worker_id -> requests outstanding here
-        self.held: deque[WorkRequest] = deque()  # waiting for a worker to warm up
+        self.held: dict[str, deque[HeldWork]] = {}  # model -> waiting for a cold start
+        self.failed: dict[str, str] = {}  # model -> why (the orchestrator's FleetStatus)
+        self.published: dict[str, int] = {}  # model -> desired in its last decision
         self._stop = asyncio.Event()
         self._subs: list = []
         self.rng = random.Random()
@@ -97,6 +123,7 @@ class Scheduler:
             await self.nc.subscribe(subjects.SCHED_SUBMIT, queue=subjects.QUEUE_SCHEDULER,
                                     cb=self._on_submit, pending_msgs_limit=1_000_000,
                                     pending_bytes_limit=1 << 30),
+            await self.nc.subscribe(subjects.ORCHESTRATOR_STATUS, cb=self._on_fleet_status),
         ]
         self.micro = await add_service(
             self.nc, "tensorbus-scheduler", VERSION, "admission, routing and scaling signals",
@@ -109,6 +136,7 @@ class Scheduler:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._housekeeping())
                 tg.create_task(self._scaling())
+                tg.create_task(self._refresh_catalogue())
                 await self._stop.wait()
                 await self.micro.stop()
                 for s in self._subs:
@@ -140,30 +168,60 @@ class Scheduler:
         except ServiceError as err:
             await self._refuse(work, err)
 
-    async def admit(self, work: WorkRequest) -> None:
+    async def admit(self, work: WorkRequest, since: float | None = None) -> None:
+        """Dispatch, hold or refuse one request; `since` = held from then (monotonic)."""
         if work.deadline <= time.time():
             raise deadline_exceeded("the request's deadline passed before it was scheduled")
         model = work.model
-        ready = self.fleet.ready(model, work.version)
+        self._check_served(model)
+        ready = self.fleet.available(model, work.version)
         if not ready:
-            if self.fleet.warming(model) and len(self.held) < self._capacity(model, 1):
-                self.held.append(work)
-                return
-            known = bool(self.fleet.for_model(model))
-            what = "no ready worker" if known else "no worker"
-            raise unavailable(f"{what} serves model '{model}'" + (
-                f" version {work.version}" if work.version else "") + "; retry shortly")
-        queued = sum(self.load.get(w.worker_id, 0) for w in ready)
+            if work.version and self.fleet.available(model):
+                raise unavailable(f"no ready worker serves model '{model}' version "
+                                  f"{work.version}; retry shortly")
+            await self._hold(work, since)
+            return
+        queued = sum(self.load.get(w.worker_id, 0) for w in ready) + self._held_count(model)
         cap = self._capacity(model, len(ready))
         if queued >= cap:
             raise overloaded(f"model '{model}' is at capacity ({queued} requests queued); "
                              "retry after the hinted delay", retry_after=1.0)
-        await self._dispatch(work, ready)
+        await self._dispatch(work, ready, since)
+
+    def _check_served(self, model: str) -> None:
+        if self.config.fleet_bounds(model)[1] == 0:
+            raise unavailable(f"model '{model}' is not served here (TENSORBUS_FLEET "
+                              f"{model}=0:0)", retry_after=None)
+        why = self.failed.get(model)
+        if why:
+            raise unavailable(f"model '{model}' cannot start: {why}", retry_after=None)
 
     def _capacity(self, model: str, n_ready: int) -> int:
+        """The fleet queue bound: at zero ready workers, what one worker would have."""
         return self.config.max_queue_per_worker * max(n_ready, 1)
 
-    async def _dispatch(self, work: WorkRequest, ready: list[WorkerView]) -> None:
+    def _held_count(self, model: str) -> int:
+        held = self.held.get(model)
+        return len(held) if held else 0
+
+    async def _hold(self, work: WorkRequest, since: float | None) -> None:
+        model = work.model
+        held = self.held.setdefault(model, deque())
+        queued = sum(1 for o in self.outstanding.values() if o.work.model == model)
+        if len(held) + queued >= self._capacity(model, len(self.fleet.available(model))):
+            raise overloaded(f"model '{model}' is starting and already holds {len(held)} "
+                             "requests; retry after the hinted delay", retry_after=1.0)
+        held.append(HeldWork(work, time.monotonic() if since is None else since))
+        self.catalogue.note(model)
+        if since is None and work.reply:
+            await self.nc.publish(work.reply, encode(Held(work.request_id, model)))
+        # Demand goes out now, not at the next interval: a cold start begins at once.
+        decision = self.decide(model)
+        if len(held) == 1 or decision.desired_replicas > self.published.get(model, 0):
+            await self._publish_decision(decision)
+
+    async def _dispatch(self, work: WorkRequest, ready: list[WorkerView],
+                        since: float | None = None) -> None:
         sent = work
         if not work.version:
             pin, ready = self._route_version(work.model, ready)
@@ -172,9 +230,12 @@ class Scheduler:
         target = min(ready, key=self._load_of)
         wid = target.worker_id
         # The unpinned original is kept: a re-dispatch draws again.
-        self.outstanding[work.request_id] = Outstanding(work, wid, time.monotonic())
+        now = time.monotonic()
+        self.outstanding[work.request_id] = Outstanding(work, wid, now)
         self.load[wid] = self.load.get(wid, 0) + 1
         self.dispatched += 1
+        if since is not None and work.reply:  # released from a hold: the gateway records it
+            await self.nc.publish(work.reply, encode(Accepted(work.request_id, wid, now - since)))
         await self.nc.publish(subjects.worker_work(wid), encode(sent))
 
     def _route_version(self, model: str, ready: list[WorkerView]) -> tuple[str, list[WorkerView]]:
@@ -218,21 +279,34 @@ class Scheduler:
             return
         if self.aliases is not None:
             self.aliases.track(hb.model)
+        self.catalogue.note(hb.model, hb.kind)
         view = self.fleet.observe(hb)
-        if view.ready and self.held:
-            await self._release_held()
+        if view.ready and self.held.get(hb.model) and self.fleet.available(hb.model):
+            await self._release_held(hb.model)
         # A draining worker finishes what it holds; a stopped, unhealthy or wedged one
         # will not, so its outstanding work goes elsewhere (a no-op when it has none).
         if hb.state in ("stopped", "unhealthy") or view.stalled:
             await self._recover(hb.worker_id, "worker stalled" if view.stalled else f"worker {hb.state}")
 
-    async def _release_held(self) -> None:
-        held, self.held = self.held, deque()
-        for work in held:
+    async def _on_fleet_status(self, msg: Msg) -> None:
+        try:
+            status = fleet_status_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        self.failed = {m.model: m.reason or "its worker exited on an invalid configuration"
+                       for m in status.models if m.state == "failed"}
+        for model in [m for m in self.held if m in self.failed]:
+            for h in self.held.pop(model):
+                await self._refuse(h.work, unavailable(
+                    f"model '{model}' cannot start: {self.failed[model]}", retry_after=None))
+
+    async def _release_held(self, model: str) -> None:
+        """The first ready worker of `model`: what waited for it goes out, oldest first."""
+        for h in self.held.pop(model, ()):
             try:
-                await self.admit(work)
+                await self.admit(h.work, since=h.since)
             except ServiceError as err:
-                await self._refuse(work, err)
+                await self._refuse(h.work, err)
 
     async def _recover(self, worker_id: str, why: str) -> None:
         """Send the unfinished work of a lost worker to the others."""
@@ -269,35 +343,60 @@ class Scheduler:
             await self._expire_held()
 
     async def _expire_held(self) -> None:
-        if not self.held:
-            return
         now = time.time()
-        keep: deque[WorkRequest] = deque()
-        for work in self.held:
-            if work.deadline <= now:
-                await self._refuse(work, deadline_exceeded(
-                    "no worker became ready before the request's deadline"))
-            elif not self.fleet.warming(work.model) and not self.fleet.ready(work.model):
-                await self._refuse(work, unavailable(f"no worker serves model '{work.model}'"))
+        for model in list(self.held):
+            keep: deque[HeldWork] = deque()
+            for h in self.held[model]:
+                if h.work.deadline <= now:
+                    waited = time.monotonic() - h.since
+                    await self._refuse(h.work, deadline_exceeded(
+                        f"no worker of model '{model}' became ready before the request's "
+                        f"deadline (held {waited:.1f} s for a cold start)"))
+                else:
+                    keep.append(h)
+            if keep:
+                self.held[model] = keep
             else:
-                keep.append(work)
-        self.held = keep
+                del self.held[model]
 
     async def _scaling(self) -> None:
         while not self._stop.is_set():
             await asyncio.sleep(self.scale_interval_s)
             for decision in self.scale_decisions():
-                await self.nc.publish(subjects.TELEMETRY_SCALE, encode_record(decision))
+                await self._publish_decision(decision)
+
+    async def _publish_decision(self, decision: ScaleDecision) -> None:
+        self.published[decision.model] = decision.desired_replicas
+        await self.nc.publish(subjects.TELEMETRY_SCALE, encode_record(decision))
+
+    async def _refresh_catalogue(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.catalogue.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - decisions go on with what is known
+                log.warning("catalogue_refresh_failed", error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(CATALOGUE_REFRESH_S)
+
+    def demand(self, model: str) -> Demand:
+        workers = self.fleet.for_model(model)
+        ready = [w for w in workers if w.ready]
+        pressured = sum(1 for w in ready if self.fleet.pressured(w))
+        kind = self.catalogue.kind(model) or next((w.hb.kind for w in workers), "")
+        return Demand(
+            model=model, kind=kind, ready=len(ready) - pressured, pressured=pressured,
+            starting=sum(1 for w in workers if w.hb.state in ("starting", "warming")),
+            held=self._held_count(model),
+            queued=sum(1 for o in self.outstanding.values() if o.work.model == model),
+            queue_depth=sum(w.hb.queue_depth for w in workers),
+            in_flight=sum(w.hb.in_flight for w in workers),
+            slots_used=sum(w.hb.slots_used for w in workers))
+
+    def decide(self, model: str) -> ScaleDecision:
+        return self.autoscaler.decide(self.demand(model), time.monotonic())
 
     def scale_decisions(self) -> list[ScaleDecision]:
-        out = []
-        target = max(self.config.target_queue_per_replica, 1.0)
-        for model, workers in self.fleet.models().items():
-            ready = [w for w in workers if w.ready]
-            queue = sum(w.hb.queue_depth for w in workers)
-            inflight = sum(w.hb.in_flight for w in workers)
-            desired = max(1, math.ceil((queue + inflight) / target))
-            reason = "queue above target" if desired > len(ready) else (
-                "queue below target" if desired < len(ready) else "steady")
-            out.append(ScaleDecision(model, len(ready), desired, queue, inflight, reason, time.time()))
-        return out
+        """One decision for every model known, served or not, idle or not."""
+        models = set(self.catalogue.names()) | set(self.fleet.models()) | set(self.held)
+        return [self.decide(m) for m in sorted(models)]

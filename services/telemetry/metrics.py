@@ -13,7 +13,13 @@ What each kind of record feeds:
 2. Heartbeat: per-worker gauges, replaced on every beat; a worker silent for
    `expiry_s` (or one that reports `stopped`) has all its series removed, and the
    per-model fleet gauges are recomputed from the workers still alive.
-3. ScaleDecision: `tensorbus_model_desired_replicas`, the value KEDA scales on.
+3. ScaleDecision: the latest decision of each live scheduler is kept;
+   `tensorbus_model_desired_replicas` (the value KEDA scales on) is their
+   `shared.scaling.combine`, and `tensorbus_model_held_requests` the sum of what they
+   hold. An idle model's schedulers say 0, so the gauge says 0; a scheduler silent
+   for `DECISION_TTL_S` stops counting.
+4. A RequestRecord with `hold_s` > 0 (held for a cold start, whatever its outcome)
+   feeds `tensorbus_cold_start_wait_seconds`.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from shared.scaling import LiveDecisions
 from shared.telemetry import Heartbeat, RequestRecord, ScaleDecision
 
 NS = "tensorbus"
@@ -73,6 +80,7 @@ class TelemetryMetrics:
         self._record_child = self.records.labels("request")
         self._request_children: dict[tuple[str, str, int], Counter] = {}
         self._series: dict[str, _ModelSeries] = {}
+        self.decisions = LiveDecisions()
 
     # --- construction
 
@@ -104,6 +112,9 @@ class TelemetryMetrics:
                                               "Generated tokens per request.", TOKEN_BUCKETS)
         self.batch_size = hist("batch_size", "Size of the batch a request ran in.",
                                BATCH_BUCKETS)
+        self.cold_start_wait = hist("cold_start_wait_seconds",
+                                    "Time a request was held waiting for a worker to start.",
+                                    LATENCY_BUCKETS)
 
     def _build_worker_metrics(self, r: CollectorRegistry) -> None:
         def worker_gauge(name: str, doc: str) -> Gauge:
@@ -116,6 +127,10 @@ class TelemetryMetrics:
         self.w_rss = worker_gauge("worker_rss_bytes", "Resident memory of the worker process.")
         self.w_kv = worker_gauge("kv_cache_usage_perc", "KV cache usage, 1 = full.")
         self.w_slots = worker_gauge("worker_slots_used", "Decode slots holding a sequence.")
+        self.w_mem_used = worker_gauge("worker_memory_used_bytes",
+                                       "Memory in use (device where reported, else host RSS).")
+        self.w_mem_limit = worker_gauge("worker_memory_limit_bytes",
+                                        "The limit that memory in use is measured against.")
         self.w_up = Gauge(f"{NS}_worker_up", "1 per live worker, labelled with its state.",
                           ["worker", "model", "state"], registry=r)
         self.m_queue = Gauge(f"{NS}_model_queue_depth", "Queued requests over live workers.",
@@ -123,8 +138,11 @@ class TelemetryMetrics:
         self.m_ready = Gauge(f"{NS}_model_ready_workers", "Live workers in state ready.",
                              ["model"], registry=r)
         self.m_desired = Gauge(f"{NS}_model_desired_replicas",
-                               "Replicas the scheduler wants (the autoscaling target).",
+                               "Replicas the schedulers want, combined (the autoscaling target).",
                                ["model"], registry=r)
+        self.m_held = Gauge(f"{NS}_model_held_requests",
+                            "Requests held for a cold start, over live schedulers.",
+                            ["model"], registry=r)
 
     def _build_self_metrics(self, r: CollectorRegistry) -> None:
         self.records = Counter(f"{NS}_telemetry_records", "Telemetry records consumed.",
@@ -149,6 +167,8 @@ class TelemetryMetrics:
             counter = self._request_children[key] = self.requests.labels(
                 rec.model, rec.endpoint, str(rec.status))
         counter.inc()
+        if rec.hold_s > 0:
+            self.cold_start_wait.labels(rec.model).observe(rec.hold_s)
         if rec.status >= 400:
             return
         s = self._series.get(rec.model) or self._model_series(rec.model)
@@ -195,11 +215,25 @@ class TelemetryMetrics:
         self.w_rss.labels(w, m).set(hb.rss_bytes)
         self.w_kv.labels(w, m).set(hb.kv_usage)
         self.w_slots.labels(w, m).set(hb.slots_used)
+        self.w_mem_used.labels(w, m).set(hb.mem_used_bytes)
+        self.w_mem_limit.labels(w, m).set(hb.mem_limit_bytes)
         self._refresh_model(m)
 
-    def observe_scale(self, d: ScaleDecision) -> None:
+    def observe_scale(self, d: ScaleDecision, now: float) -> None:
         self.records.labels("scale").inc()
-        self.m_desired.labels(d.model).set(d.desired_replicas)
+        self.decisions.observe(d, now)
+        self._refresh_desired(d.model)
+
+    def expire_decisions(self, now: float) -> None:
+        """Forget the decisions of schedulers gone silent. A model whose last scheduler
+        went keeps its last combined value: no scheduler is no reason to scale to 0."""
+        for model in self.decisions.expire(now):
+            if self.decisions.latest(model):
+                self._refresh_desired(model)
+
+    def _refresh_desired(self, model: str) -> None:
+        self.m_desired.labels(model).set(self.decisions.desired(model))
+        self.m_held.labels(model).set(self.decisions.held(model))
 
     def expire_workers(self, now: float) -> list[str]:
         """Drop workers silent for longer than `expiry_s`; returns their ids."""
@@ -216,7 +250,7 @@ class TelemetryMetrics:
         seen = self._workers.pop(worker)
         self.w_up.remove(worker, seen.model, seen.state)
         for g in (self.w_queue, self.w_in_flight, self.w_occupancy, self.w_rss, self.w_kv,
-                  self.w_slots):
+                  self.w_slots, self.w_mem_used, self.w_mem_limit):
             g.remove(worker, seen.model)
         self._refresh_model(seen.model)
 

@@ -7,7 +7,8 @@ Dataflow:
    `telemetry.v1.requests|workers|scale` subjects with core NATS.
 2. Each message is decoded once (`record_decoder`) and matched on its type:
    RequestRecord -> counters, histograms and the summary window; Heartbeat ->
-   per-worker and per-model gauges; ScaleDecision -> desired replicas.
+   per-worker and per-model gauges; ScaleDecision -> desired replicas (combined over
+   live schedulers) and held requests.
 3. Every `summary_interval_s` a `Summary` (per model: requests, errors, throughput,
    latency and TTFT quantiles, tokens/s, cost per 1M tokens) goes out on
    `telemetry.v1.summary`; workers silent past `worker_expiry_s` lose their series.
@@ -184,7 +185,7 @@ class TelemetryService:
                 case Heartbeat():
                     self.metrics.observe_heartbeat(rec, now)
                 case ScaleDecision():
-                    self.metrics.observe_scale(rec)
+                    self.metrics.observe_scale(rec, now)
                 case _:
                     self.metrics.bad_records.inc()
         except (msgspec.DecodeError, ValueError) as exc:
@@ -233,3 +234,4 @@ class TelemetryService:
             await asyncio.sleep(period)
             for worker in self.metrics.expire_workers(self._clock()):
                 log.info("worker_expired", worker=worker)
+            self.metrics.expire_decisions(self._clock())

@@ -53,11 +53,15 @@ async def test_two_workers_both_take_traffic(nats_server):
         assert sum(a.batches) + sum(b.batches) == 200
 
 
-async def test_no_worker_is_503_at_once(nats_server):
+async def test_unknown_model_is_404_at_once_and_a_known_one_is_held(nats_server):
+    # No worker at all: a known model waits for one (test_cold_start.py), an
+    # unknown one is refused without waiting.
     async with running_stack(nats_server.url) as st:
-        code, resp = await ask(st.client, body(), timeout=2)
-        assert code == 503
-        assert resp["error"]["code"] == "no_worker"
+        code, resp = await ask(st.client, body(model="no-such-model"), timeout=2)
+        assert code == 404 and resp["error"]["code"] == "model_not_found"
+        code, resp = await ask(st.client, body(), timeout=5,
+                               headers={"Tensorbus-Timeout": "0.3"})
+        assert code == 504 and "cold start" in resp["error"]["message"]
 
 
 async def test_overload_is_429_with_retry_after(nats_server):

@@ -50,10 +50,10 @@ class Stack:
     _exit: AsyncExitStack | None = None
 
     async def add_worker(self, engine, worker_id: str, kind: str = "encoder",
-                         wait_ready: bool = True) -> Worker:
+                         wait_ready: bool = True, worker_cls=Worker) -> Worker:
         nc = await nats.connect(self.config.nats_url, name=worker_id)
         self._exit.push_async_callback(_close, nc)
-        w = Worker(nc, self.config, engine, kind=kind, worker_id=worker_id)
+        w = worker_cls(nc, self.config, engine, kind=kind, worker_id=worker_id)
         return await self._start(w, wait_ready)
 
     async def add_registry_worker(self, model: str, factory, worker_id: str,
@@ -112,7 +112,7 @@ def table_resolver(models: dict[str, str]):
 
 @asynccontextmanager
 async def running_stack(nats_url: str, models: dict[str, str] | None = None,
-                        registry: bool = False, **overrides):
+                        registry: bool = False, scale_interval_s: float = 0.5, **overrides):
     base = dict(nats_url=nats_url, heartbeat_s=0.1, worker_expiry_s=1.0, log_format="json",
                 log_level="warning", http_port=0)
     base.update(overrides)
@@ -126,7 +126,7 @@ async def running_stack(nats_url: str, models: dict[str, str] | None = None,
         client, gnc, snc = ncs
         cache = Path(tempfile.mkdtemp(prefix="tensorbus-stack-"))
         ex.callback(shutil.rmtree, cache, ignore_errors=True)
-        sched = Scheduler(snc, config, scale_interval_s=0.5,
+        sched = Scheduler(snc, config, scale_interval_s=scale_interval_s,
                           registry=await Registry.open(snc) if registry else None)
         front = None
         if models or registry:
