@@ -269,6 +269,51 @@ async def test_scale_decision_sets_desired_replicas(started, nc):
     await _wait_for(five, what="desired replicas 5")
 
 
+def _decision(sid: str, desired: int, held: int = 0, reason: str = "") -> ScaleDecision:
+    return ScaleDecision(model="x", ready_replicas=0, desired_replicas=desired, queue_depth=0,
+                         in_flight=0, reason=reason, at=time.time(), scheduler_id=sid,
+                         held=held, min_replicas=0, max_replicas=4, target_per_replica=32.0)
+
+
+def test_desired_replicas_combine_live_schedulers_and_idle_reads_zero():
+    reg = CollectorRegistry()
+    m = TelemetryMetrics(reg)
+    desired = lambda: reg.get_sample_value(  # noqa: E731
+        "tensorbus_model_desired_replicas", {"model": "x"})
+    held = lambda: reg.get_sample_value("tensorbus_model_held_requests", {"model": "x"})  # noqa: E731
+    # Two schedulers each hold 20 requests for a cold start: 40 need two workers,
+    # though each alone asks for one. The last writer alone would say 1.
+    m.observe_scale(_decision("s1", 1, held=20), now=0.0)
+    m.observe_scale(_decision("s2", 1, held=20), now=1.0)
+    assert (desired(), held()) == (2, 40)
+    # s1 goes silent: it stops counting.
+    m.expire_decisions(now=10.5)
+    assert (desired(), held()) == (1, 20)
+    # Idle: the schedulers say 0 and the gauge reads 0, not the last busy value.
+    m.observe_scale(_decision("s2", 0, reason="idle for 60 s"), now=11.0)
+    assert (desired(), held()) == (0, 0)
+    # The last scheduler gone: the value stays (no scheduler is no reason for 0).
+    m.expire_decisions(now=30.0)
+    assert desired() == 0
+
+
+def test_memory_gauges_and_cold_start_wait():
+    reg = CollectorRegistry()
+    m = TelemetryMetrics(reg, expiry_s=1.0)
+    hb = msgspec.structs.replace(_heartbeat("a", "x"), mem_used_bytes=900, mem_limit_bytes=1000)
+    m.observe_heartbeat(hb, now=0.0)
+    labels = {"worker": "a", "model": "x"}
+    assert reg.get_sample_value("tensorbus_worker_memory_used_bytes", labels) == 900
+    assert reg.get_sample_value("tensorbus_worker_memory_limit_bytes", labels) == 1000
+    m.expire_workers(now=5.0)
+    assert reg.get_sample_value("tensorbus_worker_memory_used_bytes", labels) is None
+    for hold, status in ((2.0, 200), (0.0, 200), (30.0, 504)):
+        m.observe_request(msgspec.structs.replace(_request("x", 3.0, status=status), hold_s=hold))
+    count = reg.get_sample_value("tensorbus_cold_start_wait_seconds_count", {"model": "x"})
+    total = reg.get_sample_value("tensorbus_cold_start_wait_seconds_sum", {"model": "x"})
+    assert (count, total) == (2, 32.0)  # held ones only, the one that timed out included
+
+
 async def test_summary_quantiles_agree_with_numpy(started, nc):
     svc = await started(cost_per_hour=3.6)
     model = _model()
