@@ -134,10 +134,11 @@ class Scheduler:
             ready.set()
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._housekeeping())
-                tg.create_task(self._scaling())
-                tg.create_task(self._refresh_catalogue())
+                loops = [tg.create_task(self._housekeeping()), tg.create_task(self._scaling()),
+                         tg.create_task(self._refresh_catalogue())]
                 await self._stop.wait()
+                for task in loops:  # none waits out its interval
+                    task.cancel()
                 await self.micro.stop()
                 for s in self._subs:
                     await s.unsubscribe()

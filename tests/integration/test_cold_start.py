@@ -107,6 +107,17 @@ async def test_eight_concurrent_held_requests_are_all_answered(nats_server):
         assert max(r.hold_s for r in reqs.of(MODEL)) < 20
 
 
+async def test_held_requests_count_against_the_bound_of_one_worker(nats_server):
+    async with running_stack(nats_server.url, max_queue_per_worker=4, **ZERO) as st:
+        pending = [asyncio.create_task(ask(st.client, body(input=[f"h {i}"]), timeout=20))
+                   for i in range(4)]
+        await wait_until(lambda: len(st.scheduler.held.get(MODEL, ())) == 4, timeout=5)
+        code, resp = await ask(st.client, timeout=2)
+        assert code == 429 and resp["error"]["code"] == "overloaded"
+        await st.add_worker(MockEncoder(), "bound-w1")
+        assert [c for c, _ in await asyncio.gather(*pending)] == [200] * 4
+
+
 async def test_a_held_request_whose_deadline_passes_gets_504(nats_server):
     async with running_stack(nats_server.url, **ZERO) as st:
         reqs = await Records(RequestRecord).start(st.client, subjects.TELEMETRY_REQUESTS)
