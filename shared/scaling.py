@@ -23,10 +23,30 @@ from __future__ import annotations
 import math
 from typing import Iterable
 
+from shared.config import Config, bad_config, parse_fleet
 from shared.telemetry import ScaleDecision
 
 NOT_SERVED = "not served (fleet bounds 0:0)"  # the reason of a MODEL=0:0 decision
 DECISION_TTL_S = 10.0  # a scheduler silent this long no longer counts (5 intervals)
+
+
+def check_settings(config: Config) -> None:
+    """Exit 78 (`bad_config`) when the fleet settings cannot mean anything."""
+    try:
+        parse_fleet(config.fleet)
+    except ValueError as exc:
+        raise bad_config(str(exc)) from None
+    if config.min_workers < 0 or config.max_workers < config.min_workers:
+        raise bad_config(f"TENSORBUS_MIN_WORKERS={config.min_workers} and TENSORBUS_MAX_WORKERS="
+                         f"{config.max_workers}: need 0 <= MIN <= MAX")
+    if not 0 < config.memory_high <= 1:
+        raise bad_config(f"TENSORBUS_MEMORY_HIGH={config.memory_high}: a fraction in (0, 1]")
+    for name in ("idle_to_zero_s", "scale_down_s"):
+        if getattr(config, name) < 0:
+            raise bad_config(f"TENSORBUS_{name.upper()} must not be negative")
+    for name in ("target_queue_per_replica", "target_slots_per_replica"):
+        if getattr(config, name) <= 0:
+            raise bad_config(f"TENSORBUS_{name.upper()} must be above 0")
 
 
 def combine(decisions: Iterable[ScaleDecision], target_per_replica: float | None = None) -> int:

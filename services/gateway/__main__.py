@@ -12,6 +12,7 @@ from services.gateway.service import Gateway
 from services.registry.store import Registry, open_or_none
 from shared.bus import connection, stop_event
 from shared.config import Config
+from shared.scaling import check_settings
 from shared.logging import configure_logging, get_logger
 
 log = get_logger("gateway")
@@ -26,6 +27,7 @@ def frontend(nc, config: Config, registry: Registry | None) -> Frontend:
 
 async def main() -> None:
     config = Config.from_env()
+    check_settings(config)  # a fleet setting that cannot work exits 78
     configure_logging("gateway", config.log_level, config.log_format)
     stop = stop_event()
     async with connection(config.nats_url, "gateway") as nc:

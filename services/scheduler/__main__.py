@@ -9,6 +9,7 @@ from services.scheduler.aliases import seed_registry
 from services.scheduler.service import Scheduler
 from shared.bus import connection, stop_event
 from shared.config import Config
+from shared.scaling import check_settings
 from shared.logging import configure_logging, get_logger
 
 log = get_logger("scheduler")
@@ -16,6 +17,7 @@ log = get_logger("scheduler")
 
 async def main() -> None:
     config = Config.from_env()
+    check_settings(config)  # a fleet setting that cannot work exits 78
     configure_logging("scheduler", config.log_level, config.log_format)
     stop = stop_event()
     async with connection(config.nats_url, "scheduler") as nc:

@@ -9,7 +9,7 @@ Each decision, for one model at one instant (`now`: this process's monotonic clo
      slots + requests waiting for a slot), against `target_slots_per_replica`.
      need = ceil(demand / target).
   3. Floor: the minimum when it is above 0. With a minimum of 0: 0 until the model
-     first has demand (or workers); then 1, and 0 again only after the model was
+     first has demand or a worker; then 1, and 0 again only after the model was
      idle (nothing held, queued or in flight) for `idle_to_zero_s`. `idle_to_zero_s`
      0 means "start on demand, never stop".
   4. Memory: ready workers above `memory_high` take no new work, so they are not
@@ -79,6 +79,8 @@ class Autoscaler:
         if st is None:  # running workers get the idle period before they may go
             st = self._models[d.model] = _Model(busy_at=now if d.workers else None)
             st.recent.append((now, min(d.workers, hi)))
+        if st.busy_at is None and d.workers:  # workers appeared: their idle clock starts
+            st.busy_at = now
         if d.kind == "decoder":
             load = d.held + max(d.queued, d.slots_used + d.queue_depth)
         else:

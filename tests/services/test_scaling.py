@@ -3,11 +3,16 @@ schedulers combine (shared/scaling.py), on a fake monotonic clock."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+
+import pytest
 
 from services.scheduler.scaling import Autoscaler, Demand
-from shared.config import Config
-from shared.scaling import NOT_SERVED, LiveDecisions, combine
+from shared.config import EX_CONFIG, Config
+from shared.scaling import NOT_SERVED, LiveDecisions, check_settings, combine
 from shared.telemetry import ScaleDecision
 
 M = "enc"
@@ -138,3 +143,30 @@ def test_live_decisions_forget_a_silent_scheduler():
     assert live.desired(M) == 6
     assert live.expire(now=13) == {M}
     assert live.desired(M) == 3 and live.held(M) == 30
+
+
+def test_workers_that_appear_get_the_idle_period_before_zero():
+    a = scaler(min_workers=0, idle_to_zero_s=60.0)
+    assert a.decide(load(0, ready=0), now=0).desired_replicas == 0
+    assert a.decide(load(0, ready=1), now=10).desired_replicas == 1
+    assert a.decide(load(0, ready=1), now=69).desired_replicas == 1
+    assert a.decide(load(0, ready=1), now=70).desired_replicas == 0
+
+
+@pytest.mark.parametrize("setting", [
+    dict(fleet="enc=3:1"), dict(fleet="enc"), dict(memory_high=0.0), dict(memory_high=1.5),
+    dict(min_workers=3, max_workers=2), dict(scale_down_s=-1.0),
+    dict(target_queue_per_replica=0.0)])
+def test_settings_that_cannot_work_exit_78(setting):
+    with pytest.raises(SystemExit) as exc:
+        check_settings(Config(**setting))
+    assert exc.value.code == EX_CONFIG
+
+
+def test_the_scheduler_process_exits_78_on_a_bad_fleet():
+    env = {**os.environ, "TENSORBUS_FLEET": "all-MiniLM-L6-v2=2", "TENSORBUS_NATS_URL":
+           "nats://127.0.0.1:1"}
+    proc = subprocess.run([sys.executable, "-m", "services.scheduler"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == EX_CONFIG
+    assert "MODEL=MIN:MAX" in proc.stderr
