@@ -12,8 +12,8 @@ from services.gateway.service import Gateway
 from services.registry.store import Registry, open_or_none
 from shared.bus import connection, stop_event
 from shared.config import Config
-from shared.scaling import check_settings
 from shared.logging import configure_logging, get_logger
+from shared.scaling import check_settings
 
 log = get_logger("gateway")
 

@@ -9,8 +9,8 @@ from services.scheduler.aliases import seed_registry
 from services.scheduler.service import Scheduler
 from shared.bus import connection, stop_event
 from shared.config import Config
-from shared.scaling import check_settings
 from shared.logging import configure_logging, get_logger
+from shared.scaling import check_settings
 
 log = get_logger("scheduler")
 

@@ -8,24 +8,24 @@ Dataflow of one request:
      invalid) a 503 with the reason; a full fleet queue (dispatched + held, bounded
      as for at least one worker) a 429 with Retry-After. Every refusal is sent to the
      request's reply subject at once.
-  2b. Cold start: no ready worker takes new work for the model (none running, all
-     warming, or all above the memory threshold): the request is held, the gateway
-     is told (`Held`), and a ScaleDecision goes out at once. The first worker that
-     becomes ready gets it (with an `Accepted` carrying the time held); its own
-     deadline passing first ends it with a 504 that says so.
-  3. Routing: the least-loaded ready worker serving the model (and the version the
+  3. Cold start: no ready worker takes new work for the model (none running, all
+     warming, or all above the memory threshold and so taking no new work): the
+     request is held, the gateway is told (`Held`), and a ScaleDecision goes out at
+     once. The first worker that becomes ready gets it (with an `Accepted` carrying
+     the time held); its own deadline passing first ends it with a 504 that says so.
+  4. Routing: the least-loaded ready worker serving the model (and the version the
      request pins or the canary draw picks) gets the WorkRequest on its work subject.
      An unpinned request that draws the canary goes out pinned to it; one that draws
      prod goes to workers holding prod, unpinned, so each runs its own current prod
      (a scheduler whose view lags a promotion never sends work back to the old one).
      When no ready worker holds the drawn version yet (a canary still loading, a
      promotion in progress), prod is used, and failing that any ready worker.
-  4. The worker replies to the gateway directly and tells this scheduler which
+  5. The worker replies to the gateway directly and tells this scheduler which
      requests finished (`WorkDone`), so the outstanding count per worker stays exact.
-  5. When a worker expires (missed heartbeats) or reports draining with work still
+  6. When a worker expires (missed heartbeats) or reports draining with work still
      outstanding here, that work is dispatched again to another worker (the gateway
      keeps only the first answer per request id).
-  6. Every `scale_interval_s` a ScaleDecision for every model it knows (catalogue,
+  7. Every `scale_interval_s` a ScaleDecision for every model it knows (catalogue,
      registry, heartbeats; served or not) goes to `telemetry.v1.scale`, computed by
      the pure `services.scheduler.scaling.Autoscaler`.
 """

@@ -206,3 +206,21 @@ async def test_model_cards_follow_the_fleet_and_readyz_stays_up_at_zero(nats_ser
 async def _card_in(st, model: str, state: str):
     card = (await cards(st.client)).get(model)
     return card if card and card["state"] == state else None
+
+
+async def test_a_registry_model_at_zero_workers_is_listed_and_served_once_one_starts(
+        nats_server, tmp_path):
+    from tests.integration.test_hot_swap import Built, embed, model_name, push_versions
+
+    name = model_name()
+    async with running_stack(nats_server.url, registry=True, **ZERO) as st:
+        await push_versions(st.registry, tmp_path, name, 1)
+        await st.registry.promote(name, "1")
+        await st.scheduler.catalogue.refresh()  # rather than waiting for the next read
+        card = await eventually(lambda: _card_in(st, name, "scaled_to_zero"))
+        assert (card["kind"], card["ready_workers"]) == ("encoder", 0)
+        pending = asyncio.create_task(embed(st.client, name, timeout=20))
+        await eventually(lambda: _card_in(st, name, "starting"))
+        await st.add_registry_worker(name, Built(), "reg-w1")
+        reply = await pending
+        assert (reply.code, reply.version) == (200, "1")
