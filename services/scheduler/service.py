@@ -13,8 +13,9 @@ Dataflow of one request:
      request is held, the gateway is told (`Held`), and a ScaleDecision goes out at
      once. The first worker that becomes ready gets it (with an `Accepted` carrying
      the time held); its own deadline passing first ends it with a 504 that says so.
-  4. Routing: the least-loaded ready worker serving the model (and the version the
-     request pins or the canary draw picks) gets the WorkRequest on its work subject.
+  4. Routing: the least-loaded ready worker below the memory threshold serving the
+     model (and the version the request pins or the canary draw picks) gets the
+     WorkRequest on its work subject.
      An unpinned request that draws the canary goes out pinned to it; one that draws
      prod goes to workers holding prod, unpinned, so each runs its own current prod
      (a scheduler whose view lags a promotion never sends work back to the old one).
