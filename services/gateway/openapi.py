@@ -59,9 +59,9 @@ def openapi_document() -> dict:
                                             "CompletionResponse", "CompletionChunk")},
             "/v1/chat/completions": {"post": _op("Create a chat completion", "ChatCompletionRequest",
                                                  "ChatCompletionResponse", "ChatCompletionChunk")},
-            "/v1/models": {"get": _op("List served models", None, "ModelList")},
+            "/v1/models": {"get": _op("List served models, with their state", None, "ModelList")},
             "/healthz": {"get": plain("alive")},
-            "/readyz": {"get": plain("ready: at least one model has a ready worker")},
+            "/readyz": {"get": plain("ready: the gateway is serving and connected to the bus")},
         },
         "components": {"schemas": components},
     }
