@@ -1,0 +1,282 @@
+"""Both decoder families in eager torch: weights, the prompt pass and the decode step.
+
+The math is the JAX engine's (engine/decoder/layers.py), written with torch ops:
+
+- Weights come from `engine.weights.load_weights` and `engine.decoder.config`, so
+  every directory the JAX engine loads loads here too. Projections are kept in
+  `F.linear`'s [out, in] layout; GPT-2's Conv1D weights ([in, out]) are transposed
+  once. Llama's q/k/v and gate/up are concatenated (two matmuls where there would
+  be five: a small decode step is bound by op count more than by FLOPs).
+- Precision: parameters, activations and the KV cache in the configured dtype;
+  norms and RoPE in float32; attention through `scaled_dot_product_attention`,
+  which accumulates and takes its softmax in float32 for half dtypes; logits in
+  float32 from a float32 copy of the output matrix (for half dtypes that copy is
+  the price of logits that are not rounded to 8 bits of mantissa, where greedy
+  ties would be common).
+- The KV cache is one [SLOTS, KV, MAX_LEN, D] tensor per layer, written in place:
+  a prompt fills positions [0, T) of its slot; a decode step writes each row's new
+  K/V at that row's own position, then attends to the first `window` positions
+  with everything past the row's position masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.decoder.config import GPT2, LLAMA, DecoderConfig
+
+_PREFIXES = {GPT2: ("transformer.",), LLAMA: ("model.",)}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Layer:
+    ln1_w: torch.Tensor  # [E] (float32 for LayerNorm, dtype for RMSNorm)
+    ln1_b: torch.Tensor | None  # [E] float32 (GPT-2 only)
+    qkv_w: torch.Tensor  # [(H + 2 KV) * D, E]
+    qkv_b: torch.Tensor | None  # [(H + 2 KV) * D]
+    o_w: torch.Tensor  # [E, H * D]
+    o_b: torch.Tensor | None  # [E]
+    ln2_w: torch.Tensor
+    ln2_b: torch.Tensor | None
+    up_w: torch.Tensor  # GPT-2: [I, E]; Llama: gate and up, [2I, E]
+    up_b: torch.Tensor | None  # [I] (GPT-2 only)
+    down_w: torch.Tensor  # [E, I]
+    down_b: torch.Tensor | None  # [E]
+
+
+@dataclass
+class Params:
+    embed: torch.Tensor  # [V, E], dtype
+    head: torch.Tensor  # [V, E], float32 (the embedding itself when tied in float32)
+    norm_w: torch.Tensor  # [E]
+    norm_b: torch.Tensor | None  # [E] (GPT-2 only)
+    layers: list[Layer]
+    positions: torch.Tensor | None = None  # [P, E] learned positions (GPT-2)
+    cos: torch.Tensor | None = None  # [MAX_LEN, D] float32 RoPE tables (Llama)
+    sin: torch.Tensor | None = None
+    nbytes: int = field(default=0)
+
+
+def _tensor(a: np.ndarray, dtype: torch.dtype, device: str, transpose: bool = False):
+    """numpy (any float dtype, bfloat16 included) -> contiguous torch tensor."""
+    x = np.asarray(a, dtype=np.float32)  # exact for every stored float format
+    if transpose:
+        x = x.T
+    return torch.from_numpy(np.ascontiguousarray(x)).to(device=device, dtype=dtype)
+
+
+def _wide(a: np.ndarray, dtype: torch.dtype, device: str):
+    """Rounded to the model's dtype, then held in float32: for the parts computed in
+    float32 (LayerNorm's affine, the logits), as the JAX engine computes them."""
+    return _tensor(a, dtype, device).float()
+
+
+def _gpt2_layer(w: dict, i: int, dt: torch.dtype, dev: str) -> Layer:
+    p = f"h.{i}."
+
+    def t(name, transpose=False):
+        return _tensor(w[p + name], dt, dev, transpose)
+
+    def f32(name):
+        return _wide(w[p + name], dt, dev)
+
+    return Layer(
+        ln1_w=f32("ln_1.weight"), ln1_b=f32("ln_1.bias"),
+        qkv_w=t("attn.c_attn.weight", transpose=True), qkv_b=t("attn.c_attn.bias"),  # [3E, E]
+        o_w=t("attn.c_proj.weight", transpose=True), o_b=t("attn.c_proj.bias"),
+        ln2_w=f32("ln_2.weight"), ln2_b=f32("ln_2.bias"),
+        up_w=t("mlp.c_fc.weight", transpose=True), up_b=t("mlp.c_fc.bias"),  # [I, E]
+        down_w=t("mlp.c_proj.weight", transpose=True), down_b=t("mlp.c_proj.bias"),
+    )  # fmt: skip
+
+
+def _llama_layer(w: dict, i: int, cfg: DecoderConfig, dt: torch.dtype, dev: str) -> Layer:
+    p, a = f"layers.{i}.", f"layers.{i}.self_attn."
+    cat = lambda names: _tensor(np.concatenate([w[n] for n in names]), dt, dev)  # noqa: E731
+    return Layer(
+        ln1_w=_tensor(w[p + "input_layernorm.weight"], dt, dev), ln1_b=None,
+        qkv_w=cat([a + f"{n}_proj.weight" for n in "qkv"]),  # [(H + 2 KV) * D, E]
+        qkv_b=cat([a + f"{n}_proj.bias" for n in "qkv"]) if cfg.attn_bias else None,
+        o_w=_tensor(w[a + "o_proj.weight"], dt, dev), o_b=None,  # [E, H * D]
+        ln2_w=_tensor(w[p + "post_attention_layernorm.weight"], dt, dev), ln2_b=None,
+        up_w=cat([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]), up_b=None,  # [2I, E]
+        down_w=_tensor(w[p + "mlp.down_proj.weight"], dt, dev), down_b=None,  # [E, I]
+    )  # fmt: skip
+
+
+def _rope_tables(cfg: DecoderConfig, max_len: int, device: str):
+    """cos, sin: [MAX_LEN, D] float32, rotate-half layout (the Hugging Face convention)."""
+    from engine.decoder.layers import inv_frequencies  # numpy only: one place for scaling
+
+    inv = torch.from_numpy(inv_frequencies(cfg))  # [D/2] float32
+    angles = torch.arange(max_len, dtype=torch.float32)[:, None] * inv[None, :]  # [T, D/2]
+    angles = torch.cat([angles, angles], -1)  # [T, D]
+    return angles.cos().to(device), angles.sin().to(device)
+
+
+def load_params(model_dir: str | Path, cfg: DecoderConfig, dtype: torch.dtype, device: str,
+                max_len: int) -> Params:  # fmt: skip
+    from engine.weights import load_weights, strip_prefix
+
+    w = strip_prefix(load_weights(model_dir), _PREFIXES[cfg.family])
+    if cfg.family == GPT2:
+        layers = [_gpt2_layer(w, i, dtype, device) for i in range(cfg.layers)]
+        params = Params(
+            embed=_tensor(w["wte.weight"], dtype, device),
+            head=_wide(w["lm_head.weight"] if not cfg.tie_embeddings and "lm_head.weight" in w
+                       else w["wte.weight"], dtype, device),
+            norm_w=_wide(w["ln_f.weight"], dtype, device),
+            norm_b=_wide(w["ln_f.bias"], dtype, device),
+            layers=layers, positions=_tensor(w["wpe.weight"], dtype, device),
+        )  # fmt: skip
+    else:
+        layers = [_llama_layer(w, i, cfg, dtype, device) for i in range(cfg.layers)]
+        cos, sin = _rope_tables(cfg, max_len, device)
+        params = Params(
+            embed=_tensor(w["embed_tokens.weight"], dtype, device),
+            head=_wide(w["embed_tokens.weight"] if cfg.tie_embeddings else w["lm_head.weight"],
+                       dtype, device),
+            norm_w=_tensor(w["norm.weight"], dtype, device), norm_b=None,
+            layers=layers, cos=cos, sin=sin,
+        )  # fmt: skip
+    if dtype == torch.float32 and torch.equal(params.head, params.embed):
+        params.head = params.embed  # tied: one tensor, not two equal ones
+    tensors = {id(t): t for t in _tensors(params)}
+    params.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return params
+
+
+def _tensors(params: Params):
+    for v in vars(params).values():
+        if isinstance(v, torch.Tensor):
+            yield v
+    for layer in params.layers:
+        yield from (v for v in vars(layer).values() if isinstance(v, torch.Tensor))
+
+
+# ----------------------------------------------------------------------- math
+def _layer_norm(x, w, b, eps: float):
+    """Statistics and affine in float32, result in x's dtype (as the JAX engine)."""
+    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
+
+
+def _rms_norm(x, w, eps: float):
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * y.to(x.dtype)  # cast before the weight, as Llama's reference does
+
+
+def _activation(name: str, x):
+    if name in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "relu":
+        return F.relu(x)
+    if name in ("silu", "swish"):
+        return F.silu(x)
+    raise NotImplementedError(f"activation {name!r} is not supported")
+
+
+def _rope(x, cos, sin):
+    """x: [N, H, D], cos, sin: [N, D] float32 -> [N, H, D] in x's dtype."""
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], -1)
+    return (xf * cos[:, None, :] + rotated * sin[:, None, :]).to(x.dtype)
+
+
+def embed(p: Params, cfg: DecoderConfig, tokens, positions):
+    """tokens, positions: [N] int64 -> x: [N, E]"""
+    x = p.embed[tokens]
+    return x + p.positions[positions] if cfg.family == GPT2 else x
+
+
+def attn_in(p: Params, lp: Layer, cfg: DecoderConfig, x, positions):
+    """x: [N, E] -> q: [N, H, D], k, v: [N, KV, D] (RoPE applied for Llama)."""
+    n, d, h, kv = x.shape[0], cfg.head_dim, cfg.heads, cfg.kv_heads
+    if cfg.family == GPT2:
+        hx = _layer_norm(x, lp.ln1_w, lp.ln1_b, cfg.norm_eps)
+    else:
+        hx = _rms_norm(x, lp.ln1_w, cfg.norm_eps)
+    qkv = F.linear(hx, lp.qkv_w, lp.qkv_b)  # [N, (H + 2 KV) * D]
+    q, k, v = qkv.split([h * d, kv * d, kv * d], dim=-1)
+    q, k, v = q.view(n, h, d), k.view(n, kv, d), v.view(n, kv, d)
+    if cfg.family == LLAMA:
+        cos, sin = p.cos[positions], p.sin[positions]  # [N, D]
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    return q, k, v
+
+
+def attn_out(lp: Layer, cfg: DecoderConfig, x, attn):
+    """Residual adds of the attention output and the MLP. attn: [N, H * D] -> [N, E]"""
+    x = x + F.linear(attn, lp.o_w, lp.o_b)
+    if cfg.family == GPT2:
+        hx = _layer_norm(x, lp.ln2_w, lp.ln2_b, cfg.norm_eps)
+        hx = _activation(cfg.activation, F.linear(hx, lp.up_w, lp.up_b))
+    else:
+        hx = _rms_norm(x, lp.ln2_w, cfg.norm_eps)
+        gate, up = F.linear(hx, lp.up_w).chunk(2, dim=-1)  # [N, I] each
+        hx = _activation(cfg.activation, gate) * up
+    return x + F.linear(hx, lp.down_w, lp.down_b)
+
+
+def head(p: Params, cfg: DecoderConfig, x):
+    """x: [N, E] -> logits: [N, V] float32"""
+    if cfg.family == GPT2:
+        hx = _layer_norm(x, p.norm_w, p.norm_b, cfg.norm_eps)
+    else:
+        hx = _rms_norm(x, p.norm_w, cfg.norm_eps)
+    return F.linear(hx.float(), p.head)
+
+
+def prompt_forward(p: Params, cfg: DecoderConfig, tokens, k_cache, v_cache, slot: int):
+    """One prompt, written into `slot` of the cache.
+
+    tokens: [T] int64; k_cache, v_cache: L x [S, KV, MAX_LEN, D]
+    -> x: [T, E] hidden states before the final norm.
+    """
+    t = tokens.shape[0]
+    positions = torch.arange(t, device=tokens.device)
+    x = embed(p, cfg, tokens, positions)
+    for lp, kc, vc in zip(p.layers, k_cache, v_cache):
+        q, k, v = attn_in(p, lp, cfg, x, positions)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # [KV, T, D]
+        kc[slot, :, :t] = k
+        vc[slot, :, :t] = v
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k[None], v[None], is_causal=True, enable_gqa=True
+        )  # [1, H, T, D]
+        x = attn_out(lp, cfg, x, out[0].transpose(0, 1).reshape(t, -1))
+    return x
+
+
+def decode_forward(p: Params, cfg: DecoderConfig, tokens, positions, k_cache, v_cache,
+                   window: int):  # fmt: skip
+    """One step for the first N slots (rows [0, N) of the cache, a view, no copy).
+
+    tokens, positions: [N] int64; k_cache, v_cache: L x [S, KV, MAX_LEN, D], S >= N
+    -> logits: [N, V] float32; each row's new K/V is written at its own position.
+    Every row's position must be below `window`.
+    """
+    n = tokens.shape[0]
+    rows = torch.arange(n, device=tokens.device)
+    visible = torch.arange(window, device=tokens.device)[None, :] <= positions[:, None]
+    mask = visible[:, None, None, :]  # [N, 1, 1, W]
+    x = embed(p, cfg, tokens, positions)
+    for lp, kc, vc in zip(p.layers, k_cache, v_cache):
+        q, k, v = attn_in(p, lp, cfg, x, positions)  # k, v: [N, KV, D]
+        kc[rows, :, positions] = k
+        vc[rows, :, positions] = v
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], kc[:n, :, :window], vc[:n, :, :window], attn_mask=mask,
+            enable_gqa=True,
+        )  # [N, H, 1, D]
+        x = attn_out(lp, cfg, x, out.reshape(n, -1))
+    return head(p, cfg, x)
