@@ -46,7 +46,12 @@ def build_engine(config: Config, info: catalog.ModelInfo):
         from engine.encoder import JaxEncoder
 
         return JaxEncoder(info.path, **kw)
+    kw = dict(name=info.name, dtype=dtype, slots=config.decode_slots,
+              max_context=config.max_context)
+    if backend == "torch":
+        from engine.torch_decoder import TorchDecoder
+
+        return TorchDecoder(info.path, **kw)
     from engine.decoder.engine import DecoderEngine
 
-    return DecoderEngine(info.path, name=info.name, dtype=dtype,
-                         slots=config.decode_slots, max_context=config.max_context)
+    return DecoderEngine(info.path, **kw)

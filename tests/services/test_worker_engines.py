@@ -1,0 +1,65 @@
+"""Which engine a worker builds: `TENSORBUS_ENGINE` picks the backend per model, and a
+name no engine knows stops the worker process with 78 before it touches the bus."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared import catalog
+from shared.config import EX_CONFIG, Config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _closed_port() -> int:
+    """A port nothing listens on: a worker that tried to connect would fail otherwise."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(env: dict[str, str]) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TENSORBUS_")}
+    base.update(HF_HUB_OFFLINE="1", TENSORBUS_NATS_URL=f"nats://127.0.0.1:{_closed_port()}",
+                TENSORBUS_LOG_FORMAT="json", **env)
+    return subprocess.run([sys.executable, "-m", "services.worker"], cwd=ROOT, env=base,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize("env, quoted", [
+    ({"TENSORBUS_ENGINE": "tpu"}, "'tpu'"),
+    ({"TENSORBUS_ENGINE": "jax,all-MiniLM-L6-v2=nope", "TENSORBUS_MODEL": "all-MiniLM-L6-v2"},
+     "'nope'"),
+    ({"TENSORBUS_ENGINE": "jax,torch"}, "only the first value"),
+])  # fmt: skip
+def test_worker_process_exits_78_on_an_unknown_engine(env, quoted):
+    done = _worker(env)
+    assert done.returncode == EX_CONFIG == 78, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("bad configuration:"), done.stderr[-2000:]
+    assert quoted in last
+    if "only" not in quoted:
+        assert "TENSORBUS_ENGINE" in last and "jax, torch" in last
+
+
+def test_engine_setting_picks_the_decoder_backend_per_model(tmp_path):
+    from engine.decoder import DecoderEngine
+    from engine.torch_decoder import TorchDecoder
+    from services.worker.engines import build_engine
+    from tests.support.tiny_models import build
+
+    build("llama", tmp_path, positions=32)
+    info = catalog.describe("tiny", tmp_path)
+    assert info.kind == "decoder"
+    cfg = Config.from_env({}, data_dir=str(tmp_path / "data"), decode_slots=2, max_context=32)
+    torch_engine = build_engine(cfg.with_(engine="torch", dtype="bfloat16"), info)
+    assert isinstance(torch_engine, TorchDecoder)
+    assert (torch_engine.dtype, torch_engine.slots, torch_engine.max_context) == ("bfloat16", 2, 32)
+    assert isinstance(build_engine(cfg.with_(engine="torch,tiny=jax"), info), DecoderEngine)
+    assert isinstance(build_engine(cfg.with_(engine="jax,tiny=torch"), info), TorchDecoder)
