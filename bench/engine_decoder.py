@@ -8,10 +8,16 @@
   another, same prompt and length, with `--torch-threads` (default 1: on a small
   shared CPU, torch's second thread made a 4M-parameter model's generate 8x slower,
   and the comparison should be against the reference at its best).
+- `--engines jax,torch --streams 1,16`: the same static batch on each engine at each
+  stream count (1 stream = one sequence decoding alone), side by side. The torch
+  engine runs with torch's default thread count unless `--engine-threads` says;
+  transformers then runs with `--torch-threads` (set after the engines ran).
 
 Timings on a shared CPU are noisy; compare figures from one run.
 
     .venv/bin/python -m bench.engine_decoder [--max-new 64] [--hf-requests 3]
+    .venv/bin/python -m bench.engine_decoder --engines jax,torch --streams 1,16 \
+        --engine-threads 1 --out bench/out/engine_decoder.json
 """
 
 from __future__ import annotations
@@ -26,36 +32,58 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPT = "This module provides functions for"
 
 
-def _engine_figures(model_dir, slots: int, max_context: int, max_new: int, prompt: list[int]):
-    import jax
+def _build(kind: str, model_dir, slots: int, max_context: int):
+    if kind == "torch":
+        from engine.torch_decoder import TorchDecoder
 
+        return TorchDecoder(model_dir, "bench", slots=slots, max_context=max_context)
     from engine.decoder import DecoderEngine
+
+    return DecoderEngine(model_dir, "bench", slots=slots, max_context=max_context)
+
+
+def _static_figures(engine, streams: int, max_new: int, prompt: list[int]):
+    """One static batch of `streams` copies of the prompt: (figures, first stream's tokens)."""
     from engine.decoder.engine import GREEDY
 
-    engine = DecoderEngine(model_dir, "bench", slots=slots, max_context=max_context)
-    engine.generate_static([prompt] * slots, 2)  # compile the bucket and the step
+    engine.generate_static([prompt] * streams, 2)  # compile (JAX) or warm (torch)
     t0 = time.perf_counter()
-    out = engine.generate_static([prompt] * slots, max_new)
+    out = engine.generate_static([prompt] * streams, max_new)
     total = time.perf_counter() - t0
     # Decode alone: the same steps, timed without the prefills.
-    for s in range(slots):
+    for s in range(streams):
         engine.prefill_insert(s, prompt, GREEDY, 0)
     t1 = time.perf_counter()
     for _ in range(max_new - 1):
         engine.step()
     decode = time.perf_counter() - t1
-    for s in range(slots):
+    for s in range(streams):
         engine.free(s)
     return {
-        "device": engine.device,
-        "dtype": engine.dtype,
-        "slots": slots,
-        "max_context": engine.max_context,
+        "streams": streams,
         "step_ms": round(1000 * decode / (max_new - 1), 3),
-        "decode_tokens_per_s": round(slots * (max_new - 1) / decode, 1),
+        "decode_tokens_per_s": round(streams * (max_new - 1) / decode, 1),
         "end_to_end_tokens_per_s": round(sum(map(len, out)) / total, 1),
-        "jax_backend": jax.default_backend(),
     }, out[0]
+
+
+def _engine_figures(kind: str, model_dir, slots: int, max_context: int, max_new: int,
+                    prompt: list[int], streams: tuple[int, ...]):  # fmt: skip
+    """{"device", "dtype", ..., "streams": {n: figures}} and the greedy tokens."""
+    import jax
+    import torch
+
+    engine = _build(kind, model_dir, slots, max_context)
+    by_streams, tokens = {}, None
+    for n in streams:
+        by_streams[str(n)], tokens = _static_figures(engine, n, max_new, prompt)
+    info = {"device": engine.device, "dtype": engine.dtype, "slots": slots,
+            "max_context": engine.max_context}
+    if kind == "torch":
+        info["torch_threads"] = torch.get_num_threads()
+    else:
+        info["jax_backend"] = jax.default_backend()
+    return {**info, "streams": by_streams}, tokens
 
 
 def _hf_figures(model_dir, max_new: int, prompt: list[int], requests: int, threads: int):
@@ -81,23 +109,35 @@ def _hf_figures(model_dir, max_new: int, prompt: list[int], requests: int, threa
 
 
 def run(max_new: int = 64, hf_requests: int = 3, slots: int = 16, max_context: int = 512,
-        torch_threads: int = 1) -> dict:  # fmt: skip
+        torch_threads: int = 1, engines: tuple[str, ...] = ("jax",),
+        streams: tuple[int, ...] | None = None, engine_threads: int = 0) -> dict:  # fmt: skip
+    """`engine` (the JAX engine's static batch of `slots`) keeps the shape
+    bench.generation reads; `engines` has every engine at every stream count."""
+    import torch
+
     from engine.tokenizer import Tokenizer
     from shared.catalog import DEMO_LM, bundled_dir
 
+    if engine_threads:
+        torch.set_num_threads(engine_threads)
     model_dir = bundled_dir(DEMO_LM)
     prompt = Tokenizer.from_dir(model_dir).encode(PROMPT)
-    engine, ours = _engine_figures(model_dir, slots, max_context, max_new, prompt)
+    streams = tuple(streams or (slots,))
+    figures, tokens = {}, {}
+    for kind in engines:
+        figures[kind], tokens[kind] = _engine_figures(kind, model_dir, slots, max_context,
+                                                      max_new, prompt, streams)  # fmt: skip
     hf, theirs = _hf_figures(model_dir, max_new, prompt, hf_requests, torch_threads)
-    return {
-        "model": DEMO_LM,
-        "prompt_tokens": len(prompt),
-        "max_new": max_new,
-        "engine": engine,
-        "transformers_sequential": hf,
-        "speedup_decode": round(engine["decode_tokens_per_s"] / hf["tokens_per_s"], 2),
-        "same_greedy_tokens": ours == theirs,
-    }
+    out = {"model": DEMO_LM, "prompt_tokens": len(prompt), "max_new": max_new}
+    if "jax" in engines and str(slots) in figures["jax"]["streams"]:
+        jax_fig = figures["jax"]
+        engine = {k: v for k, v in jax_fig.items() if k != "streams"}
+        out["engine"] = {**engine, **jax_fig["streams"][str(slots)]}
+        out["speedup_decode"] = round(out["engine"]["decode_tokens_per_s"] / hf["tokens_per_s"], 2)
+    out["engines"] = figures
+    out["transformers_sequential"] = hf
+    out["same_greedy_tokens"] = all(t == theirs for t in tokens.values())
+    return out
 
 
 def main() -> None:
@@ -106,10 +146,23 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=3)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--max-context", type=int, default=512)
-    ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument("--torch-threads", type=int, default=1, help="for transformers' generate")
+    ap.add_argument("--engine-threads", type=int, default=0,
+                    help="torch threads of the torch engine (0 = torch's default)")
+    ap.add_argument("--engines", default="jax", help="comma-separated: jax,torch")
+    ap.add_argument("--streams", default="", help="comma-separated stream counts (default: slots)")
+    ap.add_argument("--out", default="", help="also write the JSON here (e.g. bench/out/engine_decoder.json)")
     args = ap.parse_args()
-    out = run(args.max_new, args.hf_requests, args.slots, args.max_context, args.torch_threads)
-    print(json.dumps(out, indent=2))
+    streams = tuple(int(x) for x in args.streams.split(",") if x) or None
+    out = run(args.max_new, args.hf_requests, args.slots, args.max_context, args.torch_threads,
+              tuple(args.engines.split(",")), streams, args.engine_threads)
+    out["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    text = json.dumps(out, indent=2)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":
