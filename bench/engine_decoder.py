@@ -151,7 +151,8 @@ def main() -> None:
                     help="torch threads of the torch engine (0 = torch's default)")
     ap.add_argument("--engines", default="jax", help="comma-separated: jax,torch")
     ap.add_argument("--streams", default="", help="comma-separated stream counts (default: slots)")
-    ap.add_argument("--out", default="", help="also write the JSON here (e.g. bench/out/engine_decoder.json)")
+    ap.add_argument("--out", default="",
+                    help="also write the JSON here (e.g. bench/out/engine_decoder.json)")
     args = ap.parse_args()
     streams = tuple(int(x) for x in args.streams.split(",") if x) or None
     out = run(args.max_new, args.hf_requests, args.slots, args.max_context, args.torch_threads,

@@ -1,6 +1,7 @@
 """Generation benchmark: the served demo model against its own engine and transformers.
 
     .venv/bin/python -m bench.generation [--seconds 15] [--max-tokens 64]
+    TENSORBUS_ENGINE=torch OMP_NUM_THREADS=1 .venv/bin/python -m bench.generation --stack-only
 
 One run measures, on this machine:
   1. bench.engine_decoder: the engine's static batch-16 decode tokens/s and sequential
@@ -157,8 +158,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--stack-only", action="store_true",
+                    help="only the served figures, printed (no engine run, no files written); "
+                         "the worker takes TENSORBUS_ENGINE and the rest from the environment")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.stack_only:
+        with tempfile.TemporaryDirectory() as d:
+            rows = asyncio.run(stack_figures(args.seconds, args.max_tokens, Path(d)))
+        print(json.dumps(rows, indent=2))
+        return
     from bench.engine_decoder import run as engine_run
     from engine import jaxrt
 

@@ -16,8 +16,9 @@ Dataflow of a served sequence:
      == 0`) with `free(slot)`; the next insert overwrites the slot's rows.
 
 Every call runs synchronously under `torch.inference_mode()`; `step_async()`
-computes the step before it returns. Threads: `torch.set_num_threads` is left to
-the process.
+computes the step before it returns (a step thread that overlapped the caller's
+host work measured slower when served: docs/decisions/0004). Threads:
+`torch.set_num_threads` is left to the process.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ class TorchDecoder:
         shape = (self._slots, self.cfg.kv_heads, self._max_context, self.cfg.head_dim)
         with torch.inference_mode():
             # k, v: L x [S, KV, MAX_LEN, D], written in place by every call.
-            self._k = [torch.zeros(shape, dtype=tdt, device=self.device) for _ in range(self.cfg.layers)]
-            self._v = [torch.zeros(shape, dtype=tdt, device=self.device) for _ in range(self.cfg.layers)]
+            zeros = lambda: torch.zeros(shape, dtype=tdt, device=self.device)  # noqa: E731
+            self._k = [zeros() for _ in range(self.cfg.layers)]
+            self._v = [zeros() for _ in range(self.cfg.layers)]
         self._tokens = np.zeros(self._slots, np.int64)  # the token each slot feeds next
         self._lengths = np.zeros(self._slots, np.int64)  # tokens in context per slot
         self._active = np.zeros(self._slots, bool)

@@ -29,7 +29,8 @@ def _jax_texts(jax_engine) -> dict[tuple[int, ...], tuple[str, str]]:
     for prompt, ids in zip(PROMPTS, jax_engine.generate_static(PROMPTS, NEW)):
         cut = next((i for i, t in enumerate(ids) if t in eos), None)
         kept = ids if cut is None else ids[:cut]
-        out[tuple(prompt)] = (jax_engine.tokenizer.decode(kept), "length" if cut is None else "stop")
+        reason = "length" if cut is None else "stop"
+        out[tuple(prompt)] = (jax_engine.tokenizer.decode(kept), reason)
     return out
 
 
