@@ -210,8 +210,8 @@ class TorchDecoder:
 
     @torch.inference_mode()
     def step_async(self) -> DoneStep:
-        """Run one decode step and return it done (eager torch: no overlap to offer;
-        a slot inserted after this call joins the next step)."""
+        """Run one decode step and return it done (see the module docstring for why it
+        does not overlap the caller); a slot inserted after this call joins the next."""
         if not self._active.any():
             return DoneStep(self._tokens.astype(np.int32))
         n = int(np.flatnonzero(self._active)[-1]) + 1  # rows [0, n) run

@@ -246,6 +246,41 @@ def test_demo_model_matches_transformers_and_the_jax_engine(jax_cache_dir):
     assert engine.eos_token_ids == jax_engine.eos_token_ids == (0,)
 
 
+def test_qwen2_attention_biases_and_tied_head(tmp_path, jax_cache_dir):
+    """A Qwen2-style model (q/k/v biases, tied embeddings, config as transformers
+    writes it) loads through the same path: logits and greedy tokens."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from engine import jaxrt
+    from tests.support.tiny_models import VOCAB, write_tokenizer
+
+    torch.manual_seed(1)
+    ref = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+        rope_theta=1000.0, tie_word_embeddings=True, initializer_range=0.1,
+        bos_token_id=0, eos_token_id=0)).eval()  # fmt: skip
+    with torch.no_grad():  # visible biases (they start at zero)
+        for layer in ref.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    write_tokenizer(tmp_path)
+    engine = TorchDecoder(tmp_path, "qwen2", slots=2, max_context=CONTEXT)
+    assert engine.cfg.attn_bias and engine.cfg.tie_embeddings
+    for prompt in PROMPTS[:3]:
+        np.testing.assert_allclose(_prompt_logits(engine, prompt), _hf_logits(ref, prompt),
+                                   atol=1e-4, rtol=0)  # fmt: skip
+    jaxrt.setup(jax_cache_dir)
+    jax_engine = DecoderEngine(tmp_path, "qwen2", slots=2, max_context=CONTEXT,
+                               prefill_buckets=(16,))  # fmt: skip
+    ours = engine.generate_static(PROMPTS[:2], NEW)
+    assert ours == jax_engine.generate_static(PROMPTS[:2], NEW)
+    assert ours[1] == hf_greedy(ref, PROMPTS[1], NEW)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_tracks_float32_reference(tmp_path, dtype):
     """Prompt logits and one cached decode step in half precision, against the float32
