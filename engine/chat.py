@@ -8,7 +8,8 @@ lstrip_blocks, loop controls, a `tojson` filter, `raise_exception` and
 eos_token (plus the other named special tokens).
 
 Where it lives, most specific first: `chat_template.jinja`, `chat_template.json`,
-the `chat_template` key of `tokenizer_config.json`. A model without one gets
+the `chat_template` key of `tokenizer_config.json`; in a GGUF directory, the file's
+`tokenizer.chat_template`. A model without one gets
 `FALLBACK_TEMPLATE` ("role: content" lines, then "assistant:").
 """
 
@@ -92,6 +93,11 @@ class ChatTemplate:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ChatTemplate":
         d = Path(model_dir)
+        from shared.gguf import find_file
+
+        gguf_file = find_file(d)
+        if gguf_file is not None:
+            return cls.from_gguf(gguf_file)
         cfg_path = d / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         source = None
@@ -103,6 +109,15 @@ class ChatTemplate:
             source = _pick(cfg.get("chat_template"))
         special = {k: _token_text(cfg.get(k)) for k in _SPECIAL_KEYS if k in cfg}
         return cls(source, **special)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "ChatTemplate":
+        """`tokenizer.chat_template` of a GGUF file, with its special tokens' text."""
+        from engine.gguf import chat_template, special_tokens
+        from shared.gguf import read_header
+
+        header = read_header(path)
+        return cls(chat_template(header), **special_tokens(header))
 
     def render(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> str:
         msgs = [_message(m) for m in messages]

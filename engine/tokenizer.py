@@ -3,7 +3,8 @@
 The gateway tokenizes so that workers spend no time on it; this module is therefore
 light: no jax, no torch, no numpy. It works for BERT WordPiece files as well as GPT-2
 byte-level BPE and Llama-style files; chat templates and streaming detokenisation are
-built on top of it elsewhere.
+built on top of it elsewhere. A GGUF file's vocabulary is rebuilt as the same kind of
+`tokenizers.Tokenizer` (engine/gguf.py; that path reads the file's header only).
 
 Padding and truncation configured in the file are switched off: the engine pads to its
 own shape buckets, and the caller must see the true length of an over-long input so it
@@ -54,6 +55,18 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return ()
 
 
+def _gguf_file(d: Path) -> Path | None:
+    from shared.gguf import find_file
+
+    return find_file(d)
+
+
+def has_tokenizer(model_dir: str | Path) -> bool:
+    """Whether `Tokenizer.from_dir` finds a vocabulary in this directory."""
+    d = Path(model_dir)
+    return (d / "tokenizer.json").exists() or _gguf_file(d) is not None
+
+
 class Tokenizer:
     """A thin, fast wrapper: batches of strings in, lists of ids out."""
 
@@ -82,8 +95,13 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path, filename: str = "tokenizer.json") -> "Tokenizer":
-        """Load `tokenizer.json` and the special tokens named by the files beside it."""
+        """Load `tokenizer.json` and the special tokens named by the files beside it;
+        a directory with a GGUF file and no tokenizer.json: the file's vocabulary."""
         d = Path(path)
+        if not (d / filename).exists():
+            gguf_file = _gguf_file(d)
+            if gguf_file is not None:
+                return cls.from_gguf(gguf_file)
         tok = _HFTokenizer.from_file(str(d / filename))
         padding = tok.padding  # read before __init__ switches it off
         tcfg = _read_json(d / _TOKENIZER_CONFIG)
@@ -117,6 +135,18 @@ class Tokenizer:
         if pad is None and padding is not None:
             pad = padding.get("pad_id")
         return cls(tok, pad_id=pad, bos_token_id=bos, eos_token_ids=eos)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        """The vocabulary, merges and special tokens in a GGUF file's metadata."""
+        from engine.gguf import build_tokenizer, special_ids
+        from shared.gguf import read_header
+
+        header = read_header(path)
+        ids = special_ids(header)
+        eos = ids["eos_token_id"]
+        return cls(build_tokenizer(header), pad_id=ids["padding_token_id"],
+                   bos_token_id=ids["bos_token_id"], eos_token_ids=() if eos is None else (eos,))
 
     # --- the hot path
 

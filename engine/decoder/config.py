@@ -1,4 +1,5 @@
-"""Static shape of a decoder, read once from a Hugging Face `config.json`.
+"""Static shape of a decoder, read once from a Hugging Face `config.json` (or the
+metadata of a GGUF file, mapped to the same keys).
 
 One frozen dataclass for both families, so the shared attention and KV cache code
 never asks which family it serves. It is hashable: jitted functions take it as a
@@ -143,4 +144,10 @@ def from_dict(cfg: dict) -> DecoderConfig:
 
 
 def load_config(model_dir: str | Path) -> DecoderConfig:
+    """From `config.json`, or from the metadata of the directory's one GGUF file."""
+    from shared import gguf
+
+    path = gguf.find_file(model_dir)
+    if path is not None:
+        return from_dict(gguf.hf_config(gguf.read_header(path)))
     return from_dict(json.loads((Path(model_dir) / "config.json").read_text()))

