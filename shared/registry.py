@@ -23,7 +23,7 @@ import msgspec
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 """Model names and versions: letters, digits, `.`, `_`, `-` (they become KV key tokens)."""
 
-FORMATS = ("safetensors", "torch-bin")
+FORMATS = ("safetensors", "torch-bin", "gguf")
 KINDS = ("encoder", "decoder")
 PENDING = "pending"  # version key reserved, files still uploading
 READY = "ready"
@@ -39,14 +39,14 @@ class ModelVersion(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     version: str
     kind: str  # encoder | decoder (shared.catalog.describe)
-    format: str  # safetensors | torch-bin
+    format: str  # safetensors | torch-bin | gguf (one file, stored as it came)
     files: list[FileEntry] = []
     total_size: int = 0  # bytes, sum of files
     max_tokens: int = 0
     created_at: datetime  # aware UTC, when the push claimed this version
     created_by: str = ""  # user@host that pushed it
     lineage: dict[str, str] = {}  # source checkpoint, training data, free keys
-    config: dict[str, Any] = {}  # the model's config.json
+    config: dict[str, Any] = {}  # the model's config.json (gguf: derived from its header)
     status: str = READY  # pending while its files upload
 
 

@@ -1,4 +1,4 @@
-"""`tensorbus registry ...`: push, list, show, promote, canary, rollback.
+"""`tensorbus registry ...`: push, import-gguf, list, show, promote, canary, rollback.
 
 Exit status 0 on success, 1 when the registry refuses (the reason on stderr), 2 on a
 usage error. `--json` prints the records as stored in KV.
@@ -39,6 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="e.g. source=ckpt-123 data=s3://bucket/set (repeatable)")
     push.add_argument("--no-progress", action="store_true")
     push.add_argument("--json", action="store_true")
+
+    imp = sub.add_parser("import-gguf", help="upload one GGUF file unchanged (llama.cpp format)")
+    imp.add_argument("path", help="the .gguf file")
+    imp.add_argument("--name", required=True)
+    imp.add_argument("--version", default=None, help="default: the next integer")
+    imp.add_argument("--lineage", action="append", default=[], metavar="KEY=VALUE",
+                     help="besides source_file and source_sha256, recorded always (repeatable)")
+    imp.add_argument("--no-progress", action="store_true")
+    imp.add_argument("--json", action="store_true")
 
     ls = sub.add_parser("list", help="models with their versions and aliases")
     ls.add_argument("--json", action="store_true")
@@ -96,10 +105,21 @@ async def _run(args: argparse.Namespace, url: str) -> int:
 async def _push(reg: Registry, args) -> int:
     mv = await reg.push(args.dir, args.name, version=args.version,
                         lineage=_pairs(args.lineage), progress=not args.no_progress)
+    return _pushed(mv, args)
+
+
+async def _import_gguf(reg: Registry, args) -> int:
+    mv = await reg.import_gguf(args.path, args.name, version=args.version,
+                               lineage=_pairs(args.lineage), progress=not args.no_progress)
+    return _pushed(mv, args)
+
+
+def _pushed(mv: ModelVersion, args) -> int:
     if args.json:
         _print_json(mv)
     else:
-        print(f"pushed {mv.name}@{mv.version}: {len(mv.files)} files, {_size(mv.total_size)}, "
+        files = "1 file" if len(mv.files) == 1 else f"{len(mv.files)} files"
+        print(f"pushed {mv.name}@{mv.version}: {files}, {_size(mv.total_size)}, "
               f"{mv.format}, {mv.kind}")
     return 0
 
@@ -184,8 +204,8 @@ async def _rollback(reg: Registry, args) -> int:
     return 0
 
 
-_COMMANDS = {"push": _push, "list": _list, "show": _show, "promote": _promote,
-             "canary": _canary, "rollback": _rollback}
+_COMMANDS = {"push": _push, "import-gguf": _import_gguf, "list": _list, "show": _show,
+             "promote": _promote, "canary": _canary, "rollback": _rollback}
 
 
 # --- formatting

@@ -1,8 +1,9 @@
 """Model directories on disk: what gets pushed, hashing while bytes move, safe paths.
 
-The registry never parses weight files: it moves bytes and checks their sha256. The
-format is read from file names only (safetensors, or torch `.bin` which engines load
-with `weights_only=True`).
+The registry never parses weights: it moves bytes and checks their sha256. The format
+is read from file names (safetensors, or torch `.bin` which engines load with
+`weights_only=True`), except for a GGUF file, whose header (metadata, not tensors) is
+read for its config.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ from pathlib import Path, PurePosixPath
 import msgspec
 
 from services.registry.errors import RegistryError
+from shared import gguf
 from shared.registry import FileEntry, ModelVersion
+
+GGUF = "gguf"
 
 VERIFIED_MARKER = ".tensorbus-version.json"
 """Written into a fetched directory after every file matched its sha256."""
@@ -26,7 +30,8 @@ def scan(model_dir: Path) -> list[tuple[str, Path]]:
     Hidden files and folders (.git, .gitattributes, caches, our marker) are skipped.
     """
     if not (model_dir / "config.json").is_file():
-        raise RegistryError(f"{model_dir} is not a model directory (no config.json)")
+        hint = " (import a GGUF file with import-gguf)" if any(model_dir.glob("*.gguf")) else ""
+        raise RegistryError(f"{model_dir} is not a model directory (no config.json){hint}")
     out = []
     for p in sorted(model_dir.rglob("*")):
         rel = p.relative_to(model_dir)
@@ -44,6 +49,25 @@ def weight_format(paths: list[str]) -> str:
     if any(n.startswith("pytorch_model") and n.endswith(".bin") for n in names):
         return "torch-bin"
     raise RegistryError("no weights found (expected *.safetensors or pytorch_model*.bin)")
+
+
+def read_gguf(path: Path) -> tuple[gguf.Header, dict]:
+    """The header of a GGUF file this project can serve, and the config it stands for."""
+    if not path.is_file():
+        raise RegistryError(f"{path} is not a file")
+    try:
+        header = gguf.read_header(path)
+        return header, gguf.hf_config(header)
+    except (gguf.GGUFError, OSError, KeyError, TypeError) as exc:
+        raise RegistryError(f"{path}: {exc}") from None
+
+
+def sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
 
 
 def safe_join(root: Path, rel: str) -> Path:

