@@ -45,9 +45,6 @@ _LAYER = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
-# Tensors llama.cpp adds that a Hugging Face Llama has no parameter for (a llama3
-# RoPE frequency table is derived from the config instead); transformers drops them too.
-_IGNORED = ("rope_freqs.weight",)
 
 
 def hf_name(name: str) -> str | None:
@@ -79,8 +76,6 @@ def load_weights(path: str | Path) -> dict[str, np.ndarray]:
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
-            if tensor.name in _IGNORED:
-                continue
             raise GGUFError(f"{path}: tensor {tensor.name!r} has no Llama counterpart")
         # [out, in] (numpy order); a plain F32 tensor comes back as a view of the file
         w = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)

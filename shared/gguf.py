@@ -151,6 +151,10 @@ def hf_config(header: Header) -> dict[str, Any]:
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(f"{header.path}: GGUF architecture {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")  # fmt: skip
+    if "rope_freqs.weight" in header.tensors:
+        # Llama 3.1-style frequency scaling, as a tensor: ignoring it (as transformers'
+        # GGUF loader does) would serve wrong numbers without a word.
+        raise GGUFError(f"{header.path}: RoPE frequency tensors (rope_freqs) are not supported")
     a, m = header.arch, header.metadata
     hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
     vocab = a("vocab_size") or len(m.get("tokenizer.ggml.tokens") or ()) or None
