@@ -141,8 +141,8 @@ def build_tokenizer(header: Header):
 
 def special_ids(header: Header) -> dict[str, int | None]:
     m = header.metadata
-    return {key: m.get(f"tokenizer.ggml.{key}")
-            for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")}  # fmt: skip
+    keys = ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
+    return {key: m.get(f"tokenizer.ggml.{key}") for key in keys}
 
 
 def special_tokens(header: Header) -> dict[str, str]:

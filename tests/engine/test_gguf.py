@@ -102,7 +102,8 @@ def test_config_equals_transformers(smollm2_dir, smollm2_hf):
     assert (cfg.heads, cfg.kv_heads, cfg.head_dim) == (
         ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim)
     assert (cfg.norm_eps, cfg.max_positions) == (ref.rms_norm_eps, ref.max_position_embeddings)
-    assert cfg.rope_theta == (ref.rope_parameters or {}).get("rope_theta", getattr(ref, "rope_theta", None))
+    ref_theta = (getattr(ref, "rope_parameters", None) or {}).get("rope_theta")
+    assert cfg.rope_theta == (ref_theta or ref.rope_theta)
     assert catalog.describe(catalog.SMOLLM2, smollm2_dir) == catalog.ModelInfo(
         catalog.SMOLLM2, "decoder", str(smollm2_dir), 8192)
 
@@ -123,7 +124,9 @@ def test_weights_equal_transformers_dequantized_and_unpermuted(smollm2_dir, smol
 
 def test_prompt_logits_match_transformers(engine, smollm2_hf, smollm2_hf_tokenizer):
     fwd = jax.jit(lambda p, t: prompt_logits(p, engine.cfg, t))
-    for ids in (_chat_ids(smollm2_hf_tokenizer, QUESTION), smollm2_hf_tokenizer("The history of")["input_ids"]):
+    prompts = [_chat_ids(smollm2_hf_tokenizer, QUESTION),
+               smollm2_hf_tokenizer("The history of")["input_ids"]]
+    for ids in prompts:
         padded = np.zeros(CONTEXT, np.int32)
         padded[: len(ids)] = ids
         ours = np.asarray(fwd(engine.params, padded))[: len(ids)]  # [T, V]
@@ -143,8 +146,9 @@ def _engine_greedy(engine, ids: list[int], n: int, slot: int = 0) -> list[int]:
 
 def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)  # fmt: skip
+        mask = torch.ones(1, len(ids), dtype=torch.long)
+        out = model.generate(torch.tensor([ids]), attention_mask=mask, max_new_tokens=n,
+                             do_sample=False)
     return out[0, len(ids):].tolist()
 
 
@@ -184,7 +188,10 @@ def test_tokenizer_ids_equal_transformers(smollm2_dir, smollm2_hf_tokenizer):
 
 # llama.cpp's pre-tokenizer for `tokenizer.ggml.pre = smollm` (llama-vocab.cpp):
 # every number character on its own, then GPT-2's expression on what is left.
-_LLAMA_CPP_SMOLLM = (r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+_LLAMA_CPP_SMOLLM = (
+    r"\p{N}",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)",
+)
 
 
 def _llama_cpp_pieces(text: str) -> list[str]:
