@@ -91,6 +91,28 @@ def test_header_reads_what_the_gguf_package_reads(smollm2_file):
     assert kinds == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
 
 
+def test_what_counts_as_a_gguf_model_directory(smollm2_file, tmp_path):
+    one, two, hf, bad = (tmp_path / n for n in ("one", "two", "hf", "bad"))
+    for d in (one, two, hf, bad):
+        d.mkdir()
+    (one / "m.gguf").symlink_to(smollm2_file)
+    (one / ".hidden.gguf").write_bytes(b"")  # a marker or editor file: not a model file
+    (two / "a.gguf").symlink_to(smollm2_file)
+    (two / "b.gguf").symlink_to(smollm2_file)
+    (hf / "config.json").write_text("{}")
+    (hf / "extra.gguf").symlink_to(smollm2_file)
+    assert gguf.find_file(one) == one / "m.gguf" and catalog.is_model_dir(one)
+    with pytest.raises(gguf.GGUFError, match="2 GGUF files"):
+        gguf.find_file(two)
+    assert gguf.find_file(hf) is None  # config.json wins: a Hugging Face directory
+    (bad / "cut.gguf").write_bytes(smollm2_file.read_bytes()[:4096])
+    with pytest.raises(gguf.GGUFError, match="truncated"):
+        gguf.read_header(bad / "cut.gguf")
+    (bad / "cut.gguf").write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(gguf.GGUFError, match="not a GGUF file"):
+        gguf.read_header(bad / "cut.gguf")
+
+
 def test_config_equals_transformers(smollm2_dir, smollm2_hf):
     ref = smollm2_hf.config
     cfg = load_config(smollm2_dir)
