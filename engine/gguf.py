@@ -24,7 +24,7 @@ from shared.gguf import GGUFError, Header, hf_config, read_header
 if TYPE_CHECKING:  # numpy only where tensors are read: the gateway's tokenizer path has none
     import numpy as np
 
-# GGUF tensor name -> Hugging Face name (Llama layout); `{}` is the layer index.
+# GGUF tensor name -> Hugging Face name (Llama layout); layer tensors are `blk.N.<name>`.
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -90,11 +90,12 @@ def load_weights(path: str | Path) -> dict[str, np.ndarray]:
 
 # --- tokenizer
 
-# llama.cpp splits off every digit before the GPT-2 expression for these vocabularies
-# (`\p{N}` first in llama-vocab.cpp); SmolLM's own tokenizer.json does the same with a
-# Digits pre-tokenizer. Plain GPT-2 byte-level splitting for the rest listed here.
+# `tokenizer.ggml.pre` values whose split llama.cpp (llama-vocab.cpp) does exactly as
+# a tokenizers pipeline can: every number character on its own, then GPT-2's
+# expression (SmolLM's own tokenizer.json: a Digits pre-tokenizer, then ByteLevel);
+# or GPT-2's expression alone. Any other value is refused rather than guessed.
 _DIGITS_FIRST = {"smollm", "starcoder", "refact", "codeshell", "command-r"}
-_GPT2 = {"gpt2", "gpt-2", "default", "olmo", "mpt", "jais"}
+_GPT2 = {"gpt-2", "olmo", "mpt", "jais"}
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -109,7 +110,7 @@ def build_tokenizer(header: Header):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     m = header.metadata
-    kind, pre = m.get("tokenizer.ggml.model"), m.get("tokenizer.ggml.pre", "default")
+    kind, pre = m.get("tokenizer.ggml.model"), m.get("tokenizer.ggml.pre", "(none)")
     if kind != "gpt2":
         raise GGUFError(f"{header.path}: tokenizer model {kind!r} is not supported (gpt2 is)")
     if pre not in _DIGITS_FIRST | _GPT2:
@@ -150,9 +151,9 @@ def special_tokens(header: Header) -> dict[str, str]:
     tokens = header.metadata.get("tokenizer.ggml.tokens") or []
     names = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
              "pad_token": "padding_token_id", "unk_token": "unknown_token_id"}  # fmt: skip
-    out = {}
+    ids, out = special_ids(header), {}
     for name, key in names.items():
-        i = special_ids(header)[key]
+        i = ids[key]
         if i is not None and 0 <= i < len(tokens):
             out[name] = tokens[i]
     return out
