@@ -112,9 +112,10 @@ class TorchDecoder:
         )  # fmt: skip
 
     def _load_tokenizer(self):
-        if not (self.model_dir / "tokenizer.json").exists():
+        from engine.tokenizer import Tokenizer, has_tokenizer
+
+        if not has_tokenizer(self.model_dir):  # tokenizer.json, or a GGUF file's vocabulary
             return None
-        from engine.tokenizer import Tokenizer
 
         return Tokenizer.from_dir(self.model_dir)
 

@@ -262,3 +262,14 @@ def test_chat_template_renders_as_transformers(smollm2_dir, smollm2_hf_tokenizer
                 messages, add_generation_prompt=gen, tokenize=False)
             assert template.render(messages, add_generation_prompt=gen) == expected
         assert template.encode(tok, messages) == _chat_ids(smollm2_hf_tokenizer, messages)
+
+
+def test_torch_decoder_serves_the_same_file(smollm2_dir, smollm2_hf, smollm2_hf_tokenizer):
+    """The second decoder engine reads the GGUF directory through the same loaders."""
+    from engine.torch_decoder.engine import TorchDecoder
+
+    engine = TorchDecoder(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT)
+    ids = _chat_ids(smollm2_hf_tokenizer, QUESTION)
+    theirs = _hf_greedy(smollm2_hf, ids, NEW)
+    assert engine.eos_token_ids == (2,) and engine.tokenizer is not None
+    assert _engine_greedy(engine, ids, len(theirs)) == theirs
