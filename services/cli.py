@@ -3,6 +3,8 @@
     tensorbus nats                  run nats-server (JetStream under TENSORBUS_DATA_DIR)
     tensorbus registry ...          push / list / show / promote / canary / rollback
     tensorbus embed TEXT...         one embeddings request over NATS (a smoke test)
+    tensorbus telemetry tail        live telemetry records, one JSON line each
+    tensorbus telemetry replay --since 10m   stored records from the TELEMETRY stream
 """
 
 from __future__ import annotations
@@ -38,6 +40,50 @@ def _embed(args: argparse.Namespace, config: Config) -> int:
     return asyncio.run(go())
 
 
+def _telemetry(args: argparse.Namespace, config: Config) -> int:
+    import nats
+
+    from services.telemetry import consumer
+
+    try:
+        flt = consumer.Filter(consumer.parse_kinds(args.kind), args.model or "")
+        since = consumer.parse_duration(args.since) if getattr(args, "since", None) else None
+    except ValueError as exc:
+        print(f"tensorbus telemetry: {exc}", file=sys.stderr)
+        return 2
+
+    async def quiet(exc: Exception) -> None:
+        pass  # the one error that matters (cannot connect) is reported below
+
+    async def go() -> int:
+        try:
+            nc = await nats.connect(config.nats_url, name="tensorbus-telemetry-cli",
+                                    connect_timeout=2, max_reconnect_attempts=1,
+                                    allow_reconnect=False, error_cb=quiet)
+        except Exception as exc:  # noqa: BLE001 - any failure to connect ends the command
+            print(f"tensorbus telemetry: cannot reach NATS at {config.nats_url}: "
+                  f"{exc or type(exc).__name__}", file=sys.stderr)
+            return 1
+        printer = consumer.Printer(limit=args.limit)
+        try:
+            if args.action == "replay":
+                await consumer.replay(nc, flt, printer, since)
+            else:
+                from shared.bus import stop_event
+
+                def ready() -> None:
+                    print(f"tailing {' '.join(flt.subjects())}", file=sys.stderr, flush=True)
+
+                await consumer.tail(nc, flt, printer, stop_event(), on_ready=ready)
+        except BrokenPipeError:
+            pass  # the reader went away (`| head`): that is the end, not an error
+        finally:
+            await nc.close()
+        return 0
+
+    return asyncio.run(go())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "registry":
@@ -56,6 +102,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="all-MiniLM-L6-v2")
     p.add_argument("--timeout", type=float, default=30.0)
     p.set_defaults(fn=_embed)
+    p = sub.add_parser("telemetry", help="print telemetry records as JSON lines")
+    tsub = p.add_subparsers(dest="action", required=True)
+    for name, text in (("tail", "live records from now on (Ctrl-C to stop)"),
+                       ("replay", "stored records from the TELEMETRY stream, then exit")):
+        t = tsub.add_parser(name, help=text)
+        if name == "replay":
+            t.add_argument("--since", help="how far back: 30s, 10m, 2h (default: all kept)")
+        t.add_argument("--kind", action="append",
+                       help="request | worker | scale | summary (repeat or comma-separate)")
+        t.add_argument("--model", help="only records of this model")
+        t.add_argument("--limit", type=int, default=0, help="stop after this many lines")
+    p.set_defaults(fn=_telemetry)
     args = parser.parse_args(argv)
     return args.fn(args, Config.from_env())
 

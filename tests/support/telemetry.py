@@ -1,0 +1,31 @@
+"""The real telemetry service in the test's event loop, on its own NATS connection,
+with a fresh metrics registry and `/metrics` on a free port."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+import nats
+from prometheus_client import CollectorRegistry
+
+from services.telemetry.service import TelemetryService
+from shared.config import Config
+
+
+@asynccontextmanager
+async def running_telemetry(nats_url: str, **overrides) -> AsyncIterator[TelemetryService]:
+    base = dict(nats_url=nats_url, metrics_port=0, summary_interval_s=0.5,
+                worker_expiry_s=1.0, log_format="json", log_level="warning")
+    config = Config.from_env({}, **{**base, **overrides})
+    nc = await nats.connect(nats_url, name="telemetry")
+    svc = TelemetryService(nc, config, registry=CollectorRegistry())
+    task = asyncio.create_task(svc.run())
+    try:
+        await asyncio.wait_for(svc.started.wait(), 15)
+        yield svc
+    finally:
+        await svc.stop()
+        await task
+        await nc.drain()
