@@ -7,6 +7,8 @@ Names mirror vLLM's where the meaning is the same (`vllm:e2e_request_latency_sec
 What each kind of record feeds:
 
 1. RequestRecord: `tensorbus_requests_total` counts every finished request by status;
+   it and `tensorbus_e2e_request_latency_seconds` carry the model `version` too, so a
+   canary and prod compare side by side;
    histograms and token counters describe served requests only (status < 400), so a
    fast 429 under overload cannot make latency look better. Failures show in the
    counter's `status` label.
@@ -55,7 +57,6 @@ class _Seen:
 class _ModelSeries:
     """One model's children of the request metrics."""
 
-    e2e: Histogram
     queue: Histogram
     batch_wait: Histogram
     compute: Histogram
@@ -78,7 +79,8 @@ class TelemetryMetrics:
         self._build_worker_metrics(registry)
         self._build_self_metrics(registry)
         self._record_child = self.records.labels("request")
-        self._request_children: dict[tuple[str, str, int], Counter] = {}
+        self._request_children: dict[tuple[str, str, str, int], Counter] = {}
+        self._e2e_children: dict[tuple[str, str], Histogram] = {}
         self._series: dict[str, _ModelSeries] = {}
         self.decisions = LiveDecisions()
 
@@ -89,9 +91,10 @@ class TelemetryMetrics:
             return Histogram(f"{NS}_{name}", doc, ["model"], buckets=buckets, registry=r)
 
         self.requests = Counter(f"{NS}_requests", "Finished requests by endpoint and status.",
-                                ["model", "endpoint", "status"], registry=r)
-        self.e2e = hist("e2e_request_latency_seconds",
-                        "Gateway receipt to reply sent, served requests.", LATENCY_BUCKETS)
+                                ["model", "version", "endpoint", "status"], registry=r)
+        self.e2e = Histogram(f"{NS}_e2e_request_latency_seconds",
+                             "Gateway receipt to reply sent, served requests.",
+                             ["model", "version"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue = hist("request_queue_time_seconds",
                           "Time waiting in scheduler and worker queues.", LATENCY_BUCKETS)
         self.batch_wait = hist("request_batch_wait_seconds",
@@ -161,18 +164,22 @@ class TelemetryMetrics:
 
     def observe_request(self, rec: RequestRecord) -> None:
         self._record_child.inc()
-        key = (rec.model, rec.endpoint, rec.status)
+        key = (rec.model, rec.version, rec.endpoint, rec.status)
         counter = self._request_children.get(key)
         if counter is None:
             counter = self._request_children[key] = self.requests.labels(
-                rec.model, rec.endpoint, str(rec.status))
+                rec.model, rec.version, rec.endpoint, str(rec.status))
         counter.inc()
         if rec.hold_s > 0:
             self.cold_start_wait.labels(rec.model).observe(rec.hold_s)
         if rec.status >= 400:
             return
         s = self._series.get(rec.model) or self._model_series(rec.model)
-        s.e2e.observe(rec.total_s)
+        e2e = self._e2e_children.get((rec.model, rec.version))
+        if e2e is None:
+            e2e = self._e2e_children[(rec.model, rec.version)] = self.e2e.labels(
+                rec.model, rec.version)
+        e2e.observe(rec.total_s)
         s.queue.observe(rec.queue_s)
         s.batch_wait.observe(rec.batch_wait_s)
         s.compute.observe(rec.compute_s)
