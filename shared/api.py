@@ -38,7 +38,9 @@ class EmbeddingRequest(_Request, kw_only=True):
     user: Annotated[str, Meta(max_length=256)] | None = None
 
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):
+    """`completion_tokens` is left out for embeddings, as in OpenAI's shape."""
+
     prompt_tokens: int
     total_tokens: int
     completion_tokens: int | None = None

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import ast
+import re
 from pathlib import Path
 
+import msgspec
+
+from shared.api import Usage
 from shared.config import Config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -13,6 +18,29 @@ def test_every_setting_is_documented_in_operations():
     text = (ROOT / "docs" / "operations.md").read_text()
     missing = [f for f in Config.__struct_fields__ if f"TENSORBUS_{f.upper()}" not in text]
     assert not missing, f"undocumented settings: {missing} (run scripts/config_table.py)"
+
+
+def documented_defaults() -> dict[str, str]:
+    """`TENSORBUS_NAME` -> the default column of its row in docs/operations.md."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    return dict(re.findall(r"^\| `TENSORBUS_(\w+)` \| `([^`]*)` \|", text, flags=re.M))
+
+
+def test_every_documented_default_is_the_codes_default():
+    documented = documented_defaults()
+    code = Config()
+    assert set(documented) == {f.upper() for f in Config.__struct_fields__}, \
+        "the settings table lists other settings than shared/config.py (scripts/config_table.py)"
+    wrong = {f"TENSORBUS_{name}": (text, getattr(code, name.lower()))
+             for name, text in documented.items()
+             if ast.literal_eval(text) != getattr(code, name.lower())}
+    assert not wrong, f"documented default != code default: {wrong} (scripts/config_table.py)"
+
+
+def test_embeddings_usage_has_openais_shape():
+    # docs/protocol.md: {"prompt_tokens": 4, "total_tokens": 4}, no completion_tokens.
+    assert msgspec.json.decode(msgspec.json.encode(Usage(prompt_tokens=4, total_tokens=4))) == \
+        {"prompt_tokens": 4, "total_tokens": 4}
 
 
 def test_readme_starts_with_the_two_setup_commands_and_ci_runs_the_test_one():

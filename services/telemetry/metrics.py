@@ -102,7 +102,7 @@ class TelemetryMetrics:
         self.compute = hist("request_compute_seconds",
                             "Time in the engine's forward passes.", LATENCY_BUCKETS)
         self.ttft = hist("time_to_first_token_seconds",
-                         "Gateway receipt to first generated token.", LATENCY_BUCKETS)
+                         "Worker receipt to first generated token.", LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds",
                         "Mean gap between generated tokens of a request.", ITL_BUCKETS)
         self.prompt_tokens = Counter(f"{NS}_prompt_tokens", "Prompt (input) tokens processed.",
