@@ -197,6 +197,9 @@ class Frontend:
             raise unavailable("the gateway is reconnecting to the message bus; retry shortly")
         work.reply = reply
         await self.nc.publish(subjects.SCHED_SUBMIT, encode(work), reply=reply)
+        # request_id (bound by the transport) is the client's; wire_id is what the
+        # scheduler's and worker's lines call request_id (the same when the client sent none).
+        log.debug("request_submitted", wire_id=work.request_id, model=work.model)
 
     async def next_result(self, q: asyncio.Queue[Msg], rid: str, deadline: float,
                           out: Outcome | None = None):
@@ -265,6 +268,8 @@ class Frontend:
             compute_s=t.compute, prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens, ttft_s=t.ttft, itl_s=t.itl_mean,
             batch_size=t.batch_size, finished_at=time.time(), hold_s=out.hold_s)
+        log.debug("request_finished", request_id=rid, status=out.status, version=out.version,
+                  worker=out.worker_id, total_s=round(rec.total_s, 6), hold_s=out.hold_s)
         try:
             await self.nc.publish(subjects.TELEMETRY_REQUESTS, encode_record(rec))
         except Exception as exc:  # noqa: BLE001 - telemetry never fails a request

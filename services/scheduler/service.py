@@ -239,6 +239,7 @@ class Scheduler:
         if since is not None and work.reply:  # released from a hold: the gateway records it
             await self.nc.publish(work.reply, encode(Accepted(work.request_id, wid, now - since)))
         await self.nc.publish(subjects.worker_work(wid), encode(sent))
+        log.debug("request_dispatched", request_id=work.request_id, worker=wid)
 
     def _route_version(self, model: str, ready: list[WorkerView]) -> tuple[str, list[WorkerView]]:
         """(version to pin, workers holding it): the draw, else prod, else ("", all).

@@ -223,6 +223,7 @@ class Worker:
         except msgspec.DecodeError:
             log.warning("bad_work_message")
             return
+        log.debug("request_received", request_id=work.request_id, model=work.model)
         if work.version and not self.models.holds(work.version):
             await self.send_error(work, ServiceError(
                 503, f"version {work.version} of '{work.model}' is not loaded on this worker; "
