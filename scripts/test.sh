@@ -8,7 +8,7 @@ scripts/bootstrap.sh dev
 if [ ! -x /usr/bin/prometheus ] && ! command -v prometheus >/dev/null; then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
         echo "installing prometheus (Debian package) for the metrics tests ..." >&2
-        export DEBIAN_FRONTEND=noninteractive
+        export DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes
         apt-get update -qq >/dev/null
         apt-get install -y -qq --no-install-recommends prometheus >/dev/null
     else
