@@ -20,12 +20,11 @@ import pytest
 import pytest_asyncio
 import yaml
 
-from shared import subjects
+from shared import catalog, subjects
 from shared.errors import HEADER_CODE
-from shared.telemetry import ScaleDecision, encode
 from tests.support.mock_engine import MockEncoder
 from tests.support.prometheus import running_prometheus
-from tests.support.stack import running_stack, wait_until
+from tests.support.stack import running_stack
 from tests.support.telemetry import running_telemetry
 from tests.support.tiny_models import serve_tiny
 
@@ -36,6 +35,8 @@ ENCODER = "all-MiniLM-L6-v2"
 DECODER = "tiny-gpt2"
 CONTEXT = 1024  # as tests/integration/test_generation.py: its compiled buckets are reused
 TARGET_QUEUE = 4  # TENSORBUS_TARGET_QUEUE_PER_REPLICA here: small, so load asks for several
+IDLE_S = 1.0  # TENSORBUS_IDLE_TO_ZERO_S here (with a fleet minimum of 0)
+COLD = catalog.DEMO_LM  # a catalogue model no worker serves here: its requests are held
 # Grafana's variables, as a dashboard user with "All" models would have them.
 VARIABLES = {"$__rate_interval": "15s", "$model": ".*", "$worker_hour_price": "2.5"}
 
@@ -55,7 +56,7 @@ async def observed(nats_server, decoder):
     async with AsyncExitStack() as ex:
         st = await ex.enter_async_context(running_stack(
             nats_server.url, models={DECODER: path}, max_context=CONTEXT, decode_slots=4,
-            target_queue_per_replica=TARGET_QUEUE))
+            target_queue_per_replica=TARGET_QUEUE, min_workers=0, idle_to_zero_s=IDLE_S))
         await st.add_worker(encoder, "enc-1")
         await st.add_worker(engine, "dec-1", kind="decoder")
         telemetry = await ex.enter_async_context(running_telemetry(nats_server.url))
@@ -67,8 +68,9 @@ async def observed(nats_server, decoder):
             encoder.gate.set()  # never leave the engine thread parked
 
 
-async def ask(nc, subject: str, payload: dict, timeout: float = 30.0) -> int:
-    msg = await nc.request(subject, msgspec.json.encode(payload), timeout=timeout)
+async def ask(nc, subject: str, payload: dict, timeout: float = 30.0, headers=None) -> int:
+    msg = await nc.request(subject, msgspec.json.encode(payload), timeout=timeout,
+                           headers=headers)
     return int((msg.headers or {}).get(HEADER_CODE, 200))
 
 
@@ -85,6 +87,9 @@ async def load(nc, stop: asyncio.Event) -> dict[int, int]:
             ask(nc, subjects.CHAT_COMPLETIONS, {"model": DECODER, "max_tokens": 4,
                                                 "messages": [{"role": "user", "content": "hi"}]}),
             ask(nc, subjects.EMBEDDINGS, {"model": ENCODER, "input": []}),  # 400
+            # Held for a cold start that never comes here: 504 at its deadline.
+            ask(nc, subjects.COMPLETIONS, {"model": COLD, "prompt": "hello", "max_tokens": 2},
+                headers={"Tensorbus-Timeout": "0.3"}),
         )
         for code in got:
             codes[code] = codes.get(code, 0) + 1
@@ -122,10 +127,11 @@ async def test_every_dashboard_panel_returns_data_under_load(observed):
     finally:
         stop.set()
         codes = await loader
-    assert codes.get(200, 0) > 0 and codes.get(400, 0) > 0 and set(codes) <= {200, 400}
+    assert codes.get(200, 0) > 0 and codes.get(400, 0) > 0 and set(codes) == {200, 400, 504}
     # What a person reads off the panels: errors by their code, versions side by side.
     errors = await prom.query(dict(queries)["Errors by code (requests/s)"])
-    assert {r["metric"]["status"] for r in errors} == {"400"}
+    assert {(r["metric"]["status"], r["metric"]["model"]) for r in errors} == {
+        ("400", ENCODER), ("504", COLD)}
     by_version = await prom.query(dict(queries)["Canary vs prod: served requests/s by version"])
     assert {r["metric"]["model"] for r in by_version} >= {ENCODER, DECODER}
     assert all("version" in r["metric"] for r in by_version if r["metric"]["model"] == DECODER)
@@ -164,7 +170,7 @@ async def keda_values(prom, triggers) -> dict[str, float]:
     return out
 
 
-async def test_keda_queries_follow_load_and_go_to_zero_when_idle(observed, nc):
+async def test_keda_queries_follow_load_and_go_to_zero_when_idle(observed):
     st, encoder, prom = observed
     so, triggers = keda_triggers(ENCODER)
     assert so["spec"]["minReplicaCount"] == 0
@@ -187,16 +193,8 @@ async def test_keda_queries_follow_load_and_go_to_zero_when_idle(observed, nc):
         encoder.gate.set()
     assert await asyncio.gather(*calls) == [200] * outstanding
 
-    # Idle. The scheduler on this branch never asks for fewer than one worker, so the
-    # "0, idle" decision a scheduler publishes once the model has been idle long
-    # enough is published here, on the subject the scheduler uses, after the worker
-    # is gone (no live scheduler decides for it any more). The telemetry service,
-    # Prometheus and the query are the real ones.
-    await st.stop_worker("enc-1")
-    await wait_until(lambda: ENCODER not in st.scheduler.fleet.models())
-    idle = ScaleDecision(model=ENCODER, ready_replicas=0, desired_replicas=0, queue_depth=0,
-                         in_flight=0, reason="idle", at=0.0)
-    await nc.publish(subjects.TELEMETRY_SCALE, encode(idle))
+    # Idle: with a fleet minimum of 0, the scheduler asks for 0 once the model has been
+    # idle for TENSORBUS_IDLE_TO_ZERO_S, and the same query says so.
     await prom.wait_for(query, lambda r: bool(r) and float(r[0]["value"][1]) == 0)
     values = await keda_values(prom, triggers)
     assert values == {t["name"]: 0.0 for t in triggers}
