@@ -42,6 +42,7 @@ def _embed(args: argparse.Namespace, config: Config) -> int:
 
 def _telemetry(args: argparse.Namespace, config: Config) -> int:
     import nats
+    from nats.js.errors import NotFoundError
 
     from services.telemetry import consumer
 
@@ -77,6 +78,10 @@ def _telemetry(args: argparse.Namespace, config: Config) -> int:
                 await consumer.tail(nc, flt, printer, stop_event(), on_ready=ready)
         except BrokenPipeError:
             pass  # the reader went away (`| head`): that is the end, not an error
+        except NotFoundError:
+            print("tensorbus telemetry: no TELEMETRY stream on this server (the telemetry "
+                  "service creates it when it starts)", file=sys.stderr)
+            return 1
         finally:
             await nc.close()
         return 0

@@ -18,7 +18,7 @@ import pytest
 
 from services.telemetry.consumer import parse_duration
 from shared import subjects
-from shared.natsd import free_port
+from shared.natsd import NatsServer, free_port
 from shared.telemetry import (Heartbeat, ModelSummary, RequestRecord, ScaleDecision, Summary,
                               encode)
 from tests.support.telemetry import running_telemetry
@@ -162,6 +162,12 @@ async def test_a_bad_duration_or_kind_is_a_usage_error(nats_server):
     assert rc == 2 and "bad duration" in err and lines == []
     rc, _, err = await _cli(nats_server.url, "tail", "--kind", "heartbeat")
     assert rc == 2 and "unknown kind" in err
+
+
+async def test_replay_without_the_stream_says_why(tmp_path):
+    with NatsServer(tmp_path) as bare:  # JetStream, but no telemetry service ever ran
+        rc, lines, err = await _cli(bare.url, "replay", "--since", "1m", timeout=20)
+    assert rc == 1 and lines == [] and "no TELEMETRY stream" in err
 
 
 async def test_no_nats_server_is_a_clear_error_not_a_hang():
