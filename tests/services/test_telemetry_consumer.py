@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 import time
 import uuid
@@ -162,6 +163,35 @@ async def test_a_bad_duration_or_kind_is_a_usage_error(nats_server):
     assert rc == 2 and "bad duration" in err and lines == []
     rc, _, err = await _cli(nats_server.url, "tail", "--kind", "heartbeat")
     assert rc == 2 and "unknown kind" in err
+
+
+async def test_the_documented_nats_py_consumer_reads_the_stream(nats_server, nc, tmp_path):
+    """docs/telemetry.md's example, run as written (only the server address changed)."""
+    text = (REPO / "docs" / "telemetry.md").read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert '"nats://127.0.0.1:4222"' in example
+    script = tmp_path / "consumer.py"
+    script.write_text(example.replace('"nats://127.0.0.1:4222"', repr(nats_server.url)))
+    model = _model()
+    bad, good = _request(model, status=429), _request(model)
+    want = [f"failed {bad.request_id} 429", f"ok {model}"]  # what the example prints
+    async with running_telemetry(nats_server.url):
+        await _publish_all(nc, [(subjects.TELEMETRY_REQUESTS, bad),
+                                (subjects.TELEMETRY_REQUESTS, good)])
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(script), cwd=REPO, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        try:
+            # The last 10 minutes of this shared server hold other tests' records too.
+            found = []
+            while len(found) < len(want):
+                line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+                assert line, (await proc.stderr.read()).decode()
+                found += [w for w in want if line.startswith(w)]
+        finally:
+            proc.kill()
+            await proc.wait()
+    assert found == want  # in the order they were published
 
 
 async def test_replay_without_the_stream_says_why(tmp_path):
