@@ -210,3 +210,14 @@ def test_keda_formula_matches_the_documented_behaviour():
     assert at(3, 5) == 3
     assert at(0, 40) == 2  # the queue backstop alone: ceil(40 / 32)
     assert at(100, 0) == so["spec"]["maxReplicaCount"]
+
+
+def test_every_scaled_object_can_reach_zero_and_wake_on_the_desired_count():
+    scaled = [so for so in yaml.safe_load_all(SCALING.read_text()) if so]
+    assert len(scaled) == 2
+    for so in scaled:
+        assert so["spec"]["minReplicaCount"] == 0 and so["spec"]["cooldownPeriod"] > 0
+        (desired,) = [t for t in so["spec"]["triggers"]
+                      if "tensorbus_model_desired_replicas" in t["metadata"]["query"]]
+        assert float(desired["metadata"]["activationThreshold"]) < 1  # one wanted wakes it
+        assert float(desired["metadata"]["threshold"]) == 1  # replicas = desired
