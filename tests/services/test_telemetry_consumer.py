@@ -74,6 +74,7 @@ async def test_replay_prints_every_kind_as_json_lines_and_exits(nats_server, nc)
     model, other = _model(), _model()
     reqs = [_request(model), _request(model, status=429), _request(other)]
     async with running_telemetry(nats_server.url, summary_interval_s=0.2):
+        await nc.publish(subjects.TELEMETRY_REQUESTS, b"\x00 not a record")  # skipped
         await _publish_all(nc, [
             *((subjects.TELEMETRY_REQUESTS, r) for r in reqs),
             (subjects.TELEMETRY_WORKERS, _heartbeat(model)),
