@@ -13,6 +13,7 @@ import re
 import sys
 import time
 import uuid
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -149,9 +150,9 @@ async def test_tail_prints_live_records_as_they_arrive(nats_server, nc):
             third = json.loads(await asyncio.wait_for(proc.stdout.readline(), 10))
             assert await asyncio.wait_for(proc.wait(), 10) == 0  # --limit 3 reached
         finally:
-            if proc.returncode is None:
+            with suppress(ProcessLookupError):  # it may have ended on its own
                 proc.kill()
-                await proc.wait()
+            await proc.wait()
     assert [(x["kind"], x["request_id"]) for x in first] == [("request", r.request_id)
                                                              for r in sent]
     assert third["kind"] == "summary"
@@ -190,7 +191,8 @@ async def test_the_documented_nats_py_consumer_reads_the_stream(nats_server, nc,
                 assert line, (await proc.stderr.read()).decode()
                 found += [w for w in want if line.startswith(w)]
         finally:
-            proc.kill()
+            with suppress(ProcessLookupError):  # it may have ended on its own
+                proc.kill()
             await proc.wait()
     assert found == want  # in the order they were published
 
