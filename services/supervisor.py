@@ -74,6 +74,11 @@ class Supervisor:
         self.procs[name] = proc
         return proc
 
+    def start_orchestrator(self, **env: str) -> Proc:
+        """The local orchestrator; the workers it starts log into its own log,
+        each line prefixed with the worker's name."""
+        return self.start("orchestrator", "services.orchestrator", **env)
+
     def stop_all(self, timeout: float = 20.0) -> None:
         for p in self.procs.values():
             p.signal(signal.SIGTERM)

@@ -43,6 +43,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     scale_down_s: float = 30.0  # demand must stay lower this long before scaling down
     fleet: str = ""  # per-model MODEL=MIN:MAX, comma-separated (MODEL=0:0 = not served)
     memory_high: float = 0.9  # a worker above this fraction of its memory limit gets no new work
+    # --- local orchestrator (`python -m services.orchestrator`)
+    local_workers: int = 0  # most worker processes on this machine; 0 = max(4, CPU cores)
+    drain_timeout_s: float = 30.0  # a worker still draining this long after SIGTERM is killed
     # --- worker
     worker_id: str = ""  # stable id; empty = hostname-pid
     model: str = "all-MiniLM-L6-v2"  # model this worker serves
@@ -103,6 +106,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     def fleet_bounds(self, model: str) -> tuple[int, int]:
         """(min, max) workers for `model`: TENSORBUS_FLEET, else the global bounds."""
         return parse_fleet(self.fleet).get(model, (self.min_workers, self.max_workers))
+
+    def worker_budget(self, cores: int) -> int:
+        """Most worker processes the local orchestrator runs on a `cores`-core machine."""
+        return self.local_workers if self.local_workers > 0 else max(4, cores)
 
     def to_env(self) -> dict[str, str]:
         """The environment that reproduces this config in a child process."""

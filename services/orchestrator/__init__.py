@@ -1,0 +1,1 @@
+"""The local orchestrator: worker processes on one machine, driven by scale decisions."""

@@ -1,0 +1,53 @@
+"""python -m services.orchestrator: process wiring only (config, catalogue, signals).
+
+The one way it exits on its own is a malformed TENSORBUS_FLEET (exit 78, with the
+entry at fault): a crashed, killed or misconfigured worker never stops it, so
+`honcho start` keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.orchestrator.service import Orchestrator
+from services.registry.store import open_or_none
+from shared import catalog
+from shared.bus import connection, stop_event
+from shared.config import Config, bad_config, parse_fleet
+from shared.logging import configure_logging, get_logger
+
+log = get_logger("orchestrator")
+
+
+async def main() -> None:
+    config = Config.from_env()
+    try:
+        parse_fleet(config.fleet)
+    except ValueError as exc:
+        raise bad_config(str(exc)) from None
+    configure_logging("orchestrator", config.log_level, config.log_format)
+    stop = stop_event()
+    async with connection(config.nats_url, "orchestrator") as nc:
+        registry = await open_or_none(nc, "managing the bundled models only")
+
+        async def catalogue() -> list[str]:
+            names = {m.name for m in catalog.bundled()}
+            if registry is not None:
+                names.update(await registry.list_models())
+            return sorted(names)
+
+        orch = Orchestrator(nc, config, catalogue)
+        task = asyncio.create_task(orch.run())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        orch.stop()
+        await task
+
+
+if __name__ == "__main__":
+    import sys
+
+    from services.probe import run_check
+
+    run_check(sys.argv[1:], "tensorbus-orchestrator", "")
+    asyncio.run(main())
