@@ -1,6 +1,6 @@
 """The local orchestrator against real processes: a killed worker, and the way up from zero.
 
-    .venv/bin/python -m bench.orchestrator [--requests 400] [--clients 8] [--skip-cold]
+    .venv/bin/python -m bench.orchestrator [--requests 400] [--clients 8] [--scenarios replace,zero-warm,zero-cold]
 
   1. replace: `honcho start` on the repository's Procfile (nats, gateway, scheduler,
      orchestrator, telemetry) with two encoder workers; closed-loop clients over NATS;
@@ -242,16 +242,19 @@ async def first_request_at_zero(nc, watch: Watch, timeout: float = 120.0) -> dic
     return {"status": o.status, "first_reply_s": round(o.took, 2)}
 
 
-async def run_all(requests: int, clients: int, workdir: Path, cold: bool) -> list[dict]:
+async def run_all(requests: int, clients: int, workdir: Path, scenarios: list[str]) -> list[dict]:
     out = []
-    env = stack_env(workdir / "replace", default_cache(),
-                    TENSORBUS_FLEET=f"{MODEL}=2:2")
-    async with honcho_stack(workdir / "replace", env) as (h, nc):
-        res = await kill_worker(h, nc, clients, before=requests // 4, after=requests - requests // 4)
-    print(json.dumps(res), flush=True)
-    out.append(res)
-    caches = [("warm", default_cache())] + ([("cold", workdir / "cold-cache")] if cold else [])
-    for name, cache in caches:
+    if "replace" in scenarios:
+        env = stack_env(workdir / "replace", default_cache(), TENSORBUS_FLEET=f"{MODEL}=2:2")
+        async with honcho_stack(workdir / "replace", env) as (h, nc):
+            res = await kill_worker(h, nc, clients, before=requests // 4,
+                                    after=requests - requests // 4)
+        print(json.dumps(res), flush=True)
+        out.append(res)
+    for name in ("warm", "cold"):
+        if f"zero-{name}" not in scenarios:
+            continue
+        cache = default_cache() if name == "warm" else workdir / "cold-cache"
         env = stack_env(workdir / f"zero-{name}", cache, TENSORBUS_FLEET=f"{MODEL}=0:1",
                         TENSORBUS_IDLE_TO_ZERO_S="30")
         async with zero_stack(workdir / f"zero-{name}", env) as (_, nc, watch):
@@ -262,15 +265,19 @@ async def run_all(requests: int, clients: int, workdir: Path, cold: bool) -> lis
     return out
 
 
+SCENARIOS = "replace,zero-warm,zero-cold"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--clients", type=int, default=8)
-    ap.add_argument("--skip-cold", action="store_true", help="no cold-cache start (minutes)")
+    ap.add_argument("--scenarios", default=SCENARIOS, help=f"comma-separated, of {SCENARIOS}")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as d:
-        results = asyncio.run(run_all(args.requests, args.clients, Path(d), not args.skip_cold))
+        results = asyncio.run(run_all(args.requests, args.clients, Path(d),
+                                      args.scenarios.split(",")))
     report = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.machine()}, "
               f"{os.cpu_count()} cores", "command": "python -m bench.orchestrator "
               + " ".join(sys.argv[1:]), "scenarios": results}
