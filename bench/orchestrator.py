@@ -228,10 +228,30 @@ async def zero_stack(workdir: Path, env: dict[str, str]):
         nc = await connect(sup.nats_url, "bench-client")
         watch = await Watch().start(nc)
         try:
+            await services_ready(nc, ("gateway", "scheduler", "orchestrator"))
             yield sup, nc, watch
         finally:
             await watch.stop()
             await nc.close()
+
+
+async def services_ready(nc, names, timeout: float = 60.0) -> None:
+    """Until each `tensorbus-<name>` answers its readiness probe without an error."""
+    from services.micro import ready_subject
+    from shared.errors import HEADER_CODE
+
+    end = time.monotonic() + timeout
+    for name in names:
+        while True:
+            try:
+                msg = await nc.request(ready_subject(f"tensorbus-{name}"), b"", timeout=1)
+                if not (msg.headers or {}).get(HEADER_CODE):
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if time.monotonic() > end:
+                raise TimeoutError(f"tensorbus-{name} not ready")
+            await asyncio.sleep(0.05)
 
 
 async def first_request_at_zero(nc, watch: Watch, timeout: float = 120.0) -> dict:

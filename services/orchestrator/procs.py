@@ -159,8 +159,11 @@ class Launcher:
                 return
             if is_err and line.strip():
                 wp.last_stderr = line.decode(errors="replace").strip()[:500]
-            self.out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-            self.out.flush()
+            try:
+                self.out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                self.out.flush()
+            except (OSError, ValueError):
+                pass  # our stdout is gone: keep reading so the worker never blocks on a full pipe
 
     async def wait_all(self, procs: list[WorkerProcess], timeout: float) -> None:
         """Until every one of `procs` exited; SIGKILL those still alive at `timeout`."""
