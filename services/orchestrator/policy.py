@@ -175,8 +175,7 @@ class Policy:
             elif len(live) < target:
                 if now < self.retry_at(name):
                     h = self.history[name]
-                    plan.notes[name] = (f"restarting in {h.retry_at - now:.1f} s after "
-                                        f"{h.crashes} crashes: {h.last_exit}")
+                    plan.notes[name] = f"restarting after {h.crashes} crashes in a row: {h.last_exit}"
                 else:
                     plan.start += [name] * (target - len(live))
         # Workers of models no longer managed (removed from the catalogue) drain too.

@@ -22,7 +22,7 @@ import asyncio
 import os
 import socket
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, BinaryIO, Callable
 
 import msgspec
 from nats.aio.client import Client
@@ -40,7 +40,7 @@ from services.orchestrator.policy import (
 )
 from services.orchestrator.procs import Launcher, WorkerProcess, describe_exit, safe_token
 from shared import VERSION, subjects
-from shared.config import Config
+from shared.config import Config, parse_fleet
 from shared.logging import get_logger
 from shared.messages import FleetStatus, ModelStatus, encode
 from shared.telemetry import Heartbeat, ScaleDecision, record_decoder
@@ -54,7 +54,8 @@ class Orchestrator:
     def __init__(self, nc: Client, config: Config, catalogue: Catalogue, *,
                  env: dict[str, str] | None = None, cores: int | None = None,
                  interval_s: float = 1.0, status_s: float = 2.0, catalogue_s: float = 10.0,
-                 orchestrator_id: str | None = None) -> None:
+                 orchestrator_id: str | None = None, worker_argv: list[str] | None = None,
+                 out: BinaryIO | None = None) -> None:
         self.nc = nc
         self.config = config
         self.catalogue = catalogue
@@ -66,12 +67,13 @@ class Orchestrator:
         self.policy = Policy([], config.worker_budget(self.cores),
                              target_per_replica=config.target_queue_per_replica)
         self.launcher = Launcher(dict(os.environ if env is None else env), self._on_exit,
-                                 worker_prefix=f"{self.id}-")
+                                 out=out, argv=worker_argv, worker_prefix=f"{self.id}-")
         self.procs: dict[str, WorkerProcess] = {}
         self.worker_state: dict[str, tuple[str, float]] = {}  # worker id -> (state, seen)
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._plan = Plan()
+        self._unknown: set[str] = set()  # fleet entries already warned about
         self._last_status: list[ModelStatus] | None = None
         self._status_at = 0.0
 
@@ -121,6 +123,11 @@ class Orchestrator:
             log.warning("catalogue_unavailable", error=str(exc))
             return
         specs = model_specs(self.config, names)
+        for name in parse_fleet(self.config.fleet).keys() - set(names) - self._unknown:
+            self._unknown.add(name)
+            log.warning("fleet_model_unknown", model=name,
+                        why="TENSORBUS_FLEET names it, but neither the registry nor the "
+                            "bundled models hold it; it gets no worker until one does")
         if specs != self.policy.models:
             self.policy.set_models(specs)
             self._wake.set()
@@ -179,7 +186,12 @@ class Orchestrator:
         plan = self.policy.plan(self.views(), now)
         threads = threads_per_worker(self.cores, sum(plan.targets.values()))
         for model in plan.start:
-            wp = await self.launcher.start(model, threads)
+            try:
+                wp = await self.launcher.start(model, threads)
+            except OSError as exc:  # fork or exec refused (memory, process limit)
+                log.error("worker_start_failed", model=model, error=str(exc))
+                self.policy.exited(ProcView("", model, now), 1, f"could not start: {exc}", now)
+                continue
             self.procs[wp.name] = wp
             log.info("worker_started", worker=wp.name, worker_id=wp.worker_id, pid=wp.pid,
                      model=model, threads=threads)

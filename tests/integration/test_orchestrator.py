@@ -155,3 +155,22 @@ async def test_a_load_step_scales_one_two_one_zero_without_failing_a_request(at_
     assert 0 in running and 2 in running, running
     # 0 -> 1 -> 2 -> 1 -> 0 with at most a little noise on the way: no flapping.
     assert len(running) <= 7, running
+
+
+async def test_sigterm_drains_the_workers_and_the_orchestrator_exits_0(at_zero):
+    """Last in this module: it stops the stack's orchestrator."""
+    import asyncio
+    import signal
+
+    sup, nc, watch = at_zero
+    o = await one(nc, subjects.EMBEDDINGS, embed_body(MODEL, "stay a while"), 180,
+                  {"Tensorbus-Timeout": "150"})
+    assert o.status == 200
+    orch = sup.procs["orchestrator"]
+    orch.signal(signal.SIGTERM)
+    assert await asyncio.to_thread(orch.wait, 60) == 0
+    log = orch.log_path.read_text()
+    assert '"event": "stopped"' in log  # the worker drained and said so
+    assert '"outcome": "stopped"' in log and '"outcome": "crashed"' not in log
+    last = watch.model(MODEL)
+    assert last.running == 0 and last.reason == "orchestrator stopped", last
