@@ -1,8 +1,8 @@
 """python -m services.orchestrator: process wiring only (config, catalogue, signals).
 
-The one way it exits on its own is a malformed TENSORBUS_FLEET (exit 78, with the
-entry at fault): a crashed, killed or misconfigured worker never stops it, so
-`honcho start` keeps running.
+The one way it exits on its own is a fleet setting that cannot work, such as a
+malformed TENSORBUS_FLEET (exit 78, with the entry at fault): a crashed, killed or
+misconfigured worker never stops it, so `honcho start` keeps running.
 """
 
 from __future__ import annotations
@@ -13,18 +13,16 @@ from services.orchestrator.service import Orchestrator
 from services.registry.store import open_or_none
 from shared import catalog
 from shared.bus import connection, stop_event
-from shared.config import Config, bad_config, parse_fleet
+from shared.config import Config
 from shared.logging import configure_logging, get_logger
+from shared.scaling import check_settings
 
 log = get_logger("orchestrator")
 
 
 async def main() -> None:
     config = Config.from_env()
-    try:
-        parse_fleet(config.fleet)
-    except ValueError as exc:
-        raise bad_config(str(exc)) from None
+    check_settings(config)  # a fleet setting that cannot work exits 78
     configure_logging("orchestrator", config.log_level, config.log_format)
     stop = stop_event()
     async with connection(config.nats_url, "orchestrator") as nc:

@@ -1,10 +1,11 @@
 """What the local orchestrator should run, decided without touching a process.
 
   1. `observe()` keeps the latest ScaleDecision of every scheduler per model, stamped
-     with the orchestrator's own clock; one older than `decision_ttl_s` has expired
-     (its scheduler went silent) and no longer counts.
-  2. `desired()` combines the live decisions (`shared.scaling.combine`); with none the
-     model's minimum holds (without a scheduler nothing is routed to extra workers).
+     with the orchestrator's own clock (`shared.scaling.LiveDecisions`); one older
+     than `decision_ttl_s` has expired (its scheduler went silent) and no longer counts.
+  2. `desired()` combines the live decisions (`shared.scaling.combine`). When every
+     scheduler went silent the last combined count holds (a scheduler restarting is
+     no reason to stop workers); before any decision, the model's minimum.
   3. `plan()` clamps each model's desire to its bounds, shares the machine budget out
      (minimums first, models with a minimum above 0 before the others, in fleet
      order; then the rest in the same order; draining workers still hold their
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from shared.config import EX_CONFIG, Config, parse_fleet
-from shared.scaling import combine
+from shared.scaling import DECISION_TTL_S, LiveDecisions, combine
 from shared.telemetry import ScaleDecision
 
 
@@ -79,7 +80,7 @@ def threads_per_worker(cores: int, workers: int) -> int:
 
 
 class Policy:
-    def __init__(self, models: list[ModelSpec], budget: int, *, decision_ttl_s: float = 10.0,
+    def __init__(self, models: list[ModelSpec], budget: int, *, decision_ttl_s: float = DECISION_TTL_S,
                  backoff_s: float = 1.0, backoff_max_s: float = 30.0, stable_s: float = 60.0,
                  target_per_replica: float = 32.0) -> None:
         self.models: list[ModelSpec] = []
@@ -90,7 +91,8 @@ class Policy:
         self.stable_s = stable_s
         self.target_per_replica = target_per_replica
         self.history: dict[str, _History] = {}
-        self._decisions: dict[str, dict[str, tuple[float, ScaleDecision]]] = {}
+        self.live = LiveDecisions(decision_ttl_s)
+        self._last: dict[str, int] = {}  # last combined desire per model
         self.set_models(models)
 
     def set_models(self, models: list[ModelSpec]) -> None:
@@ -102,17 +104,16 @@ class Policy:
 
     # ------------------------------------------------------------- decisions
     def observe(self, decision: ScaleDecision, now: float) -> None:
-        per = self._decisions.setdefault(decision.model, {})
-        per[decision.scheduler_id] = (now, decision)
+        self.live.observe(decision, now)
 
     def desired(self, model: str, now: float) -> int | None:
-        """Combined desire of the live schedulers; None when none spoke lately."""
-        per = self._decisions.get(model, {})
-        for sid in [s for s, (at, _) in per.items() if now - at > self.decision_ttl_s]:
-            del per[sid]
-        if not per:
-            return None
-        return combine((d for _, d in per.values()), self.target_per_replica)
+        """Combined desire of the live schedulers (the last one when all went silent);
+        None before any decision."""
+        self.live.expire(now)
+        latest = self.live.latest(model)
+        if latest:
+            self._last[model] = combine(latest, self.target_per_replica)
+        return self._last.get(model)
 
     # ------------------------------------------------------------------ exits
     def exited(self, proc: ProcView, code: int, reason: str, now: float) -> str:

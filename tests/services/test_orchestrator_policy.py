@@ -193,8 +193,11 @@ def test_decisions_of_a_silent_scheduler_expire():
     fleet.step(11.0)
     assert fleet.running(ENC) == 1
     fleet.drained()
-    fleet.step(30.0)  # nobody speaks any more: the minimum holds
-    assert policy.desired(ENC, 30.0) is None and fleet.running(ENC) == 1
+    # Nobody speaks any more (schedulers restarting): the last combined count holds.
+    policy.observe(decision(ENC, 2, "b"), 12.0)
+    fleet.step(12.0)
+    fleet.step(40.0)
+    assert policy.desired(ENC, 40.0) == 2 and fleet.running(ENC) == 2
 
 
 def test_held_requests_of_every_live_scheduler_count():
