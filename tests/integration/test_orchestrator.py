@@ -19,6 +19,7 @@ from bench.load import Outcome, one
 from bench.workload import embed_body
 from shared import subjects
 from shared.config import EX_CONFIG
+from shared.errors import HEADER_CODE, HEADER_MESSAGE
 from shared.telemetry import RequestRecord, record_decoder
 
 MODEL, DEMO_LM = bench.MODEL, bench.DEMO_LM
@@ -51,6 +52,11 @@ async def test_a_worker_with_an_invalid_configuration_fails_its_model_only(honch
     enc = watch.model(MODEL)
     assert enc.state == "ready" and enc.running == 2, enc
     assert h.alive() and h.stopped_lines() == []
+    # The scheduler reads the same FleetStatus: the model's requests get 503 at once.
+    body = msgspec.json.encode({"model": DEMO_LM, "prompt": "hello", "max_tokens": 4})
+    msg = await nc.request(subjects.COMPLETIONS, body, timeout=5)
+    assert msg.headers[HEADER_CODE] == "503", msg.headers
+    assert "TENSORBUS_ENGINE='tpu'" in msg.headers[HEADER_MESSAGE]
 
 
 async def test_a_killed_worker_under_honcho_loses_nothing_and_comes_back(honcho):
