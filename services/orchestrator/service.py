@@ -43,6 +43,7 @@ from shared import VERSION, subjects
 from shared.config import Config, parse_fleet
 from shared.logging import get_logger
 from shared.messages import FleetStatus, ModelStatus, encode
+from shared.scaling import NOT_SERVED
 from shared.telemetry import Heartbeat, ScaleDecision, record_decoder
 
 log = get_logger("orchestrator")
@@ -74,6 +75,7 @@ class Orchestrator:
         self._stop = asyncio.Event()
         self._plan = Plan()
         self._unknown: set[str] = set()  # fleet entries already warned about
+        self._deadlines: set[asyncio.Task] = set()  # SIGKILL for workers that drain too long
         self._last_status: list[ModelStatus] | None = None
         self._status_at = 0.0
 
@@ -97,6 +99,8 @@ class Orchestrator:
             await self._control_loop()
         finally:
             refresh.cancel()
+            for t in self._deadlines:
+                t.cancel()
             for s in subs:
                 await s.unsubscribe()
             await self._drain_all()
@@ -159,8 +163,8 @@ class Orchestrator:
         how = describe_exit(code)
         outcome = self.policy.exited(view, code, wp.last_stderr or how, time.monotonic())
         level = log.info if outcome == "stopped" else log.error
-        level("worker_exited", worker=wp.name, worker_id=wp.worker_id, model=wp.model, pid=wp.pid, code=code,
-              outcome=outcome, exit=how, last_stderr=wp.last_stderr)
+        level("worker_exited", worker=wp.name, worker_id=wp.worker_id, model=wp.model,
+              pid=wp.pid, code=code, outcome=outcome, exit=how, last_stderr=wp.last_stderr)
         self._wake.set()
 
     # ------------------------------------------------------------- control
@@ -200,7 +204,9 @@ class Orchestrator:
             if wp is not None and not wp.stopping:
                 log.info("worker_stopping", worker=name, worker_id=wp.worker_id, pid=wp.pid)
                 wp.terminate()
-                asyncio.create_task(self._deadline(wp))
+                task = asyncio.create_task(self._deadline(wp))
+                self._deadlines.add(task)
+                task.add_done_callback(self._deadlines.discard)
         self._plan = plan
         await self._publish_status()
 
@@ -246,4 +252,4 @@ class Orchestrator:
 
 
 def _bounds_note(m: ModelSpec) -> str:
-    return "not served (MODEL=0:0)" if m.max == 0 else ""
+    return NOT_SERVED if m.max == 0 else ""
