@@ -22,13 +22,13 @@ from shared.telemetry import encode as encode_record
 STAND_IN = r"""
 import os, signal, sys, time
 model = os.environ["TENSORBUS_MODEL"]
+signal.signal(signal.SIGTERM, signal.SIG_IGN if model == "stubborn" else lambda *a: sys.exit(0))
 print("hello from", model, "threads", os.environ["NPROC"], "engine", os.environ.get("TENSORBUS_ENGINE"), flush=True)
 if model == "bad":
     print("bad configuration: TENSORBUS_ENGINE='tpu' for bad: use one of jax, torch", file=sys.stderr, flush=True)
     sys.exit(78)
 if model == "crashy":
     sys.exit(3)
-signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
 while True:
     time.sleep(1)
 """
@@ -59,11 +59,11 @@ class Fleet:
 @pytest_asyncio.fixture
 async def orchestrated(nats_server, nc):
     config = Config.from_env({}, nats_url=nats_server.url,
-                             fleet="steady=1:3,bad=1:1,crashy=1:1,idle=0:2",
-                             local_workers=8, drain_timeout_s=5)
+                             fleet="steady=1:3,bad=1:1,crashy=1:1,idle=0:2,stubborn=0:1",
+                             local_workers=8, drain_timeout_s=1)
 
     async def catalogue() -> list[str]:
-        return ["steady", "bad", "crashy", "idle"]
+        return ["steady", "bad", "crashy", "idle", "stubborn"]
 
     out = io.BytesIO()
     env = {"PATH": "/usr/bin:/bin", "TENSORBUS_ENGINE": "jax,bad=tpu"}
@@ -123,3 +123,22 @@ async def test_a_crashing_worker_is_restarted_with_growing_backoff(orchestrated)
     # starts at 0, again at once, then after 1 s and 2 s more
     assert time.monotonic() - t0 >= 3.0
     assert "crashes" in fleet.latest("crashy").reason or fleet.latest("crashy").state == "starting"
+
+
+async def test_a_worker_that_ignores_sigterm_is_killed_at_the_drain_deadline(orchestrated, nc):
+    fleet, out = orchestrated
+
+    async def decide(n: int) -> None:
+        await nc.publish(subjects.TELEMETRY_SCALE, encode_record(ScaleDecision(
+            "stubborn", 0, n, 0, 0, "test", time.time(), scheduler_id="s1")))
+
+    await decide(1)
+    await fleet.until(lambda: (m := fleet.latest("stubborn")) is not None and m.running == 1)
+    (wp,) = [p for p in fleet.orch.procs.values() if p.model == "stubborn"]
+    await fleet.until(lambda: b"stubborn.1 | hello" in out.getvalue())  # its handler is set
+    t0 = time.monotonic()
+    await decide(0)
+    await fleet.until(lambda: wp.returncode is not None)
+    assert wp.returncode == -9 and time.monotonic() - t0 >= 1.0  # SIGKILL after 1 s
+    await fleet.until(lambda: fleet.latest("stubborn").state == "scaled_to_zero")
+    assert fleet.starts("stubborn") == 1  # asked to stop: not a crash, not restarted
