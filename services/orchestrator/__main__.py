@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.orchestrator.service import Orchestrator
+from services.orchestrator.service import Orchestrator, registry_catalogue
 from services.registry.store import open_or_none
-from shared import catalog
 from shared.bus import connection, stop_event
 from shared.config import Config
 from shared.logging import configure_logging, get_logger
@@ -27,14 +26,7 @@ async def main() -> None:
     stop = stop_event()
     async with connection(config.nats_url, "orchestrator") as nc:
         registry = await open_or_none(nc, "managing the bundled models only")
-
-        async def catalogue() -> list[str]:
-            names = {m.name for m in catalog.bundled()}
-            if registry is not None:
-                names.update(await registry.list_models())
-            return sorted(names)
-
-        orch = Orchestrator(nc, config, catalogue)
+        orch = Orchestrator(nc, config, registry_catalogue(registry))
         task = asyncio.create_task(orch.run())
         stopper = asyncio.create_task(stop.wait())
         await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)

@@ -39,7 +39,7 @@ from services.orchestrator.policy import (
     threads_per_worker,
 )
 from services.orchestrator.procs import Launcher, WorkerProcess, describe_exit, safe_token
-from shared import VERSION, subjects
+from shared import VERSION, catalog, subjects
 from shared.config import Config, parse_fleet
 from shared.logging import get_logger
 from shared.messages import FleetStatus, ModelStatus, encode
@@ -49,6 +49,24 @@ from shared.telemetry import Heartbeat, ScaleDecision, record_decoder
 log = get_logger("orchestrator")
 
 Catalogue = Callable[[], Awaitable[list[str]]]
+
+
+def registry_catalogue(registry) -> Catalogue:
+    """The bundled models and the registry's (None: the bundled ones only). A registry
+    read that fails or takes over 5 s keeps the names of the last good one, so a slow
+    registry never drains a model's workers."""
+    listed: set[str] = set()
+
+    async def names() -> list[str]:
+        nonlocal listed
+        if registry is not None:
+            try:
+                listed = set(await asyncio.wait_for(registry.list_models(), 5.0))
+            except Exception as exc:  # noqa: BLE001 - keep the last good list
+                log.warning("registry_list_failed", error=f"{type(exc).__name__}: {exc}")
+        return sorted({m.name for m in catalog.bundled()} | listed)
+
+    return names
 
 
 class Orchestrator:
