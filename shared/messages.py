@@ -93,6 +93,7 @@ class GenChunk(_Msg, tag="chunk"):
     tokens: int  # tokens this chunk covers
     finish_reason: str | None = None
     attempt: int = 0  # dispatch attempt that produced it (re-dispatch must not mix)
+    version: str = ""  # the model version generating this request (every chunk says it)
 
 
 class GenDone(_Msg, tag="done"):

@@ -1,4 +1,4 @@
-"""Dynamic batching for encoders.
+"""The encoder runner: dynamic batching.
 
   1. Work arrives in `submit()` and waits in a FIFO inbox.
   2. When the engine is free, the loop closes a batch: everything waiting for the same
@@ -9,22 +9,29 @@
      largest of the last few batches: under steady load batches stay full, while a
      lone request (recent batches of one) never waits at all.
   3. Expired requests are answered 504 and never computed.
-  4. The batch runs on the single engine thread; the event loop stays free.
-  5. Results go to each request's reply subject via `on_result`, one call per batch.
+  4. The batch runs on the single engine thread, on the engine `LoadedModels` holds
+     for its version at that moment; the event loop stays free.
+  5. Each request's EmbedResult (naming the version that computed it) goes to its
+     reply subject through the outbox, then one WorkDone per scheduler per batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import defaultdict, deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 import numpy as np
 
-from shared.messages import EmbedWork, Timing
+from services.worker.runner import Gauges, Outbox
+from services.worker.versions import LoadedModels
+from shared.errors import deadline_exceeded, internal
+from shared.logging import get_logger
+from shared.messages import EmbedResult, EmbedWork, Timing
+
+log = get_logger("worker.batcher")
 
 
 @dataclass
@@ -60,22 +67,21 @@ class BatchStats:
         return min(occ, 1.0)
 
 
-class DynamicBatcher:
-    def __init__(self, embed: Callable[[str, list[list[int]]], np.ndarray], executor: Executor,
-                 max_batch: int, max_wait_s: float,
-                 on_result: Callable[[BatchOutcome], Awaitable[None]],
-                 on_expired: Callable[[EmbedWork], Awaitable[None]],
-                 version_of: Callable[[str], str] | None = None) -> None:
-        self.embed = embed  # (version, inputs) -> [len(inputs), dim]
-        # requested version ("" = prod) -> the one to run; by default work runs as asked
-        self.version_of = version_of or (lambda v: v)
+class EncoderRunner:
+    """Dynamic batching over a worker's encoder versions (a `runner.Runner`)."""
+
+    work_type = EmbedWork
+
+    def __init__(self, models: LoadedModels, outbox: Outbox, executor: Executor,
+                 max_batch: int, max_wait_s: float) -> None:
+        self.models = models
+        self.outbox = outbox
         self.executor = executor
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
-        self.on_result = on_result
-        self.on_expired = on_expired
         self.inbox: deque[Pending] = deque()
         self.in_flight = 0
+        self.steps = 0  # engine calls finished
         self.stats = BatchStats()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -90,11 +96,23 @@ class DynamicBatcher:
     def queue_depth(self) -> int:
         return len(self.inbox)
 
+    def gauges(self) -> Gauges:
+        return Gauges(queue_depth=self.queue_depth, in_flight=self.in_flight,
+                      capacity=self.max_batch, occupancy=self.stats.take_occupancy(self.max_batch),
+                      steps=self.steps)
+
     def submit(self, work: EmbedWork) -> None:
         self.inbox.append(Pending(work, time.perf_counter()))
         self._waiting += len(work.inputs)
         self._idle.clear()
         self._wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        """Nothing to stop: a request is one engine call (expired work is dropped)."""
+
+    async def drain(self) -> None:
+        self.close()
+        await self.wait_idle()
 
     def close(self) -> None:
         self._closed = True
@@ -132,7 +150,7 @@ class DynamicBatcher:
                 outcome = await loop.run_in_executor(self.executor, self._compute, version, batch)
             finally:
                 self.in_flight, self.computing = 0, None
-            await self.on_result(outcome)
+            await self._publish(outcome)
             await self._notify()
 
     async def _notify(self) -> None:
@@ -156,7 +174,8 @@ class DynamicBatcher:
         version, batch, expired, kept = self._take(now_wall, now)
         self.inbox.extendleft(reversed(kept))
         for p in expired:
-            await self.on_expired(p.work)
+            await self.outbox.refuse(p.work, deadline_exceeded(
+                "the request expired in the worker's queue"))
         if batch:
             self._recent.append(sum(len(p.work.inputs) for p in batch))
         return version, batch
@@ -177,7 +196,7 @@ class DynamicBatcher:
                 self._waiting -= size
                 expired.append(p)
                 continue
-            v = self.version_of(p.work.version)
+            v = self.models.resolve(p.work.version)
             if version is None:
                 version = v
             if full or v != version or (batch and n + size > self.max_batch):
@@ -195,7 +214,8 @@ class DynamicBatcher:
         flat = [ids for p in batch for ids in p.work.inputs]
         start = time.perf_counter()
         try:
-            vecs = self.embed(version, flat)  # [sum(inputs), dim]
+            vecs = self.models.engine_of(version).embed(flat)  # [sum(inputs), dim]
+            self.steps += 1
         except Exception as exc:  # noqa: BLE001 - reported per request
             if len(batch) == 1:
                 return BatchOutcome(batch, [], [], exc, version=version)
@@ -227,3 +247,21 @@ class DynamicBatcher:
                 merged.timings += o.timings
         merged.failed = [(o.items[0], o.error) for o in failed]
         return merged
+
+    async def _publish(self, out: BatchOutcome) -> None:
+        """Every request of a batch answered, then one WorkDone per scheduler."""
+        done: dict[str, list[str]] = defaultdict(list)
+        failed = [(p, out.error) for p in out.items] if out.error is not None else out.failed
+        for p, exc in failed:
+            log.error("request_failed", request_id=p.work.request_id, error=repr(exc))
+            await self.outbox.error(p.work, internal("the model failed on this input"))
+            done[p.work.sched_id].append(p.work.request_id)
+        if out.error is None:
+            for p, vecs, timing in zip(out.items, out.vectors, out.timings):
+                w = p.work
+                await self.outbox.publish(w.reply, EmbedResult(
+                    w.request_id, self.outbox.worker_id, self.outbox.model, out.version,
+                    int(vecs.shape[1]), vecs.astype("<f4", copy=False).tobytes(),
+                    sum(len(x) for x in w.inputs), timing))
+                done[w.sched_id].append(w.request_id)
+        await self.outbox.done(done)

@@ -1,19 +1,27 @@
-"""Continuous batching for decoders: every engine step is one decode for all slots.
+"""The decoder runner: continuous batching, one decode step per engine per iteration.
 
   1. `submit()` turns a GenerateWork with `n` choices into `n` sequences waiting FIFO.
   2. Each iteration first retires sequences that finished, were cancelled or expired
      (their slots free within one step), then admits at most `prefill_per_step`
      waiting sequences into free slots (bounded, so running decodes never stall for
-     long behind a burst of prompts).
-  3. One engine call per iteration, on the engine thread: the admissions' prefills,
-     then the tokens of the step dispatched last time, then the next step is
-     dispatched (`step_async`) before returning — so detokenizing and publishing
+     long behind a burst of prompts). A request's version is fixed when its first
+     choice is admitted: the pinned one, else prod at that moment. Every choice and
+     every token of it then come from that engine, so no stream mixes versions.
+  3. Each loaded version has a lane: its engine, its slots, its dispatched step. The
+     lanes follow `LoadedModels` by callback, so a new prod gets a lane the moment it
+     is switched in and no lane keeps an engine the worker dropped. One engine call
+     per iteration, on the engine thread: per lane with work, the admissions'
+     prefills, then the tokens of the step dispatched last time, then the next step
+     is dispatched (`step_async`) before returning, so detokenizing and publishing
      step n overlap the computation of step n+1. A sequence admitted now joins the
      step after the one in flight; tokens from steps it was not part of are ignored.
   4. New tokens are detokenized per sequence (never splitting a UTF-8 character),
      checked against EOS, stop strings, `max_tokens` and the context, and streamed to
-     the gateway as GenChunks (non-streaming requests get one chunk per choice at the
-     end). When every choice of a request is done, a GenDone carries usage and timing.
+     the gateway as GenChunks naming the version (non-streaming requests get one
+     chunk per choice at the end). When every choice of a request is done, a GenDone
+     carries usage and timing.
+  5. A version no alias names keeps its lane while a sequence runs or waits on it
+     (`wait_unused`); then the hot swap drops it, and its lane goes with it.
 """
 
 from __future__ import annotations
@@ -22,22 +30,45 @@ import asyncio
 import random
 import time
 from collections import deque
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
+from services.worker.runner import Gauges, Outbox
+from services.worker.versions import LoadedModels
 from shared.errors import ServiceError, deadline_exceeded, internal
 from shared.logging import get_logger
-from shared.messages import GenChunk, GenDone, GenerateWork, Timing, encode
+from shared.messages import GenChunk, GenDone, GenerateWork, Timing
 
 log = get_logger("worker.generation")
 
 
-@dataclass
+@dataclass(eq=False)
+class Lane:
+    """One loaded version's engine and the sequences in its KV slots."""
+
+    version: str
+    engine: object
+    eos: frozenset[int]
+    active: dict[int, "Sequence"] = field(default_factory=dict)  # slot -> sequence
+    pending: object = None  # the dispatched decode step, not yet read
+    dispatched: int = 0  # decode steps dispatched so far (the pending one's number)
+
+    def free_slot(self) -> int | None:
+        return next((s for s in range(self.engine.slots) if s not in self.active), None)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active) or self.pending is not None
+
+
+@dataclass(eq=False)
 class Sequence:
     work: GenerateWork
     index: int  # choice index within the request
     seed: int
     arrived: float  # perf_counter
-    detok: object
+    lane: Lane | None = None
+    detok: object = None
     slot: int = -1
     admitted: float = 0.0
     joined: int = 0  # number of the first decode step that includes it
@@ -48,11 +79,12 @@ class Sequence:
     finish: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class RequestState:
     work: GenerateWork
     arrived: float
     remaining: int
+    version: str = ""  # fixed when its first choice is admitted
     completion_tokens: int = 0
     cancelled: bool = False
     first_at: float = 0.0
@@ -61,27 +93,56 @@ class RequestState:
     admitted: float = 0.0
 
 
-class GenerationLoop:
-    def __init__(self, worker) -> None:
-        self.worker = worker
-        self.engine = worker.engine
-        self.nc = worker.nc
-        self.slots = self.engine.slots
-        self.per_step = max(1, worker.config.prefill_per_step)
+class DecoderRunner:
+    """Continuous batching over a worker's decoder versions (a `runner.Runner`)."""
+
+    work_type = GenerateWork
+
+    def __init__(self, models: LoadedModels, outbox: Outbox, executor: Executor,
+                 prefill_per_step: int) -> None:
+        self.models = models
+        self.outbox = outbox
+        self.executor = executor
+        self.per_step = max(1, prefill_per_step)
+        self.lanes: dict[str, Lane] = {}
         self.waiting: deque[Sequence] = deque()
-        self.active: dict[int, Sequence] = {}  # slot -> sequence
         self.requests: dict[str, RequestState] = {}
         self.steps = 0
-        self._pending = None  # the dispatched decode step, not yet read
-        self._dispatched = 0  # decode steps dispatched so far (the pending one's number)
         self._occ_sum = 0
         self._occ_n = 0
         self._wake = asyncio.Event()
-        self._draining = False
         self._idle = asyncio.Event()
         self._idle.set()
-        self._cancel_sub = None
-        self._eos = set(self.engine.eos_token_ids)
+        self._stepped = asyncio.Condition()
+        self._tasks: set[asyncio.Task] = set()
+        models.on_change(self._follow)
+        self._follow()
+
+    # ------------------------------------------------------------- versions
+    def _follow(self) -> None:
+        """LoadedModels changed: a lane per engine it holds, none for one it dropped."""
+        for version, engine in self.models.engines.items():
+            lane = self.lanes.get(version)
+            if lane is None or (lane.engine is not engine and not lane.busy):
+                self.lanes[version] = Lane(version, engine, frozenset(engine.eos_token_ids))
+        for version in [v for v in self.lanes if v not in self.models.engines]:
+            del self.lanes[version]  # dropped only once `wait_unused` said it is idle
+        self._wake.set()
+
+    def uses(self, version: str) -> bool:
+        lane = self.lanes.get(version)
+        if lane is not None and lane.busy:
+            return True
+        return any(self._version_of(s) == version for s in self.waiting)
+
+    def _version_of(self, seq: Sequence) -> str:
+        """The version a waiting sequence is bound to; "" while it may take any prod."""
+        st = self.requests.get(seq.work.request_id)
+        return (st.version if st is not None else "") or seq.work.version
+
+    async def wait_unused(self, version: str) -> None:
+        async with self._stepped:
+            await self._stepped.wait_for(lambda: not self.uses(version))
 
     # ------------------------------------------------------------- accounting
     @property
@@ -90,37 +151,41 @@ class GenerationLoop:
 
     @property
     def in_flight(self) -> int:
-        return len(self.active)
+        return sum(len(lane.active) for lane in self.lanes.values())
 
-    def occupancy(self) -> float:
-        if not self._occ_n:
-            return len(self.active) / self.slots
-        occ = self._occ_sum / (self._occ_n * self.slots)
-        self._occ_sum = self._occ_n = 0
-        return occ
-
-    def kv_usage(self) -> float:
-        return float(self.engine.kv_usage)
+    def gauges(self) -> Gauges:
+        serving = [self.lanes[v] for v in self.models.serving() if v in self.lanes]
+        slots = sum(lane.engine.slots for lane in serving) or 1
+        used = self.in_flight
+        if self._occ_n:
+            occ = self._occ_sum / (self._occ_n * slots)
+            self._occ_sum = self._occ_n = 0
+        else:
+            occ = used / slots
+        # Cache positions held, over every loaded engine (a retiring one still holds its).
+        sizes = [(lane.engine.slots * lane.engine.max_context, lane.engine.kv_usage)
+                 for lane in self.lanes.values()]
+        total = sum(n for n, _ in sizes)
+        kv = sum(n * float(u) for n, u in sizes) / total if total else 0.0
+        return Gauges(queue_depth=self.queue_depth, in_flight=used, capacity=slots,
+                      occupancy=min(occ, 1.0), steps=self.steps, slots_total=slots,
+                      slots_used=used, kv_usage=kv)
 
     # -------------------------------------------------------------- requests
     def submit(self, work: GenerateWork) -> None:
         now = time.perf_counter()
+        engine = self.models.engines.get(self.models.resolve(work.version))
         try:
-            self.engine.check_prompt(work.prompt)
+            engine.check_prompt(work.prompt)
         except ValueError as exc:
-            asyncio.get_running_loop().create_task(self._refuse(work, ServiceError(400, str(exc))))
+            self._spawn(self.outbox.refuse(work, ServiceError(400, str(exc))))
             return
         self.requests[work.request_id] = RequestState(work, now, work.n)
         base = work.sampling.seed if work.sampling.seed is not None else random.getrandbits(32)
         for i in range(work.n):
-            self.waiting.append(Sequence(work, i, (base + i) % 2**32, now, self._detok(work)))
+            self.waiting.append(Sequence(work, i, (base + i) % 2**32, now))
         self._idle.clear()
         self._wake.set()
-
-    def _detok(self, work: GenerateWork):
-        from engine.detok import Detokenizer
-
-        return Detokenizer(self.engine.tokenizer, prompt_ids=work.prompt, stop=work.stop)
 
     def cancel(self, request_id: str) -> None:
         st = self.requests.get(request_id)
@@ -128,81 +193,99 @@ class GenerationLoop:
             st.cancelled = True
             self._wake.set()
 
-    async def _refuse(self, work: GenerateWork, err: ServiceError) -> None:
-        await self.worker.send_error(work, err)
-        await self.worker.report_done({work.sched_id: [work.request_id]})
-
     async def drain(self) -> None:
-        self._draining = True
         self._wake.set()
         await self._idle.wait()
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> None:
-        from shared import subjects
-        from shared.messages import cancel_decoder
-
-        async def on_cancel(msg) -> None:
-            try:
-                self.cancel(cancel_decoder.decode(msg.data).request_id)
-            except Exception:  # noqa: BLE001 - a bad cancel message is ignored
-                pass
-
-        self._cancel_sub = await self.nc.subscribe(subjects.CANCEL, cb=on_cancel)
         loop = asyncio.get_running_loop()
         while True:
             await self._retire()
-            if not self.active and not self.waiting and self._pending is None:
+            busy = [lane for lane in self.lanes.values() if lane.busy]
+            if not busy and not self.waiting:
                 self._idle.set()
                 self._wake.clear()
+                await self._notify()
                 await self._wake.wait()
                 continue
             admits = self._admissions()
-            firsts, tokens, step_no = await loop.run_in_executor(
-                self.worker.executor, self._engine_step, admits)
+            busy = [lane for lane in self.lanes.values() if lane.busy]
+            firsts, tokens = await loop.run_in_executor(
+                self.executor, self._engine_step, admits, busy)
             self.steps += 1
-            self._occ_sum += len(self.active)
+            self._occ_sum += self.in_flight
             self._occ_n += 1
-            now = time.perf_counter()
-            await self._advance(firsts, tokens, step_no, now)
+            await self._advance(firsts, tokens, time.perf_counter())
+            await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._stepped:
+            self._stepped.notify_all()
 
     def _admissions(self) -> list[Sequence]:
-        free = [s for s in range(self.slots) if s not in self.active]
-        out = []
+        out: list[Sequence] = []
+        kept: list[Sequence] = []
         now_wall = time.time()
-        while self.waiting and free and len(out) < self.per_step:
+        while self.waiting and len(out) < self.per_step:
             seq = self.waiting.popleft()
             st = self.requests.get(seq.work.request_id)
             if st is None or st.cancelled or seq.work.deadline <= now_wall:
                 self._finish_unstarted(seq, st)
                 continue
-            seq.slot = free.pop(0)
-            seq.admitted = time.perf_counter()
-            self.active[seq.slot] = seq
+            version = st.version or self.models.resolve(seq.work.version)
+            lane = self.lanes.get(version)
+            if lane is None:  # pinned to a version dropped meanwhile: cannot happen, but
+                self._refuse_unstarted(seq, st, ServiceError(  # answer, never wait forever
+                    503, f"version {version} is not loaded on this worker; retry shortly",
+                    code="version_unavailable", retry_after=1.0))
+                continue
+            slot = lane.free_slot()
+            if slot is None:
+                kept.append(seq)  # its lane is full; work for other lanes may still go
+                if all(ln.free_slot() is None for ln in self.lanes.values()):
+                    break
+                continue
+            if not st.version:
+                try:
+                    lane.engine.check_prompt(seq.work.prompt)  # prod may have changed
+                except ValueError as exc:
+                    self._refuse_unstarted(seq, st, ServiceError(400, str(exc)))
+                    continue
+                st.version = version
+            seq.lane, seq.slot, seq.admitted = lane, slot, time.perf_counter()
+            seq.detok = _detokenizer(lane.engine, seq.work)
+            lane.active[slot] = seq
             out.append(seq)
+        self.waiting.extendleft(reversed(kept))
         return out
 
-    def _engine_step(self, admits: list[Sequence]):
-        """Runs on the engine thread: prefills, read the step in flight, dispatch the next."""
+    def _engine_step(self, admits: list[Sequence], lanes: list[Lane]):
+        """Runs on the engine thread: prefills, then per lane read the step in flight
+        and dispatch the next."""
         firsts = []
         for seq in admits:
+            lane = seq.lane
             try:
-                firsts.append(self.engine.prefill_insert(
-                    seq.slot, seq.work.prompt, seq.work.sampling, seq.seed))
+                firsts.append((seq, lane.engine.prefill_insert(
+                    seq.slot, seq.work.prompt, seq.work.sampling, seq.seed)))
             except Exception as exc:  # noqa: BLE001 - fails this sequence only
-                firsts.append(exc)
+                firsts.append((seq, exc))
             # Queued behind the step in flight: it joins the next one dispatched.
-            seq.joined = self._dispatched + 1
-        pending, step_no = self._pending, self._dispatched
-        tokens = pending.result() if pending is not None else None
-        if self.engine.active_slots:
-            self._pending = self.engine.step_async()
-            self._dispatched += 1
-        else:
-            self._pending = None
-        return list(zip(admits, firsts)), tokens, step_no
+            seq.joined = lane.dispatched + 1
+        tokens = []
+        for lane in lanes:
+            pending, step_no = lane.pending, lane.dispatched
+            if pending is not None:
+                tokens.append((lane, pending.result(), step_no))
+            if lane.engine.active_slots:
+                lane.pending = lane.engine.step_async()
+                lane.dispatched += 1
+            else:
+                lane.pending = None
+        return firsts, tokens
 
-    async def _advance(self, firsts, tokens, step_no: int, now: float) -> None:
+    async def _advance(self, firsts, tokens, now: float) -> None:
         for seq, tok in firsts:
             if isinstance(tok, Exception):
                 log.error("prefill_failed", request_id=seq.work.request_id, error=repr(tok))
@@ -210,14 +293,14 @@ class GenerationLoop:
                 st = self.requests.get(seq.work.request_id)
                 if st is not None and not st.cancelled:
                     st.cancelled = True  # its other choices stop too
-                    await self.worker.send_error(seq.work, internal("the model failed on this prompt"))
+                    await self.outbox.error(seq.work, internal("the model failed on this prompt"))
                 continue
             await self._accept(seq, int(tok), now)
-        if tokens is not None:
-            for slot, seq in list(self.active.items()):
+        for lane, toks, step_no in tokens:
+            for slot, seq in list(lane.active.items()):
                 if seq.finish is not None or seq.joined > step_no or seq.generated == 0:
                     continue
-                await self._accept(seq, int(tokens[slot]), now)
+                await self._accept(seq, int(toks[slot]), now)
 
     async def _accept(self, seq: Sequence, tok: int, now: float) -> None:
         st = self.requests[seq.work.request_id]
@@ -232,13 +315,13 @@ class GenerationLoop:
         seq.last_at = now
         seq.generated += 1
         st.completion_tokens += 1
-        if tok in self._eos and not seq.work.ignore_eos:
+        if tok in seq.lane.eos and not seq.work.ignore_eos:
             seq.finish = "stop"
             text = seq.detok.flush()
         else:
             text = seq.detok.feed(tok)
             if not seq.detok.stopped and (seq.generated >= seq.work.max_tokens
-                                          or self.engine.context_left(seq.slot) <= 0):
+                                          or seq.lane.engine.context_left(seq.slot) <= 0):
                 seq.finish = "length"
                 text += seq.detok.flush()  # may still complete a stop string
             if seq.detok.stopped:
@@ -253,28 +336,46 @@ class GenerationLoop:
 
     async def _chunk(self, seq: Sequence, text: str) -> None:
         w = seq.work
-        await self.nc.publish(w.reply, encode(GenChunk(
-            w.request_id, seq.index, text, 1, seq.finish, w.attempt)))
+        await self.outbox.publish(w.reply, GenChunk(
+            w.request_id, seq.index, text, 1, seq.finish, w.attempt, seq.lane.version))
 
     def _finish_unstarted(self, seq: Sequence, st: RequestState | None) -> None:
         seq.finish = "cancelled"
         if st is not None:
             st.remaining -= 1
             if st.remaining == 0:
-                asyncio.get_running_loop().create_task(self._close_request(st))
+                self._spawn(self._close_request(st))
+
+    def _refuse_unstarted(self, seq: Sequence, st: RequestState, err: ServiceError) -> None:
+        """The error first, then (once its last choice is dropped) the GenDone."""
+        st.cancelled = True  # its other choices are dropped at their turn
+        self._spawn(self.outbox.error(seq.work, err))
+        self._finish_unstarted(seq, st)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(self._tasks.discard)
 
     async def _retire(self) -> None:
         """Free the slots of finished, cancelled and expired sequences."""
         now_wall = time.time()
-        for slot, seq in list(self.active.items()):
+        freed: list[tuple[Lane, int, Sequence]] = []
+        for lane in self.lanes.values():
+            for slot, seq in lane.active.items():
+                st = self.requests.get(seq.work.request_id)
+                if seq.finish is None and st is not None and (
+                        st.cancelled or seq.work.deadline <= now_wall):
+                    seq.finish = "cancelled"
+                if seq.finish is not None:
+                    freed.append((lane, slot, seq))
+        if not freed:
+            return
+        await asyncio.get_running_loop().run_in_executor(
+            self.executor, _free_slots, [(lane.engine, slot) for lane, slot, _ in freed])
+        for lane, slot, seq in freed:
+            del lane.active[slot]
             st = self.requests.get(seq.work.request_id)
-            if seq.finish is None and st is not None and (st.cancelled or seq.work.deadline <= now_wall):
-                seq.finish = "cancelled"
-            if seq.finish is None:
-                continue
-            await asyncio.get_running_loop().run_in_executor(
-                self.worker.executor, self.engine.free, slot)
-            del self.active[slot]
             if st is not None:
                 st.remaining -= 1
                 if st.remaining == 0:
@@ -285,15 +386,28 @@ class GenerationLoop:
         self.requests.pop(w.request_id, None)
         if st.cancelled or (w.deadline <= time.time() and st.remaining == 0 and not st.first_at):
             if not st.cancelled:
-                await self.worker.send_error(w, deadline_exceeded())
+                await self.outbox.error(w, deadline_exceeded())
         end = time.perf_counter()
         timing = Timing(
             queue=(st.admitted or end) - st.arrived,
             compute=end - (st.admitted or end),
             ttft=(st.first_at - st.arrived) if st.first_at else 0.0,
             itl_mean=st.itl_sum / st.itl_n if st.itl_n else 0.0,
-            batch_size=len(self.active) + 1)
-        await self.nc.publish(w.reply, encode(GenDone(
-            w.request_id, self.worker.id, self.worker.model, self.worker.versions[0],
-            len(w.prompt), st.completion_tokens, timing, w.attempt)))
-        await self.worker.report_done({w.sched_id: [w.request_id]})
+            batch_size=self.in_flight + 1)
+        version = st.version or self.models.resolve(w.version)
+        await self.outbox.publish(w.reply, GenDone(
+            w.request_id, self.outbox.worker_id, self.outbox.model, version,
+            len(w.prompt), st.completion_tokens, timing, w.attempt))
+        await self.outbox.done({w.sched_id: [w.request_id]})
+
+
+def _detokenizer(engine, work: GenerateWork):
+    from engine.detok import Detokenizer
+
+    return Detokenizer(engine.tokenizer, prompt_ids=work.prompt, stop=work.stop)
+
+
+def _free_slots(slots: list[tuple[object, int]]) -> None:
+    """Runs on the engine thread."""
+    for engine, slot in slots:
+        engine.free(slot)

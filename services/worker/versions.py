@@ -17,8 +17,9 @@
      that does not build) leaves what is served unchanged; the reason goes to the log
      and to the heartbeat's `last_error`.
 
-Decoders start with the alias's prod version but are not swapped live (the
-generation loop owns one engine); an alias change is logged and reported instead.
+Encoders and decoders move the same way. `LoadedModels` is the one place that holds
+engines: the worker and its runner are told of every change by callback and look
+engines up by version, so none keeps a stale one.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Awaitable, Callable
 
 from nats.errors import ConnectionClosedError
 
@@ -36,9 +37,6 @@ from services.registry.source import LOCAL, ModelSource
 from shared import catalog
 from shared.logging import get_logger
 from shared.registry import Aliases
-
-if TYPE_CHECKING:
-    from services.worker.service import Worker
 
 log = get_logger("worker.versions")
 
@@ -51,16 +49,28 @@ _RETRY_S = (0.5, 1.0, 2.0, 5.0)  # back-off of a failed alias watch
 class LoadedModels:
     """The engines a worker holds, by version; which one is prod and which the canary.
 
-    Pure state, read on the event loop and (engine lookups only) the engine thread.
+    Read on the event loop and (engine lookups only) the engine thread; changed only
+    on the event loop, and every change is reported to the `on_change` listeners at
+    once (heartbeat now; the decoder runner's per-engine lanes follow).
     """
 
-    def __init__(self, engine=None, version: str = LOCAL) -> None:
+    def __init__(self, engine=None, version: str = LOCAL, kind: str = "") -> None:
         self.engines: dict[str, object] = {}
         self.prod = ""
         self.canary = ""
+        self.kind = kind  # "encoder" | "decoder"; "" until the first version is built
+        self.error = ""  # why what the aliases name is not (all) served; "" when it is
+        self._listeners: list[Callable[[], None]] = []
         if engine is not None:
             self.engines[version] = engine
             self.prod = version
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def changed(self) -> None:
+        for listener in list(self._listeners):
+            listener()
 
     def serving(self) -> list[str]:
         """The versions traffic goes to, prod first (what heartbeats list)."""
@@ -76,29 +86,50 @@ class LoadedModels:
     def engine_of(self, version: str = ""):
         return self.engines[self.resolve(version)]
 
+    @property
+    def prod_engine(self):
+        """The prod engine, or None before the first load."""
+        return self.engines.get(self.prod)
+
     def switch(self, prod: str, canary: str, added: dict[str, object]) -> list[str]:
         """Install new engines and aliases; return the versions nothing names now."""
         self.engines.update(added)
         self.prod, self.canary = prod, canary
+        self.changed()
         return [v for v in self.engines if v not in (prod, canary)]
 
-    def drop(self, version: str) -> None:
-        if version not in (self.prod, self.canary):
-            self.engines.pop(version, None)
+    def drop(self, version: str):
+        """Forget a version nothing names; return its engine (to close) or None."""
+        if version in (self.prod, self.canary):
+            return None
+        engine = self.engines.pop(version, None)
+        if engine is not None:
+            self.changed()
+        return engine
+
+    def report(self, errors: list[str]) -> None:
+        self.error = "; ".join(errors)
+        self.changed()
+
+
+InUse = Callable[[str], Awaitable[None]]
+"""version -> returns once no running or queued work needs that version."""
 
 
 class HotSwap:
     """Loads a worker's versions from the registry and follows its aliases."""
 
-    def __init__(self, worker: "Worker", source: ModelSource | None,
-                 factory: EngineFactory, model_dir: str = "",
-                 grace_s: float | None = None) -> None:
-        self.worker = worker
+    def __init__(self, model: str, models: LoadedModels, source: ModelSource | None,
+                 factory: EngineFactory, *, in_use: InUse, grace_s: float,
+                 model_dir: str = "") -> None:
+        self.model = model
+        self.models = models  # filled by start(), changed by apply() and retirement
         self.source = source
         self.registry = source.registry if source is not None else None
         self.factory = factory
+        self.in_use = in_use
         self.model_dir = model_dir  # a fixed local directory: version "local", no watch
-        self.grace_s = worker.config.heartbeat_s * 3 if grace_s is None else grace_s
+        self.grace_s = grace_s
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="loader")
         self.swaps = 0  # completed switches, for tests and benchmarks
         self._target: Aliases | None = None
@@ -107,16 +138,12 @@ class HotSwap:
         self._closed = False
 
     @property
-    def model(self) -> str:
-        return self.worker.model
-
-    @property
     def follows(self) -> bool:
         return self.registry is not None and not self.model_dir
 
     # ------------------------------------------------------------------ start
-    async def start(self) -> LoadedModels:
-        """The versions to serve first (built, not warmed); never an empty set."""
+    async def start(self) -> None:
+        """Load the versions to serve first (built, not warmed); never an empty set."""
         aliases = await self._current()
         if self.follows and not aliases.prod:
             aliases = await self._seed() or aliases
@@ -137,11 +164,9 @@ class HotSwap:
                 canary = aliases.canary
             except Exception as exc:  # noqa: BLE001 - serve prod alone
                 errors.append(self._describe(aliases.canary, exc))
-        models = LoadedModels()
-        models.switch(prod, canary, engines)
-        self._report(errors)
+        self.models.switch(prod, canary, engines)
+        self.models.report(errors)
         log.info("versions_loaded", model=self.model, prod=prod, canary=canary or None)
-        return models
 
     async def _seed(self) -> Aliases | None:
         """First start of a bundled model: seed it ourselves rather than start on
@@ -167,9 +192,9 @@ class HotSwap:
             log.warning("aliases_unreadable", model=self.model, error=str(exc))
             return Aliases()
 
-    def _wants_canary(self, aliases: Aliases, prod: str) -> bool:
-        # Decoders serve one engine: no canary beside prod.
-        return bool(aliases.canary) and aliases.canary != prod and self.worker.kind != "decoder"
+    @staticmethod
+    def _wants_canary(aliases: Aliases, prod: str) -> bool:
+        return bool(aliases.canary) and aliases.canary != prod
 
     # ------------------------------------------------------------------ follow
     async def run(self) -> None:
@@ -188,8 +213,7 @@ class HotSwap:
                     await self.apply(target)
                 except Exception as exc:  # noqa: BLE001 - a bug here must not stop serving
                     log.exception("apply_failed", model=self.model)
-                    self.worker.last_error = f"alias change not applied: {exc}"
-                    self.worker.versions_changed()
+                    self.models.report([f"alias change not applied: {exc}"])
 
     async def _watch(self) -> None:
         attempt = 0
@@ -211,10 +235,7 @@ class HotSwap:
 
     async def apply(self, aliases: Aliases) -> None:
         """Serve what `aliases` name, keeping what works when a version cannot load."""
-        models = self.worker.models
-        if self.worker.kind == "decoder":
-            self._decoder_change(aliases)
-            return
+        models = self.models
         prod = aliases.prod or models.prod  # a deleted alias keeps what is served
         canary = aliases.canary if self._wants_canary(aliases, prod) else ""
         errors, added = [], {}
@@ -230,39 +251,24 @@ class HotSwap:
         if canary and canary not in added and not models.holds(canary):
             canary = ""
         changed = (prod, canary) != (models.prod, models.canary)
-        unused = models.switch(prod, canary, added)
-        self._report(errors)
+        models.error = "; ".join(errors)
+        unused = models.switch(prod, canary, added)  # one report: versions and errors
         if changed:
             self.swaps += 1
             log.info("version_switched", model=self.model, prod=prod, canary=canary or None,
                      seconds=round(time.perf_counter() - t0, 3))
-        self.worker.versions_changed()
         for version in unused:
             old = self._retiring.pop(version, None)
             if old is not None:  # demoted again: its grace starts over
                 old.cancel()
             self._retiring[version] = asyncio.create_task(self._retire(version))
 
-    def _decoder_change(self, aliases: Aliases) -> None:
-        serving = self.worker.models.prod
-        if aliases.prod and aliases.prod != serving:
-            msg = (f"prod of {self.model} is now {aliases.prod}; this decoder keeps serving "
-                   f"{serving} until it restarts (decoders are not swapped live)")
-            log.warning("decoder_swap_deferred", model=self.model, serving=serving,
-                        prod=aliases.prod)
-            self.worker.last_error = msg
-        elif aliases.prod == serving:
-            self.worker.last_error = ""
-        self.worker.versions_changed()
-
     async def _retire(self, version: str) -> None:
         await asyncio.sleep(self.grace_s)
-        await self.worker.batcher.wait_unused(version)
-        models = self.worker.models
-        if version in (models.prod, models.canary):
+        await self.in_use(version)
+        engine = self.models.drop(version)  # in the same step: nothing can start on it
+        if engine is None:
             return  # named again meanwhile
-        engine = models.engines.get(version)
-        models.drop(version)
         close = getattr(engine, "close", None)
         if close is not None:
             await asyncio.get_running_loop().run_in_executor(self.loader, close)
@@ -279,9 +285,9 @@ class HotSwap:
     async def _build(self, version: str, warm: bool = False):
         """Fetch (verified), describe, check the kind, build and maybe warm one version."""
         info = await self._fetch(version)
-        kind = self.worker.kind
+        kind = self.models.kind
         if not kind:  # the first version built fixes what this worker serves
-            self.worker.kind = kind = info.kind
+            self.models.kind = kind = info.kind
         if info.kind != kind:
             raise IncompatibleVersion(
                 f"{self.model}@{version} is of kind {info.kind}; this worker serves kind {kind}")
@@ -309,7 +315,7 @@ class HotSwap:
         record = await self.registry.get(self.model, version)
         if record is None:
             raise VersionNotFound(f"{self.model}@{version} is not in the registry")
-        kind = self.worker.kind
+        kind = self.models.kind
         if kind and record.kind != kind:
             raise IncompatibleVersion(
                 f"{self.model}@{version} is of kind {record.kind}; this worker serves kind {kind}")
@@ -322,6 +328,3 @@ class HotSwap:
         log.error("version_refused", model=self.model, version=version,
                   error=f"{type(exc).__name__}: {exc}")
         return msg
-
-    def _report(self, errors: list[str]) -> None:
-        self.worker.last_error = "; ".join(errors)

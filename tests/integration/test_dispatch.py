@@ -117,7 +117,7 @@ async def test_a_failing_request_does_not_fail_its_batch_mates(nats_server):
         await asyncio.to_thread(eng.entered.wait, 5)
         good = [asyncio.create_task(ask(st.client, body(input=[f"good {i}"]))) for i in range(5)]
         bad = asyncio.create_task(ask(st.client, body(input=[[7777]])))
-        await wait_until(lambda: st.workers["w1"].batcher.queue_depth == 6)
+        await wait_until(lambda: st.workers["w1"].runner.queue_depth == 6)
         eng.gate.set()
         assert (await blocker)[0] == 200
         assert [c for c, _ in await asyncio.gather(*good)] == [200] * 5

@@ -180,5 +180,5 @@ async def test_deadline_cancels_and_frees_the_slot(stack, tiny):
                              "temperature": 0}),
         headers={"Tensorbus-Timeout": "0.3"}, timeout=10)
     assert msg.headers[HEADER_CODE] == "504"
-    await wait_until(lambda: worker.generator.in_flight == 0, timeout=5)
+    await wait_until(lambda: worker.runner.in_flight == 0, timeout=5)
     assert engine.active_slots == 0

@@ -258,11 +258,11 @@ async def test_work_in_flight_on_the_old_version_finishes_there(nats_server, tmp
         await st.registry.promote(name, "2")
         await wait_until(lambda: w.models.prod == "2", timeout=10)
         queued = asyncio.create_task(embed(st.client, name, "queued"))
-        await wait_until(lambda: w.batcher.queue_depth == 1, timeout=5)
+        await wait_until(lambda: w.runner.queue_depth == 1, timeout=5)
         # Heartbeats go on while the batch is held; the old engine stays loaded.
         seen = hb(st, "flight-w1").sent_at
         await wait_until(lambda: hb(st, "flight-w1").sent_at > seen + 0.2, timeout=5)
-        assert set(w.models.engines) == {"1", "2"} and w.batcher.computing == "1"
+        assert set(w.models.engines) == {"1", "2"} and w.runner.computing == "1"
         old.gate.set()
         h, q = await held, await queued
         assert (h.code, h.version, h.computed) == (200, "1", "1")
@@ -423,37 +423,3 @@ async def test_first_start_seeds_the_registry_and_serves_the_real_encoder(
                 versions.append(version)
             assert versions == sorted(versions)
             await wait_until(lambda: set(w.models.engines) == {"2"}, timeout=10)
-
-
-async def test_decoder_starts_with_the_alias_version_and_defers_a_change(
-        nats_server, tmp_path, jax_cache_dir):
-    from engine import jaxrt
-    from engine.decoder import DecoderEngine
-    from tests.support.tiny_models import build
-
-    jaxrt.setup(jax_cache_dir)
-    build("gpt2", tmp_path / "gpt2", positions=64)
-    name = model_name()
-
-    def factory(info: catalog.ModelInfo, version: str) -> DecoderEngine:
-        return DecoderEngine(info.path, name=info.name, slots=2, max_context=64,
-                             prefill_buckets=(16,))
-
-    async with running_stack(nats_server.url, registry=True, max_context=64,
-                             decode_slots=2) as st:
-        for v in ("1", "2"):
-            await st.registry.push(tmp_path / "gpt2", name, version=v, progress=False)
-        await st.registry.promote(name, "1")
-        await st.registry.promote(name, "2")
-        w = await st.add_registry_worker(name, factory, "dec-w1")
-        assert (w.kind, w.versions) == ("decoder", ["2"])
-        records, sub = await collect_records(st.client)
-        await st.registry.rollback(name)  # prod 1: not swapped live
-        await wait_until(lambda: "not swapped live" in hb(st, "dec-w1").last_error, timeout=10)
-        msg = await st.client.request(subjects.COMPLETIONS, msgspec.json.encode(
-            {"model": name, "prompt": "the quick", "max_tokens": 4}), timeout=30)
-        assert int((msg.headers or {}).get(HEADER_CODE, 200)) == 200
-        await wait_until(lambda: records, timeout=5)
-        await sub.unsubscribe()
-        assert records[0].version == "2" and hb(st, "dec-w1").versions == ["2"]
-        assert hb(st, "dec-w1").state == "ready"

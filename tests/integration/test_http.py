@@ -126,7 +126,7 @@ async def test_client_disconnect_cancels_and_frees_the_slot(stack, tiny_lm):
             async for line in r.aiter_lines():
                 if line.startswith("data: {"):
                     break  # one chunk arrived; now hang up
-    await wait_until(lambda: worker.generator.in_flight == 0, timeout=10)
+    await wait_until(lambda: worker.runner.in_flight == 0, timeout=10)
     assert engine.active_slots == 0
     # The slot was freed long before the request could have run to max_tokens.
-    assert worker.generator.steps < CONTEXT
+    assert worker.runner.steps < CONTEXT

@@ -107,6 +107,6 @@ async def test_sustained_overload_answers_everything_and_leaves_nothing_behind(o
     await wait_until(lambda: not st.gateway._tasks, timeout=10)
     assert st.scheduler.outstanding == {} and not any(st.scheduler.load.values())
     assert st.gateway.front.inbox.open_count == 0
-    assert st.workers["enc-overload"].batcher.queue_depth == 0
+    assert st.workers["enc-overload"].runner.queue_depth == 0
     replies = await asyncio.gather(*(ask(st.client, subjects.EMBEDDINGS, tagged(i)) for i in range(4)))
     assert [r.code for r in replies] == [200] * 4
