@@ -10,6 +10,7 @@ from shared.errors import ServiceError, bad_request
 
 MSGPACK = "application/msgpack"
 JSON = "application/json"
+VERSION_HEADER = "Tensorbus-Model-Version"  # which version of the model answered
 
 _json_enc = msgspec.json.Encoder()
 _mp_enc = msgspec.msgpack.Encoder()
@@ -49,6 +50,14 @@ def _short(exc: Exception) -> str:
 
 def encode(obj, msgpack: bool = False) -> bytes:
     return _mp_enc.encode(obj) if msgpack else _json_enc.encode(obj)
+
+
+def reply_headers(msgpack: bool, version: str = "") -> dict[str, str] | None:
+    """Headers of a successful reply: its encoding, and the version that answered."""
+    headers = {"Content-Type": MSGPACK} if msgpack else {}
+    if version:
+        headers[VERSION_HEADER] = version
+    return headers or None
 
 
 def error_reply(err: ServiceError, msgpack: bool = False) -> tuple[bytes, dict[str, str]]:

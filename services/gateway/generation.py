@@ -6,7 +6,10 @@
      request's inbox and ends with a GenDone carrying usage.
   3. Non-streaming: assemble the choices. Streaming: each chunk becomes an OpenAI
      chunk object — on NATS one message per chunk to the reply subject, then `[DONE]`;
-     on HTTP one SSE event each, then `data: [DONE]`.
+     on HTTP one SSE event each, then `data: [DONE]`. The worker's first message names
+     the version generating the request: every NATS reply and chunk carries it in
+     `Tensorbus-Model-Version`, and an HTTP response starts, with that header, only
+     when it has arrived.
   4. A client that goes away (HTTP) or a deadline that passes sends a Cancel, which
      frees the worker's slot within one step.
 """
@@ -133,7 +136,8 @@ class Generation:
 
     # ---------------------------------------------------------------- events
     async def events(self, prep: Prepared, deadline: float,
-                     out=None) -> AsyncIterator[GenChunk | GenDone]:
+                     out) -> AsyncIterator[GenChunk | GenDone]:
+        """The worker's messages for this request; `out.version` is set from the first."""
         rid = prep.work.request_id
         with self.front.dispatched(prep.work) as (reply, q):
             await self.front.submit(prep.work, reply)
@@ -145,6 +149,7 @@ class Generation:
                         attempt = ev.attempt
                     elif ev.attempt != attempt:
                         continue
+                    out.version = ev.version or out.version
                     yield ev
                     if isinstance(ev, GenDone):
                         return
@@ -171,14 +176,17 @@ class Generation:
                                   model=prep.model, choices=choices, usage=usage)
 
     async def chunks(self, prep: Prepared, deadline: float, out) -> AsyncIterator[object]:
-        """OpenAI chunk objects, in order, for a streaming request."""
+        """OpenAI chunk objects, in order, for a streaming request. Nothing is yielded
+        before the worker's first message, so `out.version` is known at the first."""
         rid, model, created = prep.work.request_id, prep.model, prep.created
-        if prep.chat:
-            cid = f"chatcmpl-{rid}"
-            for i in range(prep.work.n):
-                yield ChatCompletionChunk(cid, created, model, [
-                    ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
+        cid = f"chatcmpl-{rid}"
+        started = False
         async for ev in self.events(prep, deadline, out):
+            if prep.chat and not started:
+                for i in range(prep.work.n):
+                    yield ChatCompletionChunk(cid, created, model, [
+                        ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
+            started = True
             if isinstance(ev, GenChunk):
                 reason = _reason(ev.finish_reason) if ev.finish_reason else None
                 if prep.chat:
@@ -204,22 +212,24 @@ class Generation:
     async def serve_nats(self, msg: Msg, endpoint: str, mp: bool, rid: str, deadline: float,
                          out) -> None:
         prep = await self.prepare(msg.data, endpoint, mp, rid, deadline, out)
-        headers = {"Content-Type": codec.MSGPACK} if mp else None
+        nc = self.front.nc
         if not prep.work.stream:
             resp = await self.complete(prep, deadline, out)
             if msg.reply:
-                await self.front.nc.publish(msg.reply, codec.encode(resp, mp), headers=headers)
+                await nc.publish(msg.reply, codec.encode(resp, mp),
+                                 headers=codec.reply_headers(mp, out.version))
             return
         if not msg.reply:
             raise bad_request("a streaming request needs a reply subject")
         try:
             async for chunk in self.chunks(prep, deadline, out):
-                await self.front.nc.publish(msg.reply, codec.encode(chunk, mp), headers=headers)
+                await nc.publish(msg.reply, codec.encode(chunk, mp),
+                                 headers=codec.reply_headers(mp, out.version))
         except ServiceError as err:
             out.status, out.error_code = err.status, err.code
             body, eh = codec.error_reply(err, mp)
-            await self.front.nc.publish(msg.reply, body, headers=eh)
-        await self.front.nc.publish(msg.reply, STREAM_DONE)
+            await nc.publish(msg.reply, body, headers=eh)
+        await nc.publish(msg.reply, STREAM_DONE, headers=codec.reply_headers(False, out.version))
 
 
 def _reason(reason: str | None) -> str | None:

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.gateway import codec
+from services.gateway.codec import VERSION_HEADER
 from services.gateway.frontend import Frontend, Outcome, new_request_id, wire_id
 from services.gateway.openapi import openapi_document
 from shared.errors import ServiceError, internal, too_large
@@ -102,18 +103,21 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
                 if endpoint == "embeddings":
                     resp = await front.embeddings(body, False, wire, deadline, out)
                     return Response(_json.encode(resp), media_type="application/json",
-                                    headers={"X-Request-Id": rid})
+                                    headers=_headers(rid, out))
                 prep = await generation.prepare(body, endpoint, False, wire, deadline, out)
                 if not prep.work.stream:
                     resp = await generation.complete(prep, deadline, out)
                     return Response(_json.encode(resp), media_type="application/json",
-                                    headers={"X-Request-Id": rid})
+                                    headers=_headers(rid, out))
+                # The response starts when the first chunk arrives: its headers name the
+                # version, and an error before it is an HTTP status, not an SSE event.
+                chunks = generation.chunks(prep, deadline, out)
+                first = await anext(chunks, None)
                 streaming = True
                 return StreamingResponse(
-                    _sse(request, front, generation, prep, deadline, out, started, metrics, endpoint,
-                         rid),
+                    _sse(front, chunks, first, prep, out, started, metrics, endpoint, rid),
                     media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+                    headers={"Cache-Control": "no-cache", **_headers(rid, out)})
             except ServiceError as err:
                 out.status, out.error_code = err.status, err.code
                 return error_response(err)
@@ -180,13 +184,21 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})
 
 
-async def _sse(request, front, generation, prep, deadline, out, started, metrics, endpoint,
-               rid: str):
+def _headers(rid: str, out: Outcome) -> dict[str, str]:
+    headers = {"X-Request-Id": rid}
+    if out.version:
+        headers[VERSION_HEADER] = out.version
+    return headers
+
+
+async def _sse(front, chunks, first, prep, out, started, metrics, endpoint, rid: str):
     wire = prep.work.request_id
     finished = False
     try:
-        async for chunk in generation.chunks(prep, deadline, out):
-            yield b"data: " + _json.encode(chunk) + b"\n\n"
+        if first is not None:
+            yield b"data: " + _json.encode(first) + b"\n\n"
+            async for chunk in chunks:
+                yield b"data: " + _json.encode(chunk) + b"\n\n"
         finished = True
     except ServiceError as err:
         out.status, out.error_code = err.status, err.code

@@ -16,6 +16,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.gateway import codec
+from services.gateway.codec import VERSION_HEADER  # noqa: F401 - where tests and clients look
 from services.gateway.frontend import Frontend, Outcome, new_request_id, wire_id
 from services.micro import ServiceHealth, add_service
 from shared import VERSION, subjects
@@ -29,7 +30,6 @@ log = get_logger("gateway")
 
 REQUEST_ID_HEADERS = ("X-Request-Id", "Nats-Msg-Id")
 TIMEOUT_HEADER = "Tensorbus-Timeout"
-VERSION_HEADER = "Tensorbus-Model-Version"  # which version of the model answered
 
 
 class Gateway:
@@ -164,10 +164,7 @@ class Gateway:
     async def _respond(self, msg: Msg, body: bytes, mp: bool, version: str = "") -> None:
         if not msg.reply:
             return
-        headers = {"Content-Type": codec.MSGPACK} if mp else {}
-        if version:
-            headers[VERSION_HEADER] = version
-        await self.nc.publish(msg.reply, body, headers=headers or None)
+        await self.nc.publish(msg.reply, body, headers=codec.reply_headers(mp, version))
 
     async def _respond_error(self, msg: Msg, err: ServiceError, mp: bool) -> None:
         if not msg.reply:
