@@ -1,199 +1,54 @@
 """Versions from the registry: hot swap under load, canary split, rollback, refusals, pins.
 
-A real nats-server and the real registry throughout. Most tests serve tiny pushed
+A real nats-server and the real registry throughout. Encoder tests serve tiny pushed
 model directories with a mock engine whose vectors carry the version that computed
-them (last component), so a reply's claimed version (the `Tensorbus-Model-Version`
-header) is checked against the engine that actually ran. The last tests load the real
-bundled encoder and a tiny real decoder from the registry.
+them, so a reply's claimed version (the `Tensorbus-Model-Version` header) is checked
+against the engine that actually ran (tests/support/swap.py). Decoder tests serve
+tiny real GPT-2 versions with different weights: a stream's text must be exactly
+what the version its headers name produces greedily. The last encoder test loads
+the real bundled encoder.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
-import shutil
-import threading
 import time
-import uuid
-from dataclasses import dataclass, field
-from pathlib import Path
 
+import httpx
 import msgspec
 import numpy as np
-from safetensors.numpy import save_file
+import pytest
 
-from services.gateway.service import VERSION_HEADER
+from services.gateway.codec import VERSION_HEADER
 from services.registry.store import alias_key
 from services.scheduler.aliases import seed_registry
 from shared import catalog, subjects
 from shared.errors import HEADER_CODE
 from shared.natsd import NatsServer
 from shared.registry import Aliases
-from shared.telemetry import RequestRecord, record_decoder
-from tests.support.mock_engine import MockEncoder
 from tests.support.stack import running_stack, wait_until
-
-# The bundled encoder's tokenizer and config, with tiny fake weights: what the gateway
-# needs to tokenize, and a directory the registry accepts as an encoder.
-ENCODER_FILES = ["config.json", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "sentence_bert_config.json", "modules.json",
-                 "1_Pooling/config.json"]
-
-
-def model_name() -> str:
-    return f"swap-{uuid.uuid4().hex[:8]}"
-
-
-def encoder_dir(root: Path, seed: int) -> Path:
-    src = catalog.bundled_dir(catalog.ENCODER)
-    for rel in ENCODER_FILES:
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(src / rel, root / rel)
-    w = np.random.default_rng(seed).standard_normal((16, 16)).astype(np.float32)
-    save_file({"w": w}, str(root / "model.safetensors"))
-    return root
-
-
-def decoder_dir(root: Path) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-           "max_position_embeddings": 128}
-    (root / "config.json").write_text(json.dumps(cfg))
-    save_file({"w": np.ones((4, 4), np.float32)}, str(root / "model.safetensors"))
-    return root
-
-
-class TaggedEncoder(MockEncoder):
-    """The mock encoder with its version in the last component of every vector."""
-
-    def __init__(self, name: str, version: str) -> None:
-        super().__init__(name=name, dim=8)
-        self.version = version
-        self.warmed = 0
-        self.warming = threading.Event()  # set when its warm-up starts
-        self.warm_gate = threading.Event()  # cleared: warm-up waits for the test
-        self.warm_gate.set()
-
-    def warmup(self, progress: bool = True) -> int:
-        self.warming.set()
-        self.warm_gate.wait()
-        self.warmed += 1
-        return 0
-
-    def embed(self, inputs):
-        out = super().embed(inputs)  # [N, 8]
-        out[:, -1] = float(self.version)
-        return out
-
-
-@dataclass
-class Built:
-    """What the engine factory made, in order: a test can reach into any version."""
-
-    engines: dict[str, TaggedEncoder] = field(default_factory=dict)
-    hold_warmup: set[str] = field(default_factory=set)  # these wait on their warm_gate
-
-    def __call__(self, info: catalog.ModelInfo, version: str) -> TaggedEncoder:
-        engine = TaggedEncoder(info.name, version)
-        if version in self.hold_warmup:
-            engine.warm_gate.clear()
-        self.engines[version] = engine
-        return engine
-
-
-async def push_versions(reg, tmp_path: Path, name: str, n: int) -> None:
-    for i in range(1, n + 1):
-        await reg.push(encoder_dir(tmp_path / f"v{i}", seed=i), name, version=str(i),
-                       progress=False)
-
-
-@dataclass
-class Reply:
-    client: int
-    sent: float  # monotonic, when the request went out
-    got: float  # monotonic, when its reply came back
-    code: int
-    version: str  # what the reply says (header)
-    computed: str  # what the vector says (the engine that ran)
-
-
-async def embed(nc, model: str, text: str = "hello world", client: int = 0,
-                timeout: float = 10.0) -> Reply:
-    sent = time.monotonic()
-    msg = await nc.request(subjects.EMBEDDINGS, msgspec.json.encode(
-        {"model": model, "input": [text]}), timeout=timeout)
-    headers = msg.headers or {}
-    code = int(headers.get(HEADER_CODE, 200))
-    computed = ""
-    if code == 200:
-        vec = msgspec.json.decode(msg.data)["data"][0]["embedding"]
-        computed = str(int(vec[-1]))
-    return Reply(client, sent, time.monotonic(), code, headers.get(VERSION_HEADER, ""), computed)
-
-
-class Load:
-    """`clients` closed loops sending requests until stopped; every outcome is kept."""
-
-    def __init__(self, nc, model: str, clients: int = 8) -> None:
-        self.nc, self.model, self.clients = nc, model, clients
-        self.replies: list[Reply] = []
-        self.dropped: list[BaseException] = []  # timeouts and transport errors
-        self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
-        self._tick = asyncio.Condition()
-
-    async def __aenter__(self) -> "Load":
-        self._tasks = [asyncio.create_task(self._loop(i)) for i in range(self.clients)]
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self._stop.set()
-        await asyncio.gather(*self._tasks)
-
-    async def _loop(self, client: int) -> None:
-        i = 0
-        while not self._stop.is_set():
-            try:
-                reply = await embed(self.nc, self.model, f"client {client} request {i}", client)
-                self.replies.append(reply)
-            except Exception as exc:  # noqa: BLE001 - counted, asserted on
-                self.dropped.append(exc)
-            i += 1
-            async with self._tick:
-                self._tick.notify_all()
-
-    async def until(self, cond, timeout: float = 30.0) -> None:
-        async with self._tick:
-            await asyncio.wait_for(self._tick.wait_for(lambda: cond(self.replies)), timeout)
-
-    def count(self, version: str) -> int:
-        return sum(r.version == version for r in self.replies)
-
-
-def assert_all_served(load: Load) -> None:
-    assert load.dropped == []
-    assert [r for r in load.replies if r.code != 200] == []
-    assert all(r.version == r.computed for r in load.replies)
-
-
-async def collect_records(nc) -> tuple[list[RequestRecord], object]:
-    """Every telemetry request record from now on (and the subscription, to end it)."""
-    records: list[RequestRecord] = []
-
-    async def on_record(msg) -> None:
-        rec = record_decoder.decode(msg.data)
-        if isinstance(rec, RequestRecord):
-            records.append(rec)
-
-    sub = await nc.subscribe(subjects.TELEMETRY_REQUESTS, cb=on_record)
-    await nc.flush()
-    return records, sub
-
-
-def hb(st, worker_id: str):
-    return st.scheduler.fleet.workers[worker_id].hb
+from tests.support.swap import (
+    DEC_CONTEXT,
+    DEC_NEW,
+    DEC_PROMPTS,
+    Built,
+    Decoders,
+    Load,
+    Reply,
+    assert_all_served,
+    assert_streams_whole,
+    collect_records,
+    decoder_dir,
+    decoder_versions,
+    embed,
+    hb,
+    model_name,
+    push_versions,
+    stream_completion,
+    stream_request,
+)
 
 
 async def test_promote_under_load_moves_to_the_new_version_and_never_back(nats_server, tmp_path):
@@ -423,3 +278,129 @@ async def test_first_start_seeds_the_registry_and_serves_the_real_encoder(
                 versions.append(version)
             assert versions == sorted(versions)
             await wait_until(lambda: set(w.models.engines) == {"2"}, timeout=10)
+
+
+# ------------------------------------------------------------------ decoders
+@pytest.fixture(scope="module")
+def tiny_versions(tmp_path_factory, jax_cache_dir):
+    """Three versions of a tiny GPT-2 and each one's greedy texts (before any service)."""
+    from engine import jaxrt
+
+    jaxrt.setup(jax_cache_dir)
+    return decoder_versions(tmp_path_factory.mktemp("decoder-versions"), 3)
+
+
+async def push_decoders(st, name: str, versions) -> None:
+    for v, path in versions.dirs.items():
+        await st.registry.push(path, name, version=v, progress=False)
+
+
+def moved_once(streams, old: str, new: str) -> None:
+    """Per client old...old new...new; once a stream from `new` ended, every stream
+    sent later came from `new`."""
+    for c in {s.client for s in streams}:
+        seq = [s.version for s in sorted(streams, key=lambda s: s.sent) if s.client == c]
+        assert seq == [old] * seq.count(old) + [new] * seq.count(new), (c, seq)
+    first_new = min(s.got for s in streams if s.version == new)
+    assert {s.version for s in streams if s.sent > first_new} == {new}
+
+
+async def test_decoder_promote_canary_and_rollback_under_eight_streams(nats_server, tiny_versions):
+    vs, name = tiny_versions, model_name()
+    async with running_stack(nats_server.url, registry=True, max_context=DEC_CONTEXT,
+                             decode_slots=4) as st:
+        await push_decoders(st, name, vs)
+        await st.registry.promote(name, "1")
+        built = Decoders()
+        w = await st.add_registry_worker(name, built, "dec-swap")
+        assert (w.kind, w.versions) == ("decoder", ["1"])
+        switched: list[tuple[float, str]] = []  # (when, prod) at each change the worker saw
+        w.models.on_change(lambda: switched.append((time.monotonic(), w.models.prod)))
+        st.scheduler.aliases.rng = random.Random(20261203)  # a reproducible canary draw
+        async with Load(st.client, name, clients=8, ask=stream_request) as load:
+            await load.until(lambda rs: len(rs) >= 16)
+            t_promote = time.monotonic()
+            await st.registry.promote(name, "2")
+            await load.until(lambda rs: sum(s.version == "2" and s.sent > t_promote
+                                            for s in rs) >= 24)
+            await wait_until(lambda: set(w.models.engines) == {"2"}, timeout=10)
+            assert built.alive("1") == 0  # nothing kept the old engine
+            await st.registry.canary(name, "3", 0.3)
+            await wait_until(lambda: hb(st, w.id).versions == ["2", "3"], timeout=30)
+            await st.scheduler.aliases.wait_for(name, lambda a: a.canary == "3")
+            t_canary = time.monotonic()
+            await load.until(lambda rs: sum(s.sent > t_canary for s in rs) >= 60)
+            t_rollback = time.monotonic()
+            await st.registry.rollback(name)  # prod back to 1 (rebuilt), canary cleared
+            await load.until(lambda rs: sum(s.version == "1" and s.sent > t_rollback
+                                            for s in rs) >= 24)
+        streams = load.replies
+        assert_streams_whole(load, vs)  # zero failed, zero mixed, text = its version's
+        # Promote: streams running at the switch finished on 1; new ones went to 2.
+        t_switch = next(t for t, prod in switched if prod == "2")
+        assert any(s.version == "1" and s.sent < t_switch < s.got for s in streams)
+        moved_once([s for s in streams if s.sent < t_canary], "1", "2")
+        # Canary: about 0.3 of the streams sent while it ran, the rest on prod.
+        during = [s for s in streams if t_canary < s.sent < t_rollback]
+        hits = sum(s.version == "3" for s in during)
+        assert {s.version for s in during} == {"2", "3"}
+        n = len(during)
+        assert abs(hits - 0.3 * n) <= 4 * math.sqrt(n * 0.3 * 0.7), (hits, n)
+        # Rollback: back to 1, never to 2 or 3 again; both are freed.
+        after = [s for s in streams if s.sent > t_rollback]
+        first_1 = min(s.got for s in after if s.version == "1")
+        assert {s.version for s in after if s.sent > first_1} == {"1"}
+        await wait_until(lambda: set(w.models.engines) == {"1"}, timeout=10)
+        assert built.alive("2") == built.alive("3") == 0
+        assert hb(st, w.id).versions == ["1"] and hb(st, w.id).last_error == ""
+        assert hb(st, w.id).state == "ready"
+
+
+async def test_every_decoder_reply_names_the_version_that_answered(nats_server, tiny_versions):
+    vs, name = tiny_versions, model_name()
+    async with running_stack(nats_server.url, registry=True, max_context=DEC_CONTEXT,
+                             decode_slots=4) as st:
+        await push_decoders(st, name, vs)
+        await st.registry.promote(name, "1")
+        await st.registry.canary(name, "2", 0.0)  # loaded, reachable only when pinned
+        await st.add_registry_worker(name, Decoders(), "dec-versions")
+        await wait_until(lambda: hb(st, "dec-versions").versions == ["1", "2"], timeout=30)
+        prompt = {"prompt": DEC_PROMPTS[0], "max_tokens": DEC_NEW, "temperature": 0}
+        chat = {"messages": [{"role": "user", "content": "the quick brown fox"}],
+                "max_tokens": 4, "temperature": 0}
+        async with httpx.AsyncClient(base_url=st.http_url, timeout=30) as http:
+            for v in ("1", "2"):
+                model = f"{name}@{v}"
+                # NATS, streamed: every chunk and [DONE] name the version.
+                s = await stream_completion(st.client, model, 0)
+                assert s.error == "" and set(s.headers) == {v} and s.done_header == v
+                assert s.text == vs.texts[v][0]
+                # NATS, whole: completions and chat.
+                for subject, body in ((subjects.COMPLETIONS, prompt),
+                                      (subjects.CHAT_COMPLETIONS, chat)):
+                    msg = await st.client.request(subject, msgspec.json.encode(
+                        {"model": model, **body}), timeout=30)
+                    assert HEADER_CODE not in (msg.headers or {})
+                    assert msg.headers[VERSION_HEADER] == v
+                    if subject == subjects.COMPLETIONS:
+                        assert msgspec.json.decode(msg.data)["choices"][0]["text"] == vs.texts[v][0]
+                # HTTP, whole and streamed (SSE): the header is there when the body starts.
+                for path, body in (("/v1/completions", prompt), ("/v1/chat/completions", chat)):
+                    r = await http.post(path, json={"model": model, **body})
+                    assert r.status_code == 200 and r.headers[VERSION_HEADER] == v
+                    async with http.stream("POST", path, json={"model": model, **body,
+                                                               "stream": True}) as r:
+                        assert r.status_code == 200 and r.headers[VERSION_HEADER] == v
+                        lines = [ln async for ln in r.aiter_lines() if ln]
+                    assert lines[-1] == "data: [DONE]"
+                    if path == "/v1/completions":
+                        text = "".join(msgspec.json.decode(ln[6:])["choices"][0]["text"]
+                                       for ln in lines[:-1])
+                        assert text == vs.texts[v][0]
+            # Plain requests go to prod; a version nobody holds is a real HTTP 503,
+            # not an SSE error under 200, since the response waits for the first chunk.
+            r = await http.post("/v1/completions", json={"model": name, **prompt})
+            assert r.headers[VERSION_HEADER] == "1"
+            async with http.stream("POST", "/v1/completions", json={
+                    "model": f"{name}@7", **prompt, "stream": True}) as r:
+                assert r.status_code == 503 and VERSION_HEADER not in r.headers

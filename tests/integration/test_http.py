@@ -98,8 +98,11 @@ async def test_sse_wire_format_and_limits_and_probes(stack):
         async with h.stream("POST", "/v1/completions", json={
                 "model": "tiny-lm", "prompt": "the", "max_tokens": 4, "stream": True}) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
+            assert r.headers["tensorbus-model-version"] == "local"  # a fixed engine's version
             lines = [ln async for ln in r.aiter_lines() if ln]
         assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+        r = await h.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "x"})
+        assert r.status_code == 200 and r.headers["tensorbus-model-version"] == "local"
         r = await h.post("/v1/embeddings", content=b"{" + b" " * 300_000 + b"}",
                          headers={"content-type": "application/json"})
         assert r.status_code == 413 and "limit" in r.json()["error"]["message"]

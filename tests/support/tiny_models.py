@@ -28,13 +28,14 @@ def write_tokenizer(out_dir: Path) -> None:
         {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}))
 
 
-def build(kind: str, out_dir: Path, positions: int = 128):
-    """Save a tiny `kind` ("gpt2" | "llama") model to out_dir; return the torch model."""
+def build(kind: str, out_dir: Path, positions: int = 128, seed: int = 0):
+    """Save a tiny `kind` ("gpt2" | "llama") model to out_dir; return the torch model.
+    Another `seed` gives other weights (a second version that answers differently)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     if kind == "gpt2":
         cfg = GPT2Config(vocab_size=VOCAB, n_positions=positions, n_embd=64, n_layer=2, n_head=4,
                          bos_token_id=0, eos_token_id=0, initializer_range=0.1)
