@@ -1,8 +1,10 @@
-"""A hand-checkable encoder for scheduling tests: no model, exact known outputs.
+"""Hand-checkable engines for serving tests: no model, exact known outputs.
 
-Input i's vector is one-hot at (sum of its ids) % dim, so a test can tell which
-input produced which row. `gate` (a threading.Event) lets a test hold a batch on the
-engine thread for as long as it likes, to create overload or a wedged worker.
+MockEncoder: input i's vector is one-hot at (sum of its ids) % dim, so a test can
+tell which input produced which row. MockDecoder: every generated token is its `tag`.
+`gate` (a threading.Event) lets a test hold a batch or a decode step on the engine
+thread for as long as it likes, to create overload, a wedged worker or a swap
+mid-stream.
 """
 
 from __future__ import annotations
@@ -40,3 +42,74 @@ class MockEncoder:
         for i, ids in enumerate(inputs):
             out[i, sum(ids) % self.dim] = 1.0
         return out
+
+
+class LetterTokenizer:
+    """Token i is the letter chr(ord('a') + i % 26)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+class _Step:
+    def __init__(self, tokens: np.ndarray) -> None:
+        self._tokens = tokens
+
+    def result(self) -> np.ndarray:
+        return self._tokens
+
+
+class MockDecoder:
+    """A hand-checkable decoder: every token it generates is `tag` (so its text is
+    one letter repeated, and two versions with other tags are told apart by eye).
+    `gate` holds its decode steps on the engine thread; `entered` is set when one waits."""
+
+    def __init__(self, name: str = "mock-lm", tag: int = 0, slots: int = 2,
+                 max_context: int = 64) -> None:
+        self.name = name
+        self.tag = tag
+        self.slots = slots
+        self.max_context = max_context
+        self.dtype = "float32"
+        self.device = "mock"
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.tokenizer = LetterTokenizer()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self._lengths = [0] * slots
+        self._active = [False] * slots
+
+    def warmup(self, progress: bool = True) -> int:
+        return 0
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        if not prompt or len(prompt) > self.max_context - 1:
+            raise ValueError(f"prompt of {len(prompt)} tokens does not fit")
+
+    def prefill_insert(self, slot: int, prompt: list[int], sampling, seed: int) -> int:
+        self._active[slot], self._lengths[slot] = True, len(prompt) + 1
+        return self.tag
+
+    @property
+    def active_slots(self) -> int:
+        return sum(self._active)
+
+    @property
+    def kv_usage(self) -> float:
+        used = sum(n for n, a in zip(self._lengths, self._active) if a)
+        return used / (self.slots * self.max_context)
+
+    def context_left(self, slot: int) -> int:
+        return self.max_context - self._lengths[slot]
+
+    def step_async(self) -> _Step:
+        self.entered.set()
+        self.gate.wait()
+        for s in range(self.slots):
+            if self._active[s]:
+                self._lengths[s] += 1
+        return _Step(np.full(self.slots, self.tag, np.int32))
+
+    def free(self, slot: int) -> None:
+        self._active[slot], self._lengths[slot] = False, 0
