@@ -166,13 +166,16 @@ class EncoderRunner:
                 if left <= 0:
                     break
                 self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), left)
+                try:  # asyncio.timeout: wait_for (3.11) may swallow a cancellation
+                    async with asyncio.timeout(left):
+                        await self._wake.wait()
                 except TimeoutError:
                     break
         now_wall, now = time.time(), time.perf_counter()
         version, batch, expired, kept = self._take(now_wall, now)
         self.inbox.extendleft(reversed(kept))
+        if batch:  # before any await: the hot swap must see this version in use
+            self.computing = version
         for p in expired:
             await self.outbox.refuse(p.work, deadline_exceeded(
                 "the request expired in the worker's queue"))

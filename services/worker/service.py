@@ -255,7 +255,10 @@ class Worker:
             if self.state == "stopped":
                 return
             self._hb_now.clear()
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+            # that lands as the event is set, and this loop would then never end.
             try:
-                await asyncio.wait_for(self._hb_now.wait(), self.config.heartbeat_s)
+                async with asyncio.timeout(self.config.heartbeat_s):
+                    await self._hb_now.wait()
             except TimeoutError:
                 pass

@@ -325,6 +325,7 @@ async def test_decoder_promote_canary_and_rollback_under_eight_streams(nats_serv
                                             for s in rs) >= 24)
             await wait_until(lambda: set(w.models.engines) == {"2"}, timeout=10)
             assert built.alive("1") == 0  # nothing kept the old engine
+            t_canary_set = time.monotonic()
             await st.registry.canary(name, "3", 0.3)
             await wait_until(lambda: hb(st, w.id).versions == ["2", "3"], timeout=30)
             await st.scheduler.aliases.wait_for(name, lambda a: a.canary == "3")
@@ -339,7 +340,7 @@ async def test_decoder_promote_canary_and_rollback_under_eight_streams(nats_serv
         # Promote: streams running at the switch finished on 1; new ones went to 2.
         t_switch = next(t for t, prod in switched if prod == "2")
         assert any(s.version == "1" and s.sent < t_switch < s.got for s in streams)
-        moved_once([s for s in streams if s.sent < t_canary], "1", "2")
+        moved_once([s for s in streams if s.sent < t_canary_set], "1", "2")
         # Canary: about 0.3 of the streams sent while it ran, the rest on prod.
         during = [s for s in streams if t_canary < s.sent < t_rollback]
         hits = sum(s.version == "3" for s in during)
