@@ -36,6 +36,8 @@ class Gauges:
 class Runner(Protocol):
     """Batches a worker's requests onto its engines. One per worker."""
 
+    work_type: type  # the WorkRequest it runs (EmbedWork | GenerateWork); others are refused
+
     def submit(self, work: WorkRequest) -> None:
         """Queue one request; its answer goes out through the outbox."""
 
