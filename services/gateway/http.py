@@ -29,6 +29,7 @@ from shared.logging import get_logger
 
 log = get_logger("gateway.http")
 _json = msgspec.json.Encoder()
+DISCONNECT_POLL_S = 0.25  # how often a stream waiting for its first chunk checks its client
 
 
 class HttpMetrics:
@@ -112,7 +113,7 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
                 # The response starts when the first chunk arrives: its headers name the
                 # version, and an error before it is an HTTP status, not an SSE event.
                 chunks = generation.chunks(prep, deadline, out)
-                first = await anext(chunks, None)
+                first = await _first_chunk(request, chunks)
                 streaming = True
                 return StreamingResponse(
                     _sse(front, chunks, first, prep, out, started, metrics, endpoint, rid),
@@ -123,6 +124,7 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
                 return error_response(err)
             except ClientDisconnect:
                 out.status, out.error_code = 499, "client_closed"
+                await front.cancel(wire, "client disconnected")  # frees a held or queued one
                 return Response(status_code=499)
             except Exception:  # noqa: BLE001 - a bug still answers the client
                 log.exception("http_request_crashed")
@@ -182,6 +184,24 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
                                            code="method_not_allowed"))
 
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})
+
+
+async def _first_chunk(request: Request, chunks):
+    """The stream's first chunk (None when it has none). Until it arrives no response
+    has started, so nothing else notices a client that leaves meanwhile (a request
+    held through a cold start, or queued): look every DISCONNECT_POLL_S."""
+    task = asyncio.ensure_future(anext(chunks, None))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientDisconnect()
+    finally:
+        if not task.done():
+            task.cancel()  # closes the stream: its inbox and its waiting count
+            await asyncio.gather(task, return_exceptions=True)
 
 
 def _headers(rid: str, out: Outcome) -> dict[str, str]:

@@ -133,3 +133,35 @@ async def test_client_disconnect_cancels_and_frees_the_slot(stack, tiny_lm):
     assert engine.active_slots == 0
     # The slot was freed long before the request could have run to max_tokens.
     assert worker.runner.steps < CONTEXT
+
+
+async def test_a_stream_starts_with_its_first_chunk_and_a_client_may_leave_before(nats_server):
+    """No worker yet (a cold start): the streamed request is held and no response has
+    started. A client that hangs up meanwhile is let go at once (499, inbox closed),
+    not at its deadline."""
+    from shared import subjects
+    from shared.telemetry import RequestRecord, record_decoder
+
+    model = "tensorbus-demo-lm"  # bundled: known with no worker, so its requests are held
+    records: list[RequestRecord] = []
+
+    async def on_record(msg) -> None:
+        rec = record_decoder.decode(msg.data)
+        if isinstance(rec, RequestRecord) and rec.model == model:
+            records.append(rec)
+
+    async with running_stack(nats_server.url, min_workers=0, idle_to_zero_s=30.0) as st:
+        sub = await st.client.subscribe(subjects.TELEMETRY_REQUESTS, cb=on_record)
+        await st.client.flush()
+        async with httpx.AsyncClient(base_url=st.http_url, timeout=30) as h:
+            call = asyncio.create_task(h.post("/v1/completions", json={
+                "model": model, "prompt": "the", "max_tokens": 4, "stream": True}))
+            # Submitted and waiting (held by whichever scheduler took it: this module's
+            # other stack may be running on the same server).
+            await wait_until(lambda: st.gateway.front.waiting[model] == 1, timeout=10)
+            assert not call.done()  # nothing sent yet: no status, no headers
+            call.cancel()  # the client hangs up while its request waits for a worker
+        await wait_until(lambda: records, timeout=5)
+        await sub.unsubscribe()
+        assert (records[0].status, records[0].error_code) == (499, "client_closed")
+        assert st.gateway.front.inbox.open_count == 0 and st.gateway.front.waiting[model] == 0
