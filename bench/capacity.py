@@ -1,0 +1,172 @@
+"""Capacity of the serving path alone: an engine that does no math, real processes.
+
+    .venv/bin/python -m bench.capacity [--seconds 10] [--clients 64] [--http]
+
+  1. Start nats-server, gateway, scheduler, telemetry and one worker as processes
+     (services/supervisor.py); the worker runs `bench.nomath` (384-dim one-hot
+     vectors, no engine time), so every CPU second measured is the serving layer's.
+  2. NATS: `--clients` closed-loop clients in this process send one short input per
+     request for `--seconds` after a warm-up -> requests/s and latency.
+  3. HTTP (`--http`): `wrk` (Debian: `apt-get install -y wrk`) posts the same body to
+     `/v1/embeddings` with `--clients` connections on one thread, so the client's own
+     cost stays small.
+  4. For each phase: CPU seconds (utime + stime from /proc/<pid>/stat) of gateway,
+     scheduler, worker, nats-server, telemetry and the client, before and after,
+     divided by the requests answered -> milliseconds of CPU per request per process.
+
+All processes share this machine's cores with the client: compare within one run.
+Prints one JSON object; bench/out/capacity.json keeps it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from bench.load import ClosedLoop, summary
+from bench.overload import cpu_s
+from bench.workload import embed_body, short_inputs
+from services.supervisor import Supervisor, wait_ready
+from shared import catalog, subjects
+from shared.bus import connect
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = catalog.ENCODER
+PROCS = ("gateway", "scheduler", "worker", "telemetry")
+
+
+def env(port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    return {"TENSORBUS_HTTP_PORT": str(port), "TENSORBUS_METRICS_PORT": "0",
+            "TENSORBUS_LOG_LEVEL": "warning", "TENSORBUS_MODEL": MODEL,
+            # the gateway tokenizes with the bundled model's own tokenizer
+            "TENSORBUS_MODEL_DIR": str(catalog.bundled_dir(MODEL)), **(extra or {})}
+
+
+def start_stack(sup: Supervisor, extra: dict[str, str] | None = None, gateways: int = 1) -> None:
+    sup.start_nats()
+    for i in range(gateways):
+        sup.start("gateway" if i == 0 else f"gateway{i + 1}", "services.gateway")
+    for name in ("scheduler", "telemetry"):
+        sup.start(name, f"services.{name}")
+    sup.start("worker", "bench.nomath", TENSORBUS_WORKER_ID="nomath-1")
+
+
+def cpu_all(sup: Supervisor, client_pid: int | None = None) -> dict[str, float]:
+    out = {name: cpu_s(p.popen.pid) for name, p in sup.procs.items()}
+    out["nats-server"] = cpu_s(sup.nats.proc.pid)
+    out["client"] = cpu_s(os.getpid()) if client_pid is None else cpu_s(client_pid)
+    return out
+
+
+def per_request(before: dict, after: dict, n: int) -> dict[str, float]:
+    """CPU milliseconds per answered request, per process."""
+    return {k: round((after[k] - before[k]) * 1000 / max(n, 1), 3) for k in before}
+
+
+async def nats_phase(sup: Supervisor, nc, clients: int, seconds: float) -> dict:
+    bodies = [embed_body(MODEL, t) for t in short_inputs(512)]
+    warm = ClosedLoop(nc, subjects.EMBEDDINGS, bodies, clients, timeout=30).start()
+    await asyncio.sleep(2)  # warm-up window, not synchronisation
+    await warm.stop()
+    lg = ClosedLoop(nc, subjects.EMBEDDINGS, bodies, clients, timeout=30)
+    before, t0 = cpu_all(sup), time.monotonic()
+    lg.start()
+    await asyncio.sleep(seconds)  # the measurement window
+    outcomes = await lg.stop()
+    wall = time.monotonic() - t0
+    after = cpu_all(sup)
+    ok = sum(1 for o in outcomes if o.status == 200)
+    return {**summary(outcomes), "rps": round(ok / wall, 1),
+            "cpu_ms_per_request": per_request(before, after, ok),
+            "cpu_cores": {k: round((after[k] - before[k]) / wall, 2) for k in before}}
+
+
+WRK_SCRIPT = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '%s'
+"""
+
+
+def wrk_phase(sup: Supervisor, port: int, clients: int, seconds: float, workdir: Path) -> dict:
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        return {"skipped": "wrk not installed (Debian: apt-get install -y wrk)"}
+    script = workdir / "post.lua"
+    script.write_text(WRK_SCRIPT % embed_body(MODEL, short_inputs(1)[0]).decode())
+    url = f"http://127.0.0.1:{port}/v1/embeddings"
+    base = [wrk, "-t1", f"-c{clients}", "-s", str(script), "--latency"]
+    subprocess.run([*base, "-d2s", url], capture_output=True, check=True)  # warm-up
+    proc = subprocess.Popen([*base, f"-d{seconds:g}s", url], stdout=subprocess.PIPE, text=True)
+    before, t0 = cpu_all(sup, proc.pid), time.monotonic()
+    last = before
+    while proc.poll() is None:  # wrk's own CPU, read while it still exists
+        last = cpu_all(sup, proc.pid)
+        time.sleep(0.2)
+    wall = time.monotonic() - t0
+    after = cpu_all(sup, proc.pid)
+    after["client"] = last["client"]
+    text = proc.stdout.read()
+    done = int(re.search(r"(\d+) requests in", text).group(1))
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    errors = re.search(r"Socket errors: (.*)", text)
+    lat = dict(re.findall(r"\s+(50|99)%\s+(\S+)", text))
+    ok = done - (int(bad.group(1)) if bad else 0)
+    return {"requests": done, "non_2xx": done - ok, "socket_errors": errors.group(1) if errors else "",
+            "rps": round(ok / wall, 1), "p50": lat.get("50"), "p99": lat.get("99"),
+            "cpu_ms_per_request": per_request(before, after, ok),
+            "cpu_cores": {k: round((after[k] - before[k]) / wall, 2) for k in before}}
+
+
+async def run(seconds: float, clients: int, http: bool, workdir: Path) -> dict:
+    port = free_port()
+    with Supervisor(workdir, env=env(port)) as sup:
+        start_stack(sup)
+        nc = await connect(sup.nats_url, "bench-client")
+        try:
+            await wait_ready(nc, MODEL, 1, timeout=120)
+            res = {"nats": await nats_phase(sup, nc, clients, seconds)}
+            if http:
+                res["http"] = await asyncio.to_thread(wrk_phase, sup, port, clients, seconds, workdir)
+        finally:
+            await nc.close()
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
+            "load_average_1m": round(os.getloadavg()[0], 2),
+            "command": f"python -m bench.capacity --seconds {seconds:g} --clients {clients}"
+                       + (" --http" if http else ""), **res}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--http", action="store_true", help="also load HTTP with wrk")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as d:
+        res = asyncio.run(run(args.seconds, args.clients, args.http, Path(d)))
+    print(json.dumps(res, indent=2))
+    out = REPO / "bench" / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "capacity.json").write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
