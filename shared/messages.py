@@ -143,6 +143,28 @@ class WorkDone(_Msg, tag="work_done"):
 
     worker_id: str
     request_ids: list[str]
+    compute_s: float = 0.0  # engine seconds of the batch these requests ran in (0 = none)
+    tokens: int = 0  # tokens of that whole batch: compute_s / tokens is its cost per token
+
+
+class ModelLoad(msgspec.Struct, array_like=True, gc=False):
+    """One scheduler's outstanding work for one model (dispatched, unfinished, or held)."""
+
+    model: str
+    requests: int
+    inputs: int
+    tokens: int
+    cost_per_token: float = 0.0  # its estimate: seconds per token ...
+    cost_per_batch: float = 0.0  # ... plus seconds per engine call (both 0 = not measured)
+
+
+class SchedLoad(_Msg, tag="sched_load"):
+    """Scheduler -> every scheduler and gateway (`tensorbus.v1.sched.load`), every
+    heartbeat interval: its share of each model's queue, so they share one bound."""
+
+    scheduler_id: str
+    models: list[ModelLoad]
+    at: float  # UNIX seconds
 
 
 class Cancel(_Msg, tag="cancel"):
@@ -173,5 +195,6 @@ encode = msgspec.msgpack.Encoder().encode
 work_decoder = msgspec.msgpack.Decoder(WorkRequest)
 result_decoder = msgspec.msgpack.Decoder(WorkResult)
 done_decoder = msgspec.msgpack.Decoder(WorkDone)
+sched_load_decoder = msgspec.msgpack.Decoder(SchedLoad)
 cancel_decoder = msgspec.msgpack.Decoder(Cancel)
 fleet_status_decoder = msgspec.msgpack.Decoder(FleetStatus)

@@ -25,6 +25,9 @@ TELEMETRY_STREAM = "TELEMETRY"
 SCHED_SUBMIT = "tensorbus.v1.sched.submit"
 """Gateway -> scheduler (queue group `scheduler`): one WorkRequest."""
 
+SCHED_LOAD = "tensorbus.v1.sched.load"
+"""Scheduler -> all schedulers and gateways: SchedLoad, its outstanding work per model."""
+
 QUEUE_GATEWAY = "gateway"
 QUEUE_SCHEDULER = "scheduler"
 

@@ -6,8 +6,13 @@ Dataflow of one request:
   2. Admission: an expired deadline is a 504; a model that is not served
      (`MODEL=0:0`) or `failed` (the orchestrator says its worker's configuration is
      invalid) a 503 with the reason; a full fleet queue (dispatched + held, bounded
-     as for at least one worker) a 429 with Retry-After. Every refusal is sent to the
-     request's reply subject at once.
+     as for at least one worker) a 429 with Retry-After. With a ready worker, an
+     embeddings request is admitted by work (`shared.admission`): the queue bound is
+     in estimated compute (tokens x the model's measured cost per token, from the
+     workers' `WorkDone`), shared with the other schedulers (their `SchedLoad`
+     reports), and a request that cannot finish before its own deadline behind the
+     work ahead is a 429 at once. Every refusal is sent to the request's reply
+     subject at once.
   3. Cold start: no ready worker takes new work for the model (none running, all
      warming, or all above the memory threshold and so taking no new work): the
      request is held, the gateway is told (`Held`), and a ScaleDecision goes out at
@@ -26,7 +31,9 @@ Dataflow of one request:
   6. When a worker expires (missed heartbeats) or reports draining with work still
      outstanding here, that work is dispatched again to another worker (the gateway
      keeps only the first answer per request id).
-  7. Every `scale_interval_s` a ScaleDecision for every model it knows (catalogue,
+  7. Every heartbeat interval this scheduler's outstanding work per model goes to
+     `tensorbus.v1.sched.load` (`SchedLoad`) for the other schedulers and the gateways.
+  8. Every `scale_interval_s` a ScaleDecision for every model it knows (catalogue,
      registry, heartbeats; served or not) goes to `telemetry.v1.scale`, computed by
      the pure `services.scheduler.scaling.Autoscaler`.
 """
@@ -49,18 +56,23 @@ from services.micro import ServiceHealth, add_service
 from services.scheduler.aliases import AliasTable
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.scaling import Autoscaler, Demand
-from shared import VERSION, subjects
+from shared import VERSION, admission, subjects
+from shared.admission import Cost, CostBook, LoadBoard, Tally
 from shared.config import Config
 from shared.errors import ServiceError, deadline_exceeded, overloaded, unavailable
 from shared.logging import get_logger
 from shared.messages import (
     Accepted,
+    EmbedWork,
     Held,
+    ModelLoad,
+    SchedLoad,
     WorkError,
     WorkRequest,
     done_decoder,
     encode,
     fleet_status_decoder,
+    sched_load_decoder,
     work_decoder,
 )
 from shared.telemetry import ScaleDecision, heartbeat_decoder
@@ -76,6 +88,13 @@ class Outstanding:
     work: WorkRequest
     worker_id: str
     dispatched_at: float
+
+
+def work_size(work: WorkRequest) -> tuple[int, int]:
+    """(inputs, tokens) of one request."""
+    if isinstance(work, EmbedWork):
+        return len(work.inputs), sum(len(x) for x in work.inputs)
+    return work.n, len(work.prompt)
 
 
 @dataclass
@@ -105,6 +124,10 @@ class Scheduler:
         self.scale_interval_s = scale_interval_s
         self.outstanding: dict[str, Outstanding] = {}
         self.load: dict[str, int] = {}  # worker_id -> requests outstanding here
+        self.tally: dict[str, Tally] = {}  # model -> work outstanding here (dispatched)
+        self.costs = CostBook()  # model -> engine seconds per token, from WorkDone
+        self.board = LoadBoard(self.id, expiry_s=config.worker_expiry_s)  # other schedulers
+        self._reported: set[str] = set()  # models with work in the last SchedLoad
         self.held: dict[str, deque[HeldWork]] = {}  # model -> waiting for a cold start
         self.failed: dict[str, str] = {}  # model -> why (the orchestrator's FleetStatus)
         self.published: dict[str, int] = {}  # model -> desired in its last decision
@@ -125,6 +148,7 @@ class Scheduler:
                                     cb=self._on_submit, pending_msgs_limit=1_000_000,
                                     pending_bytes_limit=1 << 30),
             await self.nc.subscribe(subjects.ORCHESTRATOR_STATUS, cb=self._on_fleet_status),
+            await self.nc.subscribe(subjects.SCHED_LOAD, cb=self._on_sched_load),
         ]
         self.micro = await add_service(
             self.nc, "tensorbus-scheduler", VERSION, "admission, routing and scaling signals",
@@ -136,7 +160,8 @@ class Scheduler:
         try:
             async with asyncio.TaskGroup() as tg:
                 loops = [tg.create_task(self._housekeeping()), tg.create_task(self._scaling()),
-                         tg.create_task(self._refresh_catalogue())]
+                         tg.create_task(self._refresh_catalogue()),
+                         tg.create_task(self._publish_load())]
                 await self._stop.wait()
                 for task in loops:  # none waits out its interval
                     task.cancel()
@@ -183,12 +208,32 @@ class Scheduler:
                                   f"{work.version}; retry shortly")
             await self._hold(work, since)
             return
-        queued = sum(self.load.get(w.worker_id, 0) for w in ready) + self._held_count(model)
-        cap = self._capacity(model, len(ready))
-        if queued >= cap:
-            raise overloaded(f"model '{model}' is at capacity ({queued} requests queued); "
-                             "retry after the hinted delay", retry_after=1.0)
+        self._check_work(work, ready)
         await self._dispatch(work, ready, since)
+
+    def _check_work(self, work: WorkRequest, ready: list[WorkerView]) -> None:
+        """429 unless the request fits (`shared.admission.check`): by work for
+        embeddings, by count for generation (a decoder's cost is per step, not per token)."""
+        model = work.model
+        ahead = self.ahead(model)
+        inputs, tokens = work_size(work)
+        by_work = isinstance(work, EmbedWork)
+        admission.check(
+            model, ahead, inputs, tokens, len(ready),
+            max_batch=max(w.hb.max_batch for w in ready) if by_work else 0,
+            cost=self.costs.cost(model) if by_work else None,
+            left_s=work.deadline - time.time(),
+            max_queue_per_worker=self.config.max_queue_per_worker,
+            max_queue_s=self.config.max_queue_s if by_work else float("inf"),
+            by_work=by_work)
+
+    def ahead(self, model: str) -> Tally:
+        """Every scheduler's outstanding work for `model`: this one's (live), what it
+        holds, and the others' last reports (at most one interval old)."""
+        out = self.tally.get(model, Tally()) + self.board.total(model, time.monotonic())
+        for h in self.held.get(model, ()):
+            out.add(*work_size(h.work))
+        return out
 
     def _check_served(self, model: str) -> None:
         if self.config.fleet_bounds(model)[1] == 0:
@@ -235,6 +280,7 @@ class Scheduler:
         now = time.monotonic()
         self.outstanding[work.request_id] = Outstanding(work, wid, now)
         self.load[wid] = self.load.get(wid, 0) + 1
+        self.tally.setdefault(work.model, Tally()).add(*work_size(work))
         self.dispatched += 1
         if since is not None and work.reply:  # released from a hold: the gateway records it
             await self.nc.publish(work.reply, encode(Accepted(work.request_id, wid, now - since)))
@@ -270,10 +316,19 @@ class Scheduler:
             done = done_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        model = ""
         for rid in done.request_ids:
             o = self.outstanding.pop(rid, None)
             if o is not None:
-                self.load[o.worker_id] = max(0, self.load.get(o.worker_id, 0) - 1)
+                self._finished(o)
+                model = o.work.model
+        if done.tokens:
+            view = self.fleet.workers.get(done.worker_id)
+            self.costs.observe(model or (view.hb.model if view else ""), done.compute_s, done.tokens)
+
+    def _finished(self, o: Outstanding) -> None:
+        self.load[o.worker_id] = max(0, self.load.get(o.worker_id, 0) - 1)
+        self.tally[o.work.model].add(*work_size(o.work), sign=-1)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -319,6 +374,7 @@ class Scheduler:
             log.warning("redispatching", worker_id=worker_id, requests=len(lost), reason=why)
         for o in lost:
             self.outstanding.pop(o.work.request_id, None)
+            self.tally[o.work.model].add(*work_size(o.work), sign=-1)
             work = o.work
             work.attempt += 1
             self.redispatched += 1
@@ -361,6 +417,40 @@ class Scheduler:
                 self.held[model] = keep
             else:
                 del self.held[model]
+
+    async def _on_sched_load(self, msg: Msg) -> None:
+        try:
+            load = sched_load_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        self.board.observe(load, time.monotonic())
+        for m in load.models:  # a model this scheduler has not timed yet starts from theirs
+            self.costs.learn(m.model, Cost(m.cost_per_batch, m.cost_per_token))
+
+    async def _publish_load(self) -> None:
+        """This scheduler's share of every queue, each heartbeat interval (and a model's
+        zero once, when its work is done), so others count it against the bound."""
+        while not self._stop.is_set():
+            await asyncio.sleep(self.config.heartbeat_s)
+            await self.publish_load()
+
+    def load_report(self) -> SchedLoad:
+        busy = {m for m, t in self.tally.items() if t.requests} | {m for m, h in self.held.items() if h}
+        models = []
+        for m in sorted(busy | self._reported):
+            t = self.tally.get(m, Tally())
+            for h in self.held.get(m, ()):
+                t = t + Tally(1, *work_size(h.work))
+            cost = self.costs.cost(m) or Cost(0.0, 0.0)
+            models.append(ModelLoad(m, t.requests, t.inputs, t.tokens, cost.per_token,
+                                    cost.per_batch))
+        self._reported = busy
+        return SchedLoad(self.id, models, time.time())
+
+    async def publish_load(self) -> None:
+        report = self.load_report()
+        if report.models:
+            await self.nc.publish(subjects.SCHED_LOAD, encode(report))
 
     async def _scaling(self) -> None:
         while not self._stop.is_set():

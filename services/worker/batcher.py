@@ -267,4 +267,4 @@ class EncoderRunner:
                     int(vecs.shape[1]), vecs.astype("<f4", copy=False).tobytes(),
                     sum(len(x) for x in w.inputs), timing))
                 done[w.sched_id].append(w.request_id)
-        await self.outbox.done(done)
+        await self.outbox.done(done, max((t.compute for t in out.timings), default=0.0), sum(len(x) for p in out.items for x in p.work.inputs))

@@ -89,12 +89,12 @@ class Outbox:
                 work.request_id, err.status, err.message, err.code, err.retry_after,
                 self.worker_id)))
 
-    async def done(self, done: dict[str, list[str]]) -> None:
+    async def done(self, done: dict[str, list[str]], compute_s: float = 0.0, tokens: int = 0) -> None:
         """These requests are finished: one WorkDone per dispatching scheduler."""
         for sched_id, ids in done.items():
             if sched_id and ids:
                 await self.nc.publish(subjects.sched_done(sched_id),
-                                      encode(WorkDone(self.worker_id, ids)))
+                                      encode(WorkDone(self.worker_id, ids, compute_s, tokens)))
 
     async def refuse(self, work: WorkRequest, err: ServiceError) -> None:
         """Answer `work` with an error and report it finished."""

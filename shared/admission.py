@@ -1,0 +1,212 @@
+"""Admission by work: how much compute a model's queue holds, and whether one more
+request fits in it before its own deadline.
+
+Work is estimated compute: tokens x the model's cost per token. Used by the scheduler
+(the exact decision, with its own live tally) and the gateway (a refusal before
+tokenizing when the queue is already full without the request). The flow:
+
+  1. Cost: every finished encoder batch reports its engine seconds and its tokens
+     (`WorkDone.compute_s`, `.tokens`); `CostBook` fits, per model, seconds = per
+     batch + per token x tokens over moving averages of recent batches, so work is
+     tokens x cost per token plus the batches they fill x cost per batch.
+  2. Load: every scheduler publishes what it has dispatched and not seen finish, per
+     model, every heartbeat interval (`SchedLoad` on `tensorbus.v1.sched.load`, with
+     its cost estimate); `LoadBoard` keeps the latest report of each live scheduler.
+     A scheduler adds the others' reports to its own tally, so several schedulers
+     share one bound; a report is at most one interval old, so the bound is exceeded
+     by at most one interval of arrivals.
+  3. `check()` refuses with 429 and a Retry-After, in this order:
+     a. the count bound (`max_queue_per_worker` x ready workers): state stays bounded
+        whatever the cost;
+     b. no batch of the model timed yet: at most two batches of inputs per ready
+        worker (one computing, one waiting), Retry-After 1 s;
+     c. the queue bound: the work ahead plus this request's, spread over the ready
+        workers, above `max_queue_s`; Retry-After = the excess, which drains first;
+     d. the deadline: that same finish time above `DEADLINE_HEADROOM` of the time the
+        request has left. Admitted, it would end in a 504 having taken queue space;
+        Retry-After = when the work ahead will have drained enough for it to fit.
+  At zero ready workers none of this applies: the cold-start hold rule does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shared.errors import overloaded
+
+DEADLINE_HEADROOM = 0.8  # admit only what the estimate finishes in 80 % of the time left:
+# the estimate counts engine time only (not the host work between batches) and a
+# shared machine's speed moves; a request refused here is answered in milliseconds.
+COST_WEIGHT = 0.2  # moving-average weight of the newest batch
+UNMEASURED_BATCHES = 2  # batches of inputs per ready worker before any batch was timed
+
+
+@dataclass
+class Tally:
+    """Work dispatched and not yet finished (or held), for one model."""
+
+    requests: int = 0
+    inputs: int = 0
+    tokens: int = 0
+
+    def add(self, inputs: int, tokens: int, sign: int = 1) -> None:
+        self.requests += sign
+        self.inputs += sign * inputs
+        self.tokens += sign * tokens
+
+    def __add__(self, other: "Tally") -> "Tally":
+        return Tally(self.requests + other.requests, self.inputs + other.inputs,
+                     self.tokens + other.tokens)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A model's engine time: `per_batch` + `per_token` x tokens, per engine call."""
+
+    per_batch: float
+    per_token: float
+
+    def seconds(self, inputs: int, tokens: int, max_batch: int) -> float:
+        """Engine time of `inputs` inputs holding `tokens`, in full batches."""
+        batches = math.ceil(inputs / max(max_batch, 1)) if inputs else 0
+        return batches * self.per_batch + tokens * self.per_token
+
+
+class CostBook:
+    """Each model's `Cost`, fitted to its finished batches (engine seconds against
+    tokens, moving averages): an accelerator's batch costs nearly the same whatever
+    it holds, a CPU's grows with its tokens; both are what the fit finds."""
+
+    def __init__(self) -> None:
+        self._m: dict[str, list[float]] = {}  # model -> [n, E t, E c, E t^2, E t c]
+
+    def observe(self, model: str, compute_s: float, tokens: int) -> None:
+        if compute_s <= 0 or tokens <= 0:
+            return
+        t, c = float(tokens), compute_s
+        m = self._m.get(model)
+        if m is None:
+            self._m[model] = [1, t, c, t * t, t * c]
+            return
+        w = max(COST_WEIGHT, 1 / (m[0] + 1))  # plain mean until there are enough batches
+        m[0] += 1
+        for i, x in enumerate((t, c, t * t, t * c), start=1):
+            m[i] += w * (x - m[i])
+
+    def cost(self, model: str) -> Cost | None:
+        m = self._m.get(model)
+        if m is None:
+            return None
+        _, et, ec, ett, etc = m
+        var = ett - et * et
+        if var > (0.1 * et) ** 2:  # batch sizes vary enough to tell the two parts apart
+            b = (etc - et * ec) / var
+            a = ec - b * et
+            if b >= 0 and a >= 0:
+                return Cost(a, b)
+            if b < 0:
+                return Cost(ec, 0.0)
+        return Cost(0.0, ec / et)  # all one size: charge it per token
+
+    def per_token(self, model: str) -> float | None:
+        """Mean engine seconds per token of the recent batches (reports, docs)."""
+        m = self._m.get(model)
+        return m[2] / m[1] if m else None
+
+    def learn(self, model: str, cost: Cost) -> None:
+        """Another scheduler's estimate, for a model this one has not timed yet."""
+        if model in self._m or (cost.per_batch <= 0 and cost.per_token <= 0):
+            return
+        t = 64.0  # a synthetic pair of batches that the fit turns back into `cost`
+        c1, c2 = cost.per_batch + cost.per_token * t, cost.per_batch + cost.per_token * 2 * t
+        self._m[model] = [1, 1.5 * t, (c1 + c2) / 2, 2.5 * t * t, (t * c1 + 2 * t * c2) / 2]
+
+
+@dataclass
+class Report:
+    """One scheduler's last load report of one model."""
+
+    tally: Tally
+    cost: Cost  # its estimate; zeros = not measured
+
+
+class LoadBoard:
+    """The latest load report of every other live scheduler, per model."""
+
+    def __init__(self, own_id: str = "", expiry_s: float = 2.0) -> None:
+        self.own_id = own_id
+        self.expiry_s = expiry_s
+        self._by: dict[str, tuple[float, dict[str, Report]]] = {}  # id -> (received, model -> report)
+
+    def observe(self, load, now: float) -> None:
+        """A `shared.messages.SchedLoad`; a scheduler's own report is ignored."""
+        if load.scheduler_id == self.own_id:
+            return
+        self._by[load.scheduler_id] = (now, {
+            m.model: Report(Tally(m.requests, m.inputs, m.tokens),
+                            Cost(m.cost_per_batch, m.cost_per_token))
+            for m in load.models})
+
+    def others(self, model: str, now: float) -> list[tuple[float, Report]]:
+        """(received, report) of each live scheduler that reported work for `model`."""
+        for sid in [s for s, (at, _) in self._by.items() if now - at > self.expiry_s]:
+            del self._by[sid]  # silent: stopped or crashed (its work went with it)
+        return [(at, r[model]) for at, r in self._by.values() if model in r]
+
+    def total(self, model: str, now: float) -> Tally:
+        out = Tally()
+        for _, r in self.others(model, now):
+            out = out + r.tally
+        return out
+
+
+def check(model: str, ahead: Tally, inputs: int, tokens: int, n_ready: int, max_batch: int,
+          cost: Cost | None, left_s: float, max_queue_per_worker: int,
+          max_queue_s: float, by_work: bool = True) -> None:
+    """Raise 429 unless one more request (`inputs`, `tokens`) fits behind `ahead`.
+
+    `by_work=False` (generation) applies the count bound alone."""
+    n = max(n_ready, 1)
+    if ahead.requests + 1 > max_queue_per_worker * n:
+        raise overloaded(f"model '{model}' is at capacity ({ahead.requests} requests queued); "
+                         "retry after the hinted delay", retry_after=1.0)
+    if not by_work:
+        return
+    if cost is None:
+        if ahead.inputs + inputs > UNMEASURED_BATCHES * max(max_batch, 1) * n and ahead.requests:
+            raise overloaded(f"model '{model}' is at capacity ({ahead.requests} requests queued, "
+                             "its cost not measured yet); retry after the hinted delay",
+                             retry_after=1.0)
+        return
+    # When its batch would be done: the work ahead and its own, spread over the workers.
+    finish_s = cost.seconds(ahead.inputs + inputs, ahead.tokens + tokens, max_batch) / n
+    if finish_s > max_queue_s and ahead.requests:
+        raise overloaded(
+            f"model '{model}' is at capacity ({ahead.requests} requests queued, about "
+            f"{finish_s:.1f} s of work per worker); retry after the hinted delay",
+            retry_after=retry_after(finish_s - max_queue_s))
+    if finish_s > left_s * DEADLINE_HEADROOM:
+        raise overloaded(
+            f"model '{model}' cannot finish this request before its deadline: about "
+            f"{finish_s:.1f} s of work is ahead of it per worker and it has {max(left_s, 0):.1f} s; "
+            "retry after the hinted delay", retry_after=retry_after(finish_s - left_s * DEADLINE_HEADROOM))
+
+
+def retry_after(seconds: float) -> float:
+    """A hint in tenths of a second, at least 0.1 s."""
+    return max(0.1, math.ceil(seconds * 10) / 10)
+
+
+def drained(ahead: Tally, cost: Cost | None, max_batch: int, n_ready: int,
+            elapsed_s: float) -> Tally:
+    """`ahead` as it will be `elapsed_s` later if nothing new arrives (the gateway's view
+    of reports up to one interval old): the ready workers keep computing meanwhile."""
+    if cost is None or elapsed_s <= 0 or ahead.tokens <= 0:
+        return ahead
+    total = cost.seconds(ahead.inputs, ahead.tokens, max_batch)
+    if total <= 0:
+        return ahead
+    share = max(0.0, 1 - elapsed_s * max(n_ready, 1) / total)
+    return Tally(math.ceil(ahead.requests * share), math.ceil(ahead.inputs * share),
+                 math.ceil(ahead.tokens * share))

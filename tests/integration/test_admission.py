@@ -1,0 +1,148 @@
+"""Admission by work: the queue bound and Retry-After are in estimated compute (tokens x
+the model's measured cost per token), a request that cannot finish before its own
+deadline is refused at once instead of timing out in the queue, and several
+schedulers share one bound. Engines that do no math with a known cost per token or
+per batch (bench.nomath), a real nats-server, the services in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import msgspec
+import nats
+
+from bench.load import LOST, one
+from bench.nomath import NoMathEncoder
+from services.scheduler.service import Scheduler
+from shared import catalog, subjects
+from tests.support.stack import running_stack, wait_until
+
+MODEL = catalog.ENCODER
+SLOW = "slow-encoder"  # the same tokenizer, a slower engine
+
+
+def body(model: str = MODEL, inputs: int = 1) -> bytes:
+    return msgspec.json.encode({"model": model, "input": ["hello world"] * inputs})  # 4 tokens each
+
+
+async def call(nc, model: str = MODEL, inputs: int = 1, timeout_s: float | None = None):
+    headers = {"Tensorbus-Timeout": f"{timeout_s:g}"} if timeout_s else None
+    return await one(nc, subjects.EMBEDDINGS, body(model, inputs), (timeout_s or 30) + 5, headers)
+
+
+async def measured(st, model: str = MODEL, sizes: tuple[int, ...] = (1,)) -> float:
+    """Requests of `sizes` inputs, one at a time, until the scheduler has timed each
+    size once; its mean cost per token."""
+    for inputs in sizes * 2:
+        assert (await call(st.client, model, inputs)).status == 200
+    await wait_until(lambda: st.scheduler.costs.per_token(model))
+    return st.scheduler.costs.per_token(model)
+
+
+async def test_a_burst_far_above_capacity_is_answered_with_no_504(nats_server):
+    engine = NoMathEncoder(max_batch=16, per_batch_s=0.05)  # 16 inputs per 50 ms
+    async with running_stack(nats_server.url, max_batch=16) as st:
+        await st.add_worker(engine, "enc-burst")
+        await measured(st, sizes=(1, 16))  # a batch costs 50 ms whatever its size
+        # 300 requests of 4 inputs, each with 1 s to live: the engine finishes about 65.
+        outcomes = await asyncio.gather(*(call(st.client, inputs=4, timeout_s=1.0)
+                                          for _ in range(300)))
+        codes = Counter(o.status for o in outcomes)
+        assert set(codes) <= {200, 429} and LOST not in codes, codes  # no 504, nothing lost
+        assert codes[200] >= 8 and codes[429] >= 150, codes
+        refused = [o for o in outcomes if o.status == 429]
+        assert all(o.retry_after and o.retry_after > 0 for o in refused)
+        # Refusals are decided on arrival, not after waiting in a queue.
+        assert max(o.took for o in refused) < 0.5 * 1.0
+        after = await call(st.client, inputs=4, timeout_s=1.0)  # normal service at once
+        assert after.status == 200
+
+
+async def test_the_bound_follows_the_measured_cost(nats_server):
+    fast = NoMathEncoder(MODEL, per_token_s=0.001)
+    slow = NoMathEncoder(SLOW, per_token_s=0.004)
+    models = {SLOW: str(catalog.bundled_dir(MODEL))}
+    async with running_stack(nats_server.url, models=models, max_queue_s=0.5) as st:
+        await st.add_worker(fast, "enc-fast")
+        await st.add_worker(slow, "enc-slow")
+        cost = {m: await measured(st, m) for m in (MODEL, SLOW)}
+        assert 2.5 < cost[SLOW] / cost[MODEL] < 6
+        fast.gate.clear()
+        slow.gate.clear()
+        tasks = [asyncio.create_task(call(st.client, m)) for m in (MODEL, SLOW) for _ in range(200)]
+        done = [t for t in tasks]
+
+        def settled() -> bool:  # every request refused or dispatched
+            refused = sum(1 for t in done if t.done())
+            return refused + len(st.scheduler.outstanding) == len(tasks)
+
+        await wait_until(settled)
+        admitted = Counter(o.work.model for o in st.scheduler.outstanding.values())
+        # About 0.5 s of work each: 125 fast requests, 31 slow ones.
+        assert admitted[SLOW] < admitted[MODEL] / 2.5, admitted
+        for m in (MODEL, SLOW):
+            expect = 0.5 / (4 * cost[m])
+            assert 0.7 * expect <= admitted[m] <= expect + 2, (m, admitted, cost)
+        fast.gate.set()
+        slow.gate.set()
+        codes = Counter(o.status for o in await asyncio.gather(*tasks))
+        assert codes[200] == sum(admitted.values()) and set(codes) == {200, 429}, codes
+
+
+async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once(nats_server):
+    engine = NoMathEncoder(per_token_s=0.01)  # 40 ms per 4-token request
+    async with running_stack(nats_server.url) as st:
+        await st.add_worker(engine, "enc-deadline")
+        await measured(st)
+        engine.gate.clear()
+        queued = [asyncio.create_task(call(st.client)) for _ in range(10)]  # ~0.4 s of work
+        await wait_until(lambda: len(st.scheduler.outstanding) == 10)
+        late = await call(st.client, timeout_s=0.3)
+        assert late.status == 429 and late.retry_after and late.retry_after >= 0.1
+        assert not engine.gate.is_set()  # refused while the work ahead was still held
+        fits = asyncio.create_task(call(st.client, timeout_s=10))
+        await wait_until(lambda: len(st.scheduler.outstanding) == 11)
+        engine.gate.set()
+        assert [o.status for o in await asyncio.gather(*queued, fits)] == [200] * 11
+
+
+async def test_two_schedulers_share_one_bound(nats_server):
+    engine = NoMathEncoder(per_token_s=0.001)  # 4 ms per request
+    async with running_stack(nats_server.url, max_queue_s=0.2) as st:
+        nc = await nats.connect(nats_server.url, name="scheduler-2")
+        second = Scheduler(nc, st.config, scheduler_id="second")
+        ready = asyncio.Event()
+        task = asyncio.create_task(second.run(ready))
+        try:
+            await ready.wait()
+            await st.add_worker(engine, "enc-shared")
+            await wait_until(lambda: second.fleet.available(MODEL))
+            both = (st.scheduler, second)
+            for _ in range(60):  # both have timed the model (directly or from the other)
+                await call(st.client)
+                if all(s.costs.per_token(MODEL) for s in both):
+                    break
+            engine.gate.clear()
+            # 300 requests at 200/s: one load interval (heartbeat_s = 0.1) is 20 arrivals.
+            rate, n = 200.0, 300
+            tasks = []
+            for i in range(n):
+                tasks.append(asyncio.create_task(call(st.client)))
+                await asyncio.sleep(1 / rate)  # the arrival rate, not synchronisation
+            await wait_until(lambda: sum(t.done() for t in tasks)
+                             + sum(len(s.outstanding) for s in both) == n)
+            admitted = [len(s.outstanding) for s in both]
+            bound = max(0.2 / (4 * s.costs.per_token(MODEL)) for s in both)
+            one_interval = rate * st.config.heartbeat_s
+            assert all(admitted), admitted  # both took traffic
+            # One bound for both, not two: exceeded by at most one interval's arrivals.
+            assert sum(admitted) <= bound + one_interval + 2, (admitted, bound)
+            engine.gate.set()
+            codes = Counter(o.status for o in await asyncio.gather(*tasks))
+            assert codes[200] == sum(admitted) and set(codes) == {200, 429}, codes
+        finally:
+            engine.gate.set()
+            second.stop()
+            await asyncio.gather(task, return_exceptions=True)
+            await nc.close()
