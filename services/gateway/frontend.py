@@ -3,7 +3,9 @@
   1. Decode the body into the endpoint's Struct (JSON or msgpack); 400 on any error.
   2. Resolve the model (404 if unknown), tokenize, check limits (400 / 413).
   3. A model that is not served (`MODEL=0:0`) or `failed` (the orchestrator's
-     FleetStatus) is a 503 at once, with the reason. Otherwise publish a WorkRequest
+     FleetStatus) is a 503 at once, with the reason. A model whose queue is already
+     full, or whose work ahead cannot finish before this request's deadline, as the
+     schedulers' load reports say (`shed`), is a 429 before tokenizing. Otherwise publish a WorkRequest
      to the scheduler with this gateway's per-request inbox as the reply; the NATS
      "no responders" status becomes a 503 at once.
   4. Wait for the worker's answer until the request's deadline (504 after it, and a
@@ -32,7 +34,7 @@ from services.gateway import codec
 from services.gateway.embeddings import build_response, check_dimensions, tokenize_inputs
 from services.gateway.inbox import ReplyInbox
 from services.gateway.models import ModelTable, split_name
-from shared import subjects
+from shared import admission, subjects
 from shared.api import EmbeddingRequest, ModelList
 from shared.config import Config
 from shared.errors import (ServiceError, bad_request, deadline_exceeded, internal, overloaded,
@@ -97,6 +99,7 @@ class Frontend:
         self.waiting: Counter[str] = Counter()  # model -> requests submitted, unanswered
         self.decisions = LiveDecisions()  # the schedulers' scale decisions (model cards)
         self.statuses: dict[str, ModelStatus] = {}  # the orchestrator's view, per model
+        self.loads = admission.LoadBoard(expiry_s=config.worker_expiry_s)  # every scheduler's work
 
     async def start(self) -> None:
         await self.inbox.start()
@@ -127,7 +130,7 @@ class Frontend:
             why = status.reason or "its worker exited on an invalid configuration"
             raise unavailable(f"model '{model}' cannot start: {why}", retry_after=None)
 
-    def shed(self, model: str) -> None:
+    def shed(self, model: str, deadline: float | None = None) -> None:
         """429 before any work when this gateway alone already waits on as many of the
         model's requests as the whole fleet may queue. The scheduler's admission stays
         the exact one (it sees every gateway); this spares a request it would refuse
@@ -140,6 +143,28 @@ class Frontend:
         if waiting >= self.config.max_queue_per_worker * ready:
             raise overloaded(f"model '{model}' is at capacity ({waiting} requests queued); "
                              "retry after the hinted delay", retry_after=1.0)
+        if deadline is not None:
+            self.shed_by_work(model, deadline)
+
+    def shed_by_work(self, model: str, deadline: float) -> None:
+        """429 before tokenizing when the work the schedulers reported, less what the
+        workers have computed since, already fills the queue or outlasts the deadline
+        without this request's own work: the scheduler would refuse it too."""
+        now = time.monotonic()
+        reports = self.loads.others(model, now)
+        cost = next((r.cost for _, r in reports if r.cost.per_token or r.cost.per_batch), None)
+        if cost is None:
+            return  # not timed yet: the scheduler's call
+        workers = self.fleet.available(model)
+        max_batch = max((w.hb.max_batch for w in workers), default=1)
+        ahead = admission.Tally()
+        for _, r in reports:
+            ahead = ahead + r.tally
+        ahead = admission.drained(ahead, cost, max_batch, len(workers),
+                                  now - max(at for at, _ in reports))
+        admission.check(model, ahead, 0, 0, len(workers), max_batch, cost,
+                        deadline - time.time(), self.config.max_queue_per_worker,
+                        self.config.max_queue_s)
 
     def check_size(self, body: bytes) -> None:
         if len(body) > self.config.max_payload:
@@ -157,7 +182,7 @@ class Frontend:
         if entry.info.kind != "encoder":
             raise bad_request(f"model '{name}' generates text; use the completions endpoints")
         self.check_served(name)
-        self.shed(name)
+        self.shed(name, deadline)
         ids = await self.tokenize(tokenize_inputs, req, entry, self.config, size=len(body))
         out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(rid, name, version, ids, deadline, "")

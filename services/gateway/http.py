@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import socket
 import time
 
 import msgspec
@@ -257,7 +258,7 @@ async def serve_http(app: Starlette, host: str, port: int, max_header_bytes: int
                          timeout_graceful_shutdown=5)
     server = uvicorn.Server(cfg)
     server.install_signal_handlers = lambda: None  # the process owns signals
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[listen_socket(host, port)]))
     while not server.started:
         if task.done():
             await task
@@ -268,3 +269,16 @@ async def serve_http(app: Starlette, host: str, port: int, max_header_bytes: int
     if started is not None:
         started.set()
     return server, task
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket, with SO_REUSEPORT: several gateway processes
+    (`honcho start -c gateway=2`) bind the same port and the kernel spreads the
+    connections over them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock

@@ -23,7 +23,7 @@ from shared import VERSION, subjects
 from shared.config import Config
 from shared.errors import ServiceError, internal
 from shared.logging import get_logger
-from shared.messages import fleet_status_decoder
+from shared.messages import fleet_status_decoder, sched_load_decoder
 from shared.telemetry import ScaleDecision, heartbeat_decoder, record_decoder
 
 log = get_logger("gateway")
@@ -59,6 +59,7 @@ class Gateway:
         self._subs.append(await self.nc.subscribe(
             subjects.TELEMETRY_WORKERS, cb=self._on_heartbeat, pending_msgs_limit=100_000))
         self._subs.append(await self.nc.subscribe(subjects.TELEMETRY_SCALE, cb=self._on_scale))
+        self._subs.append(await self.nc.subscribe(subjects.SCHED_LOAD, cb=self._on_sched_load))
         self._subs.append(await self.nc.subscribe(subjects.ORCHESTRATOR_STATUS,
                                                   cb=self._on_fleet_status))
         for subject, endpoint in handlers.items():
@@ -113,6 +114,12 @@ class Gateway:
             return
         if isinstance(rec, ScaleDecision):
             self.front.decisions.observe(rec, time.monotonic())
+
+    async def _on_sched_load(self, msg: Msg) -> None:
+        try:
+            self.front.loads.observe(sched_load_decoder.decode(msg.data), time.monotonic())
+        except msgspec.DecodeError:
+            return
 
     async def _on_fleet_status(self, msg: Msg) -> None:
         try:
