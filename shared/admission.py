@@ -109,6 +109,9 @@ class CostBook:
                 return Cost(ec, 0.0)
         return Cost(0.0, ec / et)  # all one size: charge it per token
 
+    def models(self) -> list[str]:
+        return list(self._m)
+
     def per_token(self, model: str) -> float | None:
         """Mean engine seconds per token of the recent batches (reports, docs)."""
         m = self._m.get(model)
@@ -163,10 +166,12 @@ class LoadBoard:
 
 def check(model: str, ahead: Tally, inputs: int, tokens: int, n_ready: int, max_batch: int,
           cost: Cost | None, left_s: float, max_queue_per_worker: int,
-          max_queue_s: float, by_work: bool = True) -> None:
+          max_queue_s: float, by_work: bool = True, size_unknown: bool = False) -> None:
     """Raise 429 unless one more request (`inputs`, `tokens`) fits behind `ahead`.
 
-    `by_work=False` (generation) applies the count bound alone."""
+    `by_work=False` (generation) applies the count bound alone. `size_unknown` (the
+    gateway, before tokenizing, passing 0 and 0): the decision counts no work of its
+    own, and Retry-After assumes it is the size of an average request ahead."""
     n = max(n_ready, 1)
     if ahead.requests + 1 > max_queue_per_worker * n:
         raise overloaded(f"model '{model}' is at capacity ({ahead.requests} requests queued); "
@@ -181,21 +186,25 @@ def check(model: str, ahead: Tally, inputs: int, tokens: int, n_ready: int, max_
         return
     # When its batch would be done: the work ahead and its own, spread over the workers.
     finish_s = cost.seconds(ahead.inputs + inputs, ahead.tokens + tokens, max_batch) / n
+    hint_s = finish_s  # the same, for Retry-After, with a typical size when its own is unknown
+    if size_unknown and ahead.requests:
+        hint_s = cost.seconds(ahead.inputs + ahead.inputs // ahead.requests,
+                              ahead.tokens + ahead.tokens // ahead.requests, max_batch) / n
     if finish_s > max_queue_s and ahead.requests:
         raise overloaded(
             f"model '{model}' is at capacity ({ahead.requests} requests queued, about "
             f"{finish_s:.1f} s of work per worker); retry after the hinted delay",
-            retry_after=retry_after(finish_s - max_queue_s))
+            retry_after=retry_after(hint_s - max_queue_s))
     if finish_s > left_s * DEADLINE_HEADROOM:
         raise overloaded(
             f"model '{model}' cannot finish this request before its deadline: about "
             f"{finish_s:.1f} s of work is ahead of it per worker and it has {max(left_s, 0):.1f} s; "
-            "retry after the hinted delay", retry_after=retry_after(finish_s - left_s * DEADLINE_HEADROOM))
+            "retry after the hinted delay", retry_after=retry_after(hint_s - left_s * DEADLINE_HEADROOM))
 
 
 def retry_after(seconds: float) -> float:
     """A hint in tenths of a second, at least 0.1 s."""
-    return max(0.1, math.ceil(seconds * 10) / 10)
+    return max(0.1, math.ceil(seconds * 10 - 1e-6) / 10)
 
 
 def drained(ahead: Tally, cost: Cost | None, max_batch: int, n_ready: int,

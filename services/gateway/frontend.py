@@ -100,6 +100,7 @@ class Frontend:
         self.decisions = LiveDecisions()  # the schedulers' scale decisions (model cards)
         self.statuses: dict[str, ModelStatus] = {}  # the orchestrator's view, per model
         self.loads = admission.LoadBoard(expiry_s=config.worker_expiry_s)  # every scheduler's work
+        self.sent_work: dict[str, admission.Tally] = {}  # model -> embeddings submitted, unanswered
 
     async def start(self) -> None:
         await self.inbox.start()
@@ -147,9 +148,11 @@ class Frontend:
             self.shed_by_work(model, deadline)
 
     def shed_by_work(self, model: str, deadline: float) -> None:
-        """429 before tokenizing when the work the schedulers reported, less what the
-        workers have computed since, already fills the queue or outlasts the deadline
-        without this request's own work: the scheduler would refuse it too."""
+        """429 before tokenizing when the work ahead already fills the queue or outlasts
+        the deadline without this request's own work. The work ahead is what the
+        schedulers reported, less what the workers computed since, or what this
+        gateway itself has submitted and not seen answered if that is more: a burst
+        outruns the reports (one interval old), never this gateway's own count."""
         now = time.monotonic()
         reports = self.loads.others(model, now)
         cost = next((r.cost for _, r in reports if r.cost.per_token or r.cost.per_batch), None)
@@ -162,9 +165,12 @@ class Frontend:
             ahead = ahead + r.tally
         ahead = admission.drained(ahead, cost, max_batch, len(workers),
                                   now - max(at for at, _ in reports))
+        own = self.sent_work.get(model)
+        if own is not None and own.tokens > ahead.tokens:
+            ahead = own
         admission.check(model, ahead, 0, 0, len(workers), max_batch, cost,
                         deadline - time.time(), self.config.max_queue_per_worker,
-                        self.config.max_queue_s)
+                        self.config.max_queue_s, size_unknown=True)
 
     def check_size(self, body: bytes) -> None:
         if len(body) > self.config.max_payload:
@@ -186,7 +192,12 @@ class Frontend:
         ids = await self.tokenize(tokenize_inputs, req, entry, self.config, size=len(body))
         out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(rid, name, version, ids, deadline, "")
-        res = await self.call(work, deadline, out)
+        sent = self.sent_work.setdefault(name, admission.Tally())
+        sent.add(len(ids), out.prompt_tokens)
+        try:
+            res = await self.call(work, deadline, out)
+        finally:
+            sent.add(len(ids), out.prompt_tokens, sign=-1)
         if not isinstance(res, EmbedResult):
             raise internal()
         out.version, out.worker_id, out.timing = res.version, res.worker_id, res.timing

@@ -428,16 +428,18 @@ class Scheduler:
             self.costs.learn(m.model, Cost(m.cost_per_batch, m.cost_per_token))
 
     async def _publish_load(self) -> None:
-        """This scheduler's share of every queue, each heartbeat interval (and a model's
-        zero once, when its work is done), so others count it against the bound."""
+        """This scheduler's share of every queue, each heartbeat interval, so others
+        count it against the bound."""
         while not self._stop.is_set():
             await asyncio.sleep(self.config.heartbeat_s)
             await self.publish_load()
 
     def load_report(self) -> SchedLoad:
+        """Every model with work here, with work in the last report, or timed here
+        (gateways need its cost before a burst, not one interval into it)."""
         busy = {m for m, t in self.tally.items() if t.requests} | {m for m, h in self.held.items() if h}
         models = []
-        for m in sorted(busy | self._reported):
+        for m in sorted(busy | self._reported | set(self.costs.models())):
             t = self.tally.get(m, Tally())
             for h in self.held.get(m, ()):
                 t = t + Tally(1, *work_size(h.work))

@@ -1,0 +1,62 @@
+"""shared.admission: the cost fit and the admission arithmetic, by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.admission import Cost, CostBook, Tally, check, drained
+from shared.errors import ServiceError
+
+
+def test_the_fit_separates_a_batch_cost_from_a_token_cost():
+    book = CostBook()
+    for tokens in (16, 512, 64, 1024, 128, 16, 512):
+        book.observe("m", 0.05 + 0.001 * tokens, tokens)
+    cost = book.cost("m")
+    assert cost.per_batch == pytest.approx(0.05, rel=1e-6)
+    assert cost.per_token == pytest.approx(0.001, rel=1e-6)
+
+
+def test_batches_of_one_size_are_charged_per_token():
+    book = CostBook()
+    for _ in range(3):
+        book.observe("m", 0.2, 100)
+    assert book.cost("m") == Cost(0.0, pytest.approx(0.002))
+
+
+def test_another_schedulers_estimate_is_taken_as_it_was_given():
+    book = CostBook()
+    book.learn("m", Cost(0.03, 0.0005))
+    assert book.cost("m").per_batch == pytest.approx(0.03)
+    assert book.cost("m").per_token == pytest.approx(0.0005)
+
+
+def refusal(**kw) -> ServiceError:
+    args = dict(model="m", ahead=Tally(10, 10, 1000), inputs=1, tokens=100, n_ready=1,
+                max_batch=32, cost=Cost(0.0, 0.001), left_s=30.0, max_queue_per_worker=256,
+                max_queue_s=5.0)
+    args.update(kw)
+    with pytest.raises(ServiceError) as err:
+        check(**args)
+    return err.value
+
+
+def test_work_ahead_against_the_queue_bound_and_the_deadline():
+    # 1.1 s of work: admitted with 30 s to live, refused with 1 s (80 % of it is 0.8 s).
+    check("m", Tally(10, 10, 1000), 1, 100, 1, 32, Cost(0.0, 0.001), 30.0, 256, 5.0)
+    late = refusal(left_s=1.0)
+    assert late.status == 429 and late.retry_after == pytest.approx(0.3)
+    # Two workers share it: 0.55 s each, which fits.
+    check("m", Tally(10, 10, 1000), 1, 100, 2, 32, Cost(0.0, 0.001), 1.0, 256, 5.0)
+    full = refusal(max_queue_s=1.0)
+    assert full.retry_after == pytest.approx(0.1) and "capacity" in full.message
+
+
+def test_the_count_bound_holds_whatever_the_cost():
+    assert refusal(ahead=Tally(256, 256, 256)).status == 429
+
+
+def test_reports_drain_while_they_age():
+    ahead = Tally(10, 10, 1000)
+    assert drained(ahead, Cost(0.0, 0.001), 32, 1, 0.5) == Tally(5, 5, 500)
+    assert drained(ahead, None, 32, 1, 0.5) == ahead
