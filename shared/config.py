@@ -33,7 +33,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     scheduler_id: str = ""  # stable id (probes, logs); empty = random per process
     worker_expiry_s: float = 2.0  # a worker silent this long is dropped
     max_queue_per_worker: int = 256  # most requests queued per ready worker, whatever their work
-    max_queue_s: float = 5.0  # queue bound in estimated compute: seconds of work ahead per ready worker
+    max_queue_s: float = 30.0  # queue bound in estimated compute: seconds of work ahead per ready worker
     stall_s: float = 10.0  # a worker holding work with no finished step this long is wedged
     target_queue_per_replica: float = 32.0  # scaling signal: desired queue per worker
     target_slots_per_replica: float = 12.0  # scaling signal: desired busy KV slots per decoder worker
