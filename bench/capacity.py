@@ -1,6 +1,6 @@
 """Capacity of the serving path alone: an engine that does no math, real processes.
 
-    .venv/bin/python -m bench.capacity [--seconds 10] [--clients 64] [--http]
+    .venv/bin/python -m bench.capacity [--seconds 10] [--clients 64] [--http] [--gateways 1]
 
   1. Start nats-server, gateway, scheduler, telemetry and one worker as processes
      (services/supervisor.py); the worker runs `bench.nomath` (384-dim one-hot
@@ -10,7 +10,9 @@
   3. HTTP (`--http`): `wrk` (Debian: `apt-get install -y wrk`) posts the same body to
      `/v1/embeddings` with `--clients` connections on one thread, so the client's own
      cost stays small.
-  4. For each phase: CPU seconds (utime + stime from /proc/<pid>/stat) of gateway,
+  4. `--gateways 2` runs two gateway processes on the same HTTP port (SO_REUSEPORT)
+     and in the same NATS queue group; their CPU is reported per process.
+  5. For each phase: CPU seconds (utime + stime from /proc/<pid>/stat) of gateway,
      scheduler, worker, nats-server, telemetry and the client, before and after,
      divided by the requests answered -> milliseconds of CPU per request per process.
 
@@ -51,7 +53,7 @@ def env(port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
             "TENSORBUS_MODEL_DIR": str(catalog.bundled_dir(MODEL)), **(extra or {})}
 
 
-def start_stack(sup: Supervisor, extra: dict[str, str] | None = None, gateways: int = 1) -> None:
+def start_stack(sup: Supervisor, gateways: int = 1) -> None:
     sup.start_nats()
     for i in range(gateways):
         sup.start("gateway" if i == 0 else f"gateway{i + 1}", "services.gateway")
@@ -126,10 +128,10 @@ def wrk_phase(sup: Supervisor, port: int, clients: int, seconds: float, workdir:
             "cpu_cores": {k: round((after[k] - before[k]) / wall, 2) for k in before}}
 
 
-async def run(seconds: float, clients: int, http: bool, workdir: Path) -> dict:
+async def run(seconds: float, clients: int, http: bool, workdir: Path, gateways: int = 1) -> dict:
     port = free_port()
     with Supervisor(workdir, env=env(port)) as sup:
-        start_stack(sup)
+        start_stack(sup, gateways=gateways)
         nc = await connect(sup.nats_url, "bench-client")
         try:
             await wait_ready(nc, MODEL, 1, timeout=120)
@@ -142,7 +144,7 @@ async def run(seconds: float, clients: int, http: bool, workdir: Path) -> dict:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
             "load_average_1m": round(os.getloadavg()[0], 2),
             "command": f"python -m bench.capacity --seconds {seconds:g} --clients {clients}"
-                       + (" --http" if http else ""), **res}
+                       + (" --http" if http else "") + f" --gateways {gateways}", **res}
 
 
 def free_port() -> int:
@@ -158,10 +160,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--http", action="store_true", help="also load HTTP with wrk")
+    ap.add_argument("--gateways", type=int, default=1, help="gateway processes")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as d:
-        res = asyncio.run(run(args.seconds, args.clients, args.http, Path(d)))
+        res = asyncio.run(run(args.seconds, args.clients, args.http, Path(d), args.gateways))
     print(json.dumps(res, indent=2))
     out = REPO / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
