@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from shared.errors import overloaded
 
-DEADLINE_HEADROOM = 0.8  # admit only what the estimate finishes in 80 % of the time left:
+DEADLINE_HEADROOM = 0.5  # admit only what the estimate finishes in half the time left:
 # the estimate counts engine time only (not the host work between batches) and a
 # shared machine's speed moves; a request refused here is answered in milliseconds.
 COST_WEIGHT = 0.2  # moving-average weight of the newest batch
