@@ -71,6 +71,7 @@ class Timing(msgspec.Struct, array_like=True, gc=False):
     ttft: float = 0.0  # generation: arrival -> first token
     itl_mean: float = 0.0  # generation: mean gap between tokens
     batch_size: int = 0
+    itl_counts: list[int] = msgspec.field(default_factory=list)  # gaps per telemetry.ITL_BUCKETS
 
 
 class EmbedResult(_Msg, tag="embed_result"):

@@ -62,6 +62,7 @@ class Outcome:
     completion_tokens: int = 0
     held_at: float = 0.0  # perf_counter when the scheduler said it holds the request
     hold_s: float = 0.0  # time held for a cold start
+    first_token_at: float = 0.0  # perf_counter when the first generated chunk arrived here
 
 
 def new_request_id() -> str:
@@ -261,13 +262,17 @@ class Frontend:
     # --------------------------------------------------------------- telemetry
     async def record(self, rid: str, out: Outcome, started: float) -> None:
         t = out.timing
+        # TTFT as a client sees it: from this gateway's receipt (tokenizing, both hops
+        # and any cold-start hold included) to the first chunk reaching it.
+        ttft = out.first_token_at - started if out.first_token_at else 0.0
         rec = RequestRecord(
             request_id=rid, endpoint=out.endpoint, model=out.model, version=out.version,
             worker_id=out.worker_id, status=out.status, error_code=out.error_code,
             total_s=time.perf_counter() - started, queue_s=t.queue, batch_wait_s=t.batch_wait,
             compute_s=t.compute, prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.completion_tokens, ttft_s=t.ttft, itl_s=t.itl_mean,
-            batch_size=t.batch_size, finished_at=time.time(), hold_s=out.hold_s)
+            completion_tokens=out.completion_tokens, ttft_s=ttft, itl_s=t.itl_mean,
+            batch_size=t.batch_size, finished_at=time.time(), hold_s=out.hold_s,
+            worker_ttft_s=t.ttft, itl_counts=t.itl_counts)
         log.debug("request_finished", request_id=rid, status=out.status, version=out.version,
                   worker=out.worker_id, total_s=round(rec.total_s, 6), hold_s=out.hold_s)
         try:

@@ -150,6 +150,8 @@ class Generation:
                     elif ev.attempt != attempt:
                         continue
                     out.version = ev.version or out.version
+                    if not out.first_token_at and isinstance(ev, GenChunk):
+                        out.first_token_at = time.perf_counter()
                     yield ev
                     if isinstance(ev, GenDone):
                         return

@@ -10,8 +10,8 @@ Dataflow:
    per-worker and per-model gauges; ScaleDecision -> desired replicas (combined over
    live schedulers) and held requests.
 3. Every `summary_interval_s` a `Summary` (per model: requests, errors, throughput,
-   latency and TTFT quantiles, tokens/s, cost per 1M tokens) goes out on
-   `telemetry.v1.summary`; workers silent past `worker_expiry_s` lose their series.
+   latency and TTFT quantiles, tokens/s, cost per 1M tokens, input and output apart)
+   goes out on `telemetry.v1.summary` and sets the cost gauges; workers silent past `worker_expiry_s` lose their series.
 4. `stop()` (idempotent) ends the loops, unregisters, unsubscribes, stops HTTP.
 
 Telemetry must never slow inference. Publishers use plain core NATS publish and never
@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from services.micro import MicroService, ServiceHealth, add_service
 from shared import subjects
-from shared.config import Config
+from shared.config import Config, bad_config
 from shared.logging import get_logger
 from shared.telemetry import Heartbeat, RequestRecord, ScaleDecision, encode, record_decoder
 
@@ -67,6 +67,10 @@ class TelemetryService:
     ) -> None:
         self.nc = nc
         self.config = config
+        try:
+            config.worker_price("")  # a malformed price list stops the service at start
+        except ValueError as exc:
+            raise bad_config(str(exc)) from None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = TelemetryMetrics(self.registry, expiry_s=config.worker_expiry_s)
         self.window = SummaryWindow(config.summary_interval_s, window_slots, alpha, clock)
@@ -206,11 +210,13 @@ class TelemetryService:
                 await self._ensure_stream()
 
     async def publish_summary(self) -> None:
-        workers: dict[str, int] = {}
-        for model in self.metrics.workers().values():
-            workers[model] = workers.get(model, 0) + 1
-        summary = self.window.summary(at=time.time(), cost_per_hour=self.config.cost_per_hour,
-                                      workers=workers, now=self._clock())
+        rates: dict[str, float] = {}  # model -> price of its live workers per hour
+        for model, device in self.metrics.worker_devices():
+            rates[model] = rates.get(model, 0.0) + self.config.worker_price(model, device)
+        summary = self.window.summary(at=time.time(), cost_per_hour=rates, now=self._clock())
+        self.metrics.set_costs({ms.model: (ms.cost_per_1m_input_tokens,
+                                           ms.cost_per_1m_output_tokens)
+                                for ms in summary.models})
         self.last_summary = summary
         try:
             await self.nc.publish(subjects.TELEMETRY_SUMMARY, encode(summary))
