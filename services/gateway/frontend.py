@@ -70,6 +70,14 @@ def new_request_id() -> str:
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+USER_HEADER = "Tensorbus-User"  # sticky canary key for clients that cannot set `user`
+MAX_USER = 256
+
+
+def user_key(body_user: str | None, header: str | None) -> str:
+    """Whom a request is for, for a sticky canary draw: OpenAI's `user` field, else
+    the Tensorbus-User header, else "" (an independent draw)."""
+    return (body_user or header or "")[:MAX_USER]
 INLINE_TOKENIZE = 16_384  # bodies up to this many bytes are tokenized on the event loop
 
 
@@ -149,7 +157,7 @@ class Frontend:
 
     # -------------------------------------------------------------- embeddings
     async def embeddings(self, body: bytes, msgpack: bool, rid: str, deadline: float,
-                         out: Outcome):
+                         out: Outcome, user: str = ""):
         self.check_size(body)
         req = codec.decode(body, EmbeddingRequest, msgpack)
         name, version = split_name(req.model)
@@ -161,7 +169,7 @@ class Frontend:
         self.shed(name)
         ids = await self.tokenize(tokenize_inputs, req, entry, self.config, size=len(body))
         out.prompt_tokens = sum(len(x) for x in ids)
-        work = EmbedWork(rid, name, version, ids, deadline, "")
+        work = EmbedWork(rid, name, version, ids, deadline, "", user=user_key(req.user, user))
         res = await self.call(work, deadline, out)
         if not isinstance(res, EmbedResult):
             raise internal()
@@ -246,6 +254,8 @@ class Frontend:
         except msgspec.DecodeError:
             raise internal() from None
         if isinstance(res, WorkError):
+            if out is not None and res.version:  # a version's failure counts against it
+                out.version, out.worker_id = res.version, res.worker_id
             raise ServiceError(res.status, res.message, code=res.code or None,
                                retry_after=res.retry_after)
         return res

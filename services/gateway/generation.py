@@ -23,6 +23,7 @@ from typing import AsyncIterator
 from nats.aio.msg import Msg
 
 from services.gateway import codec
+from services.gateway.frontend import USER_HEADER, user_key
 from services.gateway.models import ModelEntry, split_name
 from shared.api import (
     STREAM_DONE,
@@ -61,7 +62,7 @@ class Generation:
 
     # ---------------------------------------------------------------- prepare
     async def prepare(self, body: bytes, endpoint: str, msgpack: bool, rid: str,
-                      deadline: float, out) -> Prepared:
+                      deadline: float, out, user: str = "") -> Prepared:
         self.front.check_size(body)
         chat = endpoint == "chat.completions"
         req = codec.decode(body, ChatCompletionRequest if chat else CompletionRequest, msgpack)
@@ -91,7 +92,8 @@ class Generation:
                             seed=req.seed)
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
-                            req.stream, deadline, "", ignore_eos=req.ignore_eos)
+                            req.stream, deadline, "", ignore_eos=req.ignore_eos,
+                            user=user_key(req.user, user))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Prepared(req, chat, work, req.model, int(time.time()), include_usage)
 
@@ -213,7 +215,8 @@ class Generation:
     # ------------------------------------------------------------------ NATS
     async def serve_nats(self, msg: Msg, endpoint: str, mp: bool, rid: str, deadline: float,
                          out) -> None:
-        prep = await self.prepare(msg.data, endpoint, mp, rid, deadline, out)
+        prep = await self.prepare(msg.data, endpoint, mp, rid, deadline, out,
+                                  (msg.headers or {}).get(USER_HEADER, ""))
         nc = self.front.nc
         if not prep.work.stream:
             resp = await self.complete(prep, deadline, out)

@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 
 from services.gateway import codec
 from services.gateway.codec import VERSION_HEADER  # noqa: F401 - where tests and clients look
-from services.gateway.frontend import Frontend, Outcome, new_request_id, wire_id
+from services.gateway.frontend import USER_HEADER, Frontend, Outcome, new_request_id, wire_id
 from services.micro import ServiceHealth, add_service
 from shared import VERSION, subjects
 from shared.config import Config
@@ -145,7 +145,8 @@ class Gateway:
             try:
                 deadline = self.front.deadline(_timeout(hdrs))
                 if endpoint == "embeddings":
-                    resp = await self.front.embeddings(msg.data, mp, wire, deadline, out)
+                    resp = await self.front.embeddings(msg.data, mp, wire, deadline, out,
+                                                       hdrs.get(USER_HEADER, ""))
                     await self._respond(msg, codec.encode(resp, mp), mp, out.version)
                 else:
                     await self.generation.serve_nats(msg, endpoint, mp, wire, deadline, out)
