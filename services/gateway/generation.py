@@ -52,6 +52,7 @@ class Prepared:
     model: str  # as the client named it
     created: int
     include_usage: bool
+    continuous_usage: bool = False  # usage so far on every chunk (vLLM's stream option)
 
 
 class Generation:
@@ -94,8 +95,9 @@ class Generation:
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
                             req.stream, deadline, "", ignore_eos=req.ignore_eos,
                             user=user_key(req.user, user))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Prepared(req, chat, work, req.model, int(time.time()), include_usage)
+        opts = req.stream_options
+        return Prepared(req, chat, work, req.model, int(time.time()),
+                        bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
 
     def _prompt(self, req: CompletionRequest, entry: ModelEntry) -> list[int]:
         p = req.prompt
@@ -185,6 +187,7 @@ class Generation:
         rid, model, created = prep.work.request_id, prep.model, prep.created
         cid = f"chatcmpl-{rid}"
         started = False
+        prompt, generated = len(prep.work.prompt), 0
         async for ev in self.events(prep, deadline, out):
             if prep.chat and not started:
                 for i in range(prep.work.n):
@@ -193,12 +196,16 @@ class Generation:
             started = True
             if isinstance(ev, GenChunk):
                 reason = _reason(ev.finish_reason) if ev.finish_reason else None
+                generated += ev.tokens
+                usage = Usage(prompt_tokens=prompt, completion_tokens=generated,
+                              total_tokens=prompt + generated) if prep.continuous_usage else None
                 if prep.chat:
                     delta = ChatDelta(content=ev.text) if ev.text else ChatDelta()
-                    yield ChatCompletionChunk(cid, created, model, [ChatChunkChoice(ev.index, delta, reason)])
+                    yield ChatCompletionChunk(cid, created, model, [ChatChunkChoice(ev.index, delta, reason)],
+                                              usage=usage)
                 else:
                     yield CompletionChunk(f"cmpl-{rid}", created, model,
-                                          [CompletionChoice(ev.index, ev.text, reason)])
+                                          [CompletionChoice(ev.index, ev.text, reason)], usage=usage)
             else:
                 self._account(out, ev)
                 if prep.include_usage:
