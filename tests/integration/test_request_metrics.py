@@ -96,19 +96,17 @@ async def test_ttft_includes_a_cold_start_and_itl_counts_every_token(nats_server
                 "temperature": 0}
         request = asyncio.create_task(first_chunk_and_rest(st.client, body))
         await wait_until(lambda: st.scheduler.held.get(MODEL))
-        held_from = time.perf_counter()
         await st.add_worker(engine, "dec-metrics", kind="decoder")
         client_ttft, msgs = await request
-        held_for = time.perf_counter() - held_from
         assert msgs[-1] == b"[DONE]" and len(msgs) > 2
 
         await wait_until(lambda: any(r.model == MODEL for r in records), timeout=10)
         [rec] = [r for r in records if r.model == MODEL]
         assert rec.status == 200 and rec.completion_tokens == 12
-        # The gateway's TTFT holds the cold start the client waited; the worker's does not.
-        assert held_for <= rec.ttft_s <= client_ttft
-        assert rec.hold_s <= rec.ttft_s
-        assert 0 < rec.worker_ttft_s < held_for
+        # The gateway's TTFT holds the cold start the client waited and the worker's own
+        # share after it (disjoint parts of it), and no more than the client saw.
+        assert rec.hold_s > 0 and rec.worker_ttft_s > 0
+        assert rec.hold_s + rec.worker_ttft_s <= rec.ttft_s <= client_ttft
         # 12 tokens: 11 gaps, each one counted.
         assert sum(rec.itl_counts) == 11
 
