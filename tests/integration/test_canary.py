@@ -14,12 +14,12 @@ import time
 import msgspec
 
 from services.gateway.frontend import USER_HEADER
-from services.gateway.service import VERSION_HEADER
+from services.gateway.codec import VERSION_HEADER
 from services.registry.routing import user_point
 from shared import subjects
 from shared.errors import HEADER_CODE
 from shared.registry import CanaryGuard
-from tests.integration.test_hot_swap import Built, Load, TaggedEncoder, hb, model_name, push_versions
+from tests.support.swap import Built, Load, TaggedEncoder, hb, model_name, push_versions
 from tests.support.stack import running_stack, wait_until
 from tests.support.telemetry import running_telemetry
 
