@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import msgspec
 
 from services.gateway.frontend import USER_HEADER
@@ -82,6 +83,14 @@ async def test_one_user_keeps_one_version(nats_server):
         # The header does the same for clients that cannot set `user`.
         by_header = {await embed_as(st.client, name, header="carol") for _ in range(8)}
         assert by_header == {(200, "2" if user_point("carol", "2") < 0.5 else "1")}
+        # And over HTTP.
+        async with httpx.AsyncClient(base_url=st.http_url, timeout=10) as http:
+            over_http = set()
+            for _ in range(8):
+                r = await http.post("/v1/embeddings", json={"model": name, "input": ["hi"]},
+                                    headers={USER_HEADER: "dave"})
+                over_http.add((r.status_code, r.headers.get(VERSION_HEADER)))
+        assert over_http == {(200, "2" if user_point("dave", "2") < 0.5 else "1")}
         # Without a user, each request draws on its own: both versions show.
         anonymous = {v for _, v in await asyncio.gather(
             *(embed_as(st.client, name) for _ in range(40)))}
