@@ -70,6 +70,7 @@ def new_request_id() -> str:
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+INLINE_TOKENIZE = 16_384  # bodies up to this many bytes are tokenized on the event loop
 USER_HEADER = "Tensorbus-User"  # sticky canary key for clients that cannot set `user`
 MAX_USER = 256
 
@@ -78,7 +79,6 @@ def user_key(body_user: str | None, header: str | None) -> str:
     """Whom a request is for, for a sticky canary draw: OpenAI's `user` field, else
     the Tensorbus-User header, else "" (an independent draw)."""
     return (body_user or header or "")[:MAX_USER]
-INLINE_TOKENIZE = 16_384  # bodies up to this many bytes are tokenized on the event loop
 
 
 def wire_id(client_id: str | None) -> str:
