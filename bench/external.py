@@ -19,7 +19,7 @@ virtualenv of its own, e.g. one that reuses this one's packages:
 
     python3.11 -m venv /tmp/guidellm-venv
     echo "$PWD/.venv/lib/python3.11/site-packages" > /tmp/guidellm-venv/lib/python3.11/site-packages/tensorbus.pth
-    /tmp/guidellm-venv/bin/pip install 'guidellm==0.8.1'    # or: pip install '.[bench]' there
+    /tmp/guidellm-venv/bin/pip install 'guidellm==0.8.1'    # the version pyproject's bench extra names
 """
 
 from __future__ import annotations
