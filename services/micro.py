@@ -18,14 +18,16 @@ register checks (callables returning a bool, or a bool and a details mapping).
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import msgspec
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
+from nats.aio.msg import Msg
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Handler, Request
-from nats.micro.service import EndpointConfig, Service, ServiceConfig
+from nats.micro.service import Endpoint, EndpointConfig, Service, ServiceConfig
 
 from shared.logging import get_logger
 
@@ -96,6 +98,51 @@ def _run_checks(checks: Mapping[str, Check]) -> tuple[bool, dict[str, Any]]:
     return all_ok, out
 
 
+ConcurrentHandler = Callable[[Msg], Awaitable[bool]]
+"""Serves one message to the end (replies included); returns False when it answered
+with an error."""
+
+
+class ConcurrentEndpoint(Endpoint):
+    """A nats.micro endpoint that serves each message in its own task.
+
+    nats.micro awaits its handler inside the subscription callback, so one slow
+    request would hold up every later one, and it times only that callback. Here the
+    callback starts a task and returns; the task's end updates the endpoint's stats
+    (`nats micro stats`): requests on arrival, errors for error replies (as Go's
+    micro counts `req.Error`), processing time from arrival to the last reply. The
+    subscription takes explicit pending limits, so a burst queues in this process.
+    """
+
+    def __init__(self, service: Service, config: EndpointConfig, handler: ConcurrentHandler,
+                 tasks: set[asyncio.Task], pending_msgs: int, pending_bytes: int) -> None:
+        super().__init__(service, config)
+        self._serve = handler
+        self._tasks = tasks
+        self._pending = (pending_msgs, pending_bytes)
+
+    async def _start(self) -> None:
+        self._subscription = await self._service._client.subscribe(
+            subject=self._subject, queue=self._queue_group, cb=self._handle_request,
+            pending_msgs_limit=self._pending[0], pending_bytes_limit=self._pending[1])
+
+    async def _handle_request(self, msg: Msg) -> None:
+        self._num_requests += 1
+        task = asyncio.create_task(self._timed(msg, time.perf_counter_ns()))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _timed(self, msg: Msg, start_ns: int) -> None:
+        ok = False
+        try:
+            ok = await self._serve(msg)
+        finally:
+            if not ok:
+                self._num_errors += 1
+            self._processing_time += time.perf_counter_ns() - start_ns
+            self._average_processing_time = int(self._processing_time / self._num_requests)
+
+
 class MicroService(Service):
     """A nats.micro Service with a `health` object and an idempotent, safe `stop()`."""
 
@@ -111,6 +158,18 @@ class MicroService(Service):
     @property
     def version(self) -> str:
         return self._version
+
+    async def add_concurrent_endpoint(
+            self, name: str, subject: str, handler: ConcurrentHandler, *, queue_group: str,
+            tasks: set[asyncio.Task], pending_msgs: int = 65_536,
+            pending_bytes: int = 64 * 1024 * 1024) -> None:
+        """An endpoint whose messages are served concurrently (see ConcurrentEndpoint);
+        `tasks` holds the running ones so the owner can wait for them at shutdown."""
+        config = EndpointConfig(name=name, subject=subject, queue_group=queue_group,
+                                handler=_never_called)
+        endpoint = ConcurrentEndpoint(self, config, handler, tasks, pending_msgs, pending_bytes)
+        await endpoint._start()
+        self._endpoints.append(endpoint)
 
     async def stop(self) -> None:
         """Unsubscribe everything; safe to call twice, concurrently, or after the
@@ -137,6 +196,10 @@ class MicroService(Service):
         else:
             await request.respond(data, headers={ERROR_CODE_HEADER: "503",
                                                  ERROR_HEADER: f"{self._name} is not ok"})
+
+
+async def _never_called(request: Request) -> None:  # ConcurrentEndpoint serves instead
+    raise RuntimeError("unreachable")
 
 
 async def add_service(

@@ -62,6 +62,7 @@ class EmbeddingResponse(msgspec.Struct):
 # ---------------------------------------------------------------- generation
 class StreamOptions(_Request, kw_only=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: usage so far on every chunk
 
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]

@@ -65,7 +65,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     metrics_port: int = 9400  # Prometheus /metrics of the whole fleet
     metrics_host: str = "127.0.0.1"  # /metrics bind address; 0.0.0.0 inside a pod
     summary_interval_s: float = 5.0  # telemetry.v1.summary period
-    cost_per_hour: float = 0.0  # fleet cost, for cost per 1M tokens
+    cost_per_hour: str = "0"  # price of one worker-hour, VALUE[,KEY=VALUE...]; KEY a model or device kind (cpu, cuda)
     # --- logs
     log_level: str = "info"  # debug / info / warning / error
     log_format: str = "auto"  # auto (JSON unless a TTY) | json | console
@@ -103,6 +103,17 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     def for_model(self, name: str, model: str) -> str:
         """A per-model setting (`VALUE[,MODEL=VALUE...]`) resolved for `model`."""
         return per_model(getattr(self, name), model)
+
+    def worker_price(self, model: str, device: str = "") -> float:
+        """Price of one worker-hour of `model` on `device` ('cpu', 'cuda:0', ...):
+        `MODEL=VALUE` first, then the device kind (`cuda=VALUE`), then the default.
+        ValueError when the setting is malformed or a price is negative."""
+        default, per = parse_per_model(self.cost_per_hour)
+        prices = {key: _price(raw) for key, raw in per.items()}
+        kind = device.partition(":")[0]
+        if model in prices:
+            return prices[model]
+        return prices.get(kind, _price(default or "0"))
 
     def fleet_bounds(self, model: str) -> tuple[int, int]:
         """(min, max) workers for `model`: TENSORBUS_FLEET, else the global bounds."""
@@ -173,6 +184,16 @@ def parse_fleet(spec: str) -> dict[str, tuple[int, int]]:
             raise ValueError(f"TENSORBUS_FLEET names {model!r} twice")
         out[model] = (low, high)
     return out
+
+
+def _price(raw: str) -> float:
+    try:
+        price = float(raw)
+    except ValueError:
+        raise ValueError(f"TENSORBUS_COST_PER_HOUR: {raw!r} is not a number") from None
+    if not price >= 0:
+        raise ValueError(f"TENSORBUS_COST_PER_HOUR: {raw!r} is not a price (>= 0)")
+    return price
 
 
 def _ints(text: str) -> tuple[int, ...]:

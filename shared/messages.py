@@ -38,6 +38,7 @@ class EmbedWork(_Msg, tag="embed"):
     reply: str  # where results go (the gateway's inbox for this request)
     sched_id: str = ""
     attempt: int = 0
+    user: str = ""  # sticky canary / A-B key: OpenAI's `user`, else the Tensorbus-User header
 
 
 class GenerateWork(_Msg, tag="generate"):
@@ -57,6 +58,7 @@ class GenerateWork(_Msg, tag="generate"):
     sched_id: str = ""
     attempt: int = 0
     ignore_eos: bool = False
+    user: str = ""  # sticky canary / A-B key: OpenAI's `user`, else the Tensorbus-User header
 
 
 WorkRequest = EmbedWork | GenerateWork
@@ -71,6 +73,7 @@ class Timing(msgspec.Struct, array_like=True, gc=False):
     ttft: float = 0.0  # generation: arrival -> first token
     itl_mean: float = 0.0  # generation: mean gap between tokens
     batch_size: int = 0
+    itl_counts: list[int] = msgspec.field(default_factory=list)  # gaps per telemetry.ITL_BUCKETS
 
 
 class EmbedResult(_Msg, tag="embed_result"):
@@ -116,6 +119,7 @@ class WorkError(_Msg, tag="error"):
     code: str = ""
     retry_after: float | None = None
     worker_id: str = ""
+    version: str = ""  # the version that failed it, when a worker did (canary rollback)
 
 
 class Accepted(_Msg, tag="accepted"):

@@ -50,6 +50,20 @@ class ModelVersion(msgspec.Struct, frozen=True, kw_only=True):
     status: str = READY  # pending while its files upload
 
 
+class CanaryGuard(msgspec.Struct, frozen=True, kw_only=True):
+    """Opt-in automatic rollback of one canary (`registry canary ... --auto-rollback`).
+
+    The telemetry service compares the canary with prod over the last `window_s`
+    and clears the canary when, with at least `min_requests` canary requests seen,
+    its error rate (status >= 500) exceeds prod's by more than `error_margin`, or its
+    p95 latency exceeds prod's by more than `p95_margin` (a fraction: 0.5 = 50 %)."""
+
+    window_s: float = 60.0
+    min_requests: int = 20
+    error_margin: float = 0.05
+    p95_margin: float = 0.5
+
+
 class Aliases(msgspec.Struct, frozen=True, kw_only=True):
     """Which versions of a model serve traffic. One KV revision per change."""
 
@@ -58,8 +72,11 @@ class Aliases(msgspec.Struct, frozen=True, kw_only=True):
     canary_weight: float = 0.0  # share of requests sent to `canary`, in [0, 1]
     updated_at: datetime | None = None  # aware UTC
     previous: list[str] = []  # earlier prod versions, oldest first; rollback pops
-    change: str = ""  # what made this revision: promote | canary | rollback | seed
+    change: str = ""  # what made this revision: promote | canary | rollback | seed | auto-rollback
     by: str = ""  # user@host that made it
+    guard: CanaryGuard | None = None  # the canary's automatic rollback, when opted in
+    reason: str = ""  # why this revision was made, when a service made it (auto-rollback)
+    figures: dict[str, float] = {}  # what the reason was judged on
 
 
 class AliasChange(msgspec.Struct, frozen=True):
@@ -72,3 +89,6 @@ class AliasChange(msgspec.Struct, frozen=True):
     canary: str
     canary_weight: float
     by: str
+    reason: str = ""
+    figures: dict[str, float] = {}
+    guarded: bool = False  # the canary had automatic rollback on

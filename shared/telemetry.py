@@ -6,7 +6,24 @@ for replay. Field names are stable; new fields get defaults.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import msgspec
+
+# Per-token gaps, 100 us .. 5 s: the buckets of `tensorbus_inter_token_latency_seconds`.
+# Workers count each request's gaps into these (one more count for +Inf), so the
+# record carries a per-token histogram in 18 integers instead of every gap.
+ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06,
+               0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def itl_bucket(gap_s: float) -> int:
+    """Index of the ITL bucket (`le` bound) that `gap_s` falls in; the last is +Inf."""
+    return bisect_left(ITL_BUCKETS, gap_s)
+
+
+def itl_counts() -> list[int]:
+    return [0] * (len(ITL_BUCKETS) + 1)
 
 
 class _Rec(msgspec.Struct, gc=False, tag_field="t", omit_defaults=False):
@@ -29,11 +46,13 @@ class RequestRecord(_Rec, tag="request"):
     compute_s: float
     prompt_tokens: int
     completion_tokens: int
-    ttft_s: float = 0.0
-    itl_s: float = 0.0
+    ttft_s: float = 0.0  # gateway receipt -> first chunk at the gateway (generation)
+    itl_s: float = 0.0  # mean gap between tokens, at the worker
     batch_size: int = 0
     finished_at: float = 0.0  # UNIX seconds
     hold_s: float = 0.0  # time held waiting for a cold start (scheduler -> first ready worker)
+    worker_ttft_s: float = 0.0  # worker receipt -> its first token (the worker's share of ttft_s)
+    itl_counts: list[int] = msgspec.field(default_factory=list)  # gaps per ITL_BUCKETS (+Inf last)
 
 
 class Heartbeat(_Rec, tag="heartbeat"):
@@ -95,6 +114,8 @@ class ModelSummary(msgspec.Struct, gc=False):
     ttft_p50_s: float = 0.0
     ttft_p99_s: float = 0.0
     cost_per_1m_tokens: float = 0.0
+    cost_per_1m_input_tokens: float = 0.0
+    cost_per_1m_output_tokens: float = 0.0
 
 
 class Summary(_Rec, tag="summary"):

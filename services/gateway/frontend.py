@@ -64,6 +64,7 @@ class Outcome:
     completion_tokens: int = 0
     held_at: float = 0.0  # perf_counter when the scheduler said it holds the request
     hold_s: float = 0.0  # time held for a cold start
+    first_token_at: float = 0.0  # perf_counter when the first generated chunk arrived here
 
 
 def new_request_id() -> str:
@@ -72,6 +73,14 @@ def new_request_id() -> str:
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 INLINE_TOKENIZE = 16_384  # bodies up to this many bytes are tokenized on the event loop
+USER_HEADER = "Tensorbus-User"  # sticky canary key for clients that cannot set `user`
+MAX_USER = 256
+
+
+def user_key(body_user: str | None, header: str | None) -> str:
+    """Whom a request is for, for a sticky canary draw: OpenAI's `user` field, else
+    the Tensorbus-User header, else "" (an independent draw)."""
+    return (body_user or header or "")[:MAX_USER]
 
 
 def wire_id(client_id: str | None) -> str:
@@ -179,7 +188,7 @@ class Frontend:
 
     # -------------------------------------------------------------- embeddings
     async def embeddings(self, body: bytes, msgpack: bool, rid: str, deadline: float,
-                         out: Outcome):
+                         out: Outcome, user: str = ""):
         self.check_size(body)
         req = codec.decode(body, EmbeddingRequest, msgpack)
         name, version = split_name(req.model)
@@ -191,7 +200,7 @@ class Frontend:
         self.shed(name, deadline)
         ids = await self.tokenize(tokenize_inputs, req, entry, self.config, size=len(body))
         out.prompt_tokens = sum(len(x) for x in ids)
-        work = EmbedWork(rid, name, version, ids, deadline, "")
+        work = EmbedWork(rid, name, version, ids, deadline, "", user=user_key(req.user, user))
         sent = self.sent_work.setdefault(name, admission.Tally())
         sent.add(len(ids), out.prompt_tokens)
         try:
@@ -281,6 +290,8 @@ class Frontend:
         except msgspec.DecodeError:
             raise internal() from None
         if isinstance(res, WorkError):
+            if out is not None and res.version:  # a version's failure counts against it
+                out.version, out.worker_id = res.version, res.worker_id
             raise ServiceError(res.status, res.message, code=res.code or None,
                                retry_after=res.retry_after)
         return res
@@ -297,13 +308,17 @@ class Frontend:
     # --------------------------------------------------------------- telemetry
     async def record(self, rid: str, out: Outcome, started: float) -> None:
         t = out.timing
+        # TTFT as a client sees it: from this gateway's receipt (tokenizing, both hops
+        # and any cold-start hold included) to the first chunk reaching it.
+        ttft = out.first_token_at - started if out.first_token_at else 0.0
         rec = RequestRecord(
             request_id=rid, endpoint=out.endpoint, model=out.model, version=out.version,
             worker_id=out.worker_id, status=out.status, error_code=out.error_code,
             total_s=time.perf_counter() - started, queue_s=t.queue, batch_wait_s=t.batch_wait,
             compute_s=t.compute, prompt_tokens=out.prompt_tokens,
-            completion_tokens=out.completion_tokens, ttft_s=t.ttft, itl_s=t.itl_mean,
-            batch_size=t.batch_size, finished_at=time.time(), hold_s=out.hold_s)
+            completion_tokens=out.completion_tokens, ttft_s=ttft, itl_s=t.itl_mean,
+            batch_size=t.batch_size, finished_at=time.time(), hold_s=out.hold_s,
+            worker_ttft_s=t.ttft, itl_counts=t.itl_counts)
         log.debug("request_finished", request_id=rid, status=out.status, version=out.version,
                   worker=out.worker_id, total_s=round(rec.total_s, 6), hold_s=out.hold_s)
         try:

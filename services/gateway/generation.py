@@ -23,6 +23,7 @@ from typing import AsyncIterator
 from nats.aio.msg import Msg
 
 from services.gateway import codec
+from services.gateway.frontend import USER_HEADER, user_key
 from services.gateway.models import ModelEntry, split_name
 from shared.api import (
     STREAM_DONE,
@@ -51,6 +52,7 @@ class Prepared:
     model: str  # as the client named it
     created: int
     include_usage: bool
+    continuous_usage: bool = False  # usage so far on every chunk (vLLM's stream option)
 
 
 class Generation:
@@ -61,7 +63,7 @@ class Generation:
 
     # ---------------------------------------------------------------- prepare
     async def prepare(self, body: bytes, endpoint: str, msgpack: bool, rid: str,
-                      deadline: float, out) -> Prepared:
+                      deadline: float, out, user: str = "") -> Prepared:
         self.front.check_size(body)
         chat = endpoint == "chat.completions"
         req = codec.decode(body, ChatCompletionRequest if chat else CompletionRequest, msgpack)
@@ -91,9 +93,11 @@ class Generation:
                             seed=req.seed)
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
-                            req.stream, deadline, "", ignore_eos=req.ignore_eos)
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Prepared(req, chat, work, req.model, int(time.time()), include_usage)
+                            req.stream, deadline, "", ignore_eos=req.ignore_eos,
+                            user=user_key(req.user, user))
+        opts = req.stream_options
+        return Prepared(req, chat, work, req.model, int(time.time()),
+                        bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
 
     def _prompt(self, req: CompletionRequest, entry: ModelEntry) -> list[int]:
         p = req.prompt
@@ -150,6 +154,8 @@ class Generation:
                     elif ev.attempt != attempt:
                         continue
                     out.version = ev.version or out.version
+                    if not out.first_token_at and isinstance(ev, GenChunk):
+                        out.first_token_at = time.perf_counter()
                     yield ev
                     if isinstance(ev, GenDone):
                         return
@@ -181,6 +187,7 @@ class Generation:
         rid, model, created = prep.work.request_id, prep.model, prep.created
         cid = f"chatcmpl-{rid}"
         started = False
+        prompt, generated = len(prep.work.prompt), 0
         async for ev in self.events(prep, deadline, out):
             if prep.chat and not started:
                 for i in range(prep.work.n):
@@ -189,12 +196,16 @@ class Generation:
             started = True
             if isinstance(ev, GenChunk):
                 reason = _reason(ev.finish_reason) if ev.finish_reason else None
+                generated += ev.tokens
+                usage = Usage(prompt_tokens=prompt, completion_tokens=generated,
+                              total_tokens=prompt + generated) if prep.continuous_usage else None
                 if prep.chat:
                     delta = ChatDelta(content=ev.text) if ev.text else ChatDelta()
-                    yield ChatCompletionChunk(cid, created, model, [ChatChunkChoice(ev.index, delta, reason)])
+                    yield ChatCompletionChunk(cid, created, model, [ChatChunkChoice(ev.index, delta, reason)],
+                                              usage=usage)
                 else:
                     yield CompletionChunk(f"cmpl-{rid}", created, model,
-                                          [CompletionChoice(ev.index, ev.text, reason)])
+                                          [CompletionChoice(ev.index, ev.text, reason)], usage=usage)
             else:
                 self._account(out, ev)
                 if prep.include_usage:
@@ -211,7 +222,8 @@ class Generation:
     # ------------------------------------------------------------------ NATS
     async def serve_nats(self, msg: Msg, endpoint: str, mp: bool, rid: str, deadline: float,
                          out) -> None:
-        prep = await self.prepare(msg.data, endpoint, mp, rid, deadline, out)
+        prep = await self.prepare(msg.data, endpoint, mp, rid, deadline, out,
+                                  (msg.headers or {}).get(USER_HEADER, ""))
         nc = self.front.nc
         if not prep.work.stream:
             resp = await self.complete(prep, deadline, out)

@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from services.gateway import codec
 from services.gateway.codec import VERSION_HEADER
-from services.gateway.frontend import Frontend, Outcome, new_request_id, wire_id
+from services.gateway.frontend import USER_HEADER, Frontend, Outcome, new_request_id, wire_id
 from services.gateway.openapi import openapi_document
 from shared.errors import ServiceError, internal, too_large
 from shared.logging import get_logger
@@ -103,10 +103,12 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
                 body = await read_body(request)
                 deadline = front.deadline(_timeout(request))
                 if endpoint == "embeddings":
-                    resp = await front.embeddings(body, False, wire, deadline, out)
+                    resp = await front.embeddings(body, False, wire, deadline, out,
+                                                  request.headers.get(USER_HEADER, ""))
                     return Response(_json.encode(resp), media_type="application/json",
                                     headers=_headers(rid, out))
-                prep = await generation.prepare(body, endpoint, False, wire, deadline, out)
+                prep = await generation.prepare(body, endpoint, False, wire, deadline, out,
+                                                request.headers.get(USER_HEADER, ""))
                 if not prep.work.stream:
                     resp = await generation.complete(prep, deadline, out)
                     return Response(_json.encode(resp), media_type="application/json",

@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 
 from services.gateway import codec
 from services.gateway.codec import VERSION_HEADER  # noqa: F401 - where tests and clients look
-from services.gateway.frontend import Frontend, Outcome, new_request_id, wire_id
+from services.gateway.frontend import USER_HEADER, Frontend, Outcome, new_request_id, wire_id
 from services.micro import ServiceHealth, add_service
 from shared import VERSION, subjects
 from shared.config import Config
@@ -51,26 +51,26 @@ class Gateway:
         from services.gateway.generation import Generation
 
         self.generation = Generation(self.front)
-        handlers = {
-            subjects.EMBEDDINGS: "embeddings",
-            subjects.COMPLETIONS: "completions",
-            subjects.CHAT_COMPLETIONS: "chat.completions",
-        }
         self._subs.append(await self.nc.subscribe(
             subjects.TELEMETRY_WORKERS, cb=self._on_heartbeat, pending_msgs_limit=100_000))
         self._subs.append(await self.nc.subscribe(subjects.TELEMETRY_SCALE, cb=self._on_scale))
         self._subs.append(await self.nc.subscribe(subjects.SCHED_LOAD, cb=self._on_sched_load))
         self._subs.append(await self.nc.subscribe(subjects.ORCHESTRATOR_STATUS,
                                                   cb=self._on_fleet_status))
-        for subject, endpoint in handlers.items():
-            self._subs.append(await self.nc.subscribe(
-                subject, queue=subjects.QUEUE_GATEWAY, cb=self._spawner(endpoint),
-                pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30))
-        self._subs.append(await self.nc.subscribe(
-            subjects.MODELS, queue=subjects.QUEUE_GATEWAY, cb=self._on_models))
         self.micro = await add_service(
             self.nc, "tensorbus-gateway", VERSION, "OpenAI-shaped inference API over NATS",
             health=ServiceHealth(ready=True))
+        # The inference subjects are the micro service's endpoints (queue group
+        # `gateway`), so `nats micro stats tensorbus-gateway` counts every request,
+        # its errors and its time; each request is still served in its own task.
+        for name, subject, handler in (
+                ("embeddings", subjects.EMBEDDINGS, self._handler("embeddings")),
+                ("completions", subjects.COMPLETIONS, self._handler("completions")),
+                ("chat-completions", subjects.CHAT_COMPLETIONS, self._handler("chat.completions")),
+                ("models", subjects.MODELS, self._on_models)):
+            await self.micro.add_concurrent_endpoint(
+                name, subject, handler, queue_group=subjects.QUEUE_GATEWAY, tasks=self._tasks,
+                pending_msgs=1_000_000, pending_bytes=1 << 30)
         await self.nc.flush()
         server = None
         if self.http:
@@ -128,19 +128,19 @@ class Gateway:
             return
         self.front.statuses = {m.model: m for m in status.models}
 
-    async def _on_models(self, msg: Msg) -> None:
+    async def _on_models(self, msg: Msg) -> bool:
         self.front.fleet.expire()
         mp = codec.is_msgpack(msg.headers)
         await self._respond(msg, codec.encode(self.front.model_list(), mp), mp)
+        return True
 
-    def _spawner(self, endpoint: str):
-        async def cb(msg: Msg) -> None:
-            task = asyncio.create_task(self._serve(msg, endpoint))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        return cb
+    def _handler(self, endpoint: str):
+        async def serve(msg: Msg) -> bool:
+            return await self._serve(msg, endpoint)
+        return serve
 
-    async def _serve(self, msg: Msg, endpoint: str) -> None:
+    async def _serve(self, msg: Msg, endpoint: str) -> bool:
+        """Serve one request to the end; False when it was answered with an error."""
         started = time.perf_counter()
         hdrs = msg.headers or {}
         client_id = next((hdrs[h] for h in REQUEST_ID_HEADERS if hdrs.get(h)), None)
@@ -152,7 +152,8 @@ class Gateway:
             try:
                 deadline = self.front.deadline(_timeout(hdrs))
                 if endpoint == "embeddings":
-                    resp = await self.front.embeddings(msg.data, mp, wire, deadline, out)
+                    resp = await self.front.embeddings(msg.data, mp, wire, deadline, out,
+                                                       hdrs.get(USER_HEADER, ""))
                     await self._respond(msg, codec.encode(resp, mp), mp, out.version)
                 else:
                     await self.generation.serve_nats(msg, endpoint, mp, wire, deadline, out)
@@ -167,6 +168,7 @@ class Gateway:
                 await self._respond_error(msg, internal(), mp)
             finally:
                 await self.front.record(rid, out, started)
+        return out.status < 400
 
     async def _respond(self, msg: Msg, body: bytes, mp: bool, version: str = "") -> None:
         if not msg.reply:

@@ -18,7 +18,7 @@ from services.registry.errors import RegistryError
 from services.registry.store import Registry
 from shared.config import Config
 from shared.logging import configure_logging
-from shared.registry import Aliases, ModelVersion
+from shared.registry import Aliases, CanaryGuard, ModelVersion
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     canary.add_argument("name")
     canary.add_argument("version")
     canary.add_argument("--weight", type=float, default=0.1, help="share in [0, 1] (0.1)")
+    guard = CanaryGuard()
+    canary.add_argument("--auto-rollback", action="store_true",
+                        help="let the telemetry service clear the canary when it does worse "
+                             "than prod (the margins below)")
+    canary.add_argument("--window", type=float, default=guard.window_s,
+                        help=f"seconds compared (default {guard.window_s:g})")
+    canary.add_argument("--min-requests", type=int, default=guard.min_requests,
+                        help=f"canary requests needed to judge (default {guard.min_requests})")
+    canary.add_argument("--error-margin", type=float, default=guard.error_margin,
+                        help="error rate above prod's that rolls back "
+                             f"(default {guard.error_margin:g})")
+    canary.add_argument("--p95-margin", type=float, default=guard.p95_margin,
+                        help="p95 above prod's, as a fraction, that rolls back "
+                             f"(default {guard.p95_margin:g})")
 
     rollback = sub.add_parser("rollback", help="prod back to the previous version, no canary")
     rollback.add_argument("name")
@@ -168,9 +182,10 @@ async def _show(reg: Registry, args) -> int:
     if not history:
         print("  (none)")
         return 0
-    _table(["WHEN", "CHANGE", "PROD", "CANARY", "BY"], [
+    _table(["WHEN", "CHANGE", "PROD", "CANARY", "BY", "REASON"], [
         [_when(h.at), h.change, h.prod or "-",
-         f"{h.canary} ({h.canary_weight:g})" if h.canary else "-", h.by] for h in history
+         f"{h.canary} ({h.canary_weight:g}{', guarded' if h.guarded else ''})" if h.canary
+         else "-", h.by, h.reason or ""] for h in history
     ], indent="  ")
     return 0
 
@@ -192,9 +207,13 @@ async def _promote(reg: Registry, args) -> int:
 
 
 async def _canary(reg: Registry, args) -> int:
-    a = await reg.canary(args.name, args.version, args.weight)
+    guard = None
+    if args.auto_rollback:
+        guard = CanaryGuard(window_s=args.window, min_requests=args.min_requests,
+                            error_margin=args.error_margin, p95_margin=args.p95_margin)
+    a = await reg.canary(args.name, args.version, args.weight, guard)
     print(f"{args.name}: canary -> {a.canary} at {a.canary_weight:.0%} of traffic "
-          f"(prod {a.prod})")
+          f"(prod {a.prod})" + (", automatic rollback on" if guard else ""))
     return 0
 
 

@@ -54,7 +54,8 @@ from services.registry.errors import (
 from services.registry.watch import AliasWatch, alias_change, decode_aliases
 from shared import catalog, gguf, subjects
 from shared.logging import get_logger
-from shared.registry import NAME_RE, PENDING, READY, Aliases, AliasChange, ModelVersion
+from shared.registry import (NAME_RE, PENDING, READY, Aliases, AliasChange, CanaryGuard,
+                             ModelVersion)
 
 __all__ = ["Registry", "ChecksumError", "VersionNotFound", "IncompatibleVersion",
            "InvalidWeight", "NothingToRollBack", "RegistryError", "VersionExists"]
@@ -413,15 +414,22 @@ class Registry:
             canary_stays = cur.canary and cur.canary != version
             return self._stamp(cur, "promote", prod=version, previous=previous,
                                canary=cur.canary if canary_stays else "",
-                               canary_weight=cur.canary_weight if canary_stays else 0.0)
+                               canary_weight=cur.canary_weight if canary_stays else 0.0,
+                               guard=cur.guard if canary_stays else None)
 
         return await self._change_aliases(name, change)
 
-    async def canary(self, name: str, version: str, weight: float) -> Aliases:
-        """Send `weight` of the traffic to `version`, the rest to prod."""
+    async def canary(self, name: str, version: str, weight: float,
+                     guard: CanaryGuard | None = None) -> Aliases:
+        """Send `weight` of the traffic to `version`, the rest to prod; with a `guard`
+        the telemetry service rolls it back on its own (CanaryGuard)."""
         weight = float(weight)
         if not 0.0 <= weight <= 1.0:  # NaN fails too
             raise InvalidWeight(f"canary weight must be within [0, 1], got {weight}")
+        if guard is not None and not (guard.window_s > 0 and guard.min_requests >= 1
+                                      and guard.error_margin >= 0 and guard.p95_margin >= 0):
+            raise RegistryError(f"automatic rollback needs a window > 0, at least 1 request "
+                                f"and margins >= 0, got {guard}")
         mv = await self._require(name, version)
 
         async def change(cur: Aliases) -> Aliases:
@@ -430,7 +438,7 @@ class Registry:
             if cur.prod == version:
                 raise RegistryError(f"{name}@{version} is already prod")
             await self._check_kind(name, cur, mv)
-            return self._stamp(cur, "canary", canary=version, canary_weight=weight)
+            return self._stamp(cur, "canary", canary=version, canary_weight=weight, guard=guard)
 
         return await self._change_aliases(name, change)
 
@@ -441,9 +449,27 @@ class Registry:
             if not cur.previous:
                 raise NothingToRollBack(f"{name} has no earlier prod version to roll back to")
             return self._stamp(cur, "rollback", prod=cur.previous[-1],
-                               previous=cur.previous[:-1], canary="", canary_weight=0.0)
+                               previous=cur.previous[:-1], canary="", canary_weight=0.0,
+                               guard=None)
 
         return await self._change_aliases(name, change)
+
+    async def abort_canary(self, name: str, version: str, reason: str,
+                           figures: dict[str, float]) -> Aliases | None:
+        """Clear the canary if it is still `version` (prod stays), recording why and
+        on what figures: the automatic rollback. None when the canary had changed."""
+        done = False
+
+        async def change(cur: Aliases) -> Aliases | None:
+            nonlocal done
+            if cur.canary != version:
+                return None
+            done = True
+            return self._stamp(cur, "auto-rollback", canary="", canary_weight=0.0, guard=None,
+                               reason=reason, figures=figures)
+
+        new = await self._change_aliases(name, change)
+        return new if done else None
 
     async def promote_if_unset(self, name: str, version: str, change: str = "seed") -> bool:
         """Create the aliases with prod = `version` unless the model has aliases already."""
@@ -466,6 +492,8 @@ class Registry:
             )
 
     def _stamp(self, cur: Aliases, change: str, **fields) -> Aliases:
+        fields.setdefault("reason", "")  # a reason belongs to the revision that gave it
+        fields.setdefault("figures", {})
         return msgspec.structs.replace(cur, updated_at=_now(), change=change, by=self.actor,
                                        **fields)
 
@@ -488,7 +516,8 @@ class Registry:
             except KeyWrongLastSequenceError:
                 continue
             log.info("aliases_changed", model=name, change=new.change, prod=new.prod,
-                     canary=new.canary, canary_weight=new.canary_weight, by=new.by)
+                     canary=new.canary, canary_weight=new.canary_weight, by=new.by,
+                     reason=new.reason or None)
             return new
         raise RegistryError(f"aliases of {name} changed concurrently too often; try again")
 

@@ -15,7 +15,8 @@ def decode_aliases(data: bytes) -> Aliases:
 
 
 def alias_change(revision: int, a: Aliases) -> AliasChange:
-    return AliasChange(revision, a.updated_at, a.change, a.prod, a.canary, a.canary_weight, a.by)
+    return AliasChange(revision, a.updated_at, a.change, a.prod, a.canary, a.canary_weight, a.by,
+                       a.reason, a.figures, a.guard is not None)
 
 
 class AliasWatch:

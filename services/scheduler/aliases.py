@@ -4,8 +4,9 @@
      on that model's aliases (one per model, restarted with back-off if it fails).
   2. Every revision replaces the cached `Aliases`; routing reads the cache, so a
      request never waits on the registry.
-  3. `choose(model)` is one request's draw (canary with probability `canary_weight`,
-     else prod); "" when the registry has no entry, meaning any version.
+  3. `choose(model, user)` is one request's draw (canary with probability
+     `canary_weight`, else prod; sticky per user when the request names one); ""
+     when the registry has no entry, meaning any version.
 
 `seed_registry` runs once in the background when the scheduler process starts: the
 bundled models reach an empty registry from inside a service, so the Procfile holds
@@ -49,10 +50,10 @@ class AliasTable:
             return
         self._watches[model] = asyncio.create_task(self._follow(model))
 
-    def choose(self, model: str) -> str:
+    def choose(self, model: str, user: str = "") -> str:
         """The version for one request: canary draw, else prod; "" = any version."""
         a = self.aliases.get(model)
-        return choose_version(a, self.rng) if a is not None else ""
+        return choose_version(a, self.rng, user) if a is not None else ""
 
     def prod(self, model: str) -> str:
         a = self.aliases.get(model)

@@ -119,7 +119,7 @@ class Scheduler:
         # With a registry, each model seen in heartbeats has its aliases watched.
         self.aliases = AliasTable(registry) if registry is not None else None
         self.choose_version = choose_version or (
-            self.aliases.choose if self.aliases is not None else (lambda model: ""))
+            self.aliases.choose if self.aliases is not None else (lambda model, user="": ""))
         self.prod_version = self.aliases.prod if self.aliases is not None else (lambda model: "")
         self.scale_interval_s = scale_interval_s
         self.outstanding: dict[str, Outstanding] = {}
@@ -271,7 +271,7 @@ class Scheduler:
                         since: float | None = None) -> None:
         sent = work
         if not work.version:
-            pin, ready = self._route_version(work.model, ready)
+            pin, ready = self._route_version(work.model, ready, work.user)
             if pin:  # the worker runs the drawn canary, not its own prod
                 sent = msgspec.structs.replace(work, version=pin)
         target = min(ready, key=self._load_of)
@@ -287,12 +287,13 @@ class Scheduler:
         await self.nc.publish(subjects.worker_work(wid), encode(sent))
         log.debug("request_dispatched", request_id=work.request_id, worker=wid)
 
-    def _route_version(self, model: str, ready: list[WorkerView]) -> tuple[str, list[WorkerView]]:
+    def _route_version(self, model: str, ready: list[WorkerView],
+                       user: str = "") -> tuple[str, list[WorkerView]]:
         """(version to pin, workers holding it): the draw, else prod, else ("", all).
 
         Prod is never pinned ("" = the worker's own prod)."""
         prod = self.prod_version(model)
-        for version in (self.choose_version(model), prod):
+        for version in (self.choose_version(model, user), prod):
             if version:
                 pool = [w for w in ready if version in w.hb.versions]
                 if pool:

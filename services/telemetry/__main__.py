@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from services.registry.store import open_or_none
 from shared.bus import connection, stop_event
 from shared.config import Config
 from shared.logging import configure_logging, get_logger
@@ -15,7 +16,9 @@ async def main(config: Config) -> None:
     log = get_logger("telemetry")
     stop = stop_event()
     async with connection(config.nats_url, SERVICE_NAME) as nc:
-        service = TelemetryService(nc, config, metrics_host=config.metrics_host)
+        registry = await open_or_none(nc, why="no automatic canary rollback")
+        service = TelemetryService(nc, config, metrics_host=config.metrics_host,
+                                   model_registry=registry)
         runner = asyncio.create_task(service.run())
         waiter = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({runner, waiter}, return_when=asyncio.FIRST_COMPLETED)

@@ -22,6 +22,12 @@ What each kind of record feeds:
    for `DECISION_TTL_S` stops counting.
 4. A RequestRecord with `hold_s` > 0 (held for a cold start, whatever its outcome)
    feeds `tensorbus_cold_start_wait_seconds`.
+5. Generation: `tensorbus_time_to_first_token_seconds` is the gateway's TTFT (receipt
+   to first chunk), `tensorbus_worker_time_to_first_token_seconds` the worker's share.
+   `tensorbus_inter_token_latency_seconds` has one observation per generated token
+   gap: the worker counts gaps into the histogram's own buckets (`itl_counts`), and
+   `TokenGapHistogram` adds those counts, so no gap is lost and none is sent alone.
+6. Every summary sets the cost gauges (`tensorbus_cost_per_million_*_tokens`).
 """
 
 from __future__ import annotations
@@ -29,18 +35,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from shared.scaling import LiveDecisions
-from shared.telemetry import Heartbeat, RequestRecord, ScaleDecision
+from shared.telemetry import ITL_BUCKETS, Heartbeat, RequestRecord, ScaleDecision
 
 NS = "tensorbus"
 
 # 100 us .. 2 min: sub-millisecond encoder batches up to long generations.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
-# Per-token gaps: 100 us .. 5 s.
-ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06,
-               0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(15))  # 1 .. 16384
 BATCH_BUCKETS = tuple(float(2**i) for i in range(10))  # 1 .. 512
 
@@ -51,6 +56,44 @@ class _Seen:
     state: str
     last_seen: float  # monotonic seconds in this process
     queue_depth: int
+    device: str = ""
+
+
+class TokenGapHistogram:
+    """A Prometheus histogram (label `model`) fed with bucket counts, not values.
+
+    prometheus_client's Histogram takes one value per `observe()`; a worker already
+    counted its request's gaps into the same buckets, so adding the counts is exact
+    and costs 18 additions per request instead of one call per token."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...],
+                 registry: CollectorRegistry) -> None:
+        self.name, self.doc = name, doc
+        self._bounds = [floatToGoString(b) for b in buckets] + ["+Inf"]
+        self._series: dict[str, tuple[list[int], list[float]]] = {}  # model -> counts, [sum]
+        registry.register(self)
+
+    def add(self, model: str, counts: list[int], total_s: float) -> None:
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = ([0] * len(self._bounds), [0.0])
+        acc, total = series
+        for i, n in enumerate(counts[:len(acc)]):
+            acc[i] += n
+        total[0] += total_s
+
+    def describe(self):
+        return [HistogramMetricFamily(self.name, self.doc, labels=["model"])]
+
+    def collect(self):
+        fam = HistogramMetricFamily(self.name, self.doc, labels=["model"])
+        for model, (acc, total) in self._series.items():
+            running, buckets = 0, []
+            for bound, n in zip(self._bounds, acc):
+                running += n
+                buckets.append((bound, running))
+            fam.add_metric([model], buckets, total[0])
+        yield fam
 
 
 @dataclass(slots=True)
@@ -61,7 +104,7 @@ class _ModelSeries:
     batch_wait: Histogram
     compute: Histogram
     ttft: Histogram
-    itl: Histogram
+    worker_ttft: Histogram
     prompt_tokens: Counter
     generation_tokens: Counter
     request_prompt_tokens: Histogram
@@ -83,6 +126,7 @@ class TelemetryMetrics:
         self._e2e_children: dict[tuple[str, str], Histogram] = {}
         self._series: dict[str, _ModelSeries] = {}
         self.decisions = LiveDecisions()
+        self._costed: list[set[str]] = [set(), set()]  # models with an input, output cost series
 
     # --- construction
 
@@ -102,9 +146,19 @@ class TelemetryMetrics:
         self.compute = hist("request_compute_seconds",
                             "Time in the engine's forward passes.", LATENCY_BUCKETS)
         self.ttft = hist("time_to_first_token_seconds",
-                         "Worker receipt to first generated token.", LATENCY_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds",
-                        "Mean gap between generated tokens of a request.", ITL_BUCKETS)
+                         "Gateway receipt to the first generated token reaching it.",
+                         LATENCY_BUCKETS)
+        self.worker_ttft = hist("worker_time_to_first_token_seconds",
+                                "Worker receipt to its first generated token.", LATENCY_BUCKETS)
+        self.itl = TokenGapHistogram(f"{NS}_inter_token_latency_seconds",
+                                     "Gap between consecutive generated tokens, per token.",
+                                     ITL_BUCKETS, r)
+        self.cost_input = Gauge(f"{NS}_cost_per_million_input_tokens",
+                                "Cost of 1M prompt tokens over the summary window (price "
+                                "per worker-hour, split by prefill time).", ["model"], registry=r)
+        self.cost_output = Gauge(f"{NS}_cost_per_million_output_tokens",
+                                 "Cost of 1M generated tokens over the summary window (price "
+                                 "per worker-hour, split by decode time).", ["model"], registry=r)
         self.prompt_tokens = Counter(f"{NS}_prompt_tokens", "Prompt (input) tokens processed.",
                                      ["model"], registry=r)
         self.generation_tokens = Counter(f"{NS}_generation_tokens", "Tokens generated.",
@@ -192,8 +246,24 @@ class TelemetryMetrics:
             s.request_generation_tokens.observe(rec.completion_tokens)
         if rec.ttft_s > 0:
             s.ttft.observe(rec.ttft_s)
-        if rec.itl_s > 0:
-            s.itl.observe(rec.itl_s)
+        if rec.worker_ttft_s > 0:
+            s.worker_ttft.observe(rec.worker_ttft_s)
+        gaps = sum(rec.itl_counts)
+        if gaps:
+            self.itl.add(rec.model, rec.itl_counts, rec.itl_s * gaps)
+
+    def set_costs(self, costs: dict[str, tuple[float, float]]) -> None:
+        """Cost gauges, model -> (per 1M input, per 1M output tokens). A model with no
+        price, or no such tokens in the window, has no series rather than a 0 that
+        would claim its tokens were free."""
+        for gauge, i in ((self.cost_input, 0), (self.cost_output, 1)):
+            for model in self._costed[i] - {m for m, c in costs.items() if c[i] > 0}:
+                gauge.remove(model)
+            self._costed[i] = set()
+            for model, c in costs.items():
+                if c[i] > 0:
+                    gauge.labels(model).set(c[i])
+                    self._costed[i].add(model)
 
     def _model_series(self, model: str) -> "_ModelSeries":
         # `labels()` costs about as much as `observe()`; resolve each child once.
@@ -213,7 +283,7 @@ class TelemetryMetrics:
             self._drop(w)
         elif old is not None and old.state != hb.state:
             self.w_up.remove(w, old.model, old.state)
-        self._workers[w] = _Seen(m, hb.state, now, hb.queue_depth)
+        self._workers[w] = _Seen(m, hb.state, now, hb.queue_depth, hb.device)
         self._models.add(m)
         self.w_up.labels(w, m, hb.state).set(1)
         self.w_queue.labels(w, m).set(hb.queue_depth)
@@ -252,6 +322,10 @@ class TelemetryMetrics:
     def workers(self) -> dict[str, str]:
         """Live worker id -> model."""
         return {w: s.model for w, s in self._workers.items()}
+
+    def worker_devices(self) -> list[tuple[str, str]]:
+        """(model, device) of every live worker."""
+        return [(s.model, s.device) for s in self._workers.values()]
 
     def _drop(self, worker: str) -> None:
         seen = self._workers.pop(worker)

@@ -10,9 +10,12 @@ Dataflow:
    per-worker and per-model gauges; ScaleDecision -> desired replicas (combined over
    live schedulers) and held requests.
 3. Every `summary_interval_s` a `Summary` (per model: requests, errors, throughput,
-   latency and TTFT quantiles, tokens/s, cost per 1M tokens) goes out on
-   `telemetry.v1.summary`; workers silent past `worker_expiry_s` lose their series.
-4. `stop()` (idempotent) ends the loops, unregisters, unsubscribes, stops HTTP.
+   latency and TTFT quantiles, tokens/s, cost per 1M tokens, input and output apart)
+   goes out on `telemetry.v1.summary` and sets the cost gauges; workers silent past `worker_expiry_s` lose their series.
+4. With the model registry, request records also feed the canary guardian
+   (services/telemetry/canary.py), which rolls back a guarded canary that does worse
+   than prod past its margins.
+5. `stop()` (idempotent) ends the loops, unregisters, unsubscribes, stops HTTP.
 
 Telemetry must never slow inference. Publishers use plain core NATS publish and never
 wait on this service; its subscriptions have large pending limits, so a burst queues
@@ -35,11 +38,15 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from services.micro import MicroService, ServiceHealth, add_service
 from shared import subjects
-from shared.config import Config
+from shared.config import Config, bad_config
 from shared.logging import get_logger
 from shared.telemetry import Heartbeat, RequestRecord, ScaleDecision, encode, record_decoder
 
+from services.registry.errors import RegistryError
+from services.registry.store import Registry
+
 from . import VERSION
+from .canary import CHECK_S, CanaryGuardian
 from .metrics import TelemetryMetrics
 from .stream import ensure_stream, stream_config
 from .summary import SummaryWindow
@@ -64,9 +71,14 @@ class TelemetryService:
         alpha: float = 0.01,
         stream: StreamConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        model_registry: Registry | None = None,
     ) -> None:
         self.nc = nc
         self.config = config
+        try:
+            config.worker_price("")  # a malformed price list stops the service at start
+        except ValueError as exc:
+            raise bad_config(str(exc)) from None
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = TelemetryMetrics(self.registry, expiry_s=config.worker_expiry_s)
         self.window = SummaryWindow(config.summary_interval_s, window_slots, alpha, clock)
@@ -84,6 +96,7 @@ class TelemetryService:
         self._processed: dict[str, int] = {}  # per subject, to count drops
         self._dropped: dict[str, int] = {}
         self._micro: MicroService | None = None
+        self.guardian = CanaryGuardian(model_registry, clock=clock) if model_registry else None
         self._httpd = None
         self._http_thread = None
 
@@ -108,6 +121,8 @@ class TelemetryService:
             async with asyncio.TaskGroup() as tg:
                 loops = [tg.create_task(self._summary_loop()),
                          tg.create_task(self._expiry_loop())]
+                if self.guardian is not None:
+                    loops.append(tg.create_task(self._canary_loop()))
                 await self._stopping.wait()
                 for task in loops:
                     task.cancel()
@@ -138,6 +153,8 @@ class TelemetryService:
 
     async def _shutdown(self) -> None:
         self.health.ready = False
+        if self.guardian is not None:
+            await self.guardian.stop()
         if self._micro is not None:
             await self._micro.stop()
         for sub in self._subs:
@@ -182,6 +199,8 @@ class TelemetryService:
                 case RequestRecord():
                     self.metrics.observe_request(rec)
                     self.window.add(rec, now)
+                    if self.guardian is not None:
+                        self.guardian.observe(rec, now)
                 case Heartbeat():
                     self.metrics.observe_heartbeat(rec, now)
                 case ScaleDecision():
@@ -206,11 +225,13 @@ class TelemetryService:
                 await self._ensure_stream()
 
     async def publish_summary(self) -> None:
-        workers: dict[str, int] = {}
-        for model in self.metrics.workers().values():
-            workers[model] = workers.get(model, 0) + 1
-        summary = self.window.summary(at=time.time(), cost_per_hour=self.config.cost_per_hour,
-                                      workers=workers, now=self._clock())
+        rates: dict[str, float] = {}  # model -> price of its live workers per hour
+        for model, device in self.metrics.worker_devices():
+            rates[model] = rates.get(model, 0.0) + self.config.worker_price(model, device)
+        summary = self.window.summary(at=time.time(), cost_per_hour=rates, now=self._clock())
+        self.metrics.set_costs({ms.model: (ms.cost_per_1m_input_tokens,
+                                           ms.cost_per_1m_output_tokens)
+                                for ms in summary.models})
         self.last_summary = summary
         try:
             await self.nc.publish(subjects.TELEMETRY_SUMMARY, encode(summary))
@@ -227,6 +248,14 @@ class TelemetryService:
                 self.metrics.dropped.labels(sub.subject).inc(
                     dropped - self._dropped.get(sub.subject, 0))
                 self._dropped[sub.subject] = dropped
+
+    async def _canary_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CHECK_S)
+            try:
+                await self.guardian.check(self._clock())
+            except (NatsError, asyncio.TimeoutError, RegistryError) as exc:
+                log.warning("canary_check_failed", error=str(exc))  # tried again next time
 
     async def _expiry_loop(self) -> None:
         period = max(min(self.config.worker_expiry_s / 4, 0.5), 0.01)

@@ -257,7 +257,7 @@ class EncoderRunner:
         failed = [(p, out.error) for p in out.items] if out.error is not None else out.failed
         for p, exc in failed:
             log.error("request_failed", request_id=p.work.request_id, error=repr(exc))
-            await self.outbox.error(p.work, internal("the model failed on this input"))
+            await self.outbox.error(p.work, internal("the model failed on this input"), out.version)
             done[p.work.sched_id].append(p.work.request_id)
         if out.error is None:
             for p, vecs, timing in zip(out.items, out.vectors, out.timings):

@@ -38,6 +38,7 @@ from services.worker.versions import LoadedModels
 from shared.errors import ServiceError, deadline_exceeded, internal
 from shared.logging import get_logger
 from shared.messages import GenChunk, GenDone, GenerateWork, Timing
+from shared.telemetry import itl_bucket, itl_counts
 
 log = get_logger("worker.generation")
 
@@ -91,6 +92,7 @@ class RequestState:
     itl_sum: float = 0.0
     itl_n: int = 0
     admitted: float = 0.0
+    itl_counts: list[int] = field(default_factory=itl_counts)  # per-token gaps, bucketed
 
 
 class DecoderRunner:
@@ -310,8 +312,10 @@ class DecoderRunner:
                 st.first_at = now
                 st.admitted = seq.admitted
         else:
-            st.itl_sum += now - seq.last_at
+            gap = now - seq.last_at
+            st.itl_sum += gap
             st.itl_n += 1
+            st.itl_counts[itl_bucket(gap)] += 1
         seq.last_at = now
         seq.generated += 1
         st.completion_tokens += 1
@@ -393,7 +397,8 @@ class DecoderRunner:
             compute=end - (st.admitted or end),
             ttft=(st.first_at - st.arrived) if st.first_at else 0.0,
             itl_mean=st.itl_sum / st.itl_n if st.itl_n else 0.0,
-            batch_size=self.in_flight + 1)
+            batch_size=self.in_flight + 1,
+            itl_counts=st.itl_counts if st.itl_n else [])
         version = st.version or self.models.resolve(w.version)
         await self.outbox.publish(w.reply, GenDone(
             w.request_id, self.outbox.worker_id, self.outbox.model, version,

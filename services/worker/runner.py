@@ -10,7 +10,7 @@ the `LoadedModels` (which engine serves which version, looked up when used).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from nats.aio.client import Client
 
@@ -73,21 +73,25 @@ class Outbox:
     """Where a runner's answers go: the request's reply subject, and the dispatching
     scheduler's done subject. All a runner may say on the bus."""
 
-    def __init__(self, nc: Client, worker_id: str, model: str) -> None:
+    def __init__(self, nc: Client, worker_id: str, model: str,
+                 prod: Callable[[], str] = lambda: "") -> None:
         self.nc = nc
         self.worker_id = worker_id
         self.model = model
+        self.prod = prod  # the version unpinned work runs on now
 
     async def publish(self, reply: str, message) -> None:
         """A result for the requester (EmbedResult, GenChunk, GenDone)."""
         if reply:
             await self.nc.publish(reply, encode(message))
 
-    async def error(self, work: WorkRequest, err: ServiceError) -> None:
+    async def error(self, work: WorkRequest, err: ServiceError, version: str = "") -> None:
+        """`version`: the one that failed it, when known; else the pinned one or prod
+        (telemetry counts the failure against it: canary rollback)."""
         if work.reply:
             await self.nc.publish(work.reply, encode(WorkError(
                 work.request_id, err.status, err.message, err.code, err.retry_after,
-                self.worker_id)))
+                self.worker_id, version or work.version or self.prod())))
 
     async def done(self, done: dict[str, list[str]], compute_s: float = 0.0, tokens: int = 0) -> None:
         """These requests are finished: one WorkDone per dispatching scheduler."""

@@ -82,7 +82,7 @@ class Worker:
             self.swap = HotSwap(self.model, self.models, source, engine_factory,
                                 in_use=self._wait_unused, grace_s=config.heartbeat_s * 3,
                                 model_dir=config.model_dir)
-        self.outbox = Outbox(nc, self.id, self.model)
+        self.outbox = Outbox(nc, self.id, self.model, prod=lambda: self.models.prod)
         self.runner: Runner | None = None  # built in run(), once the kind is known
         self.memory = MemoryProbe()
         self.state = "starting"

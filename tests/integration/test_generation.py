@@ -101,6 +101,20 @@ async def test_streaming_chunks_then_done_equal_the_whole_text(stack, tiny):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] >= 1
 
 
+async def test_continuous_usage_on_every_chunk(stack, tiny):
+    """vLLM's `continuous_usage_stats` (GuideLLM sends it): usage so far on each chunk."""
+    _, engine, _ = tiny
+    prompt = PROMPTS[0]
+    msgs = await stream(stack.client, subjects.COMPLETIONS, {
+        "model": engine.name, "prompt": prompt, "max_tokens": 8, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = [msgspec.json.decode(m) for m in msgs[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(counts) and counts[0] >= 1 and len(counts) > 1
+    assert all(c["usage"]["prompt_tokens"] == len(prompt) for c in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+
+
 async def test_chat_completion_and_chat_stream(stack, tiny):
     _, engine, _ = tiny
     body = {"model": engine.name, "messages": [{"role": "user", "content": "the quick brown fox"}],

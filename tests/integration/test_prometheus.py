@@ -38,7 +38,7 @@ TARGET_QUEUE = 4  # TENSORBUS_TARGET_QUEUE_PER_REPLICA here: small, so load asks
 IDLE_S = 1.0  # TENSORBUS_IDLE_TO_ZERO_S here (with a fleet minimum of 0)
 COLD = catalog.DEMO_LM  # a catalogue model no worker serves here: its requests are held
 # Grafana's variables, as a dashboard user with "All" models would have them.
-VARIABLES = {"$__rate_interval": "15s", "$model": ".*", "$worker_hour_price": "2.5"}
+VARIABLES = {"$__rate_interval": "15s", "$model": ".*"}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,8 @@ async def observed(nats_server, decoder):
             target_queue_per_replica=TARGET_QUEUE, min_workers=0, idle_to_zero_s=IDLE_S))
         await st.add_worker(encoder, "enc-1")
         await st.add_worker(engine, "dec-1", kind="decoder")
-        telemetry = await ex.enter_async_context(running_telemetry(nats_server.url))
+        telemetry = await ex.enter_async_context(running_telemetry(
+            nats_server.url, cost_per_hour="2.5"))  # priced, so the cost panel has data
         prom = await ex.enter_async_context(
             running_prometheus([f"127.0.0.1:{telemetry.metrics_port}"], interval_s=0.5))
         try:

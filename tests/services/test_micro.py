@@ -124,3 +124,37 @@ async def test_stop_is_idempotent_and_removes_interest(nats_server):
     await client.close()
     await other.stop()
     assert other.stopped.is_set()
+
+
+async def test_a_concurrent_endpoint_serves_in_parallel_and_counts_errors_and_time(nc):
+    """A request that waits does not hold up the next one, and `nats micro stats`
+    (the $SRV.STATS answer) counts requests, error replies and the time to the reply."""
+    name = _name()
+    release = asyncio.Event()
+    tasks: set[asyncio.Task] = set()
+
+    async def serve(msg) -> bool:
+        if msg.data == b"wait":
+            await release.wait()
+        await nc.publish(msg.reply, msg.data)
+        return msg.data != b"bad"
+
+    svc = await add_service(nc, name, "1.0.0", "test", health=ServiceHealth(ready=True))
+    subject = f"test.{name}.work"
+    await svc.add_concurrent_endpoint("work", subject, serve, queue_group="grp", tasks=tasks)
+    try:
+        waiting = asyncio.create_task(nc.request(subject, b"wait", timeout=5))
+        assert (await nc.request(subject, b"fast", timeout=5)).data == b"fast"
+        assert not waiting.done()  # still waiting, and it did not block "fast"
+        release.set()
+        assert (await waiting).data == b"wait"
+        await nc.request(subject, b"bad", timeout=5)
+        if tasks:  # the last reply may arrive before its task has finished accounting
+            await asyncio.wait(tasks)
+        [stats] = await _gather(nc, f"$SRV.STATS.{name}", lambda r: len(r) >= 1)
+        [ep] = [e for e in stats["endpoints"] if e["name"] == "work"]
+        assert (ep["subject"], ep["queue_group"]) == (subject, "grp")
+        assert (ep["num_requests"], ep["num_errors"]) == (3, 1)
+        assert ep["processing_time"] > 0 and ep["average_processing_time"] > 0
+    finally:
+        await svc.stop()

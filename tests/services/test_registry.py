@@ -357,3 +357,21 @@ async def test_bad_names_and_dirs_refused(reg, enc_dir, tmp_path):
     (enc_dir / "model.safetensors").unlink()
     with pytest.raises(RegistryError, match="no weights"):
         await reg.push(enc_dir, _name(), progress=False)
+
+
+def test_a_users_draw_is_sticky_and_a_ramp_only_moves_users_onto_the_canary():
+    users = [f"user-{i}" for i in range(2000)]
+    a10 = Aliases(prod="1", canary="2", canary_weight=0.1)
+    a50 = Aliases(prod="1", canary="2", canary_weight=0.5)
+    rngs = [random.Random(seed) for seed in (1, 2)]  # two schedulers, different rngs
+    at10 = {u: choose_version(a10, rngs[0], u) for u in users}
+    assert all(choose_version(a10, rngs[1], u) == v for u, v in at10.items())  # same anywhere
+    n, p = len(users), 0.1
+    hits = sum(v == "2" for v in at10.values())
+    assert abs(hits - n * p) <= 4 * math.sqrt(n * p * (1 - p))  # still the weight's share
+    at50 = {u: choose_version(a50, rngs[0], u) for u in users}
+    assert all(at50[u] == "2" for u, v in at10.items() if v == "2")  # nobody moved back
+    # A new canary version draws its users afresh.
+    a3 = Aliases(prod="1", canary="3", canary_weight=0.1)
+    on3 = {u for u in users if choose_version(a3, rngs[0], u) == "3"}
+    assert on3 != {u for u, v in at10.items() if v == "2"}

@@ -85,7 +85,7 @@ async def test_alias_commands_and_history(cli, tmp_path):
     rc, out, _ = await cli("show", name)
     assert rc == 0 and "prod: 1   canary: -" in out
     history = out.split("alias history:")[1].strip().splitlines()
-    assert history[0].split() == ["WHEN", "CHANGE", "PROD", "CANARY", "BY"]
+    assert history[0].split() == ["WHEN", "CHANGE", "PROD", "CANARY", "BY", "REASON"]
     rows = [line.split() for line in history[1:]]
     assert [r[2:4] for r in rows] == [["promote", "1"], ["canary", "1"], ["promote", "2"],
                                      ["rollback", "1"]]
@@ -96,6 +96,17 @@ async def test_alias_commands_and_history(cli, tmp_path):
     doc = json.loads(out)
     assert [h["change"] for h in doc["history"]] == ["promote", "canary", "promote", "rollback"]
     assert doc["aliases"]["prod"] == "1"
+
+    rc, out, _ = await cli("canary", name, "2", "--weight", "0.2", "--auto-rollback",
+                           "--window", "30", "--error-margin", "0.1")
+    assert rc == 0 and out == (f"{name}: canary -> 2 at 20% of traffic (prod 1), "
+                               "automatic rollback on\n")
+    doc = json.loads((await cli("show", name, "--json"))[1])
+    assert doc["aliases"]["guard"] == {"window_s": 30.0, "min_requests": 20,
+                                       "error_margin": 0.1, "p95_margin": 0.5}
+    assert doc["history"][-1]["guarded"] is True
+    rc, out, _ = await cli("show", name)
+    assert "2 (0.2, guarded)" in out
 
 
 async def test_refusals_exit_1_with_a_reason(cli, tmp_path):

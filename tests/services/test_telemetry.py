@@ -33,7 +33,8 @@ from services.telemetry.stream import ensure_stream, stream_config
 from shared import subjects
 from shared.config import Config
 from shared.natsd import free_port
-from shared.telemetry import Heartbeat, RequestRecord, ScaleDecision, Summary, encode, record_decoder
+from shared.telemetry import (Heartbeat, RequestRecord, ScaleDecision, Summary, encode, itl_bucket,
+                              itl_counts, record_decoder)
 
 ALPHA = 0.01
 SUMMARY_S = 0.2
@@ -51,7 +52,15 @@ def _request(model: str, total_s: float, *, status: int = 200, endpoint: str = "
         worker_id="w", status=status, error_code="" if status < 400 else "overloaded",
         total_s=total_s, queue_s=total_s * 0.2, batch_wait_s=total_s * 0.1,
         compute_s=total_s * 0.6, prompt_tokens=prompt, completion_tokens=completion,
-        ttft_s=ttft, itl_s=itl, batch_size=batch, finished_at=time.time())
+        ttft_s=ttft, itl_s=itl, batch_size=batch, finished_at=time.time(),
+        itl_counts=_gaps(itl, completion - 1) if itl else [])
+
+
+def _gaps(gap: float, n: int) -> list[int]:
+    """A worker's per-token histogram of `n` gaps, all `gap` long."""
+    counts = itl_counts()
+    counts[itl_bucket(gap)] = n
+    return counts
 
 
 def _heartbeat(worker: str, model: str, *, state: str = "ready", queue: int = 0,
@@ -166,7 +175,10 @@ async def test_request_records_reach_counters_and_histograms(started, nc):
     assert s.get("tensorbus_request_prompt_tokens_bucket", model=model, le="8.0") == 40
     assert s.get("tensorbus_time_to_first_token_seconds_count", model=model) == 3
     assert s.get("tensorbus_time_to_first_token_seconds_sum", model=model) == pytest.approx(0.36)
-    assert s.get("tensorbus_inter_token_latency_seconds_count", model=model) == 3
+    assert s.get("tensorbus_inter_token_latency_seconds_count", model=model) == 3 * 29  # per token
+    assert s.get("tensorbus_inter_token_latency_seconds_sum", model=model) == pytest.approx(3 * 29 * 0.02)
+    assert s.get("tensorbus_inter_token_latency_seconds_bucket", model=model, le="0.01") == 0
+    assert s.get("tensorbus_inter_token_latency_seconds_bucket", model=model, le="0.02") == 3 * 29
 
 
 async def test_heartbeats_drive_gauges_and_silent_workers_disappear(started, nc):
@@ -315,7 +327,7 @@ def test_memory_gauges_and_cold_start_wait():
 
 
 async def test_summary_quantiles_agree_with_numpy(started, nc):
-    svc = await started(cost_per_hour=3.6)
+    svc = await started()
     model = _model()
     sub = await nc.subscribe(subjects.TELEMETRY_SUMMARY)
     rng = np.random.default_rng(11)
@@ -347,8 +359,7 @@ async def test_summary_quantiles_agree_with_numpy(started, nc):
     assert np.all(np.abs(t_got - t_exact) / t_exact <= ALPHA * (1 + 1e-9))
     assert ms.throughput_rps == pytest.approx(lat.size / summary.window_s)
     assert ms.tokens_per_s == pytest.approx(lat.size * 15 / summary.window_s)
-    share = ms.tokens_per_s / sum(m.tokens_per_s for m in summary.models)  # no workers known
-    assert ms.cost_per_1m_tokens == pytest.approx(3.6 * share / (ms.tokens_per_s * 3600) * 1e6)
+    assert ms.cost_per_1m_tokens == 0.0  # a price per worker-hour, and no worker was heard
 
 
 async def test_records_replay_from_the_stream(started, nc):

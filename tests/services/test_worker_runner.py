@@ -30,7 +30,7 @@ class Recorder:
     async def publish(self, reply: str, message) -> None:
         self.messages.append(message)
 
-    async def error(self, work, err) -> None:
+    async def error(self, work, err, version: str = "") -> None:
         self.errors.append((work.request_id, err.status))
 
     async def done(self, done: dict[str, list[str]]) -> None:
