@@ -81,3 +81,26 @@ async def test_chat_answers_equal_transformers_greedy(stack, smollm2):
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     assert streamed == refs[QUESTIONS[1]][0]
     assert chunks[-1]["choices"][0]["finish_reason"] == refs[QUESTIONS[1]][1]
+
+
+async def test_openai_client_over_http_gets_the_reference_answer(stack, smollm2):
+    """The unchanged `openai` client, whole and streamed, over the HTTP API; every
+    response names the version that answered."""
+    import openai
+
+    _, refs = smollm2
+    client = openai.AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0)
+    q = QUESTIONS[0]
+    raw = await client.chat.completions.with_raw_response.create(
+        model=catalog.SMOLLM2, messages=_messages(q), max_tokens=NEW, temperature=0)
+    resp = raw.parse()
+    assert raw.headers.get("tensorbus-model-version")
+    assert (resp.choices[0].message.content, resp.choices[0].finish_reason) == refs[q]
+    parts = []
+    async for chunk in await client.chat.completions.create(
+            model=catalog.SMOLLM2, messages=_messages(q), max_tokens=NEW, temperature=0,
+            stream=True):
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+    assert "".join(parts) == refs[q][0]
+    await client.close()
