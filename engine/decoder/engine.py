@@ -1,36 +1,47 @@
 """Host-side driver of the decoder engine: what a worker calls, from one thread.
 
 Dataflow of a served sequence:
-  1. `prefill_insert(slot, prompt, sampling, seed)`: the prompt is padded to the
-     smallest length bucket that holds it; one jitted call (compiled per bucket at
-     warm-up) runs the prompt, writes its K/V into `slot` of the preallocated cache,
-     draws the first token with the request's own seeded key, and returns it.
-  2. `step()`: one jitted decode step for every slot at once (each at its own
-     position, with its own sampling parameters); the state is donated, so the cache
-     is updated in place; one [SLOTS] int32 array comes back to the host.
-  3. The caller decides when a sequence ends (EOS, stop string, max tokens,
-     `context_left(slot) == 0`) and calls `free(slot)`; the slot's cache rows are
-     simply overwritten by the next insert.
+  1. `begin(slot, prompt, sampling, seed)`: the sequence gets blocks from the pool
+     for its prompt and first token; full blocks whose prefix is cached are reused
+     (their K/V is not computed again), the rest are fresh. `can_admit` says first
+     whether the pool has them.
+  2. `prefill_step(slot, budget)`: one chunk of the prompt (at most
+     `prefill_chunk` tokens, from where the reused prefix or the last chunk ended),
+     padded to a length bucket, attends to the sequence's blocks and writes its K/V
+     into them. The last chunk draws the first token with the request's own seeded
+     key and makes the slot live. (`prefill_insert` does 1 and 2 in one call.)
+  3. `make_room()` then `step()`: a live slot whose next token starts a new block
+     gets one; when the pool is dry the newest sequence is preempted (its blocks
+     go back, the caller re-runs it later from its tokens so far). Then one jitted
+     decode step for every slot at once, reading each through its block table; the
+     state is donated, so the pool is updated in place; one [SLOTS] int32 array comes
+     back to the host.
+  4. The caller decides when a sequence ends (EOS, stop string, max tokens,
+     `context_left(slot) == 0`) and calls `free(slot)`: its blocks go back to the
+     pool; full prompt blocks stay cached (LRU) for the next prompt that shares them.
 
-Compiles: one per prefill bucket plus one per decode attention window (the step
-attends to the smallest window that holds every active sequence: reading the cache
-is most of a step's cost), all at `warmup()`. Nothing else compiles afterwards:
-every per-request value (slot, length, seed, sampling) is traced.
+Compiles: one per (prefill bucket, context window it may attend to) plus one per
+decode attention window (the step attends to the smallest window that holds every
+live sequence: reading the cache is most of a step's cost), all at `warmup()`.
+Nothing else compiles afterwards: every per-request value (slot, offset, length,
+block table, seed, sampling) is traced.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from engine.decoder.blocks import SCRATCH, BlockPool, prefix_keys
 from engine.decoder.config import DecoderConfig, load_config
-from engine.decoder.kvcache import SlotSampling, cache_bytes, init_decode_state
+from engine.decoder.kvcache import SlotSampling, block_bytes, cache_bytes, init_decode_state
 from engine.decoder.model import load_params, param_bytes
-from engine.decoder.steps import generate, prefill_insert
+from engine.decoder import steps
 from shared.logging import get_logger
 from shared.messages import Sampling
 
@@ -39,27 +50,54 @@ DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 GREEDY = Sampling(temperature=0.0)
 
 
-def _windows(requested: tuple[int, ...] | None, max_context: int) -> tuple[int, ...]:
-    """Attention windows of the decode step: powers of two from 128, and the context."""
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def _windows(requested: tuple[int, ...] | None, max_context: int, block: int) -> tuple[int, ...]:
+    """Attention windows of the decode step (whole blocks): powers of two from 128,
+    and the context."""
     if requested is None:
         requested = tuple(2**i for i in range(7, 16))
-    return tuple(sorted({w for w in requested if 0 < w < max_context} | {max_context}))
+    top = _round_up(max_context, block)
+    return tuple(sorted({_round_up(w, block) for w in requested if 0 < w < max_context} | {top}))
 
 
-def _buckets(requested: tuple[int, ...], max_context: int) -> tuple[int, ...]:
-    """Buckets up to max_context, and always one that holds the longest prompt."""
-    out = sorted({b for b in requested if 0 < b < max_context})
-    if not out or out[-1] < max_context - 1:
-        out.append(max_context)
-    return tuple(out)
+def _buckets(requested: tuple[int, ...], chunk: int) -> tuple[int, ...]:
+    """Prefill lengths up to the chunk, and always the chunk (the longest piece)."""
+    return tuple(sorted({b for b in requested if 0 < b < chunk} | {chunk}))
+
+
+@dataclass
+class _Prefill:
+    """A sequence between `begin` and its last prefill chunk."""
+
+    prompt: list[int]
+    done: int  # prompt tokens whose K/V is in its blocks (a reused prefix counts)
+    sampling: SlotSampling
+    seed: np.uint32
+    keys: list[bytes]  # prefix keys of the prompt's full blocks
+
+
+@dataclass
+class CacheStats:
+    """The pool as vLLM users read it."""
+
+    blocks: int  # usable blocks in the pool
+    held: int  # held by running or prefilling sequences
+    cached: int  # keyed by a prefix (held or evictable)
+    queries: int  # prompt tokens looked up in the prefix cache, since start
+    hits: int  # of those, tokens reused
+    preemptions: int  # since start
 
 
 class PendingStep:
     """A dispatched decode step; its tokens leave the device on `result()`."""
 
-    def __init__(self, tokens: jax.Array) -> None:
+    def __init__(self, tokens: jax.Array, preempted: list[int]) -> None:
         self._tokens = tokens  # [SLOTS] int32, on device
         self._host: np.ndarray | None = None
+        self.preempted = preempted  # slots freed to make room before it (not in it)
 
     def result(self) -> np.ndarray:
         if self._host is None:
@@ -77,7 +115,14 @@ class DecoderEngine:
         max_context: int = 512,
         prefill_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         decode_windows: tuple[int, ...] | None = None,
+        kv_block: int = 16,
+        kv_blocks: int = 0,
+        prefill_chunk: int = 0,
+        prefix_cache: bool = True,
     ) -> None:
+        """kv_blocks: pool size (0: enough for every slot to hold a full context, the
+        memory of the old fixed rows); prefill_chunk: longest prefill piece (0: the
+        largest bucket)."""
         from engine.jaxrt import device_name, dtype_name, parse_dtype
 
         t0 = time.perf_counter()
@@ -93,31 +138,45 @@ class DecoderEngine:
         self._slots = int(slots)
         self._dtype = dtype_name(dtype)
         self._jdtype = parse_dtype(dtype)
-        self.buckets = _buckets(tuple(prefill_buckets), self._max_context)
-        self.windows = _windows(decode_windows, self._max_context)
+        self.block = int(kv_block)
+        self.windows = _windows(decode_windows, self._max_context, self.block)
+        self._max_blocks = self.windows[-1] // self.block  # table width: a full context
+        chunk = int(prefill_chunk) or max(prefill_buckets)
+        self.chunk = min(chunk, self.windows[-1])
+        self.buckets = _buckets(tuple(prefill_buckets), self.chunk)
+        # Contexts a prefill chunk may attend to: every other decode window and the
+        # largest (fewer compiles; a chunk reads at most one step up).
+        ctx = [w for i, w in enumerate(reversed(self.windows)) if i % 2 == 0]
+        self.contexts = tuple(sorted(ctx))
         self.device = device_name()
         self.tokenizer = self._load_tokenizer()
         self.params = load_params(model_dir, self.cfg, self._jdtype)
-        self._state = init_decode_state(self.cfg, self._slots, self._max_context, self._jdtype)
+        blocks = int(kv_blocks) or self._slots * self._max_blocks + 1
+        self.pool = BlockPool(blocks, self.block, prefix_cache)
+        self._state = init_decode_state(self.cfg, self._slots, blocks, self.block, self._jdtype)
         cfg = self.cfg
         # state is the argument after params in both: donated, so updated in place.
-        self._prefill_insert = jax.jit(
-            lambda params, state, *args: prefill_insert(params, cfg, state, *args),
+        self._prefill = jax.jit(
+            lambda params, state, *args: steps.prefill_chunk(params, cfg, state, *args),
             donate_argnums=1,
         )
         self._generate = jax.jit(
-            lambda params, state, window: generate(params, cfg, state, window),
+            lambda params, state, tables, live: steps.generate(params, cfg, state, tables, live),
             donate_argnums=1,
-            static_argnums=2,
         )
+        self._tables = np.full((self._slots, self._max_blocks), SCRATCH, np.int32)
+        self._held: list[list[int]] = [[] for _ in range(self._slots)]  # slot -> blocks
+        self._jobs: dict[int, _Prefill] = {}  # slots between begin and their last chunk
+        self._order = np.zeros(self._slots, np.int64)  # when each slot began (preemption)
+        self._began = 0
         self._lengths = np.zeros(self._slots, np.int64)  # tokens in context per slot
-        self._active = np.zeros(self._slots, bool)
+        self._active = np.zeros(self._slots, bool)  # live: part of decode steps
         log.info(
             "decoder_loaded", model=name, family=self.cfg.family, dtype=self._dtype,
             slots=self._slots, max_context=self._max_context, buckets=list(self.buckets),
-            windows=list(self.windows),
-            param_bytes=param_bytes(self.params), cache_bytes=cache_bytes(self._state),
-            seconds=round(time.perf_counter() - t0, 3),
+            windows=list(self.windows), contexts=list(self.contexts), kv_block=self.block,
+            kv_blocks=blocks, param_bytes=param_bytes(self.params),
+            cache_bytes=cache_bytes(self._state), seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
 
     def _load_tokenizer(self):
@@ -153,44 +212,58 @@ class DecoderEngine:
 
     @property
     def kv_usage(self) -> float:
-        """Fraction of the cache's positions held by active sequences."""
-        used = int(self._lengths[self._active].sum())
-        return used / (self._slots * self._max_context)
+        """Fraction of the pool's blocks held by sequences (cached-only ones are free)."""
+        return self.pool.held / self.pool.usable
 
     @property
     def active_slots(self) -> int:
         return int(self._active.sum())
+
+    @property
+    def block_bytes(self) -> int:
+        return block_bytes(self.cfg, self.block, self._jdtype)
+
+    def cache_stats(self) -> CacheStats:
+        p = self.pool
+        return CacheStats(p.usable, p.held, p.cached, p.stats.queries, p.stats.hits,
+                          p.stats.preemptions)
 
     def context_left(self, slot: int) -> int:
         """Tokens `slot` can still generate before its context is full."""
         return int(self._max_context - self._lengths[slot])
 
     # ----------------------------------------------------------------- warmup
+    @property
+    def compiles(self) -> list[tuple[str, int, int]]:
+        """Every shape served: (prefill, bucket, context) and (step, window, 0)."""
+        pre = [("prefill", b, c) for b in self.buckets for c in self.contexts if c >= b]
+        return pre + [("step", w, 0) for w in self.windows]
+
     def warmup(self, progress: bool = True) -> int:
-        """Compile every prefill bucket and every decode window; return how many."""
+        """Compile every prefill shape and every decode window; return how many."""
         from tqdm import tqdm
 
-        jobs = [("prefill", b) for b in self.buckets] + [("step", w) for w in self.windows]
+        jobs = self.compiles
         bar = tqdm(jobs, desc=f"compile {self.name}", file=sys.stderr, disable=not progress)
         t0 = time.perf_counter()
-        for kind, size in bar:
+        table = np.full(self._max_blocks, SCRATCH, np.int32)  # writes go to scratch
+        for kind, size, ctx in bar:
             bar.set_postfix_str(f"{kind} {size}")
             if kind == "prefill":
-                self._run_prefill(0, [0] * min(size, self._max_context - 1), GREEDY, 0)
+                self._run_chunk(0, [0] * size, 0, table[: ctx // self.block],
+                                _slot_sampling(GREEDY), np.uint32(0))
             else:
                 jax.block_until_ready(self._run_step(size))
-        self._active[:] = False
-        self._lengths[:] = 0
         log.info("decoder_warm", model=self.name, compiled=len(jobs),
                  seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
         return len(jobs)
 
     # -------------------------------------------------------------- requests
     def bucket_for(self, length: int) -> int:
-        for b in self.buckets:
-            if b >= length:
-                return b
-        raise ValueError(f"no bucket holds {length} tokens")  # unreachable after checks
+        return next(b for b in self.buckets if b >= length)
+
+    def context_for(self, tokens: int) -> int:
+        return next(c for c in self.contexts if c >= tokens)
 
     def check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
@@ -201,34 +274,116 @@ class DecoderEngine:
                 f"{self._max_context - 1} (context {self._max_context}, one token "
                 f"left to generate)"
             )
+        need = self.pool.blocks_for(len(prompt) + 1)
+        if need > self.pool.usable:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens; {self.name}'s KV cache holds at most "
+                f"{self.pool.usable * self.block - 1} for one sequence"
+            )
 
-    def prefill_insert(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> int:
-        """Start a sequence in `slot`; return its first generated token."""
+    def _reuse_keys(self, prompt: list[int]) -> list[bytes]:
+        """Prefix keys of the blocks a prompt may reuse: full blocks, leaving at least
+        one token to compute (its logits draw the first token)."""
+        return prefix_keys(prompt[: (len(prompt) - 1) // self.block * self.block], self.block)
+
+    def can_admit(self, prompt: list[int]) -> bool:
+        """Whether `begin` would get its blocks now, leaving one block of headroom per
+        sequence already running (each may cross into a new block next step)."""
+        need = self.pool.need(self._reuse_keys(prompt), self.pool.blocks_for(len(prompt) + 1))
+        return need + int(self._active.sum()) + len(self._jobs) <= self.pool.available
+
+    def begin(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> None:
+        """Give `slot` its blocks (reusing a cached prefix); `prefill_step` computes it."""
         if not 0 <= slot < self._slots:
             raise ValueError(f"slot {slot} out of range [0, {self._slots})")
         self.check_prompt(prompt)
-        token = self._run_prefill(slot, prompt, sampling, seed)
-        self._active[slot] = True
-        self._lengths[slot] = len(prompt) + 1
-        return token
+        if self._held[slot]:
+            raise ValueError(f"slot {slot} is in use")
+        keys = self._reuse_keys(prompt)
+        total = self.pool.blocks_for(len(prompt) + 1)
+        if self.pool.need(keys, total) > self.pool.available:
+            raise RuntimeError(f"the KV pool has no room for {len(prompt)} tokens now")
+        blocks, reused = self.pool.acquire(keys, total)
+        self.pool.stats.queries += len(prompt)
+        self.pool.stats.hits += reused * self.block
+        self._held[slot] = blocks
+        self._tables[slot, :] = SCRATCH
+        self._tables[slot, : len(blocks)] = blocks
+        self._began += 1
+        self._order[slot] = self._began
+        self._jobs[slot] = _Prefill(list(prompt), reused * self.block, _slot_sampling(sampling),
+                                    np.uint32(seed % 2**32), prefix_keys(prompt, self.block))
 
-    def _run_prefill(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> int:
-        bucket = self.bucket_for(len(prompt))
-        padded = np.zeros(bucket, np.int32)  # padded: [T]
-        padded[: len(prompt)] = prompt
-        params = SlotSampling(
-            temperature=np.float32(max(0.0, sampling.temperature)),
-            top_k=np.int32(sampling.top_k if sampling.top_k > 0 else 0),
-            top_p=np.float32(sampling.top_p if 0.0 < sampling.top_p < 1.0 else 1.0),
-        )
-        self._state, token = self._prefill_insert(
-            self.params, self._state, padded, np.int32(len(prompt)), np.int32(slot), params,
-            np.uint32(seed % 2**32),
-        )  # fmt: skip
+    def prefilling(self, slot: int) -> int:
+        """Prompt tokens `slot` has still to compute (0: none, or not prefilling)."""
+        job = self._jobs.get(slot)
+        return len(job.prompt) - job.done if job is not None else 0
+
+    def prefill_step(self, slot: int, budget: int = 0) -> int | None:
+        """Compute the next chunk of `slot`'s prompt (at most `budget` tokens if > 0);
+        return the first generated token after the last chunk, else None."""
+        job = self._jobs[slot]
+        n = min(len(job.prompt) - job.done, self.chunk, budget if budget > 0 else self.chunk)
+        end = job.done + n
+        ctx = self.context_for(max(end, self.bucket_for(n)))  # a compiled (bucket, context)
+        table = self._tables[slot, : ctx // self.block]
+        token = self._run_chunk(slot, job.prompt[job.done : end], job.done, table,
+                                job.sampling, job.seed)
+        job.done = end
+        full = end // self.block
+        self.pool.register(self._held[slot][:full], job.keys[:full])
+        if end < len(job.prompt):
+            return None
+        del self._jobs[slot]
+        self._active[slot] = True
+        self._lengths[slot] = len(job.prompt) + 1
         return int(token)
 
+    def prefill_insert(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> int:
+        """Start a sequence in `slot`, its whole prompt at once; return its first token."""
+        self.begin(slot, prompt, sampling, seed)
+        while (token := self.prefill_step(slot)) is None:
+            pass
+        return token
+
+    def _run_chunk(self, slot: int, piece: list[int], offset: int, table: np.ndarray,
+                   sampling: SlotSampling, seed) -> jax.Array:
+        padded = np.zeros(self.bucket_for(len(piece)), np.int32)  # padded: [T]
+        padded[: len(piece)] = piece
+        self._state, token = self._prefill(
+            self.params, self._state, padded, np.int32(offset), np.int32(len(piece)),
+            np.array(table), np.int32(slot), sampling, seed,
+        )  # fmt: skip
+        return token
+
+    # ------------------------------------------------------------------ decode
+    def make_room(self) -> list[int]:
+        """Give every live slot the block its next step writes into. When the pool is
+        dry, preempt the sequence that began last (live or prefilling), as often as
+        needed; return the preempted slots (already freed: the caller re-runs them)."""
+        preempted: list[int] = []
+        for slot in np.flatnonzero(self._active)[np.argsort(self._order[self._active])]:
+            if not self._active[slot]:
+                continue  # preempted below for an older one
+            while self.pool.blocks_for(int(self._lengths[slot])) > len(self._held[slot]):
+                if self.pool.available:
+                    b = self.pool.take()
+                    self._tables[slot, len(self._held[slot])] = b
+                    self._held[slot].append(b)
+                    continue
+                victim = max((s for s in range(self._slots) if self._held[s]),
+                             key=lambda s: self._order[s])
+                self.free(victim)
+                self.pool.stats.preemptions += 1
+                preempted.append(int(victim))
+                if victim == slot:
+                    break
+        return preempted
+
     def _run_step(self, window: int):
-        self._state, tokens = self._generate(self.params, self._state, window)
+        live = np.array(self._active)  # a copy: the host flips these while the step runs
+        tables = np.array(self._tables[:, : window // self.block])  # [SLOTS, NW]
+        self._state, tokens = self._generate(self.params, self._state, tables, live)
         return tokens
 
     def window_for(self) -> int:
@@ -246,14 +401,23 @@ class DecoderEngine:
         Lets a caller do host work (detokenize, publish) while the device computes.
         Calls made before `.result()` queue behind the step on the device, so a slot
         inserted meanwhile is not part of this step: ignore its entry in the result.
+        Live slots get the blocks they write into first (`make_room`); a caller that
+        must re-run preempted sequences calls `make_room()` itself beforehand, or reads
+        them from the returned step's `preempted`.
         """
-        pending = PendingStep(self._run_step(self.window_for()))
+        preempted = self.make_room()
+        pending = PendingStep(self._run_step(self.window_for()), preempted)
         self._lengths[self._active] = np.minimum(
             self._lengths[self._active] + 1, self._max_context
         )
         return pending
 
     def free(self, slot: int) -> None:
+        """End the sequence in `slot` (idempotent): its blocks go back to the pool."""
+        self.pool.release(self._held[slot])
+        self._held[slot] = []
+        self._tables[slot, :] = SCRATCH
+        self._jobs.pop(slot, None)
         self._active[slot] = False
         self._lengths[slot] = 0
 
@@ -276,3 +440,11 @@ class DecoderEngine:
                 self.free(i)
             out.extend(seqs)
         return out
+
+
+def _slot_sampling(sampling: Sampling) -> SlotSampling:
+    return SlotSampling(
+        temperature=np.float32(max(0.0, sampling.temperature)),
+        top_k=np.int32(sampling.top_k if sampling.top_k > 0 else 0),
+        top_p=np.float32(sampling.top_p if 0.0 < sampling.top_p < 1.0 else 1.0),
+    )

@@ -1,9 +1,11 @@
-"""The decode state: a preallocated KV cache of fixed slots plus each slot's cursor,
-sampling parameters and PRNG key. Allocated once; every step writes it in place
-(the state is donated to each jitted call).
+"""The decode state: a paged KV cache (one pool of fixed-size blocks per layer) plus
+each slot's cursor, sampling parameters and PRNG key. Allocated once; every step
+writes it in place (the state is donated to each jitted call).
 
-One array per layer rather than one [L, ...] array: a layer reads its own buffer
-whole, where slicing a layer out of a stacked cache can cost a copy of it per step.
+Which blocks belong to which slot is the host's business (engine.decoder.blocks):
+each call takes the block tables it needs as an argument, so a table change costs no
+device call. One pool per layer rather than one [L, ...] array: a layer reads its
+own buffer, where slicing a layer out of a stacked cache can cost a copy per step.
 """
 
 from __future__ import annotations
@@ -17,27 +19,14 @@ from engine.decoder.config import DecoderConfig
 
 
 class DecodeState(NamedTuple):
-    k: tuple  # L x [SLOTS, KV, MAX_LEN, D]
-    v: tuple  # L x [SLOTS, KV, MAX_LEN, D]
+    k: tuple  # L x [NUM_BLOCKS, KV, BLOCK, D]
+    v: tuple  # L x [NUM_BLOCKS, KV, BLOCK, D]
     tokens: jax.Array  # [SLOTS] int32: the token each slot feeds at its next step
     positions: jax.Array  # [SLOTS] int32: where that token's K/V will be written
     keys: jax.Array  # [SLOTS, 2] uint32: per-slot PRNG key (fixed for a sequence)
     temperature: jax.Array  # [SLOTS] float32 (0 = greedy)
     top_k: jax.Array  # [SLOTS] int32 (<= 0 = off)
     top_p: jax.Array  # [SLOTS] float32 (1 = off)
-
-
-class Prefix(NamedTuple):
-    """What `prefill` hands to `insert`: one prompt's K/V and its first token."""
-
-    k: tuple  # L x [KV, T, D], T = the prompt's length bucket
-    v: tuple
-    token: jax.Array  # [] int32: the first generated token
-    length: jax.Array  # [] int32: true prompt length = the first token's position
-    key: jax.Array  # [2] uint32: the request's PRNG key, from its seed
-    temperature: jax.Array  # [] float32
-    top_k: jax.Array  # [] int32
-    top_p: jax.Array  # [] float32
 
 
 class SlotSampling(NamedTuple):
@@ -48,8 +37,10 @@ class SlotSampling(NamedTuple):
     top_p: jax.Array  # [] float32
 
 
-def init_decode_state(cfg: DecoderConfig, slots: int, max_len: int, dtype) -> DecodeState:
-    shape = (slots, cfg.kv_heads, max_len, cfg.head_dim)
+def init_decode_state(
+    cfg: DecoderConfig, slots: int, num_blocks: int, block: int, dtype
+) -> DecodeState:
+    shape = (num_blocks, cfg.kv_heads, block, cfg.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.layers))  # noqa: E731
     return DecodeState(
         k=zeros(),
@@ -63,26 +54,22 @@ def init_decode_state(cfg: DecoderConfig, slots: int, max_len: int, dtype) -> De
     )
 
 
-def insert(prefix: Prefix, state: DecodeState, slot) -> DecodeState:
-    """Copy a prefilled prompt into `slot` (traced: one compile serves every slot).
-
-    The prefix overwrites positions [0, T); older entries past that stay behind but
-    are never attended to (attention masks everything past the slot's position).
-    """
-    at = (slot, 0, 0, 0)
-    k = tuple(jax.lax.dynamic_update_slice(c, p[None], at) for c, p in zip(state.k, prefix.k))
-    v = tuple(jax.lax.dynamic_update_slice(c, p[None], at) for c, p in zip(state.v, prefix.v))
-    return DecodeState(
-        k=k,
-        v=v,
-        tokens=state.tokens.at[slot].set(prefix.token),
-        positions=state.positions.at[slot].set(prefix.length),
-        keys=state.keys.at[slot].set(prefix.key),
-        temperature=state.temperature.at[slot].set(prefix.temperature),
-        top_k=state.top_k.at[slot].set(prefix.top_k),
-        top_p=state.top_p.at[slot].set(prefix.top_p),
+def start_slot(state: DecodeState, slot, token, position, key, sampling: SlotSampling):
+    """A prefilled sequence takes `slot` (traced: one compile serves every slot)."""
+    return state._replace(
+        tokens=state.tokens.at[slot].set(token),
+        positions=state.positions.at[slot].set(position),
+        keys=state.keys.at[slot].set(key),
+        temperature=state.temperature.at[slot].set(sampling.temperature),
+        top_k=state.top_k.at[slot].set(sampling.top_k),
+        top_p=state.top_p.at[slot].set(sampling.top_p),
     )
 
 
 def cache_bytes(state: DecodeState) -> int:
     return int(sum(a.size * a.dtype.itemsize for a in state.k + state.v))
+
+
+def block_bytes(cfg: DecoderConfig, block: int, dtype) -> int:
+    """Bytes one block takes over all layers, keys and values."""
+    return 2 * cfg.layers * cfg.kv_heads * block * cfg.head_dim * jnp.dtype(dtype).itemsize

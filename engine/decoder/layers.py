@@ -134,3 +134,32 @@ def cached_attention(q, k_cache, v_cache, positions, cfg: DecoderConfig):
         precision=precision(q.dtype),
     )  # fmt: skip
     return out.astype(q.dtype).reshape(s, cfg.heads * cfg.head_dim)
+
+
+def context_attention(q, k_ctx, v_ctx, positions, cfg: DecoderConfig):
+    """A chunk of one prompt against its sequence's cache, itself included (prefill).
+
+    q: [T, H, D], k_ctx, v_ctx: [KV, C, D] (cache positions 0..C), positions: [T]
+    -> [T, H * D]. Query t sees cache positions <= positions[t].
+    """
+    t, c = q.shape[0], k_ctx.shape[1]
+    qg = q.reshape(t, cfg.kv_heads, cfg.groups, cfg.head_dim)  # [T, KV, G, D]
+    # XLA's CPU runtime has no bfloat16 x bfloat16 -> float32 dot for the form this
+    # takes after the gather (UNIMPLEMENTED at run time): half-precision chunks attend
+    # in float32, which the reference's own float32 softmax is closer to anyway.
+    dtype = q.dtype
+    if dtype != jnp.float32:
+        qg, k_ctx, v_ctx = (a.astype(jnp.float32) for a in (qg, k_ctx, v_ctx))
+    k_ctx, v_ctx = k_ctx.swapaxes(0, 1), v_ctx.swapaxes(0, 1)  # [C, KV, D]
+    scores = jnp.einsum(
+        "tkgd,ckd->kgtc", qg, k_ctx, preferred_element_type=jnp.float32,
+        precision=precision(q.dtype),
+    )  # fmt: skip
+    scores = scores / math.sqrt(cfg.head_dim)  # [KV, G, T, C]
+    visible = jnp.arange(c)[None, :] <= positions[:, None]  # [T, C]
+    probs = jax.nn.softmax(jnp.where(visible, scores, NEG_INF), axis=-1)
+    out = jnp.einsum(
+        "kgtc,ckd->tkgd", probs, v_ctx, preferred_element_type=jnp.float32,
+        precision=precision(q.dtype),
+    )  # fmt: skip
+    return out.astype(dtype).reshape(t, cfg.heads * cfg.head_dim)

@@ -5,8 +5,10 @@ positions), `attn_out` (output projection, MLP, residuals) and `head`. This modu
 owns the layer loop and where keys and values go:
 
 - `forward_prompt`: a whole (padded) prompt, causal attention, returns its K/V.
-- `decode_forward`: one token per slot against the preallocated cache, written in
-  place at each slot's own position.
+- `forward_chunk`: a piece of one prompt from an offset, its K/V written into the
+  sequence's blocks, attending to the blocks before it (prefill, prefix reuse, chunks).
+- `decode_forward`: one token per slot against the paged cache, written in place at
+  each slot's own position, read through each slot's block table.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import numpy as np
 
 from engine.decoder import gpt2, llama
 from engine.decoder.config import GPT2, LLAMA, DecoderConfig
-from engine.decoder.layers import cached_attention, causal_attention, inv_frequencies
+from engine.decoder.blocks import SCRATCH
+from engine.decoder.layers import (
+    cached_attention, causal_attention, context_attention, inv_frequencies,
+)
 
 FAMILIES = {GPT2: gpt2, LLAMA: llama}
 _PREFIXES = {GPT2: ("transformer.",), LLAMA: ("model.",)}
@@ -46,7 +51,7 @@ def _inv_freq(cfg: DecoderConfig):
 def forward_prompt(params: dict, cfg: DecoderConfig, tokens):
     """tokens: [T] -> x: [T, E] (before the final norm), k, v: L x [KV, T, D]
 
-    Padding after the true length cannot reach earlier positions (causal mask), so
+    Without a cache: the reference path the tests check logits on. Padding after the true length cannot reach earlier positions (causal mask), so
     the caller reads hidden states and K/V only below the true length.
     """
     fam, inv_freq = family(cfg), _inv_freq(cfg)
@@ -74,32 +79,78 @@ def last_logits(params: dict, cfg: DecoderConfig, x, true_length):
     return family(cfg).head(params, cfg, row)[0]
 
 
-def decode_forward(
-    params: dict, cfg: DecoderConfig, tokens, positions, k_cache, v_cache, window: int | None = None
-):
-    """One step for every slot.
+def _write(cache, blocks, offsets, new):
+    """cache: [NB, KV, BLOCK, D]; blocks, offsets: [N]; new: [N, KV, D] -> cache with
+    each new row at (block, offset). Donated buffers: XLA scatters in place."""
+    return cache.at[blocks, :, offsets].set(new)
 
-    tokens, positions: [S] int32; k_cache, v_cache: L x [S, KV, MAX_LEN, D]
-    -> logits: [S, V] float32, and both caches with each slot's new K/V at its position.
 
-    `window` (static) limits attention to the first `window` cache positions: reading
-    the whole cache is most of a step's cost, and live sequences are usually short.
-    Every slot whose output is used must have its position below the window.
+def _gather(cache, table):
+    """cache: [NB, KV, BLOCK, D], table: [..., NW] -> [..., KV, NW * BLOCK, D]: the
+    blocks a table names, laid end to end as one contiguous sequence."""
+    g = cache[table]  # [..., NW, KV, BLOCK, D]
+    g = jnp.moveaxis(g, -3, -4)  # [..., KV, NW, BLOCK, D]
+    return g.reshape(*g.shape[:-3], g.shape[-3] * g.shape[-2], g.shape[-1])
+
+
+def decode_forward(params: dict, cfg: DecoderConfig, tokens, positions, tables, live,
+                   k_cache, v_cache):
+    """One step for every slot, over the paged cache.
+
+    tokens, positions: [S] int32; tables: [S, NW] int32 (each slot's first NW blocks);
+    live: [S] bool; k_cache, v_cache: L x [NB, KV, BLOCK, D]
+    -> logits: [S, V] float32, and both caches with each live slot's new K/V written at
+    its position. A slot that is not live writes into the scratch block, never into a
+    block its stale table may still name (that block may belong to someone else now).
+
+    NW (static, from the table's shape) is the attention window in blocks: reading the
+    cache is most of a step's cost, and live sequences are usually short. Every live
+    slot must have its position below NW * BLOCK.
     """
     fam, inv_freq = family(cfg), _inv_freq(cfg)
-    slots = jnp.arange(tokens.shape[0])
+    block, nw = k_cache[0].shape[2], tables.shape[1]
+    at = jnp.minimum(positions // block, nw - 1)
+    blocks = jnp.where(live, jnp.take_along_axis(tables, at[:, None], 1)[:, 0], SCRATCH)  # [S]
+    offsets = positions % block  # [S]
     x = fam.embed(params, cfg, tokens, positions)
     new_k, new_v = [], []
     for lp, kc, vc in zip(params["layers"], k_cache, v_cache):
         q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freq)  # k, v: [S, KV, D]
-        # Donated buffers: XLA writes these scatters in place, no cache copy.
-        kc = kc.at[slots, :, positions].set(k)
-        vc = vc.at[slots, :, positions].set(v)
-        kw, vw = (kc, vc) if window is None else (kc[:, :, :window], vc[:, :, :window])
+        kc, vc = _write(kc, blocks, offsets, k), _write(vc, blocks, offsets, v)
+        kw, vw = _gather(kc, tables), _gather(vc, tables)  # [S, KV, NW * BLOCK, D]
         x = fam.attn_out(lp, cfg, x, cached_attention(q, kw, vw, positions, cfg))
         new_k.append(kc)
         new_v.append(vc)
     return fam.head(params, cfg, x), tuple(new_k), tuple(new_v)
+
+
+def forward_chunk(params: dict, cfg: DecoderConfig, tokens, offset, length, table,
+                  k_cache, v_cache):
+    """A piece of one prompt, written into its blocks, attending to everything before.
+
+    tokens: [T] int32 (padded), offset: [] int32 (tokens of this sequence already in
+    the cache: a reused prefix, earlier chunks), length: [] int32 (true tokens in this
+    chunk), table: [NC] int32 (the sequence's first NC blocks, NC * BLOCK >= offset +
+    length), k_cache, v_cache: L x [NB, KV, BLOCK, D]
+    -> x: [T, E] (before the final norm), and both caches. Padding writes go to the
+    scratch block; its queries are computed and ignored.
+    """
+    fam, inv_freq = family(cfg), _inv_freq(cfg)
+    block, nc = k_cache[0].shape[2], table.shape[0]
+    positions = offset + jnp.arange(tokens.shape[0], dtype=jnp.int32)  # [T]
+    real = jnp.arange(tokens.shape[0]) < length
+    blocks = jnp.where(real, table[jnp.minimum(positions // block, nc - 1)], SCRATCH)  # [T]
+    offsets = positions % block
+    x = fam.embed(params, cfg, tokens, positions)
+    new_k, new_v = [], []
+    for lp, kc, vc in zip(params["layers"], k_cache, v_cache):
+        q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freq)  # k, v: [T, KV, D]
+        kc, vc = _write(kc, blocks, offsets, k), _write(vc, blocks, offsets, v)
+        kw, vw = _gather(kc, table), _gather(vc, table)  # [KV, NC * BLOCK, D]
+        x = fam.attn_out(lp, cfg, x, context_attention(q, kw, vw, positions, cfg))
+        new_k.append(kc)
+        new_v.append(vc)
+    return x, tuple(new_k), tuple(new_v)
 
 
 def param_bytes(params: dict) -> int:

@@ -42,7 +42,7 @@ def pair(request, tmp_path_factory):
     # Two attention windows, so sequences cross from one step compile to the other.
     engine = DecoderEngine(out, request.param, slots=4, max_context=CONTEXT,
                            prefill_buckets=(16, 32), decode_windows=(32, 64))  # fmt: skip
-    assert engine.warmup(progress=False) == len(engine.buckets) + len(engine.windows)
+    assert engine.warmup(progress=False) == len(engine.compiles)
     return ref, engine
 
 
@@ -68,7 +68,7 @@ def test_decode_logits_match_transformers_for_mixed_lengths(pair):
     firsts = [engine.prefill_insert(s, p, GREEDY, 0) for s, p in zip(slots, PROMPTS[1:])]
     st = engine._state
     logits = jax.jit(lambda p, *a: decode_forward(p, engine.cfg, *a)[0])(
-        engine.params, st.tokens, st.positions, st.k, st.v
+        engine.params, st.tokens, st.positions, engine._tables, engine._active, st.k, st.v
     )
     for s, p, first in zip(slots, PROMPTS[1:], firsts):
         expected = _hf_logits(ref, p + [first])[-1]
@@ -254,7 +254,8 @@ def test_half_precision_tracks_float32_reference(tmp_path, dtype):
     st = engine._state
     assert st.k[0].dtype == jnp.dtype(dtype)
     step = jax.jit(lambda p, *a: decode_forward(p, engine.cfg, *a)[0])
-    got = np.asarray(step(engine.params, st.tokens, st.positions, st.k, st.v))[1]
+    got = np.asarray(step(engine.params, st.tokens, st.positions, engine._tables,
+                          engine._active, st.k, st.v))[1]
     want = _hf_logits(ref, prompt + [first])[-1]
     assert np.abs(got - want).max() < 0.05 * scale
 

@@ -1,0 +1,80 @@
+"""The KV block pool's bookkeeping alone: allocation, refcounts, prefix keys, LRU
+eviction. Pure Python, no model."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.decoder.blocks import SCRATCH, BlockPool, prefix_keys
+
+
+def test_scratch_is_never_handed_out_and_blocks_come_back():
+    pool = BlockPool(5, 4, prefix_cache=False)
+    assert pool.usable == pool.available == 4
+    got, reused = pool.acquire([], 4)
+    assert reused == 0 and sorted(got) == [1, 2, 3, 4] and SCRATCH not in got
+    assert pool.available == 0 and pool.held == 4
+    with pytest.raises(RuntimeError):
+        pool.take()
+    pool.release(got)
+    assert pool.available == 4 and pool.held == 0
+    with pytest.raises(AssertionError):
+        pool.release(got[:1])  # a double free is a bug, caught
+
+
+def test_prefix_keys_chain_over_everything_before():
+    a = prefix_keys([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    b = prefix_keys([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    c = prefix_keys([0, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(a) == 2 and a == b  # the partial block has no key
+    assert c[1] != a[1]  # same second block, other first block: another prefix
+
+
+def test_a_registered_prefix_is_shared_with_refcounts():
+    pool = BlockPool(9, 4)
+    keys = prefix_keys(list(range(8)), 4)
+    first, _ = pool.acquire(keys, 3)  # nothing cached yet
+    pool.register(first[:2], keys)
+    assert pool.need(keys, 3) == 1  # two reused, held already: one new block
+    second, reused = pool.acquire(keys, 3)
+    assert reused == 2 and second[:2] == first[:2] and second[2] != first[2]
+    assert [pool.refcount(b) for b in first[:2]] == [2, 2]
+    pool.release(first)
+    assert [pool.refcount(b) for b in second[:2]] == [1, 1]
+    assert pool.held == 3  # second's three; first's own third block is free again
+    pool.release(second)
+    assert pool.held == 0 and pool.cached == 2 and pool.available == 8
+    # Still cached after everyone left: a third prompt reuses them.
+    assert pool.match(keys) == first[:2]
+
+
+def test_cached_blocks_are_evicted_least_recently_used_and_tail_first():
+    pool = BlockPool(5, 2)  # 4 usable
+    ka = prefix_keys([1, 1, 2, 2], 2)
+    kb = prefix_keys([3, 3, 4, 4], 2)
+    a, _ = pool.acquire(ka, 2)
+    pool.register(a, ka)
+    pool.release(a)
+    b, _ = pool.acquire(kb, 2)
+    pool.register(b, kb)
+    pool.release(b)
+    assert pool.cached == 4 and pool.available == 4
+    # Two new blocks: a's (the least recently used), its tail before its head.
+    pool.take()
+    assert pool.match(ka) == [a[0]] and pool.match(kb) == b
+    pool.take()
+    assert pool.match(ka) == [] and pool.match(kb) == b
+    # Using b again makes it recent; a held block is never evicted.
+    pool.acquire(kb, 2)
+    assert pool.available == 0
+    with pytest.raises(RuntimeError):
+        pool.take()
+
+
+def test_without_the_prefix_cache_nothing_is_matched():
+    pool = BlockPool(5, 2, prefix_cache=False)
+    keys = prefix_keys([1, 2, 3, 4], 2)
+    got, _ = pool.acquire(keys, 2)
+    pool.register(got, keys)
+    pool.release(got)
+    assert pool.match(keys) == [] and pool.cached == 0 and pool.available == 4
