@@ -8,6 +8,7 @@ else in the serving layer changes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -44,13 +45,28 @@ class PendingStep(Protocol):
         """[slots] int32: the token each slot drew (waits for the step if needed)."""
 
 
+@dataclass
+class CacheStats:
+    """A decoder's KV cache as vLLM users read it."""
+
+    blocks: int  # cache blocks sequences can hold (a contiguous cache: its slots)
+    held: int  # blocks held by running or prefilling sequences
+    cached: int  # blocks keyed by a prompt prefix, reusable by the next prompt
+    queries: int  # prompt tokens looked up in the prefix cache, since start
+    hits: int  # of those, tokens whose K/V was reused instead of computed
+    preemptions: int  # sequences whose cache was taken back mid-decode, since start
+
+
 class Decoder(Protocol):
-    """Text generation over a fixed set of KV-cache slots, one sequence per slot.
+    """Text generation over a set of decode slots, one sequence per slot.
 
     The caller (the worker's continuous-batching loop) owns the slots: it starts a
-    sequence with `prefill_insert`, runs `step` for all slots at once, decides when a
-    sequence ends (EOS, stop string, max tokens, `context_left(slot) == 0`) and
-    calls `free`. Every call comes from one thread.
+    sequence with `begin` (when `can_admit` says the cache has room) and computes
+    its prompt with `prefill_step` (a chunk per call) or both at once with
+    `prefill_insert`; before each `step` for all slots at once it calls `make_room`
+    and re-runs the sequences it preempted; it decides when a sequence ends (EOS,
+    stop string, max tokens, `context_left(slot) == 0`) and calls `free`. Every
+    call comes from one thread.
     """
 
     name: str
@@ -93,6 +109,27 @@ class Decoder(Protocol):
         """Run `prompt` into `slot` and return the sequence's first token. Sampling
         draws come from `seed` alone, whatever the slot and the other sequences."""
 
+    def can_admit(self, prompt: list[int]) -> bool:
+        """Whether the cache has room to `begin` this prompt now."""
+
+    def begin(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int) -> None:
+        """Reserve `slot` and the prompt's cache; `prefill_step` computes it."""
+
+    def prefilling(self, slot: int) -> int:
+        """Prompt tokens `slot` has still to compute (0 when none)."""
+
+    def prefill_step(self, slot: int, budget: int = 0) -> int | None:
+        """Compute the next piece of `slot`'s prompt (at most `budget` tokens when the
+        engine chunks and budget > 0); the first token after the last piece, else None.
+        Re-running a sequence from prompt + its tokens so far draws what it would have
+        drawn next (draws are keyed by seed and position)."""
+
+    def make_room(self) -> list[int]:
+        """Cache for every live slot's next step; the slots preempted (and freed) to
+        find it, which the caller re-runs later."""
+
+    def cache_stats(self) -> CacheStats: ...
+
     def step(self) -> np.ndarray:
         """One decode step for every active slot -> [slots] int32 (ignore free slots)."""
 
@@ -108,3 +145,31 @@ class Decoder(Protocol):
 
     def generate_static(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         """Greedy, `max_new` tokens for each prompt, decoding in lock-step (benchmarks)."""
+
+
+class WholePrompt:
+    """`begin`/`prefill_step` for an engine that computes a prompt in one call into a
+    cache with a row per slot (nothing to chunk, share or preempt): the torch engine
+    and test doubles. Needs `prefill_insert`, `slots` and `kv_usage`."""
+
+    def can_admit(self, prompt: list[int]) -> bool:
+        return True
+
+    def begin(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int) -> None:
+        self.check_prompt(prompt)
+        self.__dict__.setdefault("_begun", {})[slot] = (list(prompt), sampling, seed)
+
+    def prefilling(self, slot: int) -> int:
+        job = self.__dict__.get("_begun", {}).get(slot)
+        return len(job[0]) if job else 0
+
+    def prefill_step(self, slot: int, budget: int = 0) -> int | None:
+        prompt, sampling, seed = self._begun.pop(slot)
+        return self.prefill_insert(slot, prompt, sampling, seed)
+
+    def make_room(self) -> list[int]:
+        return []
+
+    def cache_stats(self) -> CacheStats:
+        held = round(self.kv_usage * self.slots)
+        return CacheStats(self.slots, held, 0, 0, 0, 0)

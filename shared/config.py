@@ -57,8 +57,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     max_wait_ms: float = 5.0  # dynamic batching: longest wait to fill a batch (0 = never)
     batch_buckets: str = "1,2,4,8,16,32,64"  # padded batch sizes compiled at warm-up
     seq_buckets: str = "16,32,64,128,256"  # padded sequence lengths
-    decode_slots: int = 16  # decoder: concurrent sequences (KV cache slots)
-    max_context: int = 512  # decoder: KV cache length per slot
+    decode_slots: int = 64  # decoder: concurrent sequences (decode batch); the KV pool bounds their tokens
+    max_context: int = 8192  # decoder: longest sequence, prompt and output (capped at the model's limit)
+    kv_block: int = 16  # decoder: tokens per KV cache block
+    kv_blocks: int = 512  # decoder: KV pool per engine, in blocks (0 = a full context for every slot)
+    prefill_chunk: int = 512  # decoder: most prompt tokens computed between two decode steps
+    prefix_cache: bool = True  # decoder: reuse cached K/V of shared prompt prefixes
     prefill_per_step: int = 2  # decoder: prompts admitted per decode step
     heartbeat_s: float = 0.5  # heartbeat interval
     # --- telemetry

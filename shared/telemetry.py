@@ -79,6 +79,14 @@ class Heartbeat(_Rec, tag="heartbeat"):
     mem_used_bytes: int = 0  # device memory in use where the backend reports it, else host RSS
     mem_limit_bytes: int = 0  # the matching limit (device capacity, cgroup or host memory)
     mem_source: str = ""  # "device" | "host"
+    # Decoders, as vLLM reports them (counters since the worker started):
+    running: int = 0  # sequences holding a slot (prefilling or decoding)
+    waiting: int = 0  # sequences queued for a slot or KV cache room
+    kv_blocks_total: int = 0  # KV cache blocks of the loaded engines
+    kv_blocks_used: int = 0  # of those, held by sequences
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens whose K/V was reused
+    preemptions: int = 0  # sequences preempted to free KV cache blocks
 
 
 class ScaleDecision(_Rec, tag="scale"):

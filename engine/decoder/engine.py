@@ -37,11 +37,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from engine.decoder import steps
 from engine.decoder.blocks import SCRATCH, BlockPool, prefix_keys
 from engine.decoder.config import DecoderConfig, load_config
 from engine.decoder.kvcache import SlotSampling, block_bytes, cache_bytes, init_decode_state
 from engine.decoder.model import load_params, param_bytes
-from engine.decoder import steps
+from engine.interface import CacheStats
 from shared.logging import get_logger
 from shared.messages import Sampling
 
@@ -77,18 +78,6 @@ class _Prefill:
     sampling: SlotSampling
     seed: np.uint32
     keys: list[bytes]  # prefix keys of the prompt's full blocks
-
-
-@dataclass
-class CacheStats:
-    """The pool as vLLM users read it."""
-
-    blocks: int  # usable blocks in the pool
-    held: int  # held by running or prefilling sequences
-    cached: int  # keyed by a prefix (held or evictable)
-    queries: int  # prompt tokens looked up in the prefix cache, since start
-    hits: int  # of those, tokens reused
-    preemptions: int  # since start
 
 
 class PendingStep:

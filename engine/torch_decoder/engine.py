@@ -33,6 +33,7 @@ import torch
 from engine.decoder.config import DecoderConfig, load_config
 from engine.torch_decoder import model as M
 from engine.torch_decoder.sampling import sample
+from engine.interface import WholePrompt
 from shared.logging import get_logger
 from shared.messages import Sampling
 
@@ -56,7 +57,7 @@ def _device(requested: str | None) -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
-class TorchDecoder:
+class TorchDecoder(WholePrompt):
     """`engine.interface.Decoder` in eager torch, same constructor as `DecoderEngine`
     (its bucket and window arguments are accepted and unused: nothing compiles)."""
 

@@ -54,4 +54,6 @@ def build_engine(config: Config, info: catalog.ModelInfo):
         return TorchDecoder(info.path, **kw)
     from engine.decoder.engine import DecoderEngine
 
-    return DecoderEngine(info.path, **kw)
+    return DecoderEngine(info.path, kv_block=config.kv_block, kv_blocks=config.kv_blocks,
+                         prefill_chunk=config.prefill_chunk, prefix_cache=config.prefix_cache,
+                         **kw)

@@ -2,19 +2,27 @@
 
   1. `submit()` turns a GenerateWork with `n` choices into `n` sequences waiting FIFO.
   2. Each iteration first retires sequences that finished, were cancelled or expired
-     (their slots free within one step), then admits at most `prefill_per_step`
-     waiting sequences into free slots (bounded, so running decodes never stall for
-     long behind a burst of prompts). A request's version is fixed when its first
-     choice is admitted: the pinned one, else prod at that moment. Every choice and
-     every token of it then come from that engine, so no stream mixes versions.
+     (their slots and cache blocks free within one step), then admits at most
+     `prefill_per_step` waiting sequences, FIFO, each into a free slot of its lane
+     when the engine's KV pool has room for its prompt (`can_admit`; otherwise it
+     waits: the pool, not the slot count, bounds concurrency). A request's version
+     is fixed when its first choice is admitted: the pinned one, else prod at that
+     moment. Every choice and every token of it then come from that engine, so no
+     stream mixes versions.
   3. Each loaded version has a lane: its engine, its slots, its dispatched step. The
      lanes follow `LoadedModels` by callback, so a new prod gets a lane the moment it
      is switched in and no lane keeps an engine the worker dropped. One engine call
-     per iteration, on the engine thread: per lane with work, the admissions'
-     prefills, then the tokens of the step dispatched last time, then the next step
-     is dispatched (`step_async`) before returning, so detokenizing and publishing
-     step n overlap the computation of step n+1. A sequence admitted now joins the
-     step after the one in flight; tokens from steps it was not part of are ignored.
+     per iteration, on the engine thread: prompt chunks of the admitted sequences,
+     oldest first, at most `prefill_chunk` tokens in all (a long prompt takes
+     several iterations, so running streams lose at most one chunk's time per
+     token); then per lane the tokens of the step dispatched last time, room in the
+     cache for the next (`make_room`: the newest sequences may be preempted), and
+     the next step dispatched (`step_async`) before returning, so detokenizing and
+     publishing step n overlap the computation of step n+1. A sequence whose prompt
+     is done joins the step after the one in flight; tokens from steps it was not
+     part of are ignored. A preempted sequence goes back to the front of the queue
+     and later re-runs its prompt plus its tokens so far, drawing what it would have
+     drawn next (draws are keyed by seed and position).
   4. New tokens are detokenized per sequence (never splitting a UTF-8 character),
      checked against EOS, stop strings, `max_tokens` and the context, and streamed to
      the gateway as GenChunks naming the version (non-streaming requests get one
@@ -53,6 +61,7 @@ class Lane:
     active: dict[int, "Sequence"] = field(default_factory=dict)  # slot -> sequence
     pending: object = None  # the dispatched decode step, not yet read
     dispatched: int = 0  # decode steps dispatched so far (the pending one's number)
+    seen: tuple[int, int] = (0, 0)  # the engine's prefix-cache queries and hits, counted
 
     def free_slot(self) -> int | None:
         return next((s for s in range(self.engine.slots) if s not in self.active), None)
@@ -73,6 +82,8 @@ class Sequence:
     slot: int = -1
     admitted: float = 0.0
     joined: int = 0  # number of the first decode step that includes it
+    live: bool = False  # its prompt is computed: it is in decode steps
+    tokens: list[int] = field(default_factory=list)  # generated so far (a re-run needs them)
     first_at: float = 0.0
     last_at: float = 0.0
     generated: int = 0
@@ -101,11 +112,14 @@ class DecoderRunner:
     work_type = GenerateWork
 
     def __init__(self, models: LoadedModels, outbox: Outbox, executor: Executor,
-                 prefill_per_step: int) -> None:
+                 prefill_per_step: int, prefill_chunk: int = 512) -> None:
         self.models = models
         self.outbox = outbox
         self.executor = executor
         self.per_step = max(1, prefill_per_step)
+        self.chunk = max(1, prefill_chunk)
+        self.prefilling: list[Sequence] = []  # holding a slot, prompt not done, oldest first
+        self.counters = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
         self.lanes: dict[str, Lane] = {}
         self.waiting: deque[Sequence] = deque()
         self.requests: dict[str, RequestState] = {}
@@ -164,14 +178,17 @@ class DecoderRunner:
             self._occ_sum = self._occ_n = 0
         else:
             occ = used / slots
-        # Cache positions held, over every loaded engine (a retiring one still holds its).
-        sizes = [(lane.engine.slots * lane.engine.max_context, lane.engine.kv_usage)
-                 for lane in self.lanes.values()]
-        total = sum(n for n, _ in sizes)
-        kv = sum(n * float(u) for n, u in sizes) / total if total else 0.0
+        # Cache blocks held, over every loaded engine (a retiring one still holds its).
+        stats = [lane.engine.cache_stats() for lane in self.lanes.values()]
+        total = sum(c.blocks for c in stats)
+        kv = sum(c.held for c in stats) / total if total else 0.0
         return Gauges(queue_depth=self.queue_depth, in_flight=used, capacity=slots,
                       occupancy=min(occ, 1.0), steps=self.steps, slots_total=slots,
-                      slots_used=used, kv_usage=kv)
+                      slots_used=used, kv_usage=kv, running=used, waiting=self.queue_depth,
+                      kv_blocks_total=total, kv_blocks_used=sum(c.held for c in stats),
+                      prefix_cache_queries=self.counters["prefix_queries"],
+                      prefix_cache_hits=self.counters["prefix_hits"],
+                      preemptions=self.counters["preemptions"])
 
     # -------------------------------------------------------------- requests
     def submit(self, work: GenerateWork) -> None:
@@ -211,14 +228,16 @@ class DecoderRunner:
                 await self._notify()
                 await self._wake.wait()
                 continue
-            admits = self._admissions()
+            self._admissions()
             busy = [lane for lane in self.lanes.values() if lane.busy]
-            firsts, tokens = await loop.run_in_executor(
-                self.executor, self._engine_step, admits, busy)
+            firsts, tokens, preempted = await loop.run_in_executor(
+                self.executor, self._engine_step, list(self.prefilling), busy)
             self.steps += 1
             self._occ_sum += self.in_flight
             self._occ_n += 1
             await self._advance(firsts, tokens, time.perf_counter())
+            self._requeue(preempted)
+            self._count_prefix()
             await self._notify()
 
     async def _notify(self) -> None:
@@ -228,6 +247,7 @@ class DecoderRunner:
     def _admissions(self) -> list[Sequence]:
         out: list[Sequence] = []
         kept: list[Sequence] = []
+        full: set[Lane] = set()
         now_wall = time.time()
         while self.waiting and len(out) < self.per_step:
             seq = self.waiting.popleft()
@@ -242,50 +262,93 @@ class DecoderRunner:
                     503, f"version {version} is not loaded on this worker; retry shortly",
                     code="version_unavailable", retry_after=1.0))
                 continue
-            slot = lane.free_slot()
-            if slot is None:
-                kept.append(seq)  # its lane is full; work for other lanes may still go
-                if all(ln.free_slot() is None for ln in self.lanes.values()):
-                    break
-                continue
-            if not st.version:
+            slot = lane.free_slot() if lane not in full else None
+            if slot is not None and not st.version:
                 try:
                     lane.engine.check_prompt(seq.work.prompt)  # prod may have changed
                 except ValueError as exc:
                     self._refuse_unstarted(seq, st, ServiceError(400, str(exc)))
                     continue
-                st.version = version
-            seq.lane, seq.slot, seq.admitted = lane, slot, time.perf_counter()
-            seq.detok = _detokenizer(lane.engine, seq.work)
+            prompt = seq.work.prompt + seq.tokens  # a preempted one re-runs its tokens too
+            if slot is None or not lane.engine.can_admit(prompt):
+                full.add(lane)  # FIFO per lane: nobody overtakes a sequence that waits
+                kept.append(seq)  # work for other lanes may still go
+                if all(ln in full or ln.free_slot() is None for ln in self.lanes.values()):
+                    break
+                continue
+            st.version = version
+            # Host bookkeeping only (no device work), and no engine call runs now.
+            lane.engine.begin(slot, prompt, seq.work.sampling, seq.seed)
+            seq.lane, seq.slot = lane, slot
+            if not seq.admitted:
+                seq.admitted = time.perf_counter()
+                seq.detok = _detokenizer(lane.engine, seq.work)
             lane.active[slot] = seq
+            self.prefilling.append(seq)
             out.append(seq)
         self.waiting.extendleft(reversed(kept))
         return out
 
-    def _engine_step(self, admits: list[Sequence], lanes: list[Lane]):
-        """Runs on the engine thread: prefills, then per lane read the step in flight
-        and dispatch the next."""
+    def _engine_step(self, prefilling: list[Sequence], lanes: list[Lane]):
+        """Runs on the engine thread: prompt chunks within the token budget, then per
+        lane read the step in flight, make room for the next and dispatch it."""
         firsts = []
-        for seq in admits:
-            lane = seq.lane
+        left = self.chunk
+        for seq in prefilling:
+            if left <= 0:
+                break
+            engine = seq.lane.engine
+            n = min(left, engine.prefilling(seq.slot))
+            left -= n
             try:
-                firsts.append((seq, lane.engine.prefill_insert(
-                    seq.slot, seq.work.prompt, seq.work.sampling, seq.seed)))
+                first = engine.prefill_step(seq.slot, n)
             except Exception as exc:  # noqa: BLE001 - fails this sequence only
                 firsts.append((seq, exc))
-            # Queued behind the step in flight: it joins the next one dispatched.
-            seq.joined = lane.dispatched + 1
-        tokens = []
+                continue
+            if first is not None:
+                firsts.append((seq, first))
+                # Queued behind the step in flight: it joins the next one dispatched.
+                seq.joined = seq.lane.dispatched + 1
+        tokens, preempted = [], []
         for lane in lanes:
             pending, step_no = lane.pending, lane.dispatched
             if pending is not None:
                 tokens.append((lane, pending.result(), step_no))
+            preempted += [(lane, slot) for slot in lane.engine.make_room()]
             if lane.engine.active_slots:
                 lane.pending = lane.engine.step_async()
                 lane.dispatched += 1
             else:
                 lane.pending = None
-        return firsts, tokens
+        return firsts, tokens, preempted
+
+    def _requeue(self, preempted: list[tuple[Lane, int]]) -> None:
+        """Preempted sequences (their cache already freed) wait again, at the front,
+        oldest first; one that finished on its last token is retired as usual."""
+        back = []
+        for lane, slot in preempted:
+            seq = lane.active.get(slot)
+            if seq is None:
+                continue
+            self.counters["preemptions"] += 1
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
+            if seq.finish is not None:
+                continue  # _retire frees the slot (a no-op in the engine) and closes it
+            del lane.active[slot]
+            seq.live, seq.slot = False, -1
+            back.append(seq)
+        back.sort(key=lambda q: q.admitted)
+        self.waiting.extendleft(reversed(back))
+
+    def _count_prefix(self) -> None:
+        """Fold each engine's prefix-cache counts into the runner's, which outlive a
+        dropped engine (counters never go down)."""
+        for lane in self.lanes.values():
+            stats = lane.engine.cache_stats()
+            self.counters["prefix_queries"] += stats.queries - lane.seen[0]
+            self.counters["prefix_hits"] += stats.hits - lane.seen[1]
+            lane.seen = (stats.queries, stats.hits)
 
     async def _advance(self, firsts, tokens, now: float) -> None:
         for seq, tok in firsts:
@@ -297,10 +360,12 @@ class DecoderRunner:
                     st.cancelled = True  # its other choices stop too
                     await self.outbox.error(seq.work, internal("the model failed on this prompt"))
                 continue
+            self.prefilling.remove(seq)
+            seq.live = True
             await self._accept(seq, int(tok), now)
         for lane, toks, step_no in tokens:
             for slot, seq in list(lane.active.items()):
-                if seq.finish is not None or seq.joined > step_no or seq.generated == 0:
+                if seq.finish is not None or seq.joined > step_no or not seq.live:
                     continue
                 await self._accept(seq, int(toks[slot]), now)
 
@@ -318,14 +383,16 @@ class DecoderRunner:
             st.itl_counts[itl_bucket(gap)] += 1
         seq.last_at = now
         seq.generated += 1
+        seq.tokens.append(tok)
         st.completion_tokens += 1
         if tok in seq.lane.eos and not seq.work.ignore_eos:
             seq.finish = "stop"
             text = seq.detok.flush()
         else:
             text = seq.detok.feed(tok)
+            in_context = len(seq.work.prompt) + seq.generated  # the slot may be preempted
             if not seq.detok.stopped and (seq.generated >= seq.work.max_tokens
-                                          or seq.lane.engine.context_left(seq.slot) <= 0):
+                                          or seq.lane.engine.max_context <= in_context):
                 seq.finish = "length"
                 text += seq.detok.flush()  # may still complete a stop string
             if seq.detok.stopped:
@@ -379,6 +446,8 @@ class DecoderRunner:
             self.executor, _free_slots, [(lane.engine, slot) for lane, slot, _ in freed])
         for lane, slot, seq in freed:
             del lane.active[slot]
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
             st = self.requests.get(seq.work.request_id)
             if st is not None:
                 st.remaining -= 1

@@ -30,7 +30,14 @@ class Gauges:
     steps: int  # engine calls finished since start (forward-progress check)
     slots_total: int = 0  # decoders: KV slots of the engines traffic goes to
     slots_used: int = 0
-    kv_usage: float = 0.0  # decoders: fraction of those slots' cache positions held
+    kv_usage: float = 0.0  # decoders: fraction of the KV cache blocks held (all engines)
+    running: int = 0  # decoders: sequences holding a slot (prefilling or decoding)
+    waiting: int = 0  # decoders: sequences queued for a slot or cache room
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up, since start
+    prefix_cache_hits: int = 0  # of those, tokens reused
+    preemptions: int = 0  # since start
 
 
 class Runner(Protocol):

@@ -104,7 +104,7 @@ class Worker:
     def _make_runner(self) -> Runner:
         if self.kind == "decoder":
             return DecoderRunner(self.models, self.outbox, self.executor,
-                                 self.config.prefill_per_step)
+                                 self.config.prefill_per_step, self.config.prefill_chunk)
         return EncoderRunner(self.models, self.outbox, self.executor, self.config.max_batch,
                              self.config.max_wait_ms / 1000)
 
@@ -244,7 +244,10 @@ class Worker:
             device=device, sent_at=time.time(), slots_total=load.slots_total,
             slots_used=load.slots_used, kv_usage=load.kv_usage, last_error=self.models.error,
             dtype=getattr(engine, "dtype", "float32"), mem_used_bytes=used,
-            mem_limit_bytes=limit, mem_source=source)
+            mem_limit_bytes=limit, mem_source=source, running=load.running,
+            waiting=load.waiting, kv_blocks_total=load.kv_blocks_total,
+            kv_blocks_used=load.kv_blocks_used, prefix_cache_queries=load.prefix_cache_queries,
+            prefix_cache_hits=load.prefix_cache_hits, preemptions=load.preemptions)
 
     async def _publish_heartbeat(self) -> None:
         await self.nc.publish(subjects.TELEMETRY_WORKERS, encode_record(self.heartbeat()))

@@ -13,6 +13,8 @@ import threading
 
 import numpy as np
 
+from engine.interface import WholePrompt
+
 
 class MockEncoder:
     def __init__(self, name: str = "all-MiniLM-L6-v2", dim: int = 8, max_batch: int = 64,
@@ -59,7 +61,7 @@ class _Step:
         return self._tokens
 
 
-class MockDecoder:
+class MockDecoder(WholePrompt):
     """A hand-checkable decoder: every token it generates is `tag` (so its text is
     one letter repeated, and two versions with other tags are told apart by eye).
     `gate` holds its decode steps on the engine thread; `entered` is set when one waits."""

@@ -1,0 +1,132 @@
+"""The decoder runner over a real paged engine (the tiny Llama): requests wait for
+cache room, preempted sequences re-run, long prompts are chunked between decode
+steps; every stream's text still equals transformers' greedy output."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine.decoder import DecoderEngine
+from engine.detok import Detokenizer
+from services.worker.generation import DecoderRunner
+from services.worker.versions import LoadedModels
+from shared.messages import GenerateWork, Sampling
+from tests.services.test_worker_runner import Recorder
+from tests.support.stack import wait_until
+from tests.support.tiny_models import build, hf_greedy
+
+CHUNK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama")
+    return out, build("llama", out, positions=128)
+
+
+def _work(rid: str, prompt: list[int], max_tokens: int) -> GenerateWork:
+    return GenerateWork(rid, "tiny", "", prompt, max_tokens, Sampling(temperature=0), [], 1,
+                        True, time.time() + 120, f"reply.{rid}", "sched", ignore_eos=True)
+
+
+def _expected(engine, ref, prompt: list[int], n: int) -> str:
+    detok = Detokenizer(engine.tokenizer, prompt_ids=prompt, stop=[])
+    return "".join(detok.feed(t) for t in hf_greedy(ref, prompt, n)) + detok.flush()
+
+
+class Trace:
+    """Wraps an engine; records each prefill chunk's tokens and each step's live slots."""
+
+    def __init__(self, engine: DecoderEngine) -> None:
+        self.engine = engine
+        self.events: list[tuple[str, object]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def prefill_step(self, slot: int, budget: int = 0):
+        before = self.engine.prefilling(slot)
+        first = self.engine.prefill_step(slot, budget)
+        self.events.append(("prefill", before - self.engine.prefilling(slot)))
+        return first
+
+    def step_async(self):
+        self.events.append(("step", frozenset(self.engine._active.nonzero()[0].tolist())))
+        return self.engine.step_async()
+
+
+async def _serve(engine, works: list[tuple[int, GenerateWork]], chunk: int = 512):
+    """Submit each work once the runner has done `at` steps; wait for them all."""
+    models = LoadedModels(engine, "1", kind="decoder")
+    out = Recorder()
+    runner = DecoderRunner(models, out, ThreadPoolExecutor(1), prefill_per_step=8,
+                           prefill_chunk=chunk)
+    task = asyncio.create_task(runner.run())
+    waited = 0
+    try:
+        for at, w in sorted(works, key=lambda x: x[0]):
+            await wait_until(lambda: runner.steps >= at, timeout=60)
+            runner.submit(w)
+            waited = max(waited, runner.queue_depth)
+        await wait_until(lambda: len(out.finished) == len(works), timeout=300)
+        return out, runner, waited
+    finally:
+        task.cancel()
+
+
+async def test_a_small_pool_makes_requests_wait_and_preempts_without_changing_text(tiny):
+    """8 requests, 8 slots, a pool of 12 blocks (two old rows' worth): they cannot all
+    fit, some wait and some are preempted as they grow; every text is unchanged."""
+    path, ref = tiny
+    engine = DecoderEngine(path, "tiny", slots=8, max_context=96, prefill_buckets=(16, 32),
+                           decode_windows=(32, 64), kv_blocks=13)  # fmt: skip
+    engine.warmup(progress=False)
+    prompts = [[5 + i, 17, 30 + i, 42] + list(range(100 + i, 110 + i)) for i in range(8)]
+    out, runner, waited = await _serve(engine, [(0, _work(f"r{i}", p, 40))
+                                                for i, p in enumerate(prompts)])
+    assert out.errors == []
+    for i, p in enumerate(prompts):
+        assert out.texts(f"r{i}")[0][0] == _expected(engine, ref, p, 40), i
+    load = runner.gauges()
+    assert load.preemptions > 0 and waited > 0
+    assert (load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total) == (0, 0, 0, 12)
+
+
+async def test_a_long_prompt_is_chunked_and_running_streams_miss_no_step(tiny):
+    """Eight streams decode; a 90-token prompt arrives. It is computed CHUNK tokens
+    per iteration, and every decode step between its chunks still includes all eight
+    streams: no stream waits more than one chunk for its next token."""
+    path, ref = tiny
+    engine = DecoderEngine(path, "tiny", slots=9, max_context=128, prefill_buckets=(16,),
+                           decode_windows=(32, 64), prefill_chunk=CHUNK)  # fmt: skip
+    engine.warmup(progress=False)
+    trace = Trace(engine)
+    short = [[5 + i, 17, 30 + i, 42] for i in range(8)]
+    long = list(range(2, 92))
+    works = [(0, _work(f"s{i}", p, 30)) for i, p in enumerate(short)]
+    works.append((4, _work("long", long, 8)))
+    out, runner, _ = await _serve(trace, works, chunk=CHUNK)
+    assert out.errors == []
+    for i, p in enumerate(short):
+        assert out.texts(f"s{i}")[0][0] == _expected(engine, ref, p, 30), i
+    assert out.texts("long")[0][0] == _expected(engine, ref, long, 8)
+    # Between two decode steps, at most one chunk of prompt was computed...
+    between, chunks = 0, 0
+    steps = [e for e in trace.events if e[0] == "step"]
+    for kind, what in trace.events:
+        if kind == "prefill":
+            between += what
+            chunks += what > 0
+        else:
+            assert between <= CHUNK
+            between = 0
+    assert chunks >= 90 // CHUNK  # ...and the long prompt took several
+    # ...and each short stream was in every step from its first to its last.
+    for slot in range(8):
+        live = [slot in s for _, s in steps]
+        first, last = live.index(True), len(live) - 1 - live[::-1].index(True)
+        assert all(live[first : last + 1]), slot
