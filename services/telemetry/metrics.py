@@ -57,6 +57,9 @@ class _Seen:
     last_seen: float  # monotonic seconds in this process
     queue_depth: int
     device: str = ""
+    running: int = 0
+    waiting: int = 0
+    counted: tuple[int, int, int] = (0, 0, 0)  # prefix queries, hits, preemptions so far
 
 
 class TokenGapHistogram:
@@ -184,6 +187,22 @@ class TelemetryMetrics:
         self.w_rss = worker_gauge("worker_rss_bytes", "Resident memory of the worker process.")
         self.w_kv = worker_gauge("kv_cache_usage_perc", "KV cache usage, 1 = full.")
         self.w_slots = worker_gauge("worker_slots_used", "Decode slots holding a sequence.")
+        # vLLM's scheduler and cache metrics, per worker (sum() for the fleet).
+        self.w_running = worker_gauge("num_requests_running",
+                                      "Sequences holding a decode slot (prefilling or decoding).")
+        self.w_waiting = worker_gauge("num_requests_waiting",
+                                      "Sequences waiting for a slot or KV cache room.")
+        self.w_blocks = worker_gauge("kv_cache_blocks", "KV cache blocks of the loaded engines.")
+
+        def worker_counter(name: str, doc: str) -> Counter:
+            return Counter(f"{NS}_{name}", doc, ["worker", "model"], registry=r)
+
+        self.w_prefix_queries = worker_counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.w_prefix_hits = worker_counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache (K/V reused).")
+        self.w_preemptions = worker_counter(
+            "num_preemptions", "Sequences preempted to free KV cache blocks.")
         self.w_mem_used = worker_gauge("worker_memory_used_bytes",
                                        "Memory in use (device where reported, else host RSS).")
         self.w_mem_limit = worker_gauge("worker_memory_limit_bytes",
@@ -192,6 +211,12 @@ class TelemetryMetrics:
                           ["worker", "model", "state"], registry=r)
         self.m_queue = Gauge(f"{NS}_model_queue_depth", "Queued requests over live workers.",
                              ["model"], registry=r)
+        self.m_running = Gauge(f"{NS}_model_num_requests_running",
+                               "Sequences holding a decode slot, over live workers.",
+                               ["model"], registry=r)
+        self.m_waiting = Gauge(f"{NS}_model_num_requests_waiting",
+                               "Sequences waiting for a slot or KV cache room, over live workers.",
+                               ["model"], registry=r)
         self.m_ready = Gauge(f"{NS}_model_ready_workers", "Live workers in state ready.",
                              ["model"], registry=r)
         self.m_desired = Gauge(f"{NS}_model_desired_replicas",
@@ -283,7 +308,10 @@ class TelemetryMetrics:
             self._drop(w)
         elif old is not None and old.state != hb.state:
             self.w_up.remove(w, old.model, old.state)
-        self._workers[w] = _Seen(m, hb.state, now, hb.queue_depth, hb.device)
+        counted = old.counted if old is not None and old.model == m else (0, 0, 0)
+        self._workers[w] = _Seen(m, hb.state, now, hb.queue_depth, hb.device, hb.running,
+                                 hb.waiting, (hb.prefix_cache_queries, hb.prefix_cache_hits,
+                                              hb.preemptions))
         self._models.add(m)
         self.w_up.labels(w, m, hb.state).set(1)
         self.w_queue.labels(w, m).set(hb.queue_depth)
@@ -294,6 +322,13 @@ class TelemetryMetrics:
         self.w_slots.labels(w, m).set(hb.slots_used)
         self.w_mem_used.labels(w, m).set(hb.mem_used_bytes)
         self.w_mem_limit.labels(w, m).set(hb.mem_limit_bytes)
+        self.w_running.labels(w, m).set(hb.running)
+        self.w_waiting.labels(w, m).set(hb.waiting)
+        self.w_blocks.labels(w, m).set(hb.kv_blocks_total)
+        # The worker reports totals since it started; the counters move by the change.
+        for c, new, was in zip((self.w_prefix_queries, self.w_prefix_hits, self.w_preemptions),
+                               self._workers[w].counted, counted):
+            c.labels(w, m).inc(max(new - was, 0))
         self._refresh_model(m)
 
     def observe_scale(self, d: ScaleDecision, now: float) -> None:
@@ -331,7 +366,9 @@ class TelemetryMetrics:
         seen = self._workers.pop(worker)
         self.w_up.remove(worker, seen.model, seen.state)
         for g in (self.w_queue, self.w_in_flight, self.w_occupancy, self.w_rss, self.w_kv,
-                  self.w_slots, self.w_mem_used, self.w_mem_limit):
+                  self.w_slots, self.w_mem_used, self.w_mem_limit, self.w_running,
+                  self.w_waiting, self.w_blocks, self.w_prefix_queries, self.w_prefix_hits,
+                  self.w_preemptions):
             g.remove(worker, seen.model)
         self._refresh_model(seen.model)
 
@@ -340,4 +377,6 @@ class TelemetryMetrics:
         # not a missing series).
         live = [s for s in self._workers.values() if s.model == model]
         self.m_queue.labels(model).set(sum(s.queue_depth for s in live))
+        self.m_running.labels(model).set(sum(s.running for s in live))
+        self.m_waiting.labels(model).set(sum(s.waiting for s in live))
         self.m_ready.labels(model).set(sum(1 for s in live if s.state == "ready"))

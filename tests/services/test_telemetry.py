@@ -515,3 +515,39 @@ async def test_module_runs_and_stops_on_sigterm(nats_server, nc):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_decoder_cache_metrics_read_as_vllm_names_them():
+    """Running and waiting sequences per worker and per model, KV blocks, and the
+    prefix-cache and preemption counters, which move by what each heartbeat adds."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from services.telemetry.metrics import TelemetryMetrics
+
+    reg = CollectorRegistry()
+    m = TelemetryMetrics(reg, expiry_s=60)
+
+    def beat(worker, running, waiting, queries, hits, preempted, now):
+        hb = msgspec.structs.replace(
+            _heartbeat(worker, "lm"), running=running, waiting=waiting, kv_blocks_total=512,
+            kv_blocks_used=40, prefix_cache_queries=queries, prefix_cache_hits=hits,
+            preemptions=preempted)
+        m.observe_heartbeat(hb, now)
+
+    def value(name, **labels):
+        return reg.get_sample_value(name, labels)
+
+    beat("w1", 5, 2, 1000, 600, 1, 0.0)
+    beat("w2", 3, 0, 200, 0, 0, 0.0)
+    beat("w1", 6, 1, 1500, 900, 1, 1.0)
+    assert value("tensorbus_num_requests_running", worker="w1", model="lm") == 6
+    assert value("tensorbus_model_num_requests_running", model="lm") == 9
+    assert value("tensorbus_model_num_requests_waiting", model="lm") == 1
+    assert value("tensorbus_kv_cache_blocks", worker="w1", model="lm") == 512
+    assert value("tensorbus_prefix_cache_queries_total", worker="w1", model="lm") == 1500
+    assert value("tensorbus_prefix_cache_hits_total", worker="w1", model="lm") == 900
+    assert value("tensorbus_num_preemptions_total", worker="w1", model="lm") == 1
+    assert b"tensorbus_prefix_cache_hits_total" in generate_latest(reg)
+    m.expire_workers(100.0)  # both silent: their series go, the fleet gauges read 0
+    assert value("tensorbus_prefix_cache_hits_total", worker="w1", model="lm") is None
+    assert value("tensorbus_model_num_requests_running", model="lm") == 0
