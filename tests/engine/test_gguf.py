@@ -192,6 +192,39 @@ def test_greedy_tokens_equal_transformers_generate(engine, smollm2_hf, smollm2_h
     assert engine.tokenizer.decode(ours[: len(theirs)]) == "The capital of France is Paris."
 
 
+
+def test_prefix_cache_shares_a_system_prompt_and_changes_no_output(
+        engine, smollm2_hf, smollm2_hf_tokenizer):
+    """Two questions under one long system prompt, then the first again: the later
+    prompts reuse the cached blocks of the shared prefix, and every answer equals
+    transformers' greedy one, with the cache on and off."""
+    system = {"role": "system", "content": "You are a careful assistant for a museum of "
+              "natural history. Answer in one short sentence, plainly, without lists. Visitors "
+              "are often children and their families, so keep every answer friendly."}
+    prompts = [_chat_ids(smollm2_hf_tokenizer, [system, {"role": "user", "content": q}])
+               for q in ("What do whales eat?", "Where do penguins live?")]
+    prompts.append(prompts[0])
+    theirs = [_hf_greedy(smollm2_hf, ids, 16) for ids in prompts]
+    before = engine.cache_stats()
+    try:
+        for cached in (True, False):
+            engine.pool.prefix_cache = cached
+            hits = engine.cache_stats().hits
+            for ids, want in zip(prompts, theirs):
+                got = _engine_greedy(engine, ids, 16)
+                assert got[: len(want)] == want
+            reused = engine.cache_stats().hits - hits
+            # Off: nothing reused. On: the second prompt, the full blocks it shares
+            # with the first (the system prompt); the third, the first's full blocks
+            # but the one holding its last token.
+            block = engine.block
+            shared = next(i for i, (x, y) in enumerate(zip(*prompts[:2])) if x != y)
+            want = shared // block * block + (len(prompts[0]) - 1) // block * block
+            assert reused == (want if cached else 0) and shared >= 32
+    finally:
+        engine.pool.prefix_cache = True
+    assert engine.cache_stats().queries - before.queries == 2 * sum(map(len, prompts))
+
 # --- tokenizer and chat template
 
 
