@@ -130,6 +130,11 @@ class Decoder(Protocol):
 
     def cache_stats(self) -> CacheStats: ...
 
+    def held_prefixes(self, limit: int) -> list[int]:
+        """Short keys (shared.prefix) of the prompt prefixes cached, at most `limit`."""
+
+    block: int  # tokens per prefix key (0: no prefix cache)
+
     def step(self) -> np.ndarray:
         """One decode step for every active slot -> [slots] int32 (ignore free slots)."""
 
@@ -168,6 +173,11 @@ class WholePrompt:
         return self.prefill_insert(slot, prompt, sampling, seed)
 
     def make_room(self) -> list[int]:
+        return []
+
+    block = 0
+
+    def held_prefixes(self, limit: int) -> list[int]:
         return []
 
     def cache_stats(self) -> CacheStats:

@@ -21,6 +21,11 @@ class WorkerView:
     seen: float  # monotonic time of the last heartbeat
     progress_at: float  # monotonic time the step counter last moved (or idle)
     stalled: bool = False
+    prefixes: frozenset[int] = frozenset()  # short keys of the prompt prefixes it caches
+
+    def __post_init__(self) -> None:
+        if self.hb.prefix_keys:
+            self.prefixes = frozenset(self.hb.prefix_keys)
 
     @property
     def worker_id(self) -> str:

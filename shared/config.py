@@ -36,6 +36,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     max_queue_s: float = 30.0  # queue bound in estimated compute: seconds of work ahead per ready worker
     stall_s: float = 10.0  # a worker holding work with no finished step this long is wedged
     target_queue_per_replica: float = 32.0  # scaling signal: desired queue per worker
+    prefix_route_imbalance: int = 4  # scheduler: extra requests a worker caching a prompt's prefix may hold over the least loaded and still get it (-1 = route by load only)
     target_slots_per_replica: float = 12.0  # scaling signal: desired busy KV slots per decoder worker
     # --- fleet sizing (scheduler decides, the orchestrator or KEDA acts)
     min_workers: int = 1  # fewest workers per model (0 = may scale to zero)

@@ -87,6 +87,10 @@ class Heartbeat(_Rec, tag="heartbeat"):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose K/V was reused
     preemptions: int = 0  # sequences preempted to free KV cache blocks
+    # Prefix-aware routing: tokens per keyed block, and the short keys
+    # (shared.prefix.short) of the prompt prefixes the serving engine holds, bounded.
+    prefix_block: int = 0
+    prefix_keys: list[int] = []
 
 
 class ScaleDecision(_Rec, tag="scale"):

@@ -15,25 +15,15 @@ only ever indexed through block ids handed out here.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
+from shared.prefix import prefix_keys, short
+
+__all__ = ["SCRATCH", "BlockPool", "PoolStats", "prefix_keys"]
 SCRATCH = 0
-
-
-def prefix_keys(tokens: list[int], block: int) -> list[bytes]:
-    """One key per full block of `tokens`: a hash of the block and everything before."""
-    out: list[bytes] = []
-    prev = b""
-    ids = np.asarray(tokens, np.int64)
-    for i in range(len(tokens) // block):
-        prev = hashlib.blake2b(prev + ids[i * block : (i + 1) * block].tobytes(),
-                               digest_size=16).digest()
-        out.append(prev)
-    return out
 
 
 @dataclass
@@ -149,6 +139,13 @@ class BlockPool:
             raise RuntimeError("KV pool exhausted")  # callers check `available` first
         self._refs[b] = 1
         return b
+
+    def summary(self, limit: int) -> list[int]:
+        """Short keys of cached prefixes, at most `limit`: those in use first, then
+        the evictable ones, most recently used first (the likeliest to last)."""
+        held = [k for b, k in self._key_of.items() if self._refs[b] > 0]
+        idle = [self._key_of[b] for b in reversed(self._lru)]
+        return [short(k) for k in (held + idle)[:limit]]
 
     def refcount(self, b: int) -> int:
         return int(self._refs[b])

@@ -217,6 +217,10 @@ class DecoderEngine:
         return CacheStats(p.usable, p.held, p.cached, p.stats.queries, p.stats.hits,
                           p.stats.preemptions)
 
+    def held_prefixes(self, limit: int) -> list[int]:
+        """Short keys (shared.prefix) of the prompt prefixes cached here, at most `limit`."""
+        return self.pool.summary(limit)
+
     def context_left(self, slot: int) -> int:
         """Tokens `slot` can still generate before its context is full."""
         return int(self._max_context - self._lengths[slot])

@@ -20,7 +20,11 @@ Dataflow of one request:
      the time held); its own deadline passing first ends it with a 504 that says so.
   4. Routing: the least-loaded ready worker below the memory threshold serving the
      model (and the version the request pins or the canary draw picks) gets the
-     WorkRequest on its work subject.
+     WorkRequest on its work subject; for a prompt, the one whose heartbeat says it
+     caches the longest prefix of it (whole conversation, block by block), unless
+     it holds more than `prefix_route_imbalance` requests over the least loaded.
+     Heartbeats carry the prefixes, so a restarted scheduler routes by them again
+     within one heartbeat interval.
      An unpinned request that draws the canary goes out pinned to it; one that draws
      prod goes to workers holding prod, unpinned, so each runs its own current prod
      (a scheduler whose view lags a promotion never sends work back to the old one).
@@ -56,7 +60,7 @@ from services.micro import ServiceHealth, add_service
 from services.scheduler.aliases import AliasTable
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.scaling import Autoscaler, Demand
-from shared import VERSION, admission, subjects
+from shared import VERSION, admission, prefix, subjects
 from shared.admission import Cost, CostBook, LoadBoard, Tally
 from shared.config import Config
 from shared.errors import ServiceError, deadline_exceeded, overloaded, unavailable
@@ -274,7 +278,7 @@ class Scheduler:
             pin, ready = self._route_version(work.model, ready, work.user)
             if pin:  # the worker runs the drawn canary, not its own prod
                 sent = msgspec.structs.replace(work, version=pin)
-        target = min(ready, key=self._load_of)
+        target = self._pick(work, ready)
         wid = target.worker_id
         # The unpinned original is kept: a re-dispatch draws again.
         now = time.monotonic()
@@ -299,6 +303,15 @@ class Scheduler:
                 if pool:
                     return ("" if version == prod else version), pool
         return "", ready
+
+    def _pick(self, work: WorkRequest, ready: list[WorkerView]) -> WorkerView:
+        """Prefix first (prompts, when workers report cached prefixes), then load."""
+        block = next((w.hb.prefix_block for w in ready if w.prefixes), 0)
+        if isinstance(work, EmbedWork) or not block or self.config.prefix_route_imbalance < 0:
+            return min(ready, key=self._load_of)
+        keys = [prefix.short(k) for k in prefix.prefix_keys(work.prompt, block)]
+        return prefix.choose(ready, keys, lambda w: w.prefixes, lambda w: self._load_of(w),
+                             self.config.prefix_route_imbalance)
 
     def _load_of(self, w: WorkerView) -> tuple[int, float]:
         mine = self.load.get(w.worker_id, 0)

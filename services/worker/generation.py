@@ -188,7 +188,18 @@ class DecoderRunner:
                       kv_blocks_total=total, kv_blocks_used=sum(c.held for c in stats),
                       prefix_cache_queries=self.counters["prefix_queries"],
                       prefix_cache_hits=self.counters["prefix_hits"],
-                      preemptions=self.counters["preemptions"])
+                      preemptions=self.counters["preemptions"],
+                      **self._prefix_summary(serving))
+
+    @staticmethod
+    def _prefix_summary(serving: list[Lane]) -> dict:
+        """What prod's engine holds, for prefix-aware routing (bounded)."""
+        from shared.prefix import SUMMARY_KEYS
+
+        if not serving or not serving[0].engine.block:
+            return {}
+        engine = serving[0].engine
+        return {"prefix_block": engine.block, "prefix_keys": engine.held_prefixes(SUMMARY_KEYS)}
 
     # -------------------------------------------------------------- requests
     def submit(self, work: GenerateWork) -> None:

@@ -9,7 +9,7 @@ the `LoadedModels` (which engine serves which version, looked up when used).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from nats.aio.client import Client
@@ -38,6 +38,8 @@ class Gauges:
     prefix_cache_queries: int = 0  # prompt tokens looked up, since start
     prefix_cache_hits: int = 0  # of those, tokens reused
     preemptions: int = 0  # since start
+    prefix_block: int = 0  # decoders: tokens per prefix key (0: none)
+    prefix_keys: list[int] = field(default_factory=list)  # short keys of cached prefixes
 
 
 class Runner(Protocol):

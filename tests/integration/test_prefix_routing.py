@@ -1,0 +1,68 @@
+"""Prefix-aware routing over a real nats-server: two workers of the tiny Llama; a
+conversation's follow-ups go to the worker that cached its earlier turns, and a
+restarted scheduler routes by the same prefixes (they come with heartbeats)."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+
+from shared import subjects
+from tests.integration.test_generation import request
+from tests.support.stack import running_stack, wait_until
+from tests.support.tiny_models import serve_tiny
+
+CONTEXT = 512
+TURN = ("The function returns None when the file is missing, and raises an error when "
+        "the path names a directory instead of a file. ")
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, jax_cache_dir):
+    path = tmp_path_factory.mktemp("llama")
+    _, a = serve_tiny("llama", path, "tiny-llama", CONTEXT, jax_cache_dir)
+    _, b = serve_tiny("llama", path, "tiny-llama", CONTEXT, jax_cache_dir)
+    return a, b, str(path)
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def stack(nats_server, engines):
+    a, b, path = engines
+    async with running_stack(nats_server.url, models={a.name: path}, max_context=CONTEXT,
+                             decode_slots=4) as st:
+        await st.add_worker(a, "dec-a", kind="decoder")
+        await st.add_worker(b, "dec-b", kind="decoder")
+        yield st
+
+
+def _hits(engine) -> int:
+    return engine.cache_stats().hits
+
+
+async def _ask(st, name: str, prompt: str) -> None:
+    code, resp = await request(st.client, subjects.COMPLETIONS, {
+        "model": name, "prompt": prompt, "max_tokens": 2, "temperature": 0}, 60)
+    assert code == 200, resp
+
+
+async def _held_in_heartbeats(st, engine) -> None:
+    """Until the scheduler's view of the worker shows what the engine caches."""
+    keys = set(engine.held_prefixes(256))
+    await wait_until(lambda: keys and any(
+        keys <= v.prefixes for v in st.scheduler.fleet.workers.values()), timeout=10)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_follow_ups_go_to_the_worker_holding_the_conversation(stack, engines):
+    a, b, _ = engines
+    conversation = TURN
+    await _ask(stack, a.name, conversation)
+    first = a if a.cache_stats().queries else b
+    other = b if first is a else a
+    for i in range(4):  # each follow-up extends the whole conversation
+        await _held_in_heartbeats(stack, first)
+        before = _hits(first)
+        conversation += f" And {i}? It depends. "
+        await _ask(stack, a.name, conversation)
+        assert _hits(first) > before, i
+    assert other.cache_stats().queries == 0

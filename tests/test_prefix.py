@@ -1,0 +1,46 @@
+"""Prefix-aware routing's choice alone: longest cached prefix first, load when the
+holder is too busy or nobody holds anything. Pure Python."""
+
+from __future__ import annotations
+
+from engine.decoder.blocks import BlockPool
+from shared.prefix import choose, matched, prefix_keys, short
+
+SYSTEM = list(range(100, 164))  # four blocks of 16
+TURN1 = SYSTEM + list(range(500, 520))
+TURN2 = TURN1 + list(range(600, 640))  # the conversation so far, one more exchange
+
+
+def _keys(tokens):
+    return [short(k) for k in prefix_keys(tokens, 16)]
+
+
+def _pick(workers, tokens, imbalance=4):
+    """workers: name -> (held short keys, requests held)"""
+    return choose(list(workers), _keys(tokens), lambda w: workers[w][0],
+                  lambda w: (workers[w][1], w), imbalance)
+
+
+def test_the_follow_up_goes_where_the_whole_conversation_is():
+    a, b = frozenset(_keys(SYSTEM)), frozenset(_keys(TURN1))
+    assert matched(_keys(TURN2), a) == 4 and matched(_keys(TURN2), b) == 5
+    # Both hold the system prompt; only b the first exchange too: b, though busier.
+    assert _pick({"a": (a, 0), "b": (b, 3)}, TURN2) == "b"
+
+
+def test_load_wins_past_the_imbalance_and_without_a_match():
+    b = frozenset(_keys(TURN1))
+    assert _pick({"a": (frozenset(), 0), "b": (b, 5)}, TURN2) == "a"  # 5 > 0 + 4
+    assert _pick({"a": (frozenset(), 1), "b": (frozenset(), 0)}, TURN2) == "b"
+    assert _pick({"a": (frozenset(), 0), "b": (b, 5)}, list(range(9))) == "a"  # < a block
+
+
+def test_a_pool_summarises_its_cached_prefixes_most_useful_first():
+    pool = BlockPool(20, 16)
+    keys = prefix_keys(TURN1, 16)
+    blocks, _ = pool.acquire([], 6)
+    pool.register(blocks[:5], keys)
+    assert set(pool.summary(256)) == {short(k) for k in keys}
+    assert len(pool.summary(3)) == 3
+    pool.release(blocks)
+    assert pool.summary(2) == [short(keys[0]), short(keys[1])]  # head evicted last
