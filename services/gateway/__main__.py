@@ -1,21 +1,17 @@
-"""python -m services.gateway: process wiring only."""
+"""python -m services.gateway: process wiring only (services.lifecycle.serve)."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 from services.fleet import Fleet
 from services.gateway.frontend import Frontend
 from services.gateway.models import ModelTable, registry_resolver
 from services.gateway.service import Gateway
+from services.lifecycle import serve
 from services.registry.store import Registry, open_or_none
-from shared.bus import connection, stop_event
 from shared.config import Config
-from shared.logging import configure_logging, get_logger
 from shared.scaling import check_settings
-
-log = get_logger("gateway")
 
 
 def frontend(nc, config: Config, registry: Registry | None) -> Frontend:
@@ -25,18 +21,10 @@ def frontend(nc, config: Config, registry: Registry | None) -> Frontend:
     return Frontend(nc, config, fleet, ModelTable(fleet, registry_resolver(registry, cache, fleet)))
 
 
-async def main() -> None:
-    config = Config.from_env()
-    check_settings(config)  # a fleet setting that cannot work exits 78
-    configure_logging("gateway", config.log_level, config.log_format)
-    stop = stop_event()
-    async with connection(config.nats_url, "gateway") as nc:
-        gw = Gateway(nc, config, frontend(nc, config, await open_or_none(nc, "bundled catalogue only")))
-        task = asyncio.create_task(gw.run())
-        await stop.wait()
-        gw.stop()
-        await task
+async def build(nc, config: Config):
+    registry = await open_or_none(nc, "bundled catalogue only")
+    return Gateway(nc, config, frontend(nc, config, registry)), []
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    serve("gateway", build, check=check_settings)  # a fleet setting that cannot work exits 78

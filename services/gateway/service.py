@@ -18,6 +18,7 @@ from nats.aio.msg import Msg
 from services.gateway import codec
 from services.gateway.codec import VERSION_HEADER  # noqa: F401 - where tests and clients look
 from services.gateway.frontend import USER_HEADER, Frontend, Outcome, new_request_id, wire_id
+from services.lifecycle import Lifecycle
 from services.micro import ServiceHealth, add_service
 from shared import VERSION, subjects
 from shared.config import Config
@@ -32,7 +33,7 @@ REQUEST_ID_HEADERS = ("X-Request-Id", "Nats-Msg-Id")
 TIMEOUT_HEADER = "Tensorbus-Timeout"
 
 
-class Gateway:
+class Gateway(Lifecycle):
     def __init__(self, nc: Client, config: Config, frontend: Frontend | None = None,
                  http: bool = True) -> None:
         self.nc = nc

@@ -56,6 +56,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.fleet import Fleet, WorkerView
+from services.lifecycle import Lifecycle
 from services.micro import ServiceHealth, add_service
 from services.scheduler.aliases import AliasTable
 from services.scheduler.catalogue import Catalogue
@@ -109,7 +110,7 @@ class HeldWork:
 CATALOGUE_REFRESH_S = 10.0  # how often the registry's model list is read again
 
 
-class Scheduler:
+class Scheduler(Lifecycle):
     def __init__(self, nc: Client, config: Config, scheduler_id: str | None = None,
                  choose_version=None, scale_interval_s: float = 2.0,
                  registry=None) -> None:

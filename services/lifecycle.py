@@ -1,0 +1,146 @@
+"""One process lifecycle for every service: `python -m services.NAME` is `serve(...)`.
+
+  1. Read the config (`Config.from_env`), run the service's own settings check (a
+     setting that cannot work exits 78), configure logging once.
+  2. SIGINT / SIGTERM set an Event (shared.bus.stop_event).
+  3. Connect to NATS (retried until nats-server listens).
+  4. `build(nc, config)` returns the service and any extra background work (the
+     scheduler's first-start registry seeding, say).
+  5. `async with service:` runs `service.run()` in a task. serve() then waits for the
+     first of: the stop Event, the service's task ending, or an extra task failing.
+  6. Stop the service (idempotent), cancel the extras, wait for `run()` to drain.
+  7. Leaving the connection drains it (the last replies and records are flushed),
+     then closes it.
+  8. Exit 0 after a signal; exit 1 when the service's task ended on its own or any
+     task raised: a crashed housekeeping loop must not leave a process that still
+     answers `ready`. (SystemExit, e.g. exit 78 from inside the service, passes
+     through unchanged.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import sys
+from typing import Any, Awaitable, Callable, Coroutine, NoReturn
+
+from nats.aio.client import Client
+
+from shared.bus import connection, stop_event
+from shared.config import Config
+from shared.logging import configure_logging, get_logger
+
+log = get_logger("lifecycle")
+
+EXIT_FAILED = 1
+
+
+class Lifecycle:
+    """An async context manager over a service's `run()` and idempotent `stop()`.
+
+    `async with service:` starts `run()` in a task (`service.task`); leaving the block
+    calls `stop()` (awaited when it is a coroutine) and waits for `run()` to end,
+    re-raising its failure."""
+
+    _task: asyncio.Task | None = None  # immutable default; each instance sets its own
+
+    async def run(self) -> None:  # pragma: no cover - every service defines it
+        raise NotImplementedError
+
+    def stop(self) -> Any:  # pragma: no cover - every service defines it
+        raise NotImplementedError
+
+    @property
+    def task(self) -> asyncio.Task:
+        if self._task is None:
+            raise RuntimeError("the service is not running: use `async with service:`")
+        return self._task
+
+    async def __aenter__(self):
+        self._task = asyncio.create_task(self.run(), name=f"{type(self).__name__}.run")
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        # A failure already leaving the block wins over run()'s own.
+        await self.close(reraise=exc is None)
+
+    async def close(self, reraise: bool = True) -> None:
+        """Stop and wait for `run()` to finish (safe to call more than once)."""
+        result = self.stop()
+        if inspect.isawaitable(result):
+            await result
+        if self._task is None:
+            return
+        if reraise:
+            await self._task
+        else:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+Build = Callable[[Client, Config], Awaitable[tuple[Lifecycle, list[Coroutine]]]]
+
+
+def serve(name: str, build: Build, *, client_name: str | Callable[[Config], str] | None = None,
+          check: Callable[[Config], None] | None = None) -> NoReturn:
+    """The whole process: steps 1-8 above. Never returns. `client_name` (the NATS
+    connection's name) defaults to `name`; it may be a function of the config."""
+    config = Config.from_env()
+    if check is not None:
+        check(config)
+    configure_logging(name, config.log_level, config.log_format)
+    client = client_name(config) if callable(client_name) else client_name or name
+    sys.exit(asyncio.run(run_service(config, build, client)))
+
+
+async def run_service(config: Config, build: Build, client_name: str) -> int:
+    """Steps 2-7; the exit code (0 after a signal, 1 after a failure)."""
+    stop = stop_event()
+    async with connection(config.nats_url, client_name) as nc:
+        service, extras = await build(nc, config)
+        try:
+            async with service:
+                code = await _supervise(service.task, extras, stop)
+                if code:
+                    raise _Failed(code)  # already logged: stop without re-raising
+        except _Failed as failed:
+            return failed.code
+    return 0
+
+
+class _Failed(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+async def _supervise(main: asyncio.Task, extras: list[Coroutine], stop: asyncio.Event) -> int:
+    waiter = asyncio.create_task(stop.wait(), name="stop-signal")
+    others = {asyncio.create_task(c) for c in extras}
+    pending = {main, waiter, *others}
+    code = 0
+    try:
+        while code == 0 and waiter in pending and main in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done - {waiter}:
+                code = max(code, _verdict(task, main, stop))
+    finally:
+        for task in (waiter, *others):
+            task.cancel()
+        await asyncio.gather(waiter, *others, return_exceptions=True)
+    return code
+
+
+def _verdict(task: asyncio.Task, main: asyncio.Task, stop: asyncio.Event) -> int:
+    """0 for a background task that finished its job, else EXIT_FAILED (logged)."""
+    if task.cancelled():
+        log.error("task_cancelled", task=task.get_name())
+        return EXIT_FAILED
+    exc = task.exception()
+    if exc is not None:
+        log.error("task_failed", task=task.get_name(), error=f"{type(exc).__name__}: {exc}",
+                  exc_info=exc)
+        return EXIT_FAILED
+    if task is main and not stop.is_set():
+        log.error("service_ended", task=task.get_name(), why="run() returned without a stop")
+        return EXIT_FAILED
+    return 0

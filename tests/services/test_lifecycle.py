@@ -1,0 +1,137 @@
+"""services.lifecycle: one serve() for every process; a failed task ends the process.
+
+The subprocess tests run the real scheduler through its real `serve()` wiring, with
+one housekeeping loop replaced by one that fails when told to (a NATS message)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from services.lifecycle import Lifecycle
+from services.micro import ready_subject
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The scheduler's `_scaling` loop, replaced: it waits for CRASH_SUBJECT, then raises.
+# Seeding is a no-op; an extra task that finishes its job is no failure.
+SCRIPT = """
+import os, sys
+import services.scheduler.__main__ as main
+import services.scheduler.service as svc
+from services.lifecycle import serve
+from shared.scaling import check_settings
+
+async def no_seeding(registry):  # the bundled weights need not reach this registry
+    pass
+
+async def failing(self):
+    sub = await self.nc.subscribe(os.environ["CRASH_SUBJECT"])
+    msg = await sub.next_msg(timeout=120)
+    await msg.respond(b"failing now")
+    await self.nc.flush()
+    raise RuntimeError("housekeeping broke")
+
+svc.Scheduler._scaling = failing
+main.seed_registry = no_seeding
+serve("scheduler", main.build, check=check_settings)
+"""
+
+
+def _start(nats_url: str, crash_subject: str) -> subprocess.Popen:
+    env = {**os.environ, "TENSORBUS_NATS_URL": nats_url, "TENSORBUS_LOG_FORMAT": "json",
+           "CRASH_SUBJECT": crash_subject}
+    return subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, cwd=REPO,
+                            stderr=subprocess.PIPE, text=True)
+
+
+async def _until_ready(nc, proc: subprocess.Popen) -> None:
+    """The scheduler answers its readiness probe (it says it is ready)."""
+    async with asyncio.timeout(60):
+        while proc.poll() is None:
+            try:
+                msg = await nc.request(ready_subject("tensorbus-scheduler"), b"", timeout=0.5)
+            except Exception:  # noqa: BLE001 - not subscribed yet: ask again
+                continue
+            if json.loads(msg.data)["status"] == "ok":
+                return
+    pytest.fail(f"the scheduler exited early: {proc.stderr.read()}")
+
+
+def _events(stderr: str) -> list[dict]:
+    return [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+
+
+async def test_a_failed_background_task_ends_the_process_with_an_error(nats_server, nc):
+    crash = f"test.crash.{uuid.uuid4().hex}"
+    proc = _start(nats_server.url, crash)
+    try:
+        await _until_ready(nc, proc)
+        async with asyncio.timeout(30):  # asked until the loop has subscribed
+            while True:
+                try:
+                    await nc.request(crash, b"", timeout=0.5)
+                    break
+                except Exception:  # noqa: BLE001 - no responders yet
+                    continue
+        rc = await asyncio.to_thread(proc.wait, 30)
+        stderr = proc.stderr.read()
+        assert rc == 1, stderr
+        failed = [e for e in _events(stderr) if e["event"] == "task_failed"]
+        assert failed and "housekeeping broke" in json.dumps(failed[0]), stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_sigterm_still_exits_cleanly(nats_server, nc):
+    proc = _start(nats_server.url, f"test.crash.{uuid.uuid4().hex}")
+    try:
+        await _until_ready(nc, proc)
+        proc.send_signal(signal.SIGTERM)
+        rc = await asyncio.to_thread(proc.wait, 30)
+        assert rc == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+class _Service(Lifecycle):
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.stops = 0
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        await self._stop.wait()
+        if self.fail:
+            raise RuntimeError("run failed")
+
+    def stop(self) -> None:
+        self.stops += 1
+        self._stop.set()
+
+
+async def test_async_with_runs_and_stops_and_stop_is_idempotent():
+    svc = _Service()
+    async with svc:
+        assert not svc.task.done()
+    assert svc.task.done() and svc.stops == 1
+    await svc.close()  # a second stop changes nothing
+    assert svc.task.done()
+
+
+async def test_async_with_reraises_the_failure_of_run():
+    with pytest.raises(RuntimeError, match="run failed"):
+        async with _Service(fail=True):
+            pass
