@@ -1,15 +1,81 @@
-"""The embeddings endpoint: validate and tokenize at the edge, format the reply."""
+"""The embeddings endpoint: validate and tokenize at the edge, format the reply.
+
+  1. prepare: decode the body, resolve an encoder model, refuse early (503 for a
+     model not served, 429 when its queue or the work ahead is full), tokenize.
+  2. whole: submit one EmbedWork (counted in the gateway's own tally of work out),
+     wait for its EmbedResult, check `dimensions`.
+  3. Render the vectors as float lists or base64 float32 (`encoding_format`).
+"""
 
 from __future__ import annotations
 
 import array
 import base64
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from services.gateway.models import ModelEntry
+from services.gateway import codec
+from services.gateway.frontend import Frontend, user_key
+from services.gateway.models import ModelEntry, split_name
+from shared import admission
 from shared.api import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
 from shared.config import Config
-from shared.errors import bad_request
-from shared.messages import EmbedResult
+from shared.errors import bad_request, internal
+from shared.messages import EmbedResult, EmbedWork
+
+if TYPE_CHECKING:
+    from services.gateway.call import Call
+
+
+@dataclass(slots=True)
+class EmbedPrepared:
+    req: EmbeddingRequest
+    work: EmbedWork
+    stream: bool = False  # embeddings are always answered whole
+
+
+class Embeddings:
+    """The embeddings pipeline (services.gateway.pipeline.Pipeline)."""
+
+    name = "embeddings"
+
+    def __init__(self, front: Frontend) -> None:
+        self.front = front
+        self.config = front.config
+
+    async def prepare(self, body: bytes, call: Call) -> EmbedPrepared:
+        front, out = self.front, call.out
+        front.check_size(body)
+        req = codec.decode(body, EmbeddingRequest, call.msgpack)
+        name, version = split_name(req.model)
+        out.model = name
+        entry = await front.models.get(name)
+        if entry.info.kind != "encoder":
+            raise bad_request(f"model '{name}' generates text; use the completions endpoints")
+        front.check_served(name)
+        front.shed(name, call.deadline)
+        ids = await front.tokenize(tokenize_inputs, req, entry, self.config, size=len(body))
+        out.prompt_tokens = sum(len(x) for x in ids)
+        work = EmbedWork(call.wire, name, version, ids, call.deadline, "",
+                         user=user_key(req.user, call.user))
+        return EmbedPrepared(req, work)
+
+    async def whole(self, prep: EmbedPrepared, call: Call) -> EmbeddingResponse:
+        work, out = prep.work, call.out
+        sent = self.front.sent_work.setdefault(work.model, admission.Tally())
+        sent.add(len(work.inputs), out.prompt_tokens)
+        try:
+            res = await self.front.call(work, call.deadline, out)
+        finally:
+            sent.add(len(work.inputs), out.prompt_tokens, sign=-1)
+        if not isinstance(res, EmbedResult):
+            raise internal()
+        out.version, out.worker_id, out.timing = res.version, res.worker_id, res.timing
+        check_dimensions(prep.req, res.dim)
+        return build_response(prep.req, res)
+
+    def chunks(self, prep: EmbedPrepared, call: Call):
+        raise bad_request("embeddings are not streamed")
 
 
 def tokenize_inputs(req: EmbeddingRequest, entry: ModelEntry, config: Config) -> list[list[int]]:

@@ -30,18 +30,16 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.fleet import Fleet
-from services.gateway import codec
-from services.gateway.embeddings import build_response, check_dimensions, tokenize_inputs
 from services.gateway.inbox import ReplyInbox
-from services.gateway.models import ModelTable, split_name
+from services.gateway.models import ModelTable
 from shared import admission, subjects
-from shared.api import EmbeddingRequest, ModelList
+from shared.api import ModelList
 from shared.config import Config
-from shared.errors import (ServiceError, bad_request, deadline_exceeded, internal, overloaded,
-                           too_large, unavailable)
+from shared.errors import (ServiceError, deadline_exceeded, internal, overloaded, too_large,
+                           unavailable)
 from shared.logging import get_logger
-from shared.messages import (Accepted, Cancel, EmbedResult, EmbedWork, Held, ModelStatus, Timing,
-                             WorkError, encode, result_decoder)
+from shared.messages import (Accepted, Cancel, Held, ModelStatus, Timing, WorkError, encode,
+                             result_decoder)
 from shared.scaling import LiveDecisions
 from shared.telemetry import RequestRecord
 from shared.telemetry import encode as encode_record
@@ -185,33 +183,6 @@ class Frontend:
         if len(body) > self.config.max_payload:
             raise too_large(f"the request body is {len(body)} bytes; "
                             f"the limit is {self.config.max_payload}")
-
-    # -------------------------------------------------------------- embeddings
-    async def embeddings(self, body: bytes, msgpack: bool, rid: str, deadline: float,
-                         out: Outcome, user: str = ""):
-        self.check_size(body)
-        req = codec.decode(body, EmbeddingRequest, msgpack)
-        name, version = split_name(req.model)
-        out.model = name
-        entry = await self.models.get(name)
-        if entry.info.kind != "encoder":
-            raise bad_request(f"model '{name}' generates text; use the completions endpoints")
-        self.check_served(name)
-        self.shed(name, deadline)
-        ids = await self.tokenize(tokenize_inputs, req, entry, self.config, size=len(body))
-        out.prompt_tokens = sum(len(x) for x in ids)
-        work = EmbedWork(rid, name, version, ids, deadline, "", user=user_key(req.user, user))
-        sent = self.sent_work.setdefault(name, admission.Tally())
-        sent.add(len(ids), out.prompt_tokens)
-        try:
-            res = await self.call(work, deadline, out)
-        finally:
-            sent.add(len(ids), out.prompt_tokens, sign=-1)
-        if not isinstance(res, EmbedResult):
-            raise internal()
-        out.version, out.worker_id, out.timing = res.version, res.worker_id, res.timing
-        check_dimensions(req, res.dim)
-        return build_response(req, res)
 
     # ------------------------------------------------------------------ models
     def model_list(self) -> ModelList:

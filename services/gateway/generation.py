@@ -4,10 +4,11 @@
      model's chat template, tokenize, check the context limit, `n` and `stop`.
   2. Submit one GenerateWork; the worker streams GenChunks (per choice) to this
      request's inbox and ends with a GenDone carrying usage.
-  3. Non-streaming: assemble the choices. Streaming: each chunk becomes an OpenAI
-     chunk object — on NATS one message per chunk to the reply subject, then `[DONE]`;
-     on HTTP one SSE event each, then `data: [DONE]`. The worker's first message names
-     the version generating the request: every NATS reply and chunk carries it in
+  3. Non-streaming (`whole`): assemble the choices. Streaming (`chunks`): each worker
+     message becomes OpenAI chunk objects, which the transport sends on — on NATS one
+     message per chunk to the reply subject, then `[DONE]`; on HTTP one SSE event
+     each, then `data: [DONE]`. The worker's first message names the version
+     generating the request: every NATS reply and chunk carries it in
      `Tensorbus-Model-Version`, and an HTTP response starts, with that header, only
      when it has arrived.
   4. A client that goes away (HTTP) or a deadline that passes sends a Cancel, which
@@ -18,15 +19,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator
-
-from nats.aio.msg import Msg
+from typing import TYPE_CHECKING, AsyncIterator
 
 from services.gateway import codec
-from services.gateway.frontend import USER_HEADER, user_key
+from services.gateway.frontend import user_key
 from services.gateway.models import ModelEntry, split_name
 from shared.api import (
-    STREAM_DONE,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -40,8 +38,11 @@ from shared.api import (
     ResponseMessage,
     Usage,
 )
-from shared.errors import ServiceError, bad_request
+from shared.errors import bad_request
 from shared.messages import GenChunk, GenDone, GenerateWork, Sampling
+
+if TYPE_CHECKING:
+    from services.gateway.call import Call
 
 
 @dataclass
@@ -54,19 +55,28 @@ class Prepared:
     include_usage: bool
     continuous_usage: bool = False  # usage so far on every chunk (vLLM's stream option)
 
+    @property
+    def stream(self) -> bool:
+        return self.work.stream
+
 
 class Generation:
-    def __init__(self, front) -> None:
+    """The completions pipeline, or with `chat` the chat completions one
+    (services.gateway.pipeline.Pipeline)."""
+
+    def __init__(self, front, chat: bool) -> None:
         self.front = front
         self.config = front.config
+        self.chat = chat
+        self.name = "chat.completions" if chat else "completions"
+        self._request_type = ChatCompletionRequest if chat else CompletionRequest
         self._templates: dict[str, object] = {}  # model dir -> engine.chat.ChatTemplate
 
     # ---------------------------------------------------------------- prepare
-    async def prepare(self, body: bytes, endpoint: str, msgpack: bool, rid: str,
-                      deadline: float, out, user: str = "") -> Prepared:
+    async def prepare(self, body: bytes, call: Call) -> Prepared:
         self.front.check_size(body)
-        chat = endpoint == "chat.completions"
-        req = codec.decode(body, ChatCompletionRequest if chat else CompletionRequest, msgpack)
+        chat, out, rid, deadline = self.chat, call.out, call.wire, call.deadline
+        req = codec.decode(body, self._request_type, call.msgpack)
         name, version = split_name(req.model)
         out.model = name
         entry = await self.front.models.get(name)
@@ -94,7 +104,7 @@ class Generation:
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
                             req.stream, deadline, "", ignore_eos=req.ignore_eos,
-                            user=user_key(req.user, user))
+                            user=user_key(req.user, call.user))
         opts = req.stream_options
         return Prepared(req, chat, work, req.model, int(time.time()),
                         bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
@@ -139,10 +149,9 @@ class Generation:
             raise bad_request(f"cannot render the chat: {exc}") from None
 
     # ---------------------------------------------------------------- events
-    async def events(self, prep: Prepared, deadline: float,
-                     out) -> AsyncIterator[GenChunk | GenDone]:
+    async def events(self, prep: Prepared, call: Call) -> AsyncIterator[GenChunk | GenDone]:
         """The worker's messages for this request; `out.version` is set from the first."""
-        rid = prep.work.request_id
+        rid, deadline, out = prep.work.request_id, call.deadline, call.out
         with self.front.dispatched(prep.work) as (reply, q):
             await self.front.submit(prep.work, reply)
             attempt = None  # the first dispatch attempt heard from owns the stream
@@ -160,11 +169,12 @@ class Generation:
                     if isinstance(ev, GenDone):
                         return
 
-    async def complete(self, prep: Prepared, deadline: float, out):
+    async def whole(self, prep: Prepared, call: Call):
+        out = call.out
         texts = [[] for _ in range(prep.work.n)]
         finish: list[str | None] = [None] * prep.work.n
         done = None
-        async for ev in self.events(prep, deadline, out):
+        async for ev in self.events(prep, call):
             if isinstance(ev, GenChunk):
                 texts[ev.index].append(ev.text)
                 finish[ev.index] = ev.finish_reason or finish[ev.index]
@@ -181,14 +191,14 @@ class Generation:
         return CompletionResponse(id=f"cmpl-{prep.work.request_id}", created=prep.created,
                                   model=prep.model, choices=choices, usage=usage)
 
-    async def chunks(self, prep: Prepared, deadline: float, out) -> AsyncIterator[object]:
+    async def chunks(self, prep: Prepared, call: Call) -> AsyncIterator[object]:
         """OpenAI chunk objects, in order, for a streaming request. Nothing is yielded
         before the worker's first message, so `out.version` is known at the first."""
-        rid, model, created = prep.work.request_id, prep.model, prep.created
+        rid, model, created, out = prep.work.request_id, prep.model, prep.created, call.out
         cid = f"chatcmpl-{rid}"
         started = False
         prompt, generated = len(prep.work.prompt), 0
-        async for ev in self.events(prep, deadline, out):
+        async for ev in self.events(prep, call):
             if prep.chat and not started:
                 for i in range(prep.work.n):
                     yield ChatCompletionChunk(cid, created, model, [
@@ -218,30 +228,6 @@ class Generation:
             return
         out.version, out.worker_id, out.timing = done.version, done.worker_id, done.timing
         out.completion_tokens = done.completion_tokens
-
-    # ------------------------------------------------------------------ NATS
-    async def serve_nats(self, msg: Msg, endpoint: str, mp: bool, rid: str, deadline: float,
-                         out) -> None:
-        prep = await self.prepare(msg.data, endpoint, mp, rid, deadline, out,
-                                  (msg.headers or {}).get(USER_HEADER, ""))
-        nc = self.front.nc
-        if not prep.work.stream:
-            resp = await self.complete(prep, deadline, out)
-            if msg.reply:
-                await nc.publish(msg.reply, codec.encode(resp, mp),
-                                 headers=codec.reply_headers(mp, out.version))
-            return
-        if not msg.reply:
-            raise bad_request("a streaming request needs a reply subject")
-        try:
-            async for chunk in self.chunks(prep, deadline, out):
-                await nc.publish(msg.reply, codec.encode(chunk, mp),
-                                 headers=codec.reply_headers(mp, out.version))
-        except ServiceError as err:
-            out.status, out.error_code = err.status, err.code
-            body, eh = codec.error_reply(err, mp)
-            await nc.publish(msg.reply, body, headers=eh)
-        await nc.publish(msg.reply, STREAM_DONE, headers=codec.reply_headers(False, out.version))
 
 
 def _reason(reason: str | None) -> str | None:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import socket
-import time
+from functools import partial
 
 import msgspec
-import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -23,9 +22,11 @@ from starlette.routing import Route
 
 from services.gateway import codec
 from services.gateway.codec import VERSION_HEADER
-from services.gateway.frontend import USER_HEADER, Frontend, Outcome, new_request_id, wire_id
+from services.gateway.call import Call
+from services.gateway.frontend import USER_HEADER, Frontend
 from services.gateway.openapi import openapi_document
-from shared.errors import ServiceError, internal, too_large
+from services.gateway.pipeline import Pipeline, Route as PipelineRoute
+from shared.errors import ServiceError, too_large
 from shared.logging import get_logger
 
 log = get_logger("gateway.http")
@@ -52,7 +53,7 @@ def error_response(err: ServiceError) -> Response:
                     media_type="application/json", headers=headers)
 
 
-def build_app(front: Frontend, generation, ready) -> Starlette:
+def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> Starlette:
     config = front.config
     keys = config.api_key_set
     registry = CollectorRegistry()
@@ -86,67 +87,42 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def serve(request: Request, endpoint: str) -> Response:
-        started = time.perf_counter()
-        client_id = request.headers.get("x-request-id")
-        rid = client_id[:64] if client_id else new_request_id()  # logs, telemetry, echo
-        wire = wire_id(rid) if client_id else rid  # unique, one subject token
-        out = Outcome(endpoint)
+    async def serve(pipe: Pipeline, request: Request) -> Response:
+        call = Call.open(front, pipe.name, client_id=request.headers.get("x-request-id"),
+                         timeout_s=_timeout(request), user=request.headers.get(USER_HEADER, ""))
         metrics.in_flight.inc()
-        streaming = False
-        with structlog.contextvars.bound_contextvars(request_id=rid):
-            try:
-                check_headers(request)
-                if not authorised(request):
-                    raise ServiceError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                       code="invalid_api_key")
-                body = await read_body(request)
-                deadline = front.deadline(_timeout(request))
-                if endpoint == "embeddings":
-                    resp = await front.embeddings(body, False, wire, deadline, out,
-                                                  request.headers.get(USER_HEADER, ""))
-                    return Response(_json.encode(resp), media_type="application/json",
-                                    headers=_headers(rid, out))
-                prep = await generation.prepare(body, endpoint, False, wire, deadline, out,
-                                                request.headers.get(USER_HEADER, ""))
-                if not prep.work.stream:
-                    resp = await generation.complete(prep, deadline, out)
-                    return Response(_json.encode(resp), media_type="application/json",
-                                    headers=_headers(rid, out))
-                # The response starts when the first chunk arrives: its headers name the
-                # version, and an error before it is an HTTP status, not an SSE event.
-                chunks = generation.chunks(prep, deadline, out)
-                first = await _first_chunk(request, chunks)
-                streaming = True
-                return StreamingResponse(
-                    _sse(front, chunks, first, prep, out, started, metrics, endpoint, rid),
-                    media_type="text/event-stream",
-                    headers={"Cache-Control": "no-cache", **_headers(rid, out)})
-            except ServiceError as err:
-                out.status, out.error_code = err.status, err.code
-                return error_response(err)
-            except ClientDisconnect:
-                out.status, out.error_code = 499, "client_closed"
-                await front.cancel(wire, "client disconnected")  # frees a held or queued one
-                return Response(status_code=499)
-            except Exception:  # noqa: BLE001 - a bug still answers the client
-                log.exception("http_request_crashed")
-                out.status, out.error_code = 500, "internal_error"
-                return error_response(internal())
-            finally:
-                if not streaming:
-                    metrics.in_flight.dec()
-                    metrics.requests.labels(endpoint, str(out.status)).inc()
-                    await front.record(rid, out, started)
+        try:
+            async with call.guarded():
+                try:
+                    return await answer(pipe, request, call)
+                except ClientDisconnect:
+                    call.closed_by_client()
+                    await call.cancel("client disconnected")  # frees a held or queued one
+                    return Response(status_code=499)
+            return error_response(call.error)
+        finally:
+            if not call.detached:
+                metrics.in_flight.dec()
+                metrics.requests.labels(pipe.name, str(call.out.status)).inc()
 
-    async def embeddings(request: Request) -> Response:
-        return await serve(request, "embeddings")
-
-    async def completions(request: Request) -> Response:
-        return await serve(request, "completions")
-
-    async def chat(request: Request) -> Response:
-        return await serve(request, "chat.completions")
+    async def answer(pipe: Pipeline, request: Request, call: Call) -> Response:
+        check_headers(request)
+        if not authorised(request):
+            raise ServiceError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                               code="invalid_api_key")
+        prep = await pipe.prepare(await read_body(request), call)
+        if not prep.stream:
+            resp = await pipe.whole(prep, call)
+            return Response(_json.encode(resp), media_type="application/json",
+                            headers=_headers(call))
+        # The response starts when the first chunk arrives: its headers name the
+        # version, and an error before it is an HTTP status, not an SSE event.
+        chunks = pipe.chunks(prep, call)
+        first = await _first_chunk(request, chunks)
+        call.detach()  # the stream finishes the call: record and metrics at its end
+        return StreamingResponse(_sse(call, chunks, first, metrics),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **_headers(call)})
 
     async def models(request: Request) -> Response:
         if not authorised(request):
@@ -170,9 +146,7 @@ def build_app(front: Frontend, generation, ready) -> Starlette:
         return JSONResponse(spec)
 
     routes = [
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
+        *(Route(r.path, partial(serve, r.pipeline), methods=["POST"]) for r in pipeline_routes),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
@@ -207,15 +181,15 @@ async def _first_chunk(request: Request, chunks):
             await asyncio.gather(task, return_exceptions=True)
 
 
-def _headers(rid: str, out: Outcome) -> dict[str, str]:
-    headers = {"X-Request-Id": rid}
-    if out.version:
-        headers[VERSION_HEADER] = out.version
+def _headers(call: Call) -> dict[str, str]:
+    headers = {"X-Request-Id": call.rid}
+    if call.out.version:
+        headers[VERSION_HEADER] = call.out.version
     return headers
 
 
-async def _sse(front, chunks, first, prep, out, started, metrics, endpoint, rid: str):
-    wire = prep.work.request_id
+async def _sse(call: Call, chunks, first, metrics: HttpMetrics):
+    out = call.out
     finished = False
     try:
         if first is not None:
@@ -224,20 +198,20 @@ async def _sse(front, chunks, first, prep, out, started, metrics, endpoint, rid:
                 yield b"data: " + _json.encode(chunk) + b"\n\n"
         finished = True
     except ServiceError as err:
-        out.status, out.error_code = err.status, err.code
+        call.fail(err)
         yield b"data: " + _json.encode(err.to_body()) + b"\n\n"
         finished = True
     except (asyncio.CancelledError, GeneratorExit):
-        out.status, out.error_code = 499, "client_closed"
+        call.closed_by_client()
         raise
     finally:
         if not finished and out.status == 200:
-            out.status, out.error_code = 499, "client_closed"
+            call.closed_by_client()
         if out.status == 499:
-            await front.cancel(wire, "client disconnected")
+            await call.cancel("client disconnected")
         metrics.in_flight.dec()
-        metrics.requests.labels(endpoint, str(out.status)).inc()
-        await front.record(rid, out, started)
+        metrics.requests.labels(out.endpoint, str(out.status)).inc()
+        await call.finish()
     yield b"data: [DONE]\n\n"
 
 

@@ -1,28 +1,38 @@
 """The gateway's NATS surface: `inference.v1.*` request/reply (queue group `gateway`).
 
-Each request runs in its own task (a subscription callback must not wait on a
-model), with the request id bound to every log line. Failures become the error
-contract: `Nats-Service-Error-Code` / `Nats-Service-Error` headers plus the body.
+  1. Each route's subject is a nats.micro endpoint (services.gateway.pipeline.routes);
+     each request runs in its own task (a subscription callback must not wait on a
+     model).
+  2. A Call (services.gateway.call) wraps it: ids from `X-Request-Id` / `Nats-Msg-Id`,
+     deadline from `Tensorbus-Timeout`, msgpack from `Content-Type`.
+  3. The route's pipeline prepares it, then answers whole (one reply) or streamed
+     (one message per chunk, then `[DONE]`), each naming the model version.
+  4. A failure becomes the error contract: `Nats-Service-Error-Code` /
+     `Nats-Service-Error` headers plus the body (mid-stream: an error message, then
+     `[DONE]`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 
 import msgspec
-import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.gateway import codec
 from services.gateway.codec import VERSION_HEADER  # noqa: F401 - where tests and clients look
-from services.gateway.frontend import USER_HEADER, Frontend, Outcome, new_request_id, wire_id
+from services.gateway.call import Call
+from services.gateway.frontend import USER_HEADER, Frontend
+from services.gateway.pipeline import Pipeline, Prepared, routes
 from services.lifecycle import Lifecycle
 from services.micro import ServiceHealth, add_service
 from shared import VERSION, subjects
 from shared.config import Config
-from shared.errors import ServiceError, internal
+from shared.api import STREAM_DONE
+from shared.errors import ServiceError, bad_request
 from shared.logging import get_logger
 from shared.messages import fleet_status_decoder, sched_load_decoder
 from shared.telemetry import ScaleDecision, heartbeat_decoder, record_decoder
@@ -39,19 +49,16 @@ class Gateway(Lifecycle):
         self.nc = nc
         self.config = config
         self.front = frontend or Frontend(nc, config)
+        self.routes = routes(self.front)
         self._tasks: set[asyncio.Task] = set()
         self._subs: list = []
         self._stop = asyncio.Event()
-        self.generation = None  # services.gateway.generation.Generation, set in run()
         self.http = http and config.http_port >= 0
         self.http_port: int | None = None  # the bound port, once serving
         self._ready = False
 
     async def run(self, ready: asyncio.Event | None = None) -> None:
         await self.front.start()
-        from services.gateway.generation import Generation
-
-        self.generation = Generation(self.front)
         self._subs.append(await self.nc.subscribe(
             subjects.TELEMETRY_WORKERS, cb=self._on_heartbeat, pending_msgs_limit=100_000))
         self._subs.append(await self.nc.subscribe(subjects.TELEMETRY_SCALE, cb=self._on_scale))
@@ -65,9 +72,7 @@ class Gateway(Lifecycle):
         # `gateway`), so `nats micro stats tensorbus-gateway` counts every request,
         # its errors and its time; each request is still served in its own task.
         for name, subject, handler in (
-                ("embeddings", subjects.EMBEDDINGS, self._handler("embeddings")),
-                ("completions", subjects.COMPLETIONS, self._handler("completions")),
-                ("chat-completions", subjects.CHAT_COMPLETIONS, self._handler("chat.completions")),
+                *((r.endpoint, r.subject, partial(self._serve, r.pipeline)) for r in self.routes),
                 ("models", subjects.MODELS, self._on_models)):
             await self.micro.add_concurrent_endpoint(
                 name, subject, handler, queue_group=subjects.QUEUE_GATEWAY, tasks=self._tasks,
@@ -77,7 +82,7 @@ class Gateway(Lifecycle):
         if self.http:
             from services.gateway.http import build_app, serve_http
 
-            app = build_app(self.front, self.generation, lambda: self._ready)
+            app = build_app(self.front, self.routes, lambda: self._ready)
             bound: list[int] = []
             server, http_task = await serve_http(app, self.config.http_host, self.config.http_port,
                                                  self.config.max_header_bytes, bound=bound)
@@ -135,41 +140,39 @@ class Gateway(Lifecycle):
         await self._respond(msg, codec.encode(self.front.model_list(), mp), mp)
         return True
 
-    def _handler(self, endpoint: str):
-        async def serve(msg: Msg) -> bool:
-            return await self._serve(msg, endpoint)
-        return serve
-
-    async def _serve(self, msg: Msg, endpoint: str) -> bool:
+    async def _serve(self, pipe: Pipeline, msg: Msg) -> bool:
         """Serve one request to the end; False when it was answered with an error."""
-        started = time.perf_counter()
         hdrs = msg.headers or {}
         client_id = next((hdrs[h] for h in REQUEST_ID_HEADERS if hdrs.get(h)), None)
-        rid = client_id[:64] if client_id else new_request_id()  # logs and telemetry
-        wire = wire_id(rid) if client_id else rid  # unique, one subject token
         mp = codec.is_msgpack(hdrs)
-        out = Outcome(endpoint)
-        with structlog.contextvars.bound_contextvars(request_id=rid):
-            try:
-                deadline = self.front.deadline(_timeout(hdrs))
-                if endpoint == "embeddings":
-                    resp = await self.front.embeddings(msg.data, mp, wire, deadline, out,
-                                                       hdrs.get(USER_HEADER, ""))
-                    await self._respond(msg, codec.encode(resp, mp), mp, out.version)
-                else:
-                    await self.generation.serve_nats(msg, endpoint, mp, wire, deadline, out)
-            except ServiceError as err:
-                out.status, out.error_code = err.status, err.code
-                if err.status >= 500 and err.status not in (503, 504):
-                    log.error("request_failed", status=err.status, error=err.message)
-                await self._respond_error(msg, err, mp)
-            except Exception:  # noqa: BLE001 - a bug must still answer the client
-                log.exception("request_crashed")
-                out.status, out.error_code = 500, "internal_error"
-                await self._respond_error(msg, internal(), mp)
-            finally:
-                await self.front.record(rid, out, started)
-        return out.status < 400
+        call = Call.open(self.front, pipe.name, client_id=client_id, timeout_s=_timeout(hdrs),
+                         msgpack=mp, user=hdrs.get(USER_HEADER, ""))
+        async with call.guarded():
+            prep = await pipe.prepare(msg.data, call)
+            if prep.stream:
+                await self._stream(msg, pipe, prep, call)
+            else:
+                resp = await pipe.whole(prep, call)
+                await self._respond(msg, codec.encode(resp, mp), mp, call.out.version)
+        if call.error is not None:
+            await self._respond_error(msg, call.error, mp)
+        return call.out.status < 400
+
+    async def _stream(self, msg: Msg, pipe: Pipeline, prep: Prepared, call: Call) -> None:
+        """One message per chunk to the reply subject, then `[DONE]`; an error after
+        the request was accepted is one error message before `[DONE]`."""
+        if not msg.reply:
+            raise bad_request("a streaming request needs a reply subject")
+        mp, out, publish = call.msgpack, call.out, self.nc.publish
+        try:
+            async for chunk in pipe.chunks(prep, call):
+                await publish(msg.reply, codec.encode(chunk, mp),
+                              headers=codec.reply_headers(mp, out.version))
+        except ServiceError as err:
+            call.fail(err)
+            body, eh = codec.error_reply(err, mp)
+            await publish(msg.reply, body, headers=eh)
+        await publish(msg.reply, STREAM_DONE, headers=codec.reply_headers(False, out.version))
 
     async def _respond(self, msg: Msg, body: bytes, mp: bool, version: str = "") -> None:
         if not msg.reply:

@@ -26,14 +26,14 @@ def free_port() -> int:
 
 
 def counted(gw: Gateway, served: Counter, name: str) -> None:
-    """Count the embeddings requests `gw` serves (whichever transport brought them)."""
-    inner = gw.front.embeddings
+    """Count the requests `gw` submits (whichever transport brought them)."""
+    inner = gw.front.submit
 
-    async def embeddings(*args, **kw):
+    async def submit(*args, **kw):
         served[name] += 1
         return await inner(*args, **kw)
 
-    gw.front.embeddings = embeddings
+    gw.front.submit = submit
 
 
 async def test_two_gateways_share_the_http_port_and_both_take_traffic(nats_server):

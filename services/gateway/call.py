@@ -1,0 +1,91 @@
+"""One request, whatever transport brought it: the wrapper NATS and HTTP share.
+
+A `Call` holds the request's ids (the client's id for logs and telemetry, the wire
+id it travels under), its deadline, encoding, user key and `Outcome`. `guarded()`
+binds the request id to every log line, maps any failure onto the error contract
+(a ServiceError as it is; anything else a logged 500), and publishes the one
+telemetry record when the request ends. The transport then renders `call.error`
+in its own way. A streamed HTTP response outlives the handler: it `detach()`es the
+call and `finish()`es it when the stream ends.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import structlog
+
+from services.gateway.frontend import Frontend, Outcome, new_request_id, wire_id
+from shared.errors import ServiceError, internal
+from shared.logging import get_logger
+
+log = get_logger("gateway")
+
+MAX_CLIENT_ID = 64
+
+
+@dataclass(slots=True)
+class Call:
+    front: Frontend
+    rid: str  # the client's X-Request-Id (cut to 64), else a fresh id: logs, telemetry
+    wire: str  # unique and one subject token: the id the request travels under
+    deadline: float  # time.time() by which it must be answered
+    out: Outcome
+    msgpack: bool = False
+    user: str = ""  # the Tensorbus-User header (sticky canary key)
+    started: float = field(default_factory=time.perf_counter)
+    error: ServiceError | None = None
+    detached: bool = False
+    _finished: bool = False
+
+    @classmethod
+    def open(cls, front: Frontend, endpoint: str, *, client_id: str | None,
+             timeout_s: float | None, msgpack: bool = False, user: str = "") -> Call:
+        started = time.perf_counter()
+        rid = client_id[:MAX_CLIENT_ID] if client_id else new_request_id()
+        wire = wire_id(rid) if client_id else rid
+        return cls(front, rid, wire, front.deadline(timeout_s), Outcome(endpoint), msgpack,
+                   user, started)
+
+    @asynccontextmanager
+    async def guarded(self) -> AsyncIterator[Call]:
+        """Run the body; a failure becomes `self.error`; the record goes out at the end
+        (unless the call was detached to a stream that finishes it later)."""
+        with structlog.contextvars.bound_contextvars(request_id=self.rid):
+            try:
+                yield self
+            except ServiceError as err:
+                self.error = err
+                self.fail(err)
+            except Exception:  # noqa: BLE001 - a bug must still answer the client
+                log.exception("request_crashed")
+                self.error = internal()
+                self.fail(self.error)
+            finally:
+                if not self.detached:
+                    await self.finish()
+
+    def fail(self, err: ServiceError) -> None:
+        """Record `err` as the request's outcome (the transport answers with it)."""
+        self.out.status, self.out.error_code = err.status, err.code
+        if err.status >= 500 and err.status not in (503, 504):
+            log.error("request_failed", status=err.status, error=err.message)
+
+    def closed_by_client(self) -> None:
+        self.out.status, self.out.error_code = 499, "client_closed"
+
+    async def cancel(self, reason: str) -> None:
+        """Tell the scheduler and worker to drop the request (held, queued or running)."""
+        await self.front.cancel(self.wire, reason)
+
+    def detach(self) -> None:
+        self.detached = True
+
+    async def finish(self) -> None:
+        """Publish the request's telemetry record, once."""
+        if not self._finished:
+            self._finished = True
+            await self.front.record(self.rid, self.out, self.started)

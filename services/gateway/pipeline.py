@@ -1,0 +1,53 @@
+"""The gateway's endpoints, one pipeline each, named once for both transports.
+
+  1. prepare(body, call): decode and validate the body, resolve the model, tokenize,
+     check limits and admission (400 / 404 / 413 / 429 / 503), build the work.
+  2. whole(prep, call): dispatch and wait for the answer; the OpenAI-shaped reply.
+  3. chunks(prep, call): dispatch a streaming request; its OpenAI chunk objects.
+
+`routes()` is the one explicit list of endpoints: each pipeline with the NATS subject
+(services.gateway.service) and the HTTP path (services.gateway.http) it answers on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from services.gateway.call import Call
+from services.gateway.embeddings import Embeddings
+from services.gateway.frontend import Frontend
+from services.gateway.generation import Generation
+from shared import subjects
+
+
+class Prepared(Protocol):
+    stream: bool  # whether the reply is streamed
+
+
+class Pipeline(Protocol):
+    name: str  # the endpoint as telemetry records name it
+
+    async def prepare(self, body: bytes, call: Call) -> Prepared: ...
+
+    async def whole(self, prep: Prepared, call: Call) -> object: ...
+
+    def chunks(self, prep: Prepared, call: Call) -> AsyncIterator[object]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    pipeline: Pipeline
+    endpoint: str  # the nats.micro endpoint name (`nats micro stats`)
+    subject: str
+    path: str
+
+
+def routes(front: Frontend) -> list[Route]:
+    return [
+        Route(Embeddings(front), "embeddings", subjects.EMBEDDINGS, "/v1/embeddings"),
+        Route(Generation(front, chat=False), "completions", subjects.COMPLETIONS,
+              "/v1/completions"),
+        Route(Generation(front, chat=True), "chat-completions", subjects.CHAT_COMPLETIONS,
+              "/v1/chat/completions"),
+    ]
