@@ -36,8 +36,7 @@ async def no_seeding(registry):  # the bundled weights need not reach this regis
 async def failing(self):
     sub = await self.nc.subscribe(os.environ["CRASH_SUBJECT"])
     msg = await sub.next_msg(timeout=120)
-    await msg.respond(b"failing now")
-    await self.nc.flush()
+    await msg.respond(b"failing now")  # written by the drain on the way out
     raise RuntimeError("housekeeping broke")
 
 svc.Scheduler._scaling = failing
