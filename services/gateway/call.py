@@ -2,7 +2,7 @@
 
 A `Call` holds the request's ids (the client's id for logs and telemetry, the wire
 id it travels under), its deadline, encoding, user key and `Outcome`. `guarded()`
-binds the request id to every log line, maps any failure onto the error contract
+(the call itself, as an async context manager: no generator per request) binds the request id to every log line, maps any failure onto the error contract
 (a ServiceError as it is; anything else a logged 500), and publishes the one
 telemetry record when the request ends. The transport then renders `call.error`
 in its own way. A streamed HTTP response outlives the handler: it `detach()`es the
@@ -12,11 +12,10 @@ call and `finish()`es it when the stream ends.
 from __future__ import annotations
 
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, Mapping
 
-import structlog
+from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from services.gateway.frontend import Frontend, Outcome, new_request_id, wire_id
 from shared.errors import ServiceError, internal
@@ -40,6 +39,7 @@ class Call:
     error: ServiceError | None = None
     detached: bool = False
     _finished: bool = False
+    _log_tokens: Mapping[str, Any] | None = None
 
     @classmethod
     def open(cls, front: Frontend, endpoint: str, *, client_id: str | None,
@@ -50,23 +50,33 @@ class Call:
         return cls(front, rid, wire, front.deadline(timeout_s), Outcome(endpoint), msgpack,
                    user, started)
 
-    @asynccontextmanager
-    async def guarded(self) -> AsyncIterator[Call]:
-        """Run the body; a failure becomes `self.error`; the record goes out at the end
-        (unless the call was detached to a stream that finishes it later)."""
-        with structlog.contextvars.bound_contextvars(request_id=self.rid):
-            try:
-                yield self
-            except ServiceError as err:
-                self.error = err
-                self.fail(err)
-            except Exception:  # noqa: BLE001 - a bug must still answer the client
-                log.exception("request_crashed")
+    def guarded(self) -> Call:
+        """`async with call.guarded():` runs the body; a failure becomes `self.error`;
+        the record goes out at the end (unless the call was detached to a stream that
+        finishes it later)."""
+        return self
+
+    async def __aenter__(self) -> Call:
+        self._log_tokens = bind_contextvars(request_id=self.rid)
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc is None or not isinstance(exc, Exception):
+                return False  # done, or cancelled: nothing to answer
+            if isinstance(exc, ServiceError):
+                self.error = exc
+            else:  # a bug must still answer the client
+                log.error("request_crashed", exc_info=exc)
                 self.error = internal()
-                self.fail(self.error)
-            finally:
+            self.fail(self.error)
+            return True
+        finally:
+            try:
                 if not self.detached:
                     await self.finish()
+            finally:
+                reset_contextvars(**self._log_tokens)
 
     def fail(self, err: ServiceError) -> None:
         """Record `err` as the request's outcome (the transport answers with it)."""

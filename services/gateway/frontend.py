@@ -18,9 +18,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
-import uuid
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,7 +66,8 @@ class Outcome:
 
 
 def new_request_id() -> str:
-    return uuid.uuid4().hex
+    """32 random hex digits, as uuid4().hex but without building a UUID object."""
+    return os.urandom(16).hex()
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
@@ -88,7 +89,7 @@ def wire_id(client_id: str | None) -> str:
     (two requests would share one inbox and scheduler entry) or hold characters a
     subject cannot (dots, spaces, wildcards). The wire id starts with its safe
     characters, so worker logs still show it."""
-    unique = uuid.uuid4().hex
+    unique = new_request_id()
     if not client_id:
         return unique
     return f"{_UNSAFE.sub('_', client_id)[:40]}-{unique[:16]}"
@@ -268,10 +269,17 @@ class Frontend:
         return res
 
     async def call(self, work, deadline: float, out: Outcome | None = None):
-        """Submit work and wait for its single answer."""
-        with self.dispatched(work) as (reply, q):
+        """Submit work and wait for its single answer (`dispatched`, inlined: this is
+        every embeddings request's path)."""
+        rid, model = work.request_id, work.model
+        reply, q = self.inbox.open(rid)
+        self.waiting[model] += 1
+        try:
             await self.submit(work, reply)
-            return await self.next_result(q, work.request_id, deadline, out)
+            return await self.next_result(q, rid, deadline, out)
+        finally:
+            self.waiting[model] -= 1
+            self.inbox.close(rid)
 
     async def cancel(self, rid: str, reason: str) -> None:
         await self.nc.publish(subjects.CANCEL, encode(Cancel(rid, reason)))

@@ -229,7 +229,10 @@ async def serve_http(app: Starlette, host: str, port: int, max_header_bytes: int
     """Run uvicorn inside this event loop until cancelled."""
     import uvicorn
 
+    # proxy_headers off: nothing here reads the client's address, and the middleware
+    # that rewrites it from X-Forwarded-For is one more layer on every request.
     cfg = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                         proxy_headers=False,
                          h11_max_incomplete_event_size=max_header_bytes, lifespan="off",
                          timeout_graceful_shutdown=5)
     server = uvicorn.Server(cfg)
