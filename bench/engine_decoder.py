@@ -1,4 +1,4 @@
-"""Decoder engine throughput on the demo model, against sequential transformers.
+"""Decoder engine throughput (the demo model, or `--model`), against sequential transformers.
 
 - engine: a static batch of `slots` copies of one prompt, greedy, decoding in
   lock-step (`DecoderEngine.generate_static`); decode tokens/s counts the tokens the
@@ -18,6 +18,11 @@ Timings on a shared CPU are noisy; compare figures from one run.
     .venv/bin/python -m bench.engine_decoder [--max-new 64] [--hf-requests 3]
     .venv/bin/python -m bench.engine_decoder --engines jax,torch --streams 1,16 \
         --engine-threads 1 --out bench/out/engine_decoder.json
+    .venv/bin/python -m bench.engine_decoder --model smollm2-135m-instruct --max-new 32 \
+        --max-context 128 --prefill-buckets 16
+
+A GGUF model (SmolLM2) is read by transformers from the same file
+(`from_pretrained(dir, gguf_file=...)`, dequantized to float32).
 """
 
 from __future__ import annotations
@@ -32,14 +37,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PROMPT = "This module provides functions for"
 
 
-def _build(kind: str, model_dir, slots: int, max_context: int):
+def _build(kind: str, model_dir, slots: int, max_context: int, prefill_buckets=None):
     if kind == "torch":
         from engine.torch_decoder import TorchDecoder
 
         return TorchDecoder(model_dir, "bench", slots=slots, max_context=max_context)
     from engine.decoder import DecoderEngine
 
-    return DecoderEngine(model_dir, "bench", slots=slots, max_context=max_context)
+    kw = {"prefill_buckets": tuple(prefill_buckets)} if prefill_buckets else {}
+    return DecoderEngine(model_dir, "bench", slots=slots, max_context=max_context, **kw)
 
 
 def _static_figures(engine, streams: int, max_new: int, prompt: list[int]):
@@ -68,12 +74,12 @@ def _static_figures(engine, streams: int, max_new: int, prompt: list[int]):
 
 
 def _engine_figures(kind: str, model_dir, slots: int, max_context: int, max_new: int,
-                    prompt: list[int], streams: tuple[int, ...]):  # fmt: skip
+                    prompt: list[int], streams: tuple[int, ...], prefill_buckets=None):  # fmt: skip
     """{"device", "dtype", ..., "streams": {n: figures}} and the greedy tokens."""
     import jax
     import torch
 
-    engine = _build(kind, model_dir, slots, max_context)
+    engine = _build(kind, model_dir, slots, max_context, prefill_buckets)
     by_streams, tokens = {}, None
     for n in streams:
         by_streams[str(n)], tokens = _static_figures(engine, n, max_new, prompt)
@@ -90,8 +96,15 @@ def _hf_figures(model_dir, max_new: int, prompt: list[int], requests: int, threa
     import torch
     from transformers import AutoModelForCausalLM
 
+    from shared.gguf import find_file
+
     torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    gguf_file = find_file(model_dir)
+    if gguf_file is not None:  # the same file, dequantized by transformers
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     model.generation_config.eos_token_id = None  # same length as the engine's run
     model.generation_config.pad_token_id = 0
     ids = torch.tensor([prompt])
@@ -110,7 +123,8 @@ def _hf_figures(model_dir, max_new: int, prompt: list[int], requests: int, threa
 
 def run(max_new: int = 64, hf_requests: int = 3, slots: int = 16, max_context: int = 512,
         torch_threads: int = 1, engines: tuple[str, ...] = ("jax",),
-        streams: tuple[int, ...] | None = None, engine_threads: int = 0) -> dict:  # fmt: skip
+        streams: tuple[int, ...] | None = None, engine_threads: int = 0,
+        model: str = "", prefill_buckets: tuple[int, ...] | None = None) -> dict:  # fmt: skip
     """`engine` (the JAX engine's static batch of `slots`) keeps the shape
     bench.generation reads; `engines` has every engine at every stream count."""
     import torch
@@ -120,15 +134,17 @@ def run(max_new: int = 64, hf_requests: int = 3, slots: int = 16, max_context: i
 
     if engine_threads:
         torch.set_num_threads(engine_threads)
-    model_dir = bundled_dir(DEMO_LM)
+    model = model or DEMO_LM
+    model_dir = bundled_dir(model)
     prompt = Tokenizer.from_dir(model_dir).encode(PROMPT)
     streams = tuple(streams or (slots,))
     figures, tokens = {}, {}
     for kind in engines:
         figures[kind], tokens[kind] = _engine_figures(kind, model_dir, slots, max_context,
-                                                      max_new, prompt, streams)  # fmt: skip
+                                                      max_new, prompt, streams,
+                                                      prefill_buckets)  # fmt: skip
     hf, theirs = _hf_figures(model_dir, max_new, prompt, hf_requests, torch_threads)
-    out = {"model": DEMO_LM, "prompt_tokens": len(prompt), "max_new": max_new}
+    out = {"model": model, "prompt_tokens": len(prompt), "max_new": max_new}
     if "jax" in engines and str(slots) in figures["jax"]["streams"]:
         jax_fig = figures["jax"]
         engine = {k: v for k, v in jax_fig.items() if k != "streams"}
@@ -146,6 +162,9 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=3)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--max-context", type=int, default=512)
+    ap.add_argument("--model", default="", help="a bundled decoder (default: the demo LM)")
+    ap.add_argument("--prefill-buckets", default="",
+                    help="comma-separated prompt buckets of the JAX engine (default: the engine's)")
     ap.add_argument("--torch-threads", type=int, default=1, help="for transformers' generate")
     ap.add_argument("--engine-threads", type=int, default=0,
                     help="torch threads of the torch engine (0 = torch's default)")
@@ -156,7 +175,8 @@ def main() -> None:
     args = ap.parse_args()
     streams = tuple(int(x) for x in args.streams.split(",") if x) or None
     out = run(args.max_new, args.hf_requests, args.slots, args.max_context, args.torch_threads,
-              tuple(args.engines.split(",")), streams, args.engine_threads)
+              tuple(args.engines.split(",")), streams, args.engine_threads, args.model,
+              tuple(int(x) for x in args.prefill_buckets.split(",") if x) or None)
     out["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = json.dumps(out, indent=2)
     if args.out:

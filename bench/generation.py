@@ -1,7 +1,14 @@
-"""Generation benchmark: the served demo model against its own engine and transformers.
+"""Generation benchmark: a served decoder against its own engine and transformers.
 
     .venv/bin/python -m bench.generation [--seconds 15] [--max-tokens 64]
     TENSORBUS_ENGINE=torch OMP_NUM_THREADS=1 .venv/bin/python -m bench.generation --stack-only
+    .venv/bin/python -m bench.generation --model smollm2-135m-instruct --seconds 20 \
+        --max-tokens 32 --max-context 128 --prefill-buckets 16
+
+The default model is the demo LM; `--model` takes another bundled decoder (SmolLM2,
+read from its GGUF file by the engine, the worker and transformers alike), with
+`--max-context` (the worker's and the engine's KV length, which also caps the
+worker's prompt buckets) to keep compile time and step time small.
 
 One run measures, on this machine:
   1. bench.engine_decoder: the engine's static batch-16 decode tokens/s and sequential
@@ -10,7 +17,8 @@ One run measures, on this machine:
      telemetry as separate processes) with closed-loop streaming clients at
      concurrency 1, 4 and 16: output tokens/s, time to first token and inter-token
      latency (p50/p99), measured at the client from the chunks' arrival times;
-  3. writes bench/out/generation.json, docs/img/generation.png and a markdown table.
+  3. writes bench/out/generation.json, docs/img/generation.png and a markdown table
+     (another model: generation-MODEL.json and generation-MODEL.png).
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ async def stream_once(nc, body: bytes, timeout: float = 60.0) -> tuple[float, li
     return t0, arrivals, tokens
 
 
-async def load(nc, concurrency: int, seconds: float, max_tokens: int) -> dict:
+async def load(nc, concurrency: int, seconds: float, max_tokens: int, model: str = MODEL) -> dict:
     ttft, itl, tokens, done = [], [], 0, 0
     t_end = time.perf_counter() + seconds
     t_start = time.perf_counter()
@@ -64,7 +72,7 @@ async def load(nc, concurrency: int, seconds: float, max_tokens: int) -> dict:
         nonlocal tokens, done
         k = i
         while time.perf_counter() < t_end:
-            body = msgspec.json.encode({"model": MODEL, "prompt": PROMPTS[k % len(PROMPTS)],
+            body = msgspec.json.encode({"model": model, "prompt": PROMPTS[k % len(PROMPTS)],
                                         "max_tokens": max_tokens, "temperature": 0.7, "seed": k,
                                         "ignore_eos": True, "stream": True})
             t0, arr, n = await stream_once(nc, body)
@@ -84,7 +92,8 @@ async def load(nc, concurrency: int, seconds: float, max_tokens: int) -> dict:
             "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99)}
 
 
-async def stack_figures(seconds: float, max_tokens: int, workdir: Path) -> list[dict]:
+async def stack_figures(seconds: float, max_tokens: int, workdir: Path, model: str = MODEL,
+                        max_context: int = 0) -> list[dict]:
     import nats
 
     from services.supervisor import Supervisor, wait_ready
@@ -97,16 +106,19 @@ async def stack_figures(seconds: float, max_tokens: int, workdir: Path) -> list[
         sup.start("gateway", "services.gateway", **env)
         sup.start("scheduler", "services.scheduler", **env)
         sup.start("telemetry", "services.telemetry", **env)
-        sup.start("worker", "services.worker", TENSORBUS_MODEL=MODEL, TENSORBUS_DECODE_SLOTS="16", **env)
+        if max_context:
+            env["TENSORBUS_MAX_CONTEXT"] = str(max_context)
+        sup.start("worker", "services.worker", TENSORBUS_MODEL=model, TENSORBUS_DECODE_SLOTS="16", **env)
         nc = await nats.connect(sup.nats_url)
         try:
-            await wait_ready(nc, MODEL, 1)
-            await load(nc, 4, 2.0, 8)  # warm the path
+            await wait_ready(nc, model, 1, timeout=600)
+            await load(nc, 4, 2.0, 8, model)  # warm the path
             for c in (1, 4, 16):
-                r = await load(nc, c, seconds, max_tokens)
+                r = await load(nc, c, seconds, max_tokens, model)
+                r["loadavg_1m"] = round(os.getloadavg()[0], 2)
                 print(f"stack c={c}: {r['tokens_per_s']:.1f} tok/s ttft p50 {r['ttft_p50_ms']:.1f} "
                       f"p99 {r['ttft_p99_ms']:.1f} ms itl p50 {r['itl_p50_ms']:.2f} "
-                      f"p99 {r['itl_p99_ms']:.2f} ms", flush=True)
+                      f"p99 {r['itl_p99_ms']:.2f} ms (load {r['loadavg_1m']})", flush=True)
                 rows.append(r)
         finally:
             await nc.close()
@@ -127,7 +139,8 @@ def plot(res: dict, path: Path) -> None:
                     label="engine static batch 16")
     axes[0].axhline(res["engine"]["transformers_sequential"]["tokens_per_s"], ls=":", color="tab:red",
                     label="transformers generate, sequential")
-    axes[0].set(xlabel="concurrent streams", ylabel="output tokens / s", title="Throughput")
+    axes[0].set(xlabel="concurrent streams", ylabel="output tokens / s",
+                title=f"Throughput: {res.get('model', MODEL)}")
     for ax, key, title in ((axes[1], "ttft", "Time to first token"), (axes[2], "itl", "Inter-token latency")):
         ax.plot(cs, [r[f"{key}_p50_ms"] for r in rows], "o-", label="p50")
         ax.plot(cs, [r[f"{key}_p99_ms"] for r in rows], "s:", label="p99")
@@ -158,6 +171,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--model", default=MODEL, help="a bundled decoder (default: the demo LM)")
+    ap.add_argument("--max-context", type=int, default=512,
+                    help="KV length per slot of the worker and the engine run")
+    ap.add_argument("--prefill-buckets", default="",
+                    help="comma-separated prompt buckets of the engine run (default: the engine's)")
+    ap.add_argument("--hf-requests", type=int, default=3, help="sequential transformers requests")
     ap.add_argument("--stack-only", action="store_true",
                     help="only the served figures, printed (no engine run, no files written); "
                          "the worker takes TENSORBUS_ENGINE and the rest from the environment")
@@ -165,23 +184,33 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.stack_only:
         with tempfile.TemporaryDirectory() as d:
-            rows = asyncio.run(stack_figures(args.seconds, args.max_tokens, Path(d)))
+            rows = asyncio.run(stack_figures(args.seconds, args.max_tokens, Path(d), args.model,
+                                             args.max_context))
         print(json.dumps(rows, indent=2))
         return
     from bench.engine_decoder import run as engine_run
     from engine import jaxrt
 
     jaxrt.setup(str(REPO / ".data" / "jax-cache"))
-    res: dict = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores",
-                 "max_tokens": args.max_tokens}
-    res["engine"] = engine_run(max_new=args.max_tokens)
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "machine": f"{os.cpu_count()} cores", "model": args.model,
+                 "max_tokens": args.max_tokens, "max_context": args.max_context,
+                 "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+    buckets = tuple(int(x) for x in args.prefill_buckets.split(",") if x) or None
+    res["engine"] = engine_run(max_new=args.max_tokens, hf_requests=args.hf_requests,
+                               max_context=args.max_context, model=args.model,
+                               prefill_buckets=buckets)
+    res["engine"]["loadavg_1m"] = round(os.getloadavg()[0], 2)
     print("engine:", json.dumps(res["engine"]), flush=True)
     with tempfile.TemporaryDirectory() as d:
-        res["stack"] = asyncio.run(stack_figures(args.seconds, args.max_tokens, Path(d)))
+        res["stack"] = asyncio.run(stack_figures(args.seconds, args.max_tokens, Path(d), args.model,
+                                                 args.max_context))
+    res["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    name = "generation" if args.model == MODEL else f"generation-{args.model}"
     out = REPO / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "generation.json").write_text(json.dumps(res, indent=2))
-    plot(res, REPO / "docs" / "img" / "generation.png")
+    (out / f"{name}.json").write_text(json.dumps(res, indent=2))
+    plot(res, REPO / "docs" / "img" / f"{name}.png")
     print(table(res))
 
 
