@@ -2,6 +2,8 @@
 
     .venv/bin/python -m bench.hot_swap [--batch-buckets 1,4] [--seq-buckets 16,64]
                                        [--clients 4] [--out bench/out/hot_swap.json]
+    .venv/bin/python -m bench.hot_swap --decoder [--streams 8]
+                                       [--out bench/out/hot_swap_decoder.json]
 
 One run, every service a real process against a fresh nats-server (JetStream):
   1. The bundled encoder is pushed as versions 1 and 2 (the same weights; the
@@ -16,6 +18,10 @@ One run, every service a real process against a fresh nats-server (JetStream):
      whose `Tensorbus-Model-Version` is the new version: fetch (verified), build and
      warm-up on the loader thread while version 1 serves. Failed requests are counted
      over the whole load.
+With `--decoder`, step 3 only, for the demo LM (two versions, same weights): `streams`
+closed-loop streaming completions (32 tokens); each swap time is alias change -> first
+chunk whose `Tensorbus-Model-Version` is the new version; a stream whose chunks name
+two versions is counted as mixed, one that ends in an error as failed.
 Prints one JSON document (and writes it to --out). Figures from a shared CPU are noisy.
 """
 
@@ -41,14 +47,14 @@ VERSION_HEADER = "Tensorbus-Model-Version"
 REPO = Path(__file__).resolve().parent.parent
 
 
-async def push_versions(nc) -> None:
+async def push_versions(nc, model: str = MODEL) -> None:
     from services.registry.store import Registry
 
     reg = await Registry.open(nc)
-    path = catalog.bundled_dir(MODEL)
+    path = catalog.bundled_dir(model)
     for v in ("1", "2"):
-        await reg.push(path, MODEL, version=v, progress=False)
-    await reg.promote(MODEL, "1")
+        await reg.push(path, model, version=v, progress=False)
+    await reg.promote(model, "1")
 
 
 class Heartbeats:
@@ -172,6 +178,109 @@ async def swaps(sup, nc, env: dict, clients: int, settle_s: float = 3.0) -> dict
     return out
 
 
+class StreamLoad(Load):
+    """Closed-loop streaming completions; every chunk's (arrival, version) is kept."""
+
+    def __init__(self, nc, clients: int, model: str) -> None:
+        super().__init__(nc, clients)
+        self.model = model
+        self.mixed = 0
+        self.chunks = 0
+
+    async def _client(self, i: int) -> None:
+        k = i
+        while not self.stop.is_set():
+            body = msgspec.json.encode({"model": self.model, "prompt": f"Stream {k} says",
+                                        "max_tokens": 32, "ignore_eos": True, "stream": True,
+                                        "temperature": 0.7, "seed": k})
+            k += self.clients
+            inbox = self.nc.new_inbox()
+            sub = await self.nc.subscribe(inbox)
+            versions, ok = set(), True
+            try:
+                await self.nc.publish(subjects.COMPLETIONS, body, reply=inbox)
+                while True:
+                    msg = await sub.next_msg(timeout=30)
+                    h = msg.headers or {}
+                    if int(h.get(HEADER_CODE, 200)) != 200:
+                        ok = False
+                        break
+                    if msg.data == b"[DONE]":
+                        break
+                    v = h.get(VERSION_HEADER, "")
+                    versions.add(v)
+                    self.chunks += 1
+                    self.replies.append((time.monotonic(), v))
+                    self.tick.set()
+            except Exception:  # noqa: BLE001 - counted
+                ok = False
+            finally:
+                await sub.unsubscribe()
+            if not ok:
+                self.failed += 1
+            else:
+                self.ok += 1
+                self.mixed += len(versions) > 1
+
+
+async def decoder_swaps(sup, nc, env: dict, streams: int, settle_s: float = 3.0) -> dict:
+    from services.registry.store import Registry
+    from services.supervisor import wait_ready
+
+    model = catalog.DEMO_LM
+    for name in ("gateway", "scheduler"):
+        sup.start(name, f"services.{name}", **env)
+    sup.start("swap-worker", "services.worker", TENSORBUS_WORKER_ID="swap-worker",
+              **{**env, "TENSORBUS_MODEL": model})
+    await wait_ready(nc, model, 1)
+    reg = await Registry.open(nc)
+    load = StreamLoad(nc, streams, model)
+    task = asyncio.create_task(load.run())
+    out: dict = {}
+    try:
+        await load.wait_version("1", 0.0)
+        for version, move in (("2", lambda: reg.promote(model, "2")),
+                              ("1", lambda: reg.rollback(model))):
+            await asyncio.sleep(settle_s)
+            t0 = time.monotonic()
+            await move()
+            out[f"to_{version}_s"] = await load.wait_version(version, t0)
+            print(f"decoder hot swap -> {version}: {out[f'to_{version}_s']:.2f} s "
+                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+        await asyncio.sleep(settle_s)
+    finally:
+        load.stop.set()
+        await task
+    out.update(streams_ok=load.ok, streams_failed=load.failed, streams_mixed=load.mixed,
+               chunks=load.chunks, streams=streams, loadavg_1m=round(os.getloadavg()[0], 2))
+    return out
+
+
+async def run_decoder(args) -> dict:
+    import nats
+
+    from services.supervisor import Supervisor
+
+    work = Path(tempfile.mkdtemp(prefix="tensorbus-bench-swap-"))
+    env = dict(TENSORBUS_DATA_DIR=str(work / "data"), TENSORBUS_LOG_LEVEL="warning",
+               TENSORBUS_MAX_CONTEXT="128", TENSORBUS_DECODE_SLOTS="16")
+    try:
+        with Supervisor(work) as sup:
+            sup.start_nats()
+            nc = await nats.connect(sup.nats_url)
+            try:
+                await push_versions(nc, catalog.DEMO_LM)
+                swap = await decoder_swaps(sup, nc, env, args.streams)
+            finally:
+                await nc.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": {"cpu": platform.processor() or platform.machine(),
+                        "cores": os.cpu_count(), "python": platform.python_version()},
+            "model": catalog.DEMO_LM, "max_context": 128, "hot_swap": swap}
+
+
 async def run(args) -> dict:
     import nats
 
@@ -208,9 +317,14 @@ def main() -> None:
     p.add_argument("--batch-buckets", default="1,4")
     p.add_argument("--seq-buckets", default="16,64")
     p.add_argument("--clients", type=int, default=4)
-    p.add_argument("--out", default=str(REPO / "bench" / "out" / "hot_swap.json"))
+    p.add_argument("--decoder", action="store_true",
+                   help="the demo LM's hot swap under streams instead (no cold starts)")
+    p.add_argument("--streams", type=int, default=8, help="with --decoder: concurrent streams")
+    p.add_argument("--out", default="")
     args = p.parse_args()
-    res = asyncio.run(run(args))
+    args.out = args.out or str(REPO / "bench" / "out" /
+                               ("hot_swap_decoder.json" if args.decoder else "hot_swap.json"))
+    res = asyncio.run(run_decoder(args) if args.decoder else run(args))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
