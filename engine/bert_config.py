@@ -32,6 +32,7 @@ class BertConfig:
         cfg = json.loads((d / "config.json").read_text())
         self.hidden = int(cfg["hidden_size"])
         self.heads = int(cfg["num_attention_heads"])
+        self.intermediate = int(cfg.get("intermediate_size", 4 * self.hidden))
         self.layers = int(cfg["num_hidden_layers"])
         self.eps = float(cfg.get("layer_norm_eps", 1e-12))
         self.act = str(cfg.get("hidden_act", "gelu"))

@@ -26,7 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine import buckets as bk
-from engine import jaxrt
+from engine import jaxrt, sharding
+from engine.quant import QWeight, check_mode, quantize_tree, take_rows, tree_bytes
+from engine.quant import cast_tree as quant_tree
+from engine.quant import matmul as qmatmul
+from engine.sharding import shard_major
 from engine.bert_config import BertConfig
 from engine.weights import load_weights, strip_prefix
 
@@ -36,13 +40,22 @@ Params = dict[str, Any]
 # --- parameters
 
 
-def load_params(model_dir: str | Path, dtype: str = "float32") -> Params:
-    """HF BERT weights -> the pytree `forward` expects, on the default device.
+# Contracted axis of each weight a quantized encoder stores as integers.
+QUANT_AXES = {"qkv_w": 0, "o_w": 0, "i_w": 0, "f_w": 0, "word": 1}
+
+
+def load_params(
+    model_dir: str | Path, dtype: str = "float32", quant: str = "none", mesh=None
+) -> Params:
+    """HF BERT weights -> the pytree `forward` expects, on the default device (or
+    split over `mesh`, engine/sharding.py).
 
     Done once at load so that the jitted step does no layout work: dense weights are
-    transposed to [in, out]; Q, K and V are concatenated into one [D, 3D] matmul;
-    the position and (always zero) token-type embeddings are summed into one table.
-    LayerNorm parameters stay float32; matmul weights take `dtype`."""
+    transposed to [in, out]; Q, K and V are concatenated into one [D, 3D] matmul
+    (shard-major when split: device i's columns are [q_i | k_i | v_i]); the position
+    and (always zero) token-type embeddings are summed into one table. LayerNorm
+    parameters stay float32; matmul weights take `dtype`, or `quant` (int8 | int4,
+    engine/quant.py) for the dense weights and the word embeddings."""
     cfg = BertConfig(model_dir)
     w = strip_prefix(load_weights(model_dir))
     dt = jaxrt.parse_dtype(dtype)
@@ -54,6 +67,8 @@ def load_params(model_dir: str | Path, dtype: str = "float32") -> Params:
         return f32(prefix + ".weight").T, f32(prefix + ".bias")  # [in, out], [out]
 
     layers = []
+    tp = 1 if mesh is None else mesh.devices.size
+    d = cfg.hidden
     for i in range(cfg.layers):
         p = f"encoder.layer.{i}."
         q, k, v = (dense(p + "attention.self." + n) for n in ("query", "key", "value"))
@@ -61,8 +76,8 @@ def load_params(model_dir: str | Path, dtype: str = "float32") -> Params:
         wi, bi = dense(p + "intermediate.dense")
         wf, bf = dense(p + "output.dense")
         layers.append({
-            "qkv_w": np.concatenate([q[0], k[0], v[0]], axis=1),  # [D, 3D]
-            "qkv_b": np.concatenate([q[1], k[1], v[1]]),  # [3D]
+            "qkv_w": shard_major(np.concatenate([q[0], k[0], v[0]], axis=1), (d, d, d), tp),  # [D, 3D]
+            "qkv_b": shard_major(np.concatenate([q[1], k[1], v[1]]), (d, d, d), tp),  # [3D]
             "o_w": wo, "o_b": bo,  # [D, D], [D]
             "ln1_g": f32(p + "attention.output.LayerNorm.weight"),
             "ln1_b": f32(p + "attention.output.LayerNorm.bias"),
@@ -79,13 +94,9 @@ def load_params(model_dir: str | Path, dtype: str = "float32") -> Params:
         "emb_ln_b": f32("embeddings.LayerNorm.bias"),
         "layers": layers,
     }
-    keep_f32 = {"emb_ln_g", "emb_ln_b", "ln1_g", "ln1_b", "ln2_g", "ln2_b"}
-
-    def place(path, x):
-        name = getattr(path[-1], "key", None)
-        return jnp.asarray(x, dtype=jnp.float32 if name in keep_f32 else dt)
-
-    return jax.tree_util.tree_map_with_path(place, tree)
+    keep_f32 = frozenset({"emb_ln_g", "emb_ln_b", "ln1_g", "ln1_b", "ln2_g", "ln2_b"})
+    tree = quant_tree(quantize_tree(tree, quant, QUANT_AXES), dt, keep_f32)
+    return tree if mesh is None else sharding.place(tree, mesh)
 
 
 # --- the math (pure functions; shapes: B batch, S seq, D hidden, H heads, K head dim)
@@ -108,16 +119,21 @@ def _gelu(x, act: str):
     return jax.nn.gelu(x, approximate=False)  # HF "gelu" is the exact erf form
 
 
-def _attention(qkv, bias, heads: int):
+def _attention(qkv, bias, heads: int, tp: int = 1):
     """qkv: [B, S, 3D]; bias: [B, 1, 1, S] float32 (0 or a large negative) -> [B, S, D].
 
     One explicit transpose to head-major [3, B, H, S, K] up front: XLA's CPU batched
     dot then runs on contiguous [S, K] tiles; letting einsum pick the layout from
-    [B, S, H, K] measured 15-20% slower end to end at S >= 128 (no change at S=16)."""
+    [B, S, H, K] measured 15-20% slower end to end at S >= 128 (no change at S=16).
+    Split over `tp` devices, qkv's columns are shard-major: [B, S, TP, 3, H/TP, K]."""
     b, s, three_d = qkv.shape
     d = three_d // 3
     k_dim = d // heads
-    qkv = qkv.reshape(b, s, 3, heads, k_dim).transpose(2, 0, 3, 1, 4)  # [3, B, H, S, K]
+    if tp == 1:
+        qkv = qkv.reshape(b, s, 3, heads, k_dim).transpose(2, 0, 3, 1, 4)  # [3, B, H, S, K]
+    else:
+        qkv = qkv.reshape(b, s, tp, 3, heads // tp, k_dim).transpose(3, 0, 2, 4, 1, 5)
+        qkv = qkv.reshape(3, b, heads, s, k_dim)  # [3, B, H, S, K], head order kept
     q, k, v = qkv[0], qkv[1], qkv[2]  # each [B, H, S, K]
     q = q * jnp.asarray(1.0 / np.sqrt(k_dim), q.dtype)  # scale the small operand
     scores = jnp.einsum("bhqk,bhsk->bhqs", q, k, preferred_element_type=jnp.float32)
@@ -126,28 +142,36 @@ def _attention(qkv, bias, heads: int):
     return ctx.transpose(0, 2, 1, 3).reshape(b, s, d)  # [B, S, D]
 
 
-def _layer(x, bias, p: Params, cfg: BertConfig):
+def _mm(x, w):
+    """x: [..., IN] @ w: [IN, OUT] (float, or a QWeight) -> [..., OUT]"""
+    if isinstance(w, QWeight):
+        return qmatmul(x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + (-1,))
+    return x @ w
+
+
+def _layer(x, bias, p: Params, cfg: BertConfig, tp: int = 1):
     """x: [B, S, D] -> [B, S, D]: post-LN BERT block."""
-    qkv = x @ p["qkv_w"] + p["qkv_b"]  # [B, S, 3D]
-    attn = _attention(qkv, bias, cfg.heads) @ p["o_w"] + p["o_b"]  # [B, S, D]
+    qkv = _mm(x, p["qkv_w"]) + p["qkv_b"]  # [B, S, 3D]
+    attn = _mm(_attention(qkv, bias, cfg.heads, tp), p["o_w"]) + p["o_b"]  # [B, S, D]
     x = _layer_norm(attn + x, p["ln1_g"], p["ln1_b"], cfg.eps)
-    h = _gelu(x @ p["i_w"] + p["i_b"], cfg.act)  # [B, S, F]
-    y = h @ p["f_w"] + p["f_b"]  # [B, S, D]
+    h = _gelu(_mm(x, p["i_w"]) + p["i_b"], cfg.act)  # [B, S, F]
+    y = _mm(h, p["f_w"]) + p["f_b"]  # [B, S, D]
     return _layer_norm(y + x, p["ln2_g"], p["ln2_b"], cfg.eps)
 
 
-def forward(params: Params, ids, mask, cfg: BertConfig):
-    """ids, mask: [B, S] int32 -> [B, D] float32 unit vectors (mean over mask)."""
+def forward(params: Params, ids, mask, cfg: BertConfig, tp: int = 1):
+    """ids, mask: [B, S] int32 -> [B, D] float32 unit vectors (mean over mask).
+    `tp`: devices the heads are split over (the layout of the fused QKV columns)."""
     s = ids.shape[1]
-    word, pos = params["word"], params["pos"]
-    x = word[ids].astype(jnp.float32) + pos[:s].astype(jnp.float32)  # [B, S, D]
-    x = _layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps).astype(word.dtype)
+    word, pos = params["word"], params["pos"]  # pos: [P, D] in the model dtype
+    x = take_rows(word, ids, jnp.float32).astype(jnp.float32) + pos[:s].astype(jnp.float32)
+    x = _layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps).astype(pos.dtype)
     m = mask.astype(jnp.float32)  # [B, S]
     # Padding keys get a large negative logit (not -inf: an all-padding row of a
     # padded batch must stay finite, its output is discarded anyway).
     bias = ((m - 1.0) * 1e9)[:, None, None, :]  # [B, 1, 1, S]
     for p in params["layers"]:
-        x = _layer(x, bias, p, cfg)
+        x = _layer(x, bias, p, cfg, tp)
     x32 = x.astype(jnp.float32)  # [B, S, D]
     summed = jnp.einsum("bsd,bs->bd", x32, m)  # [B, D]
     count = jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1e-9)  # [B, 1]
@@ -177,9 +201,18 @@ class JaxEncoder:
         seq_buckets: Sequence[int] = (16, 32, 64, 128, 256),
         max_batch: int = 64,
         token_budget: int | None = TOKEN_BUDGET,
+        tensor_parallel: int = 1,
+        quant: str = "none",
     ) -> None:
         self.cfg = BertConfig(model_dir)
         self.name = name
+        self.quant = check_mode(quant)
+        self.tp = sharding.parse(tensor_parallel)
+        if self.tp > 1:
+            sharding.check_divisible(name, self.tp, attention_heads=self.cfg.heads,
+                                     mlp_columns=self.cfg.intermediate)  # fmt: skip
+        self._mesh = sharding.make_mesh(self.tp)
+        self.devices = sharding.engine_devices(self._mesh)  # e.g. ["cpu:0", "cpu:1"]
         self.token_budget = token_budget  # padded tokens per executed group (buckets.plan)
         self.dtype = jaxrt.dtype_name(dtype)
         self.device = jaxrt.device_name()
@@ -189,7 +222,8 @@ class JaxEncoder:
         seqs = tuple(s for s in bk.parse(seq_buckets) if s < self.max_tokens)
         self.seq_buckets = seqs + (self.max_tokens,)  # the limit is always a bucket
         self.max_batch = min(int(max_batch), self.batch_buckets[-1])
-        self.params = load_params(model_dir, self.dtype)
+        self.params = load_params(model_dir, self.dtype, self.quant, self._mesh)
+        self.weight_bytes = tree_bytes(self.params)  # integers and scales when quantized
         self.traces = 0  # times `forward` was traced: one per bucket, at compile
         self._jitted = jax.jit(self._trace)
         self._executables: dict[tuple[int, int], Any] = {}  # (B, S) -> compiled
@@ -197,7 +231,7 @@ class JaxEncoder:
 
     def _trace(self, params: Params, ids, mask):
         self.traces += 1  # runs at trace time only, never per call
-        return forward(params, ids, mask, self.cfg)
+        return forward(params, ids, mask, self.cfg, self.tp)
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -215,7 +249,9 @@ class JaxEncoder:
         and an unknown shape can never reach the compiler from the request path."""
         exe = self._executables.get((b, s))
         if exe is None:
-            spec = jax.ShapeDtypeStruct((b, s), jnp.int32)  # ids and mask: [B, S]
+            # ids and mask: [B, S], replicated over the devices when split.
+            rep = None if self._mesh is None else sharding.replicated(self._mesh)
+            spec = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rep)
             lowered = self._jitted.lower(self.params, spec, spec)
             exe = self._executables[(b, s)] = jaxrt.compile_lowered(lowered)
         return exe

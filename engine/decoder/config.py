@@ -43,6 +43,9 @@ class DecoderConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Devices the engine splits heads and MLP columns over (engine/sharding.py); set
+    # by the engine, not read from the model's files. 1 = one device.
+    tensor_parallel: int = 1
 
     @property
     def groups(self) -> int:

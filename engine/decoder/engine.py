@@ -29,6 +29,7 @@ block table, seed, sampling) is traced.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -40,7 +41,13 @@ import numpy as np
 from engine.decoder import steps
 from engine.decoder.blocks import SCRATCH, BlockPool, prefix_keys
 from engine.decoder.config import DecoderConfig, load_config
-from engine.decoder.kvcache import SlotSampling, block_bytes, cache_bytes, init_decode_state
+from engine.decoder.kvcache import (
+    DecodeState,
+    SlotSampling,
+    block_bytes,
+    cache_bytes,
+    init_decode_state,
+)
 from engine.decoder.model import load_params, param_bytes
 from engine.interface import CacheStats
 from shared.logging import get_logger
@@ -94,6 +101,16 @@ class PendingStep:
         return self._host
 
 
+def _state_sharding(state: DecodeState, mesh) -> DecodeState:
+    from engine import sharding
+
+    kv, rep = sharding.kv_sharding(mesh), sharding.replicated(mesh)
+    return DecodeState(
+        k=tuple(kv for _ in state.k), v=tuple(kv for _ in state.v), tokens=rep,
+        positions=rep, keys=rep, temperature=rep, top_k=rep, top_p=rep,
+    )  # fmt: skip
+
+
 class DecoderEngine:
     def __init__(
         self,
@@ -108,16 +125,28 @@ class DecoderEngine:
         kv_blocks: int = 0,
         prefill_chunk: int = 0,
         prefix_cache: bool = True,
+        tensor_parallel: int = 1,
+        quant: str = "none",
     ) -> None:
         """kv_blocks: pool size (0: enough for every slot to hold a full context, the
         memory of the old fixed rows); prefill_chunk: longest prefill piece (0: the
         largest bucket)."""
+        from engine import sharding
         from engine.jaxrt import device_name, dtype_name, parse_dtype
+        from engine.quant import check_mode
 
         t0 = time.perf_counter()
         self.name = name
         self.model_dir = Path(model_dir)
-        self.cfg: DecoderConfig = load_config(model_dir)
+        self.quant = check_mode(quant)
+        tp = sharding.parse(tensor_parallel)
+        cfg = load_config(model_dir)
+        if tp > 1:
+            sharding.check_divisible(name, tp, query_heads=cfg.heads, kv_heads=cfg.kv_heads,
+                                     mlp_columns=cfg.intermediate)  # fmt: skip
+        self._mesh = sharding.make_mesh(tp)
+        self.devices = sharding.engine_devices(self._mesh)  # e.g. ["cpu:0", "cpu:1"]
+        self.cfg: DecoderConfig = dataclasses.replace(cfg, tensor_parallel=tp)
         limit = min(self.cfg.max_positions, self.cfg.sliding_window or self.cfg.max_positions)
         if max_context > limit:
             log.warning("max_context_capped", requested=max_context, limit=limit)
@@ -139,20 +168,29 @@ class DecoderEngine:
         self.contexts = tuple(sorted(ctx))
         self.device = device_name()
         self.tokenizer = self._load_tokenizer()
-        self.params = load_params(model_dir, self.cfg, self._jdtype)
+        self.params = load_params(model_dir, self.cfg, self._jdtype, self.quant, self._mesh)
         blocks = int(kv_blocks) or self._slots * self._max_blocks + 1
         self.pool = BlockPool(blocks, self.block, prefix_cache)
         self._state = init_decode_state(self.cfg, self._slots, blocks, self.block, self._jdtype)
+        # Sharded: the state keeps its layout across calls (the KV pool split by KV
+        # head, the rest replicated), so each step's output is the next step's input
+        # as is.
+        out = {}
+        if self._mesh is not None:
+            state_sharding = _state_sharding(self._state, self._mesh)
+            self._state = jax.device_put(self._state, state_sharding)
+            out = {"out_shardings": (state_sharding, sharding.replicated(self._mesh))}
         cfg = self.cfg
         # state is the argument after params in both: donated, so updated in place.
         self._prefill = jax.jit(
             lambda params, state, *args: steps.prefill_chunk(params, cfg, state, *args),
-            donate_argnums=1,
-        )
+            donate_argnums=1, **out,
+        )  # fmt: skip
         self._generate = jax.jit(
             lambda params, state, tables, live: steps.generate(params, cfg, state, tables, live),
-            donate_argnums=1,
-        )
+            donate_argnums=1, **out,
+        )  # fmt: skip
+        self.weight_bytes = param_bytes(self.params)  # integers and scales when quantized
         self._tables = np.full((self._slots, self._max_blocks), SCRATCH, np.int32)
         self._held: list[list[int]] = [[] for _ in range(self._slots)]  # slot -> blocks
         self._jobs: dict[int, _Prefill] = {}  # slots between begin and their last chunk
@@ -162,9 +200,10 @@ class DecoderEngine:
         self._active = np.zeros(self._slots, bool)  # live: part of decode steps
         log.info(
             "decoder_loaded", model=name, family=self.cfg.family, dtype=self._dtype,
+            quant=self.quant, devices=self.devices,
             slots=self._slots, max_context=self._max_context, buckets=list(self.buckets),
             windows=list(self.windows), contexts=list(self.contexts), kv_block=self.block,
-            kv_blocks=blocks, param_bytes=param_bytes(self.params),
+            kv_blocks=blocks, param_bytes=self.weight_bytes,
             cache_bytes=cache_bytes(self._state), seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
 

@@ -10,6 +10,17 @@ import numpy as np
 
 from engine.decoder.config import DecoderConfig
 from engine.decoder.layers import activation, dense, unembed, layer_norm
+from engine.quant import take_rows
+from engine.sharding import split_fused
+
+# Contracted axis of each weight a quantized model stores as integers.
+QUANT_AXES = {"qkv_w": 0, "o_w": 0, "up_w": 0, "down_w": 0, "wte": 1, "lm_head": 1}
+
+
+def fused(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Column blocks of the fused q/k/v matrix (stored shard-major under tensor parallelism)."""
+    e = cfg.hidden
+    return {"qkv_w": (e, e, e), "qkv_b": (e, e, e)}
 
 
 def load_params(weights: dict[str, np.ndarray], cfg: DecoderConfig) -> dict:
@@ -41,15 +52,20 @@ def load_params(weights: dict[str, np.ndarray], cfg: DecoderConfig) -> dict:
 
 def embed(params: dict, cfg: DecoderConfig, tokens, positions):
     """tokens, positions: [N] -> x: [N, E]"""
-    return params["wte"][tokens] + params["wpe"][positions]
+    return take_rows(params["wte"], tokens, params["wpe"].dtype) + params["wpe"][positions]
 
 
 def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq):
     """x: [N, E] -> q: [N, H, D], k, v: [N, KV, D] (GPT-2 has no RoPE)."""
     n = x.shape[0]
     h = layer_norm(x, lp["ln1_w"], lp["ln1_b"], cfg.norm_eps)
-    qkv = dense(h, lp["qkv_w"], lp["qkv_b"]).reshape(n, 3, cfg.heads, cfg.head_dim)
-    return qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    qkv = dense(h, lp["qkv_w"], lp["qkv_b"])  # [N, 3E]
+    if cfg.tensor_parallel == 1:
+        qkv = qkv.reshape(n, 3, cfg.heads, cfg.head_dim)
+        return qkv[:, 0], qkv[:, 1], qkv[:, 2]
+    q, k, v = split_fused(qkv, fused(cfg)["qkv_w"], cfg.tensor_parallel)
+    shape = (n, cfg.heads, cfg.head_dim)
+    return q.reshape(shape), k.reshape(shape), v.reshape(shape)
 
 
 def attn_out(lp: dict, cfg: DecoderConfig, x, attn):

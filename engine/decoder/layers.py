@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine import quant
 from engine.decoder.config import DecoderConfig
 
 NEG_INF = -1e30  # finite, so a fully masked row (padding) gives a uniform softmax, not NaN
@@ -24,12 +25,18 @@ def precision(dtype):
 
 
 def dense(x, w, b=None):
-    y = jnp.matmul(x, w, precision=precision(x.dtype))
+    """x: [N, IN] @ w: [IN, OUT] (float, or a quant.QWeight) -> [N, OUT]"""
+    if isinstance(w, quant.QWeight):
+        y = quant.matmul(x, w, precision(x.dtype))
+    else:
+        y = jnp.matmul(x, w, precision=precision(x.dtype))
     return y if b is None else y + b
 
 
 def unembed(h, w):
     """h: [N, E], w: [V, E] (embedding layout, no transpose copy) -> [N, V] float32"""
+    if isinstance(w, quant.QWeight):
+        return quant.unembed(h, w, precision(h.dtype))
     return jnp.einsum(
         "ne,ve->nv", h, w, preferred_element_type=jnp.float32, precision=precision(h.dtype)
     )

@@ -13,6 +13,18 @@ import numpy as np
 
 from engine.decoder.config import DecoderConfig
 from engine.decoder.layers import activation, dense, unembed, rms_norm, rope
+from engine.quant import take_rows
+from engine.sharding import split_fused
+
+# Contracted axis of each weight a quantized model stores as integers.
+QUANT_AXES = {"qkv_w": 0, "o_w": 0, "gate_up_w": 0, "down_w": 0, "embed": 1, "lm_head": 1}
+
+
+def fused(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Column blocks of the fused matrices (stored shard-major under tensor parallelism)."""
+    d = cfg.head_dim
+    qkv = (cfg.heads * d, cfg.kv_heads * d, cfg.kv_heads * d)
+    return {"qkv_w": qkv, "qkv_b": qkv, "gate_up_w": (cfg.intermediate, cfg.intermediate)}
 
 
 def _t(a: np.ndarray) -> np.ndarray:
@@ -54,7 +66,7 @@ def load_params(weights: dict[str, np.ndarray], cfg: DecoderConfig) -> dict:
 
 def embed(params: dict, cfg: DecoderConfig, tokens, positions):
     """tokens: [N] -> x: [N, E] (positions enter through RoPE instead)."""
-    return params["embed"][tokens]
+    return take_rows(params["embed"], tokens, params["norm_w"].dtype)
 
 
 def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq):
@@ -62,9 +74,10 @@ def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq):
     n, d = x.shape[0], cfg.head_dim
     h = rms_norm(x, lp["ln1_w"], cfg.norm_eps)
     qkv = dense(h, lp["qkv_w"], lp.get("qkv_b"))  # [N, (H + 2 KV) * D]
-    q = qkv[:, : cfg.heads * d].reshape(n, cfg.heads, d)
-    k = qkv[:, cfg.heads * d : (cfg.heads + cfg.kv_heads) * d].reshape(n, cfg.kv_heads, d)
-    v = qkv[:, (cfg.heads + cfg.kv_heads) * d :].reshape(n, cfg.kv_heads, d)
+    q, k, v = split_fused(qkv, fused(cfg)["qkv_w"], cfg.tensor_parallel)
+    q = q.reshape(n, cfg.heads, d)
+    k = k.reshape(n, cfg.kv_heads, d)
+    v = v.reshape(n, cfg.kv_heads, d)
     return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
 
 
@@ -73,7 +86,7 @@ def attn_out(lp: dict, cfg: DecoderConfig, x, attn):
     x = x + dense(attn, lp["o_w"])
     h = rms_norm(x, lp["ln2_w"], cfg.norm_eps)
     gate_up = dense(h, lp["gate_up_w"])  # [N, 2I]
-    gate, up = gate_up[:, : cfg.intermediate], gate_up[:, cfg.intermediate :]
+    gate, up = split_fused(gate_up, fused(cfg)["gate_up_w"], cfg.tensor_parallel)
     return x + dense(activation(cfg.activation, gate) * up, lp["down_w"])
 
 

@@ -34,14 +34,29 @@ def family(cfg: DecoderConfig):
     return FAMILIES[cfg.family]
 
 
-def load_params(model_dir: str | Path, cfg: DecoderConfig, dtype) -> dict:
-    """Weights of a Hugging Face directory -> parameter pytree of device arrays."""
+def load_params(
+    model_dir: str | Path, cfg: DecoderConfig, dtype, quant: str = "none", mesh=None
+) -> dict:
+    """Weights of a Hugging Face directory -> parameter pytree of device arrays.
+
+    `quant` (int8 | int4) stores the matmul weights and the embedding as
+    `engine.quant.QWeight`; `mesh` (tensor parallelism, `cfg.tensor_parallel`
+    devices) places them split by head and MLP column (engine/sharding.py)."""
+    from engine import quant as q
+    from engine import sharding
     from engine.weights import load_weights, strip_prefix
 
+    fam = family(cfg)
     weights = strip_prefix(load_weights(model_dir), _PREFIXES[cfg.family])
-    tree = family(cfg).load_params(weights, cfg)
+    tree = fam.load_params(weights, cfg)
     del weights  # the tree holds transposed copies: one host copy fewer at the peak
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), tree)
+    if cfg.tensor_parallel > 1:
+        for lp in tree["layers"]:
+            for name, parts in fam.fused(cfg).items():
+                if name in lp:
+                    lp[name] = sharding.shard_major(lp[name], parts, cfg.tensor_parallel)
+    tree = q.cast_tree(q.quantize_tree(tree, quant, fam.QUANT_AXES), dtype)
+    return tree if mesh is None else sharding.place(tree, mesh)
 
 
 def _inv_freq(cfg: DecoderConfig):
@@ -70,6 +85,13 @@ def prompt_logits(params: dict, cfg: DecoderConfig, tokens):
     """tokens: [T] -> logits: [T, V] float32 at every position."""
     x, _, _ = forward_prompt(params, cfg, tokens)
     return family(cfg).head(params, cfg, x)
+
+
+def token_nll(params: dict, cfg: DecoderConfig, tokens):
+    """tokens: [T] -> [T - 1] float32: -log p(tokens[i + 1] | tokens[: i + 1]), the
+    terms of a perplexity (padding past the true length: ignore those entries)."""
+    logp = jax.nn.log_softmax(prompt_logits(params, cfg, tokens)[:-1], axis=-1)  # [T-1, V]
+    return -jnp.take_along_axis(logp, tokens[1:, None], axis=-1)[:, 0]
 
 
 def last_logits(params: dict, cfg: DecoderConfig, x, true_length):

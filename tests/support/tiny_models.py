@@ -28,21 +28,26 @@ def write_tokenizer(out_dir: Path) -> None:
         {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}))
 
 
-def build(kind: str, out_dir: Path, positions: int = 128, seed: int = 0):
+def build(kind: str, out_dir: Path, positions: int = 128, seed: int = 0, heads: int = 4,
+          kv_heads: int = 2, head_dim: int = 16, intermediate: int = 128):
     """Save a tiny `kind` ("gpt2" | "llama") model to out_dir; return the torch model.
-    Another `seed` gives other weights (a second version that answers differently)."""
+    Another `seed` gives other weights (a second version that answers differently).
+    The defaults are the engine tests' shapes; `heads`, `kv_heads` (llama), `head_dim`
+    and `intermediate` (llama) give other splits (9 query over 3 KV heads as SmolLM2)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     if kind == "gpt2":
-        cfg = GPT2Config(vocab_size=VOCAB, n_positions=positions, n_embd=64, n_layer=2, n_head=4,
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=positions, n_embd=heads * head_dim,
+                         n_layer=2, n_head=heads,
                          bos_token_id=0, eos_token_id=0, initializer_range=0.1)
         model = GPT2LMHeadModel(cfg)
     else:
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=heads * head_dim,
+                          intermediate_size=intermediate, num_hidden_layers=2,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads,
                           max_position_embeddings=positions, rope_theta=500.0,
                           tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
                           initializer_range=0.1)

@@ -1,0 +1,104 @@
+"""Tensor-parallel engines against the unsharded engine, on three forced CPU devices.
+
+Not collected by the main run (the name does not start with test_): XLA's device
+count is fixed when jax is imported, so tests/engine/test_tensor_parallel.py runs
+this file in its own pytest process with
+`XLA_FLAGS=--xla_force_host_platform_device_count=3`. That is real SPMD partitioning
+with real collectives between the three CPU "devices".
+
+The reference is the same engine on one device (TENSOR_PARALLEL=1), itself tested
+against sentence-transformers and transformers (test_encoder.py, test_decoder.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from engine.decoder import DecoderEngine
+from engine.decoder.model import prompt_logits
+from engine.encoder import JaxEncoder
+from engine.sharding import ShardingError
+from engine.tokenizer import Tokenizer
+from tests.engine.minilm_inputs import mixed_texts, model_dir
+from tests.support.tiny_models import build
+
+DEVICES = 3
+PROMPTS = [[5, 17, 300, 42], list(range(40, 49)), list(range(100, 117)), list(range(7, 307, 10))]
+NEW = 24
+# (kind, tensor parallel degree, build options): SmolLM2's split is 9 query heads
+# over 3 KV heads; the others are the decoder tests' own tiny shapes.
+DECODERS = {
+    "llama-9q3kv": ("llama", 3, dict(heads=9, kv_heads=3, head_dim=32, intermediate=192)),
+    "llama": ("llama", 2, {}),
+    "gpt2": ("gpt2", 2, {}),
+}
+
+
+def setup_module():
+    assert jax.device_count() == DEVICES, os.environ.get("XLA_FLAGS")
+
+
+@pytest.fixture(scope="module", params=sorted(DECODERS))
+def model(request, tmp_path_factory):
+    kind, tp, opts = DECODERS[request.param]
+    out = tmp_path_factory.mktemp(request.param)
+    build(kind, out, positions=64, **opts)
+    return out, tp
+
+
+def _engine(path, tp, quant="none"):
+    return DecoderEngine(path, "tiny", slots=4, max_context=64, prefill_buckets=(16, 32),
+                         decode_windows=(32, 64), tensor_parallel=tp, quant=quant)  # fmt: skip
+
+
+def _logits(engine, prompt):
+    padded = np.zeros(32, np.int32)
+    padded[: len(prompt)] = prompt
+    fwd = jax.jit(lambda p, t: prompt_logits(p, engine.cfg, t))
+    return np.asarray(fwd(engine.params, padded))[: len(prompt)]
+
+
+@pytest.mark.parametrize("quant", ["none", "int8"])
+def test_decoder_split_equals_one_device(model, quant):
+    path, tp = model
+    one, split = _engine(path, 1, quant), _engine(path, tp, quant)
+    assert split.devices == [f"cpu:{i}" for i in range(tp)] and one.devices == ["cpu:0"]
+    for prompt in PROMPTS:
+        np.testing.assert_allclose(_logits(split, prompt), _logits(one, prompt), atol=2e-5, rtol=0)
+    # Continuous batching across two attention windows: every token identical.
+    assert split.generate_static(PROMPTS, NEW) == one.generate_static(PROMPTS, NEW)
+
+
+def test_kv_cache_is_split_by_kv_head_and_one_all_reduce_per_projection(model):
+    path, tp = model
+    engine = _engine(path, tp)
+    k0 = engine._state.k[0]  # the paged pool: [NUM_BLOCKS, KV, BLOCK, D]
+    shard = k0.addressable_shards[0].data.shape
+    assert shard == (k0.shape[0], k0.shape[1] // tp) + k0.shape[2:]
+    tables = np.zeros((engine.slots, 64 // engine.block), np.int32)  # a 64-token window
+    live = np.ones(engine.slots, bool)
+    hlo = engine._generate.lower(engine.params, engine._state, tables, live).compile().as_text()
+    # Megatron: attention output and MLP down, each one all-reduce, per layer.
+    assert hlo.count("all-reduce(") == 2 * engine.cfg.layers
+    assert hlo.count("all-gather(") == 0 and hlo.count("all-to-all(") == 0
+
+
+def test_encoder_split_equals_one_device():
+    texts = mixed_texts(12)
+    ids = Tokenizer.from_dir(model_dir()).encode_batch(texts)
+    kw = dict(batch_buckets=(4, 16), seq_buckets=(16, 256), max_batch=16)
+    for quant in ("none", "int8"):
+        one = JaxEncoder(model_dir(), quant=quant, **kw)
+        split = JaxEncoder(model_dir(), quant=quant, tensor_parallel=2, **kw)
+        assert split.devices == ["cpu:0", "cpu:1"]
+        np.testing.assert_allclose(split.embed(ids), one.embed(ids), atol=2e-5, rtol=0)
+
+
+def test_more_devices_than_present_is_a_configuration_error(tmp_path):
+    build("gpt2", tmp_path, positions=64)  # 4 heads: a degree of 4 divides them
+    with pytest.raises(ShardingError, match="needs 4 devices; 3 visible"):
+        _engine(tmp_path, 4)
