@@ -54,6 +54,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     model_dir: str = ""  # load from this directory instead of the catalogue
     dtype: str = "float32"  # float32 / bfloat16 / float16, as VALUE[,MODEL=VALUE...]
     engine: str = "jax"  # jax / torch, as VALUE[,MODEL=VALUE...]; unknown = exit 78
+    tensor_parallel: str = "1"  # devices per worker (jax engine), as VALUE[,MODEL=VALUE...]; heads must divide
+    quant: str = "none"  # stored weights: none / int8 / int4 (jax engine), as VALUE[,MODEL=VALUE...]
     max_batch: int = 64  # dynamic batching: largest batch
     max_wait_ms: float = 5.0  # dynamic batching: longest wait to fill a batch (0 = never)
     batch_buckets: str = "1,2,4,8,16,32,64"  # padded batch sizes compiled at warm-up

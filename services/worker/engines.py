@@ -1,5 +1,6 @@
 """Which engine a worker builds for a model: kind from the model's files, backend
-from `TENSORBUS_ENGINE`, precision from `TENSORBUS_DTYPE` (both per model).
+from `TENSORBUS_ENGINE`, precision from `TENSORBUS_DTYPE`, devices from
+`TENSORBUS_TENSOR_PARALLEL` and stored weights from `TENSORBUS_QUANT` (all per model).
 
 The serving layer sees engines only through engine/interface.py; this is the one
 place that picks an implementation.
@@ -14,10 +15,55 @@ from shared.config import Config, bad_config
 
 ENGINES = ("jax", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTS = ("none", "int8", "int4")  # engine/quant.py; fp8 is not implemented
+
+
+def parallel_settings(config: Config, model: str) -> tuple[int, str]:
+    """(tensor parallel degree, quantization) for `model`; exits 78 on a bad value."""
+    try:
+        tp_text = config.for_model("tensor_parallel", model) or "1"
+        quant = config.for_model("quant", model) or "none"
+    except ValueError as exc:
+        raise bad_config(str(exc)) from None
+    try:
+        tp = int(tp_text)
+    except ValueError:
+        tp = 0
+    if tp < 1:
+        raise bad_config(f"TENSORBUS_TENSOR_PARALLEL={tp_text!r} for {model}: use a whole number >= 1")
+    if quant not in QUANTS:
+        raise bad_config(f"TENSORBUS_QUANT={quant!r} for {model}: use one of {', '.join(QUANTS)}")
+    return tp, quant
+
+
+def check_split(config: Config, info: catalog.ModelInfo) -> None:
+    """Exit 78 when the model's heads or MLP columns do not split over its devices."""
+    from engine import sharding
+
+    tp, _ = parallel_settings(config, info.name)
+    if tp == 1:
+        return
+    if info.kind == "encoder":
+        from engine.bert_config import BertConfig
+
+        bert = BertConfig(info.path)
+        sizes = dict(attention_heads=bert.heads, mlp_columns=bert.intermediate)
+    else:
+        from engine.decoder.config import load_config
+
+        cfg = load_config(info.path)
+        sizes = dict(query_heads=cfg.heads, kv_heads=cfg.kv_heads, mlp_columns=cfg.intermediate)
+    try:
+        sharding.check_divisible(info.name, tp, **sizes)
+    except sharding.ShardingError as exc:
+        raise bad_config(str(exc)) from None
 
 
 def engine_settings(config: Config, model: str) -> tuple[str, str]:
-    """(engine, dtype) for `model`; exits 78 on a value no engine knows."""
+    """(engine, dtype) for `model`; exits 78 on a value no engine knows, a tensor
+    parallel degree or quantization the backend does not run, or (when the model's
+    directory is known here) heads that do not split over the devices asked for."""
+    tp, quant = parallel_settings(config, model)
     try:
         engine = config.for_model("engine", model) or "jax"
         dtype = config.for_model("dtype", model) or "float32"
@@ -27,15 +73,32 @@ def engine_settings(config: Config, model: str) -> tuple[str, str]:
         raise bad_config(f"TENSORBUS_ENGINE={engine!r} for {model}: use one of {', '.join(ENGINES)}")
     if dtype not in DTYPES:
         raise bad_config(f"TENSORBUS_DTYPE={dtype!r} for {model}: use one of {', '.join(DTYPES)}")
+    if engine == "torch" and (tp > 1 or quant != "none"):
+        raise bad_config(f"{model}: the torch engine runs on one device with float weights; "
+                         f"TENSORBUS_TENSOR_PARALLEL={tp} and TENSORBUS_QUANT={quant!r} need "
+                         f"TENSORBUS_ENGINE=jax")  # fmt: skip
+    info = catalog.resolve(model, config.model_dir) if tp > 1 else None
+    if info is not None:
+        check_split(config, info)
     return engine, dtype
 
 
 def build_engine(config: Config, info: catalog.ModelInfo):
     """The engine for one model directory, by kind and the model's engine settings."""
     from engine import jaxrt
+    from engine.sharding import ShardingError
 
     backend, dtype = engine_settings(config, info.name)
+    check_split(config, info)
+    tp, quant = parallel_settings(config, info.name)
     jaxrt.setup(str(Path(config.data_dir) / "jax-cache"))
+    try:
+        return _build(config, info, backend, dtype, tp, quant)
+    except ShardingError as exc:  # e.g. fewer devices than asked for
+        raise bad_config(str(exc)) from None
+
+
+def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp: int, quant: str):
     if info.kind == "encoder":
         kw = dict(name=info.name, dtype=dtype, batch_buckets=config.batch_bucket_list,
                   seq_buckets=config.seq_bucket_list, max_batch=config.max_batch)
@@ -45,7 +108,7 @@ def build_engine(config: Config, info: catalog.ModelInfo):
             return TorchEncoder(info.path, **kw)
         from engine.encoder import JaxEncoder
 
-        return JaxEncoder(info.path, **kw)
+        return JaxEncoder(info.path, tensor_parallel=tp, quant=quant, **kw)
     kw = dict(name=info.name, dtype=dtype, slots=config.decode_slots,
               max_context=config.max_context)
     if backend == "torch":
@@ -56,4 +119,4 @@ def build_engine(config: Config, info: catalog.ModelInfo):
 
     return DecoderEngine(info.path, kv_block=config.kv_block, kv_blocks=config.kv_blocks,
                          prefill_chunk=config.prefill_chunk, prefix_cache=config.prefix_cache,
-                         **kw)
+                         tensor_parallel=tp, quant=quant, **kw)  # fmt: skip

@@ -63,3 +63,31 @@ def test_engine_setting_picks_the_decoder_backend_per_model(tmp_path):
     assert (torch_engine.dtype, torch_engine.slots, torch_engine.max_context) == ("bfloat16", 2, 32)
     assert isinstance(build_engine(cfg.with_(engine="torch,tiny=jax"), info), DecoderEngine)
     assert isinstance(build_engine(cfg.with_(engine="jax,tiny=torch"), info), TorchDecoder)
+
+
+@pytest.mark.parametrize("env, says", [
+    ({"TENSORBUS_MODEL": catalog.SMOLLM2, "TENSORBUS_TENSOR_PARALLEL": "1,smollm2-135m-instruct=2"},
+     "cannot split 9 query heads, 3 kv heads into 2 equal parts"),
+    ({"TENSORBUS_TENSOR_PARALLEL": "two"}, "TENSORBUS_TENSOR_PARALLEL='two'"),
+    ({"TENSORBUS_QUANT": "none,all-MiniLM-L6-v2=fp8"}, "use one of none, int8, int4"),
+    ({"TENSORBUS_ENGINE": "torch", "TENSORBUS_QUANT": "int8"}, "need TENSORBUS_ENGINE=jax"),
+])  # fmt: skip
+def test_worker_exits_78_when_the_model_cannot_split_or_quantize_so(env, says):
+    done = _worker(env)
+    assert done.returncode == EX_CONFIG, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("bad configuration:") and says in last, last
+
+
+def test_quantized_and_split_settings_reach_the_jax_engine(tmp_path):
+    from services.worker.engines import build_engine
+    from tests.support.tiny_models import build
+
+    build("llama", tmp_path, positions=32)
+    info = catalog.describe("tiny", tmp_path)
+    cfg = Config.from_env({}, data_dir=str(tmp_path / "data"), decode_slots=2, max_context=32)
+    engine = build_engine(cfg.with_(quant="none,tiny=int4"), info)
+    assert (engine.quant, engine.devices) == ("int4", ["cpu:0"])
+    with pytest.raises(SystemExit) as exit_info:  # one CPU device in this process
+        build_engine(cfg.with_(tensor_parallel="2"), info)
+    assert exit_info.value.code == EX_CONFIG
