@@ -19,8 +19,6 @@ reordering, the single-device programs are unchanged.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -133,7 +131,7 @@ def place(tree, mesh: Mesh):
         if isinstance(node, list):
             return [walk(v, role) for v in node]
         if isinstance(node, QWeight):
-            return dataclasses.replace(node, q=put(node.q, role), scale=put(node.scale, role))
+            return jax.tree.map(lambda a: put(a, role), node)  # q, scale, offset
         return put(node, role)
 
     return walk(tree)

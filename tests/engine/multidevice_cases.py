@@ -71,6 +71,8 @@ def test_decoder_split_equals_one_device(model, quant):
         np.testing.assert_allclose(_logits(split, prompt), _logits(one, prompt), atol=2e-5, rtol=0)
     # Continuous batching across two attention windows: every token identical.
     assert split.generate_static(PROMPTS, NEW) == one.generate_static(PROMPTS, NEW)
+    # The state comes back split as it went in: one executable per window, no more.
+    assert split._generate._cache_size() == len(split.windows)
 
 
 def test_kv_cache_is_split_by_kv_head_and_one_all_reduce_per_projection(model):

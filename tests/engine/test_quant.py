@@ -21,8 +21,8 @@ from tests.engine.minilm_inputs import mixed_texts, model_dir
 
 @pytest.mark.parametrize("mode, axis, shape, group, worst", [
     ("int8", 0, (256, 24), 128, 1 / 254), ("int8", 1, (24, 96), 32, 1 / 254),
-    ("int8", 0, (72, 5), 72, 1 / 254), ("int4", 0, (96, 24), 32, 1 / 14),
-    ("int4", 1, (24, 688), 16, 1 / 14),
+    ("int8", 0, (72, 5), 72, 1 / 254), ("int4", 0, (96, 24), 32, 1 / 15),
+    ("int4", 1, (24, 688), 16, 1 / 15),
 ])  # fmt: skip
 def test_round_trip_error_is_half_a_step_of_each_group(mode, axis, shape, group, worst):
     w = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
@@ -39,7 +39,7 @@ def test_int4_packs_two_values_per_byte():
     w = np.linspace(-7, 7, 32 * 2, dtype=np.float32).reshape(32, 2)  # [IN, OUT]
     qw = quant.quantize(w, "int4", 0)
     assert qw.q.dtype == np.uint8 and qw.q.shape == (16, 2)
-    assert int(qw.q[0, 0] & 0xF) - 8 == -7 and int(qw.q[-1, 1] >> 4) - 8 == 7
+    assert int(qw.q[0, 0] & 0xF) == 0 and int(qw.q[-1, 1] >> 4) == 15  # each group's min, max
     assert qw.q.nbytes * 2 == w.size
 
 
@@ -58,9 +58,9 @@ def _cosine(a, b):
 
 
 # int8 meets the 0.999 target. int4 (groups of 32, symmetric) does not come close on
-# MiniLM: worst 0.906, mean 0.94 when measured; the bound only guards against worse.
+# MiniLM: worst 0.928, mean 0.958 when measured; the bound only guards against worse.
 @pytest.mark.parametrize("mode, min_cosine, max_bytes", [
-    ("int8", 0.999, 0.27), ("int4", 0.88, 0.17),
+    ("int8", 0.999, 0.27), ("int4", 0.92, 0.2),
 ])  # fmt: skip
 def test_quantized_minilm_tracks_sentence_transformers(minilm_case, mode, min_cosine, max_bytes):
     ids, reference = minilm_case
