@@ -12,7 +12,7 @@ matrix, 1 for a [V, E] embedding that is also the lm head), IN split into groups
 - int8: `q` int8, w's shape; groups of 128 inputs (64 or 32 where 128 does not
   divide IN; IN itself below that); scale = amax / 127. One scale per whole output
   channel left MiniLM's worst cosine against float32 at 0.9983 (inputs like "hi");
-  groups of 128 give 0.9993 for 3 % more bytes (docs/decisions/0006).
+  groups of 128 give 0.9993 for 3 % more bytes (docs/decisions/0010).
 - int4: `q` uint8, w's shape with the contracted axis halved, two 4-bit values per
   byte (the even input in the low nibble); groups of 32 (as GGUF's Q4 blocks; 16 or
   8 where 32 does not divide IN); asymmetric, as GGUF's Q4_1: w = q * scale + offset
