@@ -67,6 +67,7 @@ def decode_rate(model_dir, name, dtype, quant, streams, steps, repeats, tp=1):
     times = []
     for _ in range(repeats):
         for s in range(streams):  # restart the sequences: same positions every run
+            eng.free(s)
             eng.prefill_insert(s, prompt, GREEDY, 0)
         t0 = time.perf_counter()
         run()
