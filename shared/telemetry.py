@@ -91,6 +91,7 @@ class Heartbeat(_Rec, tag="heartbeat"):
     # (shared.prefix.short) of the prompt prefixes the serving engine holds, bounded.
     prefix_block: int = 0
     prefix_keys: list[int] = []
+    devices: list[str] = []  # devices the prod engine spans, e.g. ["cpu:0", "cpu:1"] (tensor parallel)
 
 
 class ScaleDecision(_Rec, tag="scale"):

@@ -249,7 +249,8 @@ class Worker(Lifecycle):
             waiting=load.waiting, kv_blocks_total=load.kv_blocks_total,
             kv_blocks_used=load.kv_blocks_used, prefix_cache_queries=load.prefix_cache_queries,
             prefix_cache_hits=load.prefix_cache_hits, preemptions=load.preemptions,
-            prefix_block=load.prefix_block, prefix_keys=load.prefix_keys)
+            prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
+            devices=list(getattr(engine, "devices", None) or ([device] if engine else [])))
 
     async def _publish_heartbeat(self) -> None:
         await self.nc.publish(subjects.TELEMETRY_WORKERS, encode_record(self.heartbeat()))

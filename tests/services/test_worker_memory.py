@@ -105,3 +105,21 @@ async def test_a_running_workers_heartbeat_carries_its_memory(nats_server):
     assert hb.mem_source == "host"  # the mock engine runs on no device
     assert abs(hb.mem_used_bytes - rss) <= max(64 << 20, rss // 10), (hb.mem_used_bytes, rss)
     assert hb.mem_used_bytes < hb.mem_limit_bytes <= total
+
+
+async def test_a_heartbeat_names_the_devices_its_engine_spans(nats_server, minilm):
+    beats: list[Heartbeat] = []
+
+    async def on_beat(msg) -> None:
+        rec = record_decoder.decode(msg.data)
+        if isinstance(rec, Heartbeat) and rec.worker_id == "dev-w1" and rec.state == "ready":
+            beats.append(rec)
+
+    async with running_stack(nats_server.url) as st:
+        sub = await st.client.subscribe(subjects.TELEMETRY_WORKERS, cb=on_beat)
+        await st.add_worker(minilm, "dev-w1")
+        await wait_until(lambda: beats, timeout=10)
+        await sub.unsubscribe()
+    import jax
+
+    assert beats[0].devices == [f"{d.platform}:{d.id}" for d in jax.devices()[:1]]
