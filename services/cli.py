@@ -19,8 +19,7 @@ from shared.config import Config
 def _nats(args: argparse.Namespace, config: Config) -> int:
     from shared.natsd import main as run_nats
 
-    run_nats(config.nats_port, config.data_dir, args.config)
-    return 0
+    return run_nats(config.nats_port, config.data_dir, args.config, config.nats_stop_grace_s)
 
 
 def _embed(args: argparse.Namespace, config: Config) -> int:

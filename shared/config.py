@@ -20,6 +20,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str = "nats://127.0.0.1:4222"  # where every service connects
     nats_port: int = 4222  # port of the embedded nats-server (`tensorbus nats`)
     data_dir: str = ".data"  # JetStream store, compilation cache, seeded models
+    nats_stop_grace_s: float = 4.0  # `tensorbus nats` on SIGTERM: serve connected clients this long at most, so they drain
     # --- gateway
     http_host: str = "127.0.0.1"  # HTTP bind address; 0.0.0.0 only on purpose
     http_port: int = 8000  # OpenAI-compatible HTTP API

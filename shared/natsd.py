@@ -6,11 +6,12 @@ Used by the Procfile (`tensorbus nats`) and by the test suite. Always binds to
 
 from __future__ import annotations
 
-import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -110,9 +111,53 @@ def default_config(data_dir: str | Path) -> Path:
     return path
 
 
-def main(port: int, data_dir: str, config: str | None = None) -> None:
-    """Exec the server in the foreground (Procfile entry)."""
+def clients(port: int) -> int:
+    """Established TCP connections to `port` on this host (Linux /proc; 0 elsewhere)."""
+    n = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            # f[1] local "ADDR:PORT" in hex, f[3] the state (01 = ESTABLISHED)
+            if len(f) > 3 and f[3] == "01" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                n += 1
+    return n
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def main(port: int, data_dir: str, config: str | None = None, grace_s: float = 4.0) -> int:
+    """Run the server in the foreground (the Procfile's `nats:` entry); its exit code.
+
+    Stopping `honcho start` signals every process at once. nats-server alone would exit
+    at once and leave the gateway and the draining workers without a bus for their last
+    replies, so the server runs in a session of its own (a signal to this process group
+    does not reach it) and, on SIGTERM or SIGINT, is stopped only when no client is
+    connected any more, or `grace_s` later (honcho kills what is left after 5 s)."""
     store = Path(data_dir) / "jetstream"
     store.mkdir(parents=True, exist_ok=True)
     cmd = command(port, store, config=config or str(default_config(data_dir)))
-    os.execv(cmd[0], cmd)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    child = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    while child.poll() is None and not stop.wait(0.2):
+        pass
+    if child.poll() is None:
+        end = time.monotonic() + grace_s
+        while clients(port) and time.monotonic() < end and child.poll() is None:
+            time.sleep(0.05)
+        child.terminate()
+        try:
+            child.wait(5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return child.wait()

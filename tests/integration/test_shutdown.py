@@ -1,0 +1,63 @@
+"""Stopping `honcho start` (Ctrl-C) on the real Procfile while streams run: honcho
+signals every process at once, and the streams already running still finish."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import msgspec
+
+import bench.orchestrator as bench
+from shared import subjects
+from shared.bus import connect
+from services.supervisor import wait_ready
+
+TOKENS = 200  # a few seconds of decoding: the streams are mid-way when honcho stops
+
+
+async def _stream(nc, started: asyncio.Event, i: int) -> list[bytes]:
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    body = {"model": bench.DEMO_LM, "prompt": f"Stream {i} says", "max_tokens": TOKENS,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    await nc.publish(subjects.COMPLETIONS, msgspec.json.encode(body), reply=inbox,
+                     headers={"Tensorbus-Timeout": "120"})
+    out = []
+    while True:
+        msg = await sub.next_msg(timeout=120)
+        out.append(msg.data)
+        started.set()
+        if msg.data == b"[DONE]":
+            return out
+
+
+async def test_stopping_honcho_lets_running_streams_finish(tmp_path, jax_cache_dir):
+    env = bench.stack_env(tmp_path, Path(jax_cache_dir), TENSORBUS_FLEET=f"{bench.DEMO_LM}=1:1",
+                          TENSORBUS_DECODE_SLOTS="4", TENSORBUS_MAX_CONTEXT="512")
+    env.pop("TENSORBUS_MODEL_DIR")
+    h = bench.Honcho(tmp_path, env)
+    nc = None
+    try:
+        nc = await connect(h.url, "shutdown-client")
+        await wait_ready(nc, bench.DEMO_LM, 1, timeout=300)
+        started = [asyncio.Event() for _ in range(3)]
+        streams = [asyncio.create_task(_stream(nc, ev, i)) for i, ev in enumerate(started)]
+        for ev in started:
+            await ev.wait()
+        h.popen.send_signal(signal.SIGINT)  # Ctrl-C: honcho stops every process
+        results = await asyncio.gather(*streams)
+        for chunks in results:
+            assert chunks[-1] == b"[DONE]"
+            bodies = [msgspec.json.decode(c) for c in chunks[:-1]]
+            assert not any("error" in b for b in bodies), bodies[-1]
+            assert bodies[-2]["choices"][0]["finish_reason"] == "length"
+            assert bodies[-1]["usage"]["completion_tokens"] == TOKENS  # every token arrived
+        assert await asyncio.to_thread(h.popen.wait, 60) is not None
+        assert not h.alive()
+    finally:
+        if nc is not None:
+            await nc.close()
+        h.stop()
