@@ -15,9 +15,15 @@ One run measures, on this machine:
      transformers `generate` tokens/s on the same weights;
   2. the full stack (nats-server, gateway, scheduler, a decoder worker with 16 slots,
      telemetry as separate processes) with closed-loop streaming clients at
-     concurrency 1, 4 and 16: output tokens/s, time to first token and inter-token
-     latency (p50/p99), measured at the client from the chunks' arrival times;
-  3. writes bench/out/generation.json, docs/img/generation.png and a markdown table
+     concurrency 1, 4 and 16: output tokens/s (each stream's tokens from its final
+     `usage`, so a chunk covering several tokens counts them all), time to first
+     token and inter-token latency (p50/p99), measured at the client from the arrival
+     times of the chunks that carry text (a coalesced chunk is one arrival), and the
+     tokens per chunk;
+  3. CPU per token of every process (gateway, scheduler, worker, telemetry,
+     nats-server, and this client): utime + stime from /proc before and after each
+     phase (bench.capacity's helpers), over the tokens delivered, in microseconds;
+  4. writes bench/out/generation.json, docs/img/generation.png and a markdown table
      (another model: generation-MODEL.json and generation-MODEL.png).
 """
 
@@ -34,6 +40,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from bench.capacity import cpu_all, per_request
 from shared import catalog
 
 MODEL = catalog.DEMO_LM
@@ -43,7 +50,8 @@ PROMPTS = ["The module", "This function returns", "A list of", "The default valu
 
 
 async def stream_once(nc, body: bytes, timeout: float = 60.0) -> tuple[float, list[float], int]:
-    """Send one streaming request; (send time, chunk arrival times, tokens)."""
+    """Send one streaming request (`include_usage`); (send time, arrival times of the
+    chunks with choices, completion tokens from the final usage)."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     t0 = time.perf_counter()
@@ -56,40 +64,49 @@ async def stream_once(nc, body: bytes, timeout: float = 60.0) -> tuple[float, li
         chunk = msgspec.json.decode(msg.data)
         if chunk.get("choices"):
             arrivals.append(time.perf_counter())
-            tokens += 1
+        elif chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
         if (msg.headers or {}).get("Nats-Service-Error-Code"):
             raise RuntimeError(msg.data.decode())
     await sub.unsubscribe()
     return t0, arrivals, tokens
 
 
-async def load(nc, concurrency: int, seconds: float, max_tokens: int, model: str = MODEL) -> dict:
-    ttft, itl, tokens, done = [], [], 0, 0
+async def load(nc, concurrency: int, seconds: float, max_tokens: int, model: str = MODEL,
+               sup=None) -> dict:
+    ttft, itl, tokens, done, chunks = [], [], 0, 0, 0
     t_end = time.perf_counter() + seconds
     t_start = time.perf_counter()
 
     async def client(i: int) -> None:
-        nonlocal tokens, done
+        nonlocal tokens, done, chunks
         k = i
         while time.perf_counter() < t_end:
             body = msgspec.json.encode({"model": model, "prompt": PROMPTS[k % len(PROMPTS)],
                                         "max_tokens": max_tokens, "temperature": 0.7, "seed": k,
-                                        "ignore_eos": True, "stream": True})
+                                        "ignore_eos": True, "stream": True,
+                                        "stream_options": {"include_usage": True}})
             t0, arr, n = await stream_once(nc, body)
             k += concurrency
             if arr:
                 ttft.append(arr[0] - t0)
                 itl.extend(np.diff(arr).tolist())
             tokens += n
+            chunks += len(arr)
             done += 1
 
+    before = cpu_all(sup) if sup is not None else None
     await asyncio.gather(*(client(i) for i in range(concurrency)))
     wall = time.perf_counter() - t_start
+    cpu = {}
+    if before is not None:  # microseconds of CPU per delivered token, per process
+        cpu = {k: round(v * 1000, 1) for k, v in per_request(before, cpu_all(sup), tokens).items()}
     ms = lambda xs, q: float(np.percentile(np.array(xs) * 1000, q)) if xs else float("nan")
     return {"concurrency": concurrency, "requests": done, "tokens": tokens,
             "tokens_per_s": tokens / wall,
             "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
-            "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99)}
+            "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99),
+            "tokens_per_chunk": round(tokens / max(chunks, 1), 2), "cpu_us_per_token": cpu}
 
 
 async def stack_figures(seconds: float, max_tokens: int, workdir: Path, model: str = MODEL,
@@ -114,11 +131,12 @@ async def stack_figures(seconds: float, max_tokens: int, workdir: Path, model: s
             await wait_ready(nc, model, 1, timeout=600)
             await load(nc, 4, 2.0, 8, model)  # warm the path
             for c in (1, 4, 16):
-                r = await load(nc, c, seconds, max_tokens, model)
+                r = await load(nc, c, seconds, max_tokens, model, sup)
                 r["loadavg_1m"] = round(os.getloadavg()[0], 2)
                 print(f"stack c={c}: {r['tokens_per_s']:.1f} tok/s ttft p50 {r['ttft_p50_ms']:.1f} "
                       f"p99 {r['ttft_p99_ms']:.1f} ms itl p50 {r['itl_p50_ms']:.2f} "
-                      f"p99 {r['itl_p99_ms']:.2f} ms (load {r['loadavg_1m']})", flush=True)
+                      f"p99 {r['itl_p99_ms']:.2f} ms, {r['tokens_per_chunk']} tokens/chunk, "
+                      f"CPU us/token {r['cpu_us_per_token']} (load {r['loadavg_1m']})", flush=True)
                 rows.append(r)
         finally:
             await nc.close()
@@ -157,12 +175,15 @@ def plot(res: dict, path: Path) -> None:
 def table(res: dict) -> str:
     eng = res["engine"]["engine"]["decode_tokens_per_s"]
     hf = res["engine"]["transformers_sequential"]["tokens_per_s"]
-    lines = ["| streams | tokens/s | vs transformers | vs engine batch 16 | TTFT p50 / p99 ms | ITL p50 / p99 ms |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| streams | tokens/s | vs transformers | vs engine batch 16 | TTFT p50 / p99 ms | "
+             "ITL p50 / p99 ms | tokens/chunk | CPU us/token worker / gateway / nats-server / client |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in res["stack"]:
+        cpu = r.get("cpu_us_per_token") or {}
+        us = " / ".join(f"{cpu.get(k, float('nan')):.0f}" for k in ("worker", "gateway", "nats-server", "client"))
         lines.append(f"| {r['concurrency']} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / hf:.1f}x | "
                      f"{r['tokens_per_s'] / eng:.0%} | {r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f} | "
-                     f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} |")
+                     f"{r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | {r.get('tokens_per_chunk', 1)} | {us} |")
     lines.append(f"\nengine static batch 16: {eng:.1f} tokens/s; transformers sequential: {hf:.1f} tokens/s")
     return "\n".join(lines)
 

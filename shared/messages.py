@@ -39,6 +39,8 @@ class EmbedWork(_Msg, tag="embed"):
     sched_id: str = ""
     attempt: int = 0
     user: str = ""  # sticky canary / A-B key: OpenAI's `user`, else the Tensorbus-User header
+    group: str = ""  # where the requester takes `Results` (several requests' answers in one
+    # message); "" = every answer goes to `reply` on its own
 
 
 class GenerateWork(_Msg, tag="generate"):
@@ -59,6 +61,7 @@ class GenerateWork(_Msg, tag="generate"):
     attempt: int = 0
     ignore_eos: bool = False
     user: str = ""  # sticky canary / A-B key: OpenAI's `user`, else the Tensorbus-User header
+    group: str = ""  # as EmbedWork.group
 
 
 WorkRequest = EmbedWork | GenerateWork
@@ -93,7 +96,8 @@ class GenChunk(_Msg, tag="chunk"):
     request_id: str
     index: int
     text: str
-    tokens: int  # tokens this chunk covers
+    tokens: int  # tokens generated since the choice's previous chunk (all of them, also
+    # those whose text is still held back: an incomplete character, a possible stop)
     finish_reason: str | None = None
     attempt: int = 0  # dispatch attempt that produced it (re-dispatch must not mix)
     version: str = ""  # the model version generating this request (every chunk says it)
@@ -140,6 +144,14 @@ class Held(_Msg, tag="held"):
 
 
 WorkResult = EmbedResult | GenChunk | GenDone | WorkError | Accepted | Held
+
+
+class Results(_Msg, tag="results"):
+    """Worker -> one gateway (to the work's `group` subject): every answer one decode
+    step or one encoder batch produced for that gateway's requests, in the order they
+    were produced. The gateway hands each to its request as if it had come alone."""
+
+    items: list[EmbedResult | GenChunk | GenDone | WorkError]
 
 
 class WorkDone(_Msg, tag="work_done"):
@@ -198,6 +210,7 @@ class FleetStatus(_Msg, tag="fleet_status"):
 encode = msgspec.msgpack.Encoder().encode
 work_decoder = msgspec.msgpack.Decoder(WorkRequest)
 result_decoder = msgspec.msgpack.Decoder(WorkResult)
+results_decoder = msgspec.msgpack.Decoder(Results)
 done_decoder = msgspec.msgpack.Decoder(WorkDone)
 sched_load_decoder = msgspec.msgpack.Decoder(SchedLoad)
 cancel_decoder = msgspec.msgpack.Decoder(Cancel)

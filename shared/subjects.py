@@ -47,6 +47,13 @@ def worker_control(worker_id: str) -> str:
     return f"tensorbus.v1.worker.{worker_id}.control"
 
 
+def reply_group(inbox_prefix: str) -> str:
+    """Worker -> one gateway: `Results` for several of its requests at once. A token
+    under the gateway's reply prefix that no request id takes (those are hex, or
+    hold a `-`), so the gateway's one wildcard subscription receives it."""
+    return f"{inbox_prefix}.results"
+
+
 ORCHESTRATOR_STATUS = "tensorbus.v1.orchestrator.status"
 """Local orchestrator -> everyone: FleetStatus (model states, failed models' reasons)."""
 

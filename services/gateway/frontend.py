@@ -25,9 +25,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import msgspec
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from services.fleet import Fleet
 from services.gateway.inbox import ReplyInbox
@@ -35,11 +33,9 @@ from services.gateway.models import ModelTable
 from shared import admission, subjects
 from shared.api import ModelList
 from shared.config import Config
-from shared.errors import (ServiceError, deadline_exceeded, internal, overloaded, too_large,
-                           unavailable)
+from shared.errors import ServiceError, deadline_exceeded, overloaded, too_large, unavailable
 from shared.logging import get_logger
-from shared.messages import (Accepted, Cancel, Held, ModelStatus, Timing, WorkError, encode,
-                             result_decoder)
+from shared.messages import Accepted, Cancel, Held, ModelStatus, Timing, WorkError, encode
 from shared.scaling import LiveDecisions
 from shared.telemetry import RequestRecord
 from shared.telemetry import encode as encode_record
@@ -212,31 +208,38 @@ class Frontend:
             # Requests already waiting keep waiting: an answer published while the
             # client's own connection is reconnecting would be lost; a 504 later is not.
             raise unavailable("the gateway is reconnecting to the message bus; retry shortly")
-        work.reply = reply
+        work.reply, work.group = reply, self.inbox.group
         await self.nc.publish(subjects.SCHED_SUBMIT, encode(work), reply=reply)
         # request_id (bound by the transport) is the client's; wire_id is what the
         # scheduler's and worker's lines call request_id (the same when the client sent none).
         log.debug("request_submitted", wire_id=work.request_id, model=work.model)
 
-    async def next_result(self, q: asyncio.Queue[Msg], rid: str, deadline: float,
+    async def next_result(self, q: asyncio.Queue, rid: str, deadline: float,
                           out: Outcome | None = None):
-        """The next result for a request, decoded; errors raised as ServiceError.
+        """The next result for a request; errors raised as ServiceError.
 
         Hold notices are taken in passing: `Held` starts the cold-start clock, and
         `Accepted` (a held request released to a worker) sets `out.hold_s`."""
         while True:
-            res = await self._next(q, rid, deadline, out)
-            if isinstance(res, Held):
-                if out is not None:
-                    out.held_at = time.perf_counter()
-            elif isinstance(res, Accepted):
-                if out is not None:
-                    out.hold_s, out.held_at = res.hold_s, 0.0
-            else:
+            res = _taken(await self._next(q, rid, deadline, out), out)
+            if res is not None:
                 return res
 
-    async def _next(self, q: asyncio.Queue[Msg], rid: str, deadline: float,
-                    out: Outcome | None):
+    def ready_results(self, q: asyncio.Queue, out: Outcome | None = None
+                      ) -> tuple[list, ServiceError | None]:
+        """The results already queued for a request, without waiting, and the error
+        that stopped the reading if one came (the results before it still count)."""
+        got = []
+        while not q.empty():
+            try:
+                res = _taken(q.get_nowait(), out)
+            except ServiceError as err:
+                return got, err
+            if res is not None:
+                got.append(res)
+        return got, None
+
+    async def _next(self, q: asyncio.Queue, rid: str, deadline: float, out: Outcome | None):
         left = deadline - time.time()
         try:
             if left <= 0:
@@ -244,9 +247,8 @@ class Frontend:
             if q.empty():
                 # asyncio.timeout, not wait_for: no extra Task per wait on the hot path.
                 async with asyncio.timeout(left):
-                    msg = await q.get()
-            else:
-                msg = q.get_nowait()
+                    return await q.get()
+            return q.get_nowait()
         except TimeoutError:
             await self.cancel(rid, "deadline")
             if out is not None and out.held_at:  # still waiting for a worker to start
@@ -255,18 +257,6 @@ class Frontend:
                     f"no worker of model '{out.model}' became ready before the request's "
                     f"deadline (held {out.hold_s:.1f} s for a cold start)") from None
             raise deadline_exceeded() from None
-        if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
-            raise unavailable("no scheduler is running; retry shortly")
-        try:
-            res = result_decoder.decode(msg.data)
-        except msgspec.DecodeError:
-            raise internal() from None
-        if isinstance(res, WorkError):
-            if out is not None and res.version:  # a version's failure counts against it
-                out.version, out.worker_id = res.version, res.worker_id
-            raise ServiceError(res.status, res.message, code=res.code or None,
-                               retry_after=res.retry_after)
-        return res
 
     async def call(self, work, deadline: float, out: Outcome | None = None):
         """Submit work and wait for its single answer (`dispatched`, inlined: this is
@@ -304,3 +294,24 @@ class Frontend:
             await self.nc.publish(subjects.TELEMETRY_REQUESTS, encode_record(rec))
         except Exception as exc:  # noqa: BLE001 - telemetry never fails a request
             log.warning("telemetry_publish_failed", error=str(exc))
+
+
+def _taken(item, out: Outcome | None):
+    """A queued item (services.gateway.inbox) as a result: None for a hold notice
+    (noted in `out`), an error raised as ServiceError."""
+    if isinstance(item, ServiceError):
+        raise item
+    if isinstance(item, WorkError):
+        if out is not None and item.version:  # a version's failure counts against it
+            out.version, out.worker_id = item.version, item.worker_id
+        raise ServiceError(item.status, item.message, code=item.code or None,
+                           retry_after=item.retry_after)
+    if isinstance(item, Held):
+        if out is not None:
+            out.held_at = time.perf_counter()
+        return None
+    if isinstance(item, Accepted):
+        if out is not None:
+            out.hold_s, out.held_at = item.hold_s, 0.0
+        return None
+    return item

@@ -2,12 +2,17 @@
 
   1. Decode the request, resolve a decoder model, render chat messages with the
      model's chat template, tokenize, check the context limit, `n` and `stop`.
-  2. Submit one GenerateWork; the worker streams GenChunks (per choice) to this
-     request's inbox and ends with a GenDone carrying usage.
-  3. Non-streaming (`whole`): assemble the choices. Streaming (`chunks`): each worker
-     message becomes OpenAI chunk objects, which the transport sends on — on NATS one
-     message per chunk to the reply subject, then `[DONE]`; on HTTP one SSE event
-     each, then `data: [DONE]`. The worker's first message names the version
+  2. Submit one GenerateWork; the worker streams GenChunks (per choice) and ends with
+     a GenDone carrying usage. They reach this request's queue through the gateway's
+     inbox (services.gateway.inbox), one `Results` message per decode step for all
+     of this gateway's requests on that worker.
+  3. Non-streaming (`whole`): assemble the choices. Streaming (`chunks`): the worker
+     messages already queued for the request are read together; the chunks of one
+     choice among them become one OpenAI chunk (text joined, tokens summed), so a
+     reader that fell behind (a slow HTTP client) sends fewer, larger chunks. The
+     transport sends them on — on NATS one message per chunk to the reply subject,
+     then `[DONE]`; on HTTP one SSE event each, those ready together in one write,
+     then `data: [DONE]`. The worker's first message names the version
      generating the request: every NATS reply and chunk carries it in
      `Tensorbus-Model-Version`, and an HTTP response starts, with that header, only
      when it has arrived.
@@ -149,15 +154,21 @@ class Generation:
             raise bad_request(f"cannot render the chat: {exc}") from None
 
     # ---------------------------------------------------------------- events
-    async def events(self, prep: Prepared, call: Call) -> AsyncIterator[GenChunk | GenDone]:
-        """The worker's messages for this request; `out.version` is set from the first."""
+    async def events(self, prep: Prepared, call: Call) -> AsyncIterator[list[GenChunk | GenDone]]:
+        """The worker's messages for this request, as lists of those already queued
+        together (one decode step's, or several when this reader fell behind);
+        `out.version` is set from the first."""
         rid, deadline, out = prep.work.request_id, call.deadline, call.out
         with self.front.dispatched(prep.work) as (reply, q):
             await self.front.submit(prep.work, reply)
             attempt = None  # the first dispatch attempt heard from owns the stream
             while True:
-                ev = await self.front.next_result(q, rid, deadline, out)
-                if isinstance(ev, (GenChunk, GenDone)):
+                first = await self.front.next_result(q, rid, deadline, out)
+                ready, err = self.front.ready_results(q, out) if not q.empty() else ((), None)
+                batch = []
+                for ev in (first, *ready):
+                    if not isinstance(ev, (GenChunk, GenDone)):
+                        continue
                     if attempt is None:
                         attempt = ev.attempt
                     elif ev.attempt != attempt:
@@ -165,21 +176,28 @@ class Generation:
                     out.version = ev.version or out.version
                     if not out.first_token_at and isinstance(ev, GenChunk):
                         out.first_token_at = time.perf_counter()
-                    yield ev
+                    batch.append(ev)
                     if isinstance(ev, GenDone):
+                        break
+                if batch:
+                    yield batch
+                    if isinstance(batch[-1], GenDone):
                         return
+                if err is not None:
+                    raise err
 
     async def whole(self, prep: Prepared, call: Call):
         out = call.out
         texts = [[] for _ in range(prep.work.n)]
         finish: list[str | None] = [None] * prep.work.n
         done = None
-        async for ev in self.events(prep, call):
-            if isinstance(ev, GenChunk):
-                texts[ev.index].append(ev.text)
-                finish[ev.index] = ev.finish_reason or finish[ev.index]
-            else:
-                done = ev
+        async for batch in self.events(prep, call):
+            for ev in batch:
+                if isinstance(ev, GenChunk):
+                    texts[ev.index].append(ev.text)
+                    finish[ev.index] = ev.finish_reason or finish[ev.index]
+                else:
+                    done = ev
         self._account(out, done)
         usage = _usage(done)
         if prep.chat:
@@ -191,43 +209,68 @@ class Generation:
         return CompletionResponse(id=f"cmpl-{prep.work.request_id}", created=prep.created,
                                   model=prep.model, choices=choices, usage=usage)
 
-    async def chunks(self, prep: Prepared, call: Call) -> AsyncIterator[object]:
-        """OpenAI chunk objects, in order, for a streaming request. Nothing is yielded
-        before the worker's first message, so `out.version` is known at the first."""
+    async def chunks(self, prep: Prepared, call: Call) -> AsyncIterator[list[object]]:
+        """OpenAI chunk objects, in order, for a streaming request, as lists of those
+        ready together: a transport may send a list in one write. Chunks of one choice
+        already queued together become one (`coalesced`), so a reader that fell
+        behind catches up in one chunk rather than many. Nothing is yielded before the
+        worker's first message, so `out.version` is known at the first."""
         rid, model, created, out = prep.work.request_id, prep.model, prep.created, call.out
-        cid = f"chatcmpl-{rid}"
+        cid = f"chatcmpl-{rid}" if prep.chat else f"cmpl-{rid}"
         started = False
         prompt, generated = len(prep.work.prompt), 0
-        async for ev in self.events(prep, call):
+        async for batch in self.events(prep, call):
+            ready: list[object] = []
             if prep.chat and not started:
-                for i in range(prep.work.n):
-                    yield ChatCompletionChunk(cid, created, model, [
-                        ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
+                ready += [ChatCompletionChunk(cid, created, model, [
+                    ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
+                    for i in range(prep.work.n)]
             started = True
-            if isinstance(ev, GenChunk):
+            for ev in coalesced(batch):
+                if isinstance(ev, GenDone):
+                    self._account(out, ev)
+                    if prep.include_usage:
+                        cls = ChatCompletionChunk if prep.chat else CompletionChunk
+                        ready.append(cls(cid, created, model, [], usage=_usage(ev)))
+                    continue
                 reason = _reason(ev.finish_reason) if ev.finish_reason else None
                 generated += ev.tokens
                 usage = Usage(prompt_tokens=prompt, completion_tokens=generated,
                               total_tokens=prompt + generated) if prep.continuous_usage else None
                 if prep.chat:
                     delta = ChatDelta(content=ev.text) if ev.text else ChatDelta()
-                    yield ChatCompletionChunk(cid, created, model, [ChatChunkChoice(ev.index, delta, reason)],
-                                              usage=usage)
+                    ready.append(ChatCompletionChunk(
+                        cid, created, model, [ChatChunkChoice(ev.index, delta, reason)], usage=usage))
                 else:
-                    yield CompletionChunk(f"cmpl-{rid}", created, model,
-                                          [CompletionChoice(ev.index, ev.text, reason)], usage=usage)
-            else:
-                self._account(out, ev)
-                if prep.include_usage:
-                    cls = ChatCompletionChunk if prep.chat else CompletionChunk
-                    ident = f"chatcmpl-{rid}" if prep.chat else f"cmpl-{rid}"
-                    yield cls(ident, created, model, [], usage=_usage(ev))
+                    ready.append(CompletionChunk(
+                        cid, created, model, [CompletionChoice(ev.index, ev.text, reason)], usage=usage))
+            if ready:
+                yield ready
 
     def _account(self, out, done: GenDone | None) -> None:
         if done is None:
             return
         out.version, out.worker_id, out.timing = done.version, done.worker_id, done.timing
         out.completion_tokens = done.completion_tokens
+
+
+def coalesced(batch: list[GenChunk | GenDone]) -> list[GenChunk | GenDone]:
+    """One GenChunk per choice for the chunks of `batch` (text joined in order,
+    `tokens` summed, the finish reason of the last), each where its choice first
+    appears; a GenDone stays last."""
+    out: list[GenChunk | GenDone] = []
+    at: dict[int, int] = {}  # choice -> its chunk's position in out
+    for ev in batch:
+        i = at.get(ev.index) if isinstance(ev, GenChunk) else None
+        if i is None:
+            if isinstance(ev, GenChunk):
+                at[ev.index] = len(out)
+            out.append(ev)
+            continue
+        have = out[i]
+        out[i] = GenChunk(ev.request_id, ev.index, have.text + ev.text, have.tokens + ev.tokens,
+                          ev.finish_reason or have.finish_reason, ev.attempt, ev.version)
+    return out
 
 
 def _reason(reason: str | None) -> str | None:

@@ -117,7 +117,7 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
                             headers=_headers(call))
         # The response starts when the first chunk arrives: its headers name the
         # version, and an error before it is an HTTP status, not an SSE event.
-        chunks = pipe.chunks(prep, call)
+        chunks = pipe.chunks(prep, call)  # lists of chunks ready together
         first = await _first_chunk(request, chunks)
         call.detach()  # the stream finishes the call: record and metrics at its end
         return StreamingResponse(_sse(call, chunks, first, metrics),
@@ -164,7 +164,7 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
 
 
 async def _first_chunk(request: Request, chunks):
-    """The stream's first chunk (None when it has none). Until it arrives no response
+    """The stream's first chunks (None when it has none). Until it arrives no response
     has started, so nothing else notices a client that leaves meanwhile (a request
     held through a cold start, or queued): look every DISCONNECT_POLL_S."""
     task = asyncio.ensure_future(anext(chunks, None))
@@ -188,14 +188,22 @@ def _headers(call: Call) -> dict[str, str]:
     return headers
 
 
+def _events(ready: list) -> bytes:
+    """SSE events for chunks ready together: one transport write."""
+    return b"".join([b"data: " + _json.encode(chunk) + b"\n\n" for chunk in ready])
+
+
 async def _sse(call: Call, chunks, first, metrics: HttpMetrics):
+    """The response body. While the client reads slowly, the send of one write waits
+    and the worker's chunks queue up meanwhile; the pipeline then coalesces them, so a
+    slow reader gets fewer, larger events rather than a growing backlog."""
     out = call.out
     finished = False
     try:
         if first is not None:
-            yield b"data: " + _json.encode(first) + b"\n\n"
-            async for chunk in chunks:
-                yield b"data: " + _json.encode(chunk) + b"\n\n"
+            yield _events(first)
+            async for ready in chunks:
+                yield _events(ready)
         finished = True
     except ServiceError as err:
         call.fail(err)

@@ -1,24 +1,42 @@
 """One wildcard reply subscription for every request this gateway has in flight.
 
-Each request gets the subject `<prefix>.<request_id>`; whatever arrives there (results,
-stream chunks, refusals, NATS "no responders" statuses) lands in that request's queue.
+  1. Each request gets the subject `<prefix>.<request_id>`; whatever arrives there
+     (a result, a refusal, `Held` / `Accepted`, a NATS "no responders" status) lands
+     in that request's queue.
+  2. Workers send what one decode step or one encoder batch produced for this
+     gateway's requests as one `Results` message to `<prefix>.results`
+     (`subjects.reply_group`); each of its items lands in its request's queue, in
+     order, as if it had come alone.
+  3. Queues hold decoded results, or the ServiceError a message stands for (no
+     responders: 503; an undecodable body: 500), which the reader raises.
+
 A message for a request that already finished is dropped, which is what makes
-re-dispatched work idempotent towards the client.
+re-dispatched work idempotent towards the client (and keeps a late result of a
+cancelled request from reaching anyone).
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+
+from shared import subjects
+from shared.errors import internal, unavailable
+from shared.logging import get_logger
+from shared.messages import result_decoder, results_decoder
+
+log = get_logger("gateway.inbox")
 
 
 class ReplyInbox:
     def __init__(self, nc: Client) -> None:
         self.nc = nc
         self.prefix = nc.new_inbox()
-        self._queues: dict[str, asyncio.Queue[Msg]] = {}
+        self.group = subjects.reply_group(self.prefix)  # where workers send Results
+        self._queues: dict[str, asyncio.Queue] = {}
         self._sub = None
 
     async def start(self) -> None:
@@ -31,8 +49,8 @@ class ReplyInbox:
             await self._sub.unsubscribe()
             self._sub = None
 
-    def open(self, request_id: str) -> tuple[str, asyncio.Queue[Msg]]:
-        q: asyncio.Queue[Msg] = asyncio.Queue()
+    def open(self, request_id: str) -> tuple[str, asyncio.Queue]:
+        q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         return f"{self.prefix}.{request_id}", q
 
@@ -43,8 +61,37 @@ class ReplyInbox:
     def open_count(self) -> int:
         return len(self._queues)
 
+    @property
+    def pending(self) -> int:
+        """Messages received and not yet handed to their requests (a backlog)."""
+        return self._sub.pending_msgs if self._sub is not None else 0
+
     async def _on_msg(self, msg: Msg) -> None:
-        rid = msg.subject[len(self.prefix) + 1:]
-        q = self._queues.get(rid)
+        if msg.subject == self.group:
+            self._demux(msg.data)
+            return
+        q = self._queues.get(msg.subject[len(self.prefix) + 1:])
         if q is not None:
-            q.put_nowait(msg)
+            q.put_nowait(_decoded(msg))
+
+    def _demux(self, data: bytes) -> None:
+        try:
+            items = results_decoder.decode(data).items
+        except msgspec.DecodeError as exc:
+            log.error("results_undecodable", error=str(exc)[:200])
+            return
+        queues = self._queues
+        for item in items:
+            q = queues.get(item.request_id)
+            if q is not None:
+                q.put_nowait(item)
+
+
+def _decoded(msg: Msg) -> object:
+    """One request's message: its result, or the error it stands for."""
+    if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
+        return unavailable("no scheduler is running; retry shortly")
+    try:
+        return result_decoder.decode(msg.data)
+    except msgspec.DecodeError:
+        return internal()

@@ -3,7 +3,8 @@
   1. prepare(body, call): decode and validate the body, resolve the model, tokenize,
      check limits and admission (400 / 404 / 413 / 429 / 503), build the work.
   2. whole(prep, call): dispatch and wait for the answer; the OpenAI-shaped reply.
-  3. chunks(prep, call): dispatch a streaming request; its OpenAI chunk objects.
+  3. chunks(prep, call): dispatch a streaming request; its OpenAI chunk objects, as
+     lists of those ready together (the transport may send a list in one write).
 
 `routes()` is the one explicit list of endpoints: each pipeline with the NATS subject
 (services.gateway.service) and the HTTP path (services.gateway.http) it answers on.
@@ -32,7 +33,7 @@ class Pipeline(Protocol):
 
     async def whole(self, prep: Prepared, call: Call) -> object: ...
 
-    def chunks(self, prep: Prepared, call: Call) -> AsyncIterator[object]: ...
+    def chunks(self, prep: Prepared, call: Call) -> AsyncIterator[list[object]]: ...
 
 
 @dataclass(frozen=True, slots=True)

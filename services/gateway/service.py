@@ -6,7 +6,7 @@
   2. A Call (services.gateway.call) wraps it: ids from `X-Request-Id` / `Nats-Msg-Id`,
      deadline from `Tensorbus-Timeout`, msgpack from `Content-Type`.
   3. The route's pipeline prepares it, then answers whole (one reply) or streamed
-     (one message per chunk, then `[DONE]`), each naming the model version.
+     (one message per OpenAI chunk, then `[DONE]`), each naming the model version.
   4. A failure becomes the error contract: `Nats-Service-Error-Code` /
      `Nats-Service-Error` headers plus the body (mid-stream: an error message, then
      `[DONE]`).
@@ -165,9 +165,10 @@ class Gateway(Lifecycle):
             raise bad_request("a streaming request needs a reply subject")
         mp, out, publish = call.msgpack, call.out, self.nc.publish
         try:
-            async for chunk in pipe.chunks(prep, call):
-                await publish(msg.reply, codec.encode(chunk, mp),
-                              headers=codec.reply_headers(mp, out.version))
+            async for ready in pipe.chunks(prep, call):
+                headers = codec.reply_headers(mp, out.version)
+                for chunk in ready:
+                    await publish(msg.reply, codec.encode(chunk, mp), headers=headers)
         except ServiceError as err:
             call.fail(err)
             body, eh = codec.error_reply(err, mp)

@@ -262,7 +262,7 @@ class EncoderRunner:
         if out.error is None:
             for p, vecs, timing in zip(out.items, out.vectors, out.timings):
                 w = p.work
-                await self.outbox.publish(w.reply, EmbedResult(
+                await self.outbox.publish(w, EmbedResult(
                     w.request_id, self.outbox.worker_id, self.outbox.model, out.version,
                     int(vecs.shape[1]), vecs.astype("<f4", copy=False).tobytes(),
                     sum(len(x) for x in w.inputs), timing))

@@ -26,8 +26,9 @@
   4. New tokens are detokenized per sequence (never splitting a UTF-8 character),
      checked against EOS, stop strings, `max_tokens` and the context, and streamed to
      the gateway as GenChunks naming the version (non-streaming requests get one
-     chunk per choice at the end). When every choice of a request is done, a GenDone
-     carries usage and timing.
+     chunk per choice at the end). When every choice of a request is done, its slots
+     are freed and a GenDone carries usage and timing. Everything one step produced
+     (chunks, GenDones, errors) leaves as one message per gateway (`Outbox.held`).
   5. A version no alias names keeps its lane while a sequence runs or waits on it
      (`wait_unused`); then the hot swap drops it, and its lane goes with it.
 """
@@ -87,6 +88,7 @@ class Sequence:
     first_at: float = 0.0
     last_at: float = 0.0
     generated: int = 0
+    unsent: int = 0  # tokens generated since its last chunk
     text: list[str] = field(default_factory=list)  # unsent text (non-streaming)
     finish: str | None = None
 
@@ -231,7 +233,8 @@ class DecoderRunner:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await self._retire()
+            async with self.outbox.held():
+                await self._retire()  # cancelled or expired meanwhile
             busy = [lane for lane in self.lanes.values() if lane.busy]
             if not busy and not self.waiting:
                 self._idle.set()
@@ -246,8 +249,10 @@ class DecoderRunner:
             self.steps += 1
             self._occ_sum += self.in_flight
             self._occ_n += 1
-            await self._advance(firsts, tokens, time.perf_counter())
-            self._requeue(preempted)
+            async with self.outbox.held():  # the step's answers: one message per gateway
+                await self._advance(firsts, tokens, time.perf_counter())
+                self._requeue(preempted)
+                await self._retire()  # those that just finished: GenDone with their last chunk
             self._count_prefix()
             await self._notify()
 
@@ -394,6 +399,7 @@ class DecoderRunner:
             st.itl_counts[itl_bucket(gap)] += 1
         seq.last_at = now
         seq.generated += 1
+        seq.unsent += 1
         seq.tokens.append(tok)
         st.completion_tokens += 1
         if tok in seq.lane.eos and not seq.work.ignore_eos:
@@ -418,15 +424,16 @@ class DecoderRunner:
 
     async def _chunk(self, seq: Sequence, text: str) -> None:
         w = seq.work
-        await self.outbox.publish(w.reply, GenChunk(
-            w.request_id, seq.index, text, 1, seq.finish, w.attempt, seq.lane.version))
+        await self.outbox.publish(w, GenChunk(
+            w.request_id, seq.index, text, seq.unsent, seq.finish, w.attempt, seq.lane.version))
+        seq.unsent = 0
 
     def _finish_unstarted(self, seq: Sequence, st: RequestState | None) -> None:
         seq.finish = "cancelled"
         if st is not None:
             st.remaining -= 1
             if st.remaining == 0:
-                self._spawn(self._close_request(st))
+                self._spawn(self._close_now(st))
 
     def _refuse_unstarted(self, seq: Sequence, st: RequestState, err: ServiceError) -> None:
         """The error first, then (once its last choice is dropped) the GenDone."""
@@ -455,6 +462,7 @@ class DecoderRunner:
             return
         await asyncio.get_running_loop().run_in_executor(
             self.executor, _free_slots, [(lane.engine, slot) for lane, slot, _ in freed])
+        done: dict[str, list[str]] = {}
         for lane, slot, seq in freed:
             del lane.active[slot]
             if seq in self.prefilling:
@@ -464,8 +472,17 @@ class DecoderRunner:
                 st.remaining -= 1
                 if st.remaining == 0:
                     await self._close_request(st)
+                    done.setdefault(st.work.sched_id, []).append(st.work.request_id)
+        if done:
+            await self.outbox.done(done)
+
+    async def _close_now(self, st: RequestState) -> None:
+        await self._close_request(st)
+        await self.outbox.done({st.work.sched_id: [st.work.request_id]})
 
     async def _close_request(self, st: RequestState) -> None:
+        """Stage its GenDone (an error first when it expired unanswered); the caller
+        reports it done to its scheduler."""
         w = st.work
         self.requests.pop(w.request_id, None)
         if st.cancelled or (w.deadline <= time.time() and st.remaining == 0 and not st.first_at):
@@ -480,10 +497,9 @@ class DecoderRunner:
             batch_size=self.in_flight + 1,
             itl_counts=st.itl_counts if st.itl_n else [])
         version = st.version or self.models.resolve(w.version)
-        await self.outbox.publish(w.reply, GenDone(
+        await self.outbox.publish(w, GenDone(
             w.request_id, self.outbox.worker_id, self.outbox.model, version,
             len(w.prompt), st.completion_tokens, timing, w.attempt))
-        await self.outbox.done({w.sched_id: [w.request_id]})
 
 
 def _detokenizer(engine, work: GenerateWork):

@@ -3,12 +3,15 @@
 A worker owns the NATS side (inbox, heartbeats, drain) and hands each request to a
 `Runner`: the encoder runner (`batcher.EncoderRunner`, dynamic batching) or the
 decoder runner (`generation.DecoderRunner`, continuous batching). A runner never sees
-the Worker; it gets an `Outbox` (publish a result, an error, report what finished) and
-the `LoadedModels` (which engine serves which version, looked up when used).
+the Worker; it gets an `Outbox` (stage a result or an error, flush them to the
+gateways, report what finished) and the `LoadedModels` (which engine serves which
+version, looked up when used).
 """
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -16,7 +19,10 @@ from nats.aio.client import Client
 
 from shared import subjects
 from shared.errors import ServiceError
-from shared.messages import WorkDone, WorkError, WorkRequest, encode
+from shared.logging import get_logger
+from shared.messages import Results, WorkDone, WorkError, WorkRequest, encode
+
+log = get_logger("worker.outbox")
 
 
 @dataclass
@@ -79,8 +85,18 @@ class Runner(Protocol):
 
 
 class Outbox:
-    """Where a runner's answers go: the request's reply subject, and the dispatching
-    scheduler's done subject. All a runner may say on the bus."""
+    """Where a runner's answers go: the request's gateway, and the dispatching
+    scheduler's done subject. All a runner may say on the bus.
+
+    Answers are staged, not sent one by one: `flush()` sends everything staged as
+    one `Results` message per gateway (the work's `group` subject), so a decode step
+    of 16 streams costs each gateway one message instead of 16. Work without a
+    `group` (a requester that is not a gateway) gets each answer on its `reply`
+    alone, in the same order. A runner flushes at the end of each step or batch;
+    `done()` flushes first (the scheduler hears a request finished only after its
+    answer went out), and anything still staged when the event loop next runs is
+    flushed then, so no answer waits on a later step.
+    """
 
     def __init__(self, nc: Client, worker_id: str, model: str,
                  prod: Callable[[], str] = lambda: "") -> None:
@@ -88,22 +104,67 @@ class Outbox:
         self.worker_id = worker_id
         self.model = model
         self.prod = prod  # the version unpinned work runs on now
+        self._staged: list[tuple[str, str, object]] = []  # (group, reply, message)
+        self._sending = asyncio.Lock()  # flushes go out whole and in order
+        self._soon: asyncio.Handle | None = None
+        self._flushes: set[asyncio.Task] = set()  # the loop keeps only weak references
+        self._held = 0  # inside held(): no flush until it ends
 
-    async def publish(self, reply: str, message) -> None:
-        """A result for the requester (EmbedResult, GenChunk, GenDone)."""
-        if reply:
-            await self.nc.publish(reply, encode(message))
+    async def publish(self, work: WorkRequest, message) -> None:
+        """Stage a result for the requester of `work` (EmbedResult, GenChunk, GenDone)."""
+        self._stage(work, message)
 
     async def error(self, work: WorkRequest, err: ServiceError, version: str = "") -> None:
         """`version`: the one that failed it, when known; else the pinned one or prod
         (telemetry counts the failure against it: canary rollback)."""
-        if work.reply:
-            await self.nc.publish(work.reply, encode(WorkError(
-                work.request_id, err.status, err.message, err.code, err.retry_after,
-                self.worker_id, version or work.version or self.prod())))
+        self._stage(work, WorkError(
+            work.request_id, err.status, err.message, err.code, err.retry_after,
+            self.worker_id, version or work.version or self.prod()))
+
+    def _stage(self, work: WorkRequest, message) -> None:
+        if not work.reply and not work.group:
+            return
+        self._staged.append((work.group, work.reply, message))
+        if self._soon is None and not self._held:
+            self._soon = asyncio.get_running_loop().call_soon(self._flush_later)
+
+    def _flush_later(self) -> None:
+        self._soon = None
+        if self._staged and not self._held:
+            task = asyncio.get_running_loop().create_task(self._flush_logged())
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
+
+    async def _flush_logged(self) -> None:
+        try:
+            await self.flush()
+        except Exception as exc:  # noqa: BLE001 - the bus is down: the requests time out
+            log.warning("results_not_sent", error=repr(exc))
+
+    @asynccontextmanager
+    async def held(self):
+        """What is staged inside goes out together, at the end (a runner's step spans
+        awaits: the engine thread frees slots while the step's chunks wait)."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+        if not self._held:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Send everything staged: one message per gateway, in staging order."""
+        if not self._staged:
+            return
+        staged, self._staged = self._staged, []
+        async with self._sending:
+            for subject, payload in grouped(staged, self.nc.max_payload):
+                await self.nc.publish(subject, payload)
 
     async def done(self, done: dict[str, list[str]], compute_s: float = 0.0, tokens: int = 0) -> None:
         """These requests are finished: one WorkDone per dispatching scheduler."""
+        await self.flush()
         for sched_id, ids in done.items():
             if sched_id and ids:
                 await self.nc.publish(subjects.sched_done(sched_id),
@@ -113,3 +174,35 @@ class Outbox:
         """Answer `work` with an error and report it finished."""
         await self.error(work, err)
         await self.done({work.sched_id: [work.request_id]})
+
+
+def grouped(staged: list[tuple[str, str, object]], max_payload: int) -> list[tuple[str, bytes]]:
+    """(subject, payload) to publish for `staged` (group, reply, message) entries: one
+    `Results` per group, in the order of its first entry, split where one would
+    exceed `max_payload`; an entry without a group is its own message to its reply."""
+    groups: dict[str, list] = {}
+    out: list[tuple[str, object]] = []
+    for group, reply, message in staged:
+        if not group:
+            out.append((reply, message))
+        elif group in groups:
+            groups[group].append(message)
+        else:
+            groups[group] = items = [message]
+            out.append((group, items))
+    sent: list[tuple[str, bytes]] = []
+    for subject, what in out:
+        if isinstance(what, list):
+            sent += [(subject, payload) for payload in _packed(what, max_payload)]
+        else:
+            sent.append((subject, encode(what)))
+    return sent
+
+
+def _packed(items: list, max_payload: int) -> list[bytes]:
+    """`Results(items)` encoded, halved until each part fits (one item always goes)."""
+    payload = encode(Results(items))
+    if len(payload) <= max_payload or len(items) == 1:
+        return [payload]
+    half = len(items) // 2
+    return _packed(items[:half], max_payload) + _packed(items[half:], max_payload)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import asynccontextmanager
 from concurrent.futures import ThreadPoolExecutor
 
 from services.worker.generation import DecoderRunner
@@ -27,13 +28,17 @@ class Recorder:
         self.errors: list = []
         self.finished: list[str] = []
 
-    async def publish(self, reply: str, message) -> None:
+    async def publish(self, work, message) -> None:
         self.messages.append(message)
+
+    @asynccontextmanager
+    async def held(self):
+        yield
 
     async def error(self, work, err, version: str = "") -> None:
         self.errors.append((work.request_id, err.status))
 
-    async def done(self, done: dict[str, list[str]]) -> None:
+    async def done(self, done: dict[str, list[str]], compute_s: float = 0.0, tokens: int = 0) -> None:
         for ids in done.values():
             self.finished += ids
 
