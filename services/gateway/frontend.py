@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client
 
 from services.fleet import Fleet
-from services.gateway.inbox import ReplyInbox
+from services.gateway.inbox import EXPIRED, ReplyInbox
 from services.gateway.models import ModelTable
 from shared import admission, subjects
 from shared.api import ModelList
@@ -194,7 +194,7 @@ class Frontend:
     @contextmanager
     def dispatched(self, work):
         """The request's inbox, open (and counted as waiting) while it is out."""
-        reply, q = self.inbox.open(work.request_id)
+        reply, q = self.inbox.open(work.request_id, work.deadline)
         self.waiting[work.model] += 1
         try:
             yield reply, q
@@ -214,14 +214,13 @@ class Frontend:
         # scheduler's and worker's lines call request_id (the same when the client sent none).
         log.debug("request_submitted", wire_id=work.request_id, model=work.model)
 
-    async def next_result(self, q: asyncio.Queue, rid: str, deadline: float,
-                          out: Outcome | None = None):
+    async def next_result(self, q: asyncio.Queue, rid: str, out: Outcome | None = None):
         """The next result for a request; errors raised as ServiceError.
 
         Hold notices are taken in passing: `Held` starts the cold-start clock, and
         `Accepted` (a held request released to a worker) sets `out.hold_s`."""
         while True:
-            res = _taken(await self._next(q, rid, deadline, out), out)
+            res = _taken(await self._next(q, rid, out), out)
             if res is not None:
                 return res
 
@@ -231,42 +230,41 @@ class Frontend:
         that stopped the reading if one came (the results before it still count)."""
         got = []
         while not q.empty():
+            item = q.get_nowait()
+            if item is EXPIRED:
+                q.put_nowait(item)  # the next wait reports it
+                break
             try:
-                res = _taken(q.get_nowait(), out)
+                res = _taken(item, out)
             except ServiceError as err:
                 return got, err
             if res is not None:
                 got.append(res)
         return got, None
 
-    async def _next(self, q: asyncio.Queue, rid: str, deadline: float, out: Outcome | None):
-        left = deadline - time.time()
-        try:
-            if left <= 0:
-                raise TimeoutError
-            if q.empty():
-                # asyncio.timeout, not wait_for: no extra Task per wait on the hot path.
-                async with asyncio.timeout(left):
-                    return await q.get()
-            return q.get_nowait()
-        except TimeoutError:
-            await self.cancel(rid, "deadline")
-            if out is not None and out.held_at:  # still waiting for a worker to start
-                out.hold_s = time.perf_counter() - out.held_at
-                raise deadline_exceeded(
-                    f"no worker of model '{out.model}' became ready before the request's "
-                    f"deadline (held {out.hold_s:.1f} s for a cold start)") from None
-            raise deadline_exceeded() from None
+    async def _next(self, q: asyncio.Queue, rid: str, out: Outcome | None):
+        """The request's next queued item; at its deadline (`EXPIRED`, queued by the
+        inbox's timer) a Cancel goes out and 504 is raised."""
+        item = q.get_nowait() if not q.empty() else await q.get()
+        if item is not EXPIRED:
+            return item
+        await self.cancel(rid, "deadline")
+        if out is not None and out.held_at:  # still waiting for a worker to start
+            out.hold_s = time.perf_counter() - out.held_at
+            raise deadline_exceeded(
+                f"no worker of model '{out.model}' became ready before the request's "
+                f"deadline (held {out.hold_s:.1f} s for a cold start)")
+        raise deadline_exceeded()
 
     async def call(self, work, deadline: float, out: Outcome | None = None):
         """Submit work and wait for its single answer (`dispatched`, inlined: this is
         every embeddings request's path)."""
         rid, model = work.request_id, work.model
-        reply, q = self.inbox.open(rid)
+        reply, q = self.inbox.open(rid, deadline)
         self.waiting[model] += 1
         try:
             await self.submit(work, reply)
-            return await self.next_result(q, rid, deadline, out)
+            return await self.next_result(q, rid, out)
         finally:
             self.waiting[model] -= 1
             self.inbox.close(rid)

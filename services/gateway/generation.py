@@ -158,12 +158,12 @@ class Generation:
         """The worker's messages for this request, as lists of those already queued
         together (one decode step's, or several when this reader fell behind);
         `out.version` is set from the first."""
-        rid, deadline, out = prep.work.request_id, call.deadline, call.out
+        rid, out = prep.work.request_id, call.out
         with self.front.dispatched(prep.work) as (reply, q):
             await self.front.submit(prep.work, reply)
             attempt = None  # the first dispatch attempt heard from owns the stream
             while True:
-                first = await self.front.next_result(q, rid, deadline, out)
+                first = await self.front.next_result(q, rid, out)
                 ready, err = self.front.ready_results(q, out) if not q.empty() else ((), None)
                 batch = []
                 for ev in (first, *ready):

@@ -8,7 +8,9 @@
      (`subjects.reply_group`); each of its items lands in its request's queue, in
      order, as if it had come alone.
   3. Queues hold decoded results, or the ServiceError a message stands for (no
-     responders: 503; an undecodable body: 500), which the reader raises.
+     responders: 503; an undecodable body: 500), which the reader raises; at the
+     request's deadline `EXPIRED` joins its queue (one timer per request, not one
+     per wait: a stream waits once per token).
 
 A message for a request that already finished is dropped, which is what makes
 re-dispatched work idempotent towards the client (and keeps a late result of a
@@ -18,6 +20,7 @@ cancelled request from reaching anyone).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import msgspec
 from nats.aio.client import Client
@@ -30,6 +33,8 @@ from shared.messages import result_decoder, results_decoder
 
 log = get_logger("gateway.inbox")
 
+EXPIRED = object()  # queued at a request's deadline
+
 
 class ReplyInbox:
     def __init__(self, nc: Client) -> None:
@@ -37,6 +42,7 @@ class ReplyInbox:
         self.prefix = nc.new_inbox()
         self.group = subjects.reply_group(self.prefix)  # where workers send Results
         self._queues: dict[str, asyncio.Queue] = {}
+        self._timers: dict[str, asyncio.TimerHandle] = {}
         self._sub = None
 
     async def start(self) -> None:
@@ -49,13 +55,21 @@ class ReplyInbox:
             await self._sub.unsubscribe()
             self._sub = None
 
-    def open(self, request_id: str) -> tuple[str, asyncio.Queue]:
+    def open(self, request_id: str, deadline: float) -> tuple[str, asyncio.Queue]:
+        """The request's reply subject and queue; `EXPIRED` is queued at `deadline`
+        (UNIX seconds)."""
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
+        loop = asyncio.get_running_loop()
+        self._timers[request_id] = loop.call_at(
+            loop.time() + max(0.0, deadline - time.time()), q.put_nowait, EXPIRED)
         return f"{self.prefix}.{request_id}", q
 
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        timer = self._timers.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
 
     @property
     def open_count(self) -> int:
