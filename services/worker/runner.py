@@ -92,10 +92,11 @@ class Outbox:
     one `Results` message per gateway (the work's `group` subject), so a decode step
     of 16 streams costs each gateway one message instead of 16. Work without a
     `group` (a requester that is not a gateway) gets each answer on its `reply`
-    alone, in the same order. A runner flushes at the end of each step or batch;
-    `done()` flushes first (the scheduler hears a request finished only after its
-    answer went out), and anything still staged when the event loop next runs is
-    flushed then, so no answer waits on a later step.
+    alone, in the same order. The decoder runner holds the outbox over each step
+    (`held()`: one flush at its end); `done()` flushes first (the scheduler hears a
+    request finished only after its answer went out), which ends each encoder
+    batch; anything else staged is flushed when the event loop next runs, so no
+    answer waits on a later step.
     """
 
     def __init__(self, nc: Client, worker_id: str, model: str,

@@ -14,8 +14,9 @@
      both behind `runner.Runner` and both answering through a narrow `Outbox`. Work
      pinned to a version this worker does not hold is refused with a 503 at once;
      a `Cancel` goes to the runner.
-  3. Results go straight to the request's reply subject (the gateway's inbox);
-     the dispatching scheduler hears which requests finished (`WorkDone`).
+  3. Results go straight to the requesting gateway's inbox, everything one batch or
+     decode step produced for one gateway as one message (`Outbox`); the
+     dispatching scheduler hears which requests finished (`WorkDone`).
   4. `drain()` (SIGTERM): report `draining` so schedulers stop routing here, keep
      serving what was already sent for a grace period, stop taking work, finish what
      is held, report `stopped`.
