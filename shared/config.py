@@ -59,6 +59,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     quant: str = "none"  # stored weights: none / int8 / int4 (jax engine), as VALUE[,MODEL=VALUE...]
     max_batch: int = 64  # dynamic batching: largest batch
     max_wait_ms: float = 5.0  # dynamic batching: longest wait to fill a batch (0 = never)
+    engine_nice: int = 0  # added to the nice value of the engine's threads (Linux): the serving path first on shared cores
     batch_buckets: str = "1,2,4,8,16,32,64"  # padded batch sizes compiled at warm-up
     seq_buckets: str = "16,32,64,128,256"  # padded sequence lengths
     decode_slots: int = 64  # decoder: concurrent sequences (decode batch); the KV pool bounds their tokens

@@ -40,6 +40,7 @@ from services.registry.source import LOCAL, ModelSource
 from services.worker.batcher import EncoderRunner
 from services.worker.generation import DecoderRunner
 from services.worker.memory import MemoryProbe, rss_bytes
+from services.worker.priority import lower_threads
 from services.worker.runner import Gauges, Outbox, Runner
 from services.worker.versions import EngineFactory, HotSwap, LoadedModels
 from shared import VERSION, subjects
@@ -123,6 +124,8 @@ class Worker(Lifecycle):
         for engine in list(self.models.engines.values()):
             n += await loop.run_in_executor(self.executor, engine.warmup, True) or 0
         log.info("warm", buckets=n, seconds=round(time.perf_counter() - t0, 2))
+        # The engine's threads exist now (the executor's, the runtime's intra-op pool).
+        lower_threads(self.config.engine_nice)
 
     def versions_changed(self) -> None:
         """The served versions (or the refusal reason) changed: tell everyone now."""
