@@ -1,10 +1,13 @@
 """A burst far above capacity against the real encoder: admitted work must finish.
 
     .venv/bin/python -m bench.burst [--requests 3000] [--inputs 8] [--timeout 30]
+        [--engine-nice N]
 
   1. Start nats-server, gateway, scheduler and one encoder worker (the bundled
      all-MiniLM-L6-v2, JAX) as processes, plus a no-op responder process that answers
-     every request on `bench.noop` at once with a 429-shaped reply.
+     every request on `bench.noop` at once with a 429-shaped reply and keeps the
+     gateway's request records (`telemetry.v1.requests`), so the client does the same
+     work in the burst as against the floor.
   2. Unloaded: a few requests of `--inputs` long inputs (113-128 tokens each), one at
      a time: the scheduler times the model's batches, and this gives the lone latency.
   3. Floor: the same number of requests at once to the no-op responder: what this
@@ -13,7 +16,10 @@
      --timeout`. Every request must be answered: 200, or 429 with Retry-After; an
      admitted request ending in 504 is the failure this guards against. The client
      measures each answer's latency; the gateway's own time for every 429 comes from
-     its request records on `telemetry.v1.requests`.
+     its request records, and so does when (from the burst's start, one clock) the
+     gateway began and finished each refusal: the client's 429 latency splits into
+     the wait before the gateway reads the request and what follows. CPU milliseconds
+     per request of every process over the burst (bench.capacity's /proc reading).
   5. Right after: one request at a time again, against the unloaded latency.
 
 Prints one JSON object; bench/out/burst.json keeps it.
@@ -27,6 +33,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +44,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from bench.capacity import cpu_all, per_request
 from bench.load import one, summary
+from bench.overload import cpu_s
 from bench.workload import long_inputs
 from services.supervisor import Supervisor, wait_ready
 from shared import catalog, subjects
@@ -82,7 +91,7 @@ async def at_once(nc, subject: str, data: list[bytes], timeout: float):
     return outs, time.monotonic() - t0
 
 
-async def run(n: int, inputs: int, timeout: float, workdir: Path) -> dict:
+async def run(n: int, inputs: int, timeout: float, workdir: Path, engine_nice: int = 0) -> dict:
     data_dir = workdir / "data"
     # compiled buckets of earlier runs, if any (the test suite's cache by default)
     cache = Path(os.environ.get("TENSORBUS_TEST_CACHE", REPO / ".data" / "test-jax-cache"))
@@ -92,27 +101,26 @@ async def run(n: int, inputs: int, timeout: float, workdir: Path) -> dict:
         sup.start_nats()
         for name in ("gateway", "scheduler"):
             sup.start(name, f"services.{name}")
-        sup.start("w1", "services.worker", TENSORBUS_WORKER_ID="w1")
-        noop = subprocess.Popen([sys.executable, "-m", "bench.burst", "--noop", sup.nats_url],
-                                cwd=REPO)
+        nice = {"TENSORBUS_ENGINE_NICE": str(engine_nice)} if engine_nice else {}
+        sup.start("w1", "services.worker", TENSORBUS_WORKER_ID="w1", **nice)
+        rec_path = workdir / "records.msgpack"
+        noop = subprocess.Popen([sys.executable, "-m", "bench.burst", "--noop", sup.nats_url,
+                                 "--records", str(rec_path)], cwd=REPO)
         nc = await connect(sup.nats_url, "bench-client")
-        records: list[RequestRecord] = []
-
-        async def on_record(msg) -> None:
-            rec = record_decoder.decode(msg.data)
-            if isinstance(rec, RequestRecord):
-                records.append(rec)
-
         try:
             await wait_ready(nc, MODEL, 1, timeout=600)
-            await nc.subscribe(subjects.TELEMETRY_REQUESTS, cb=on_record)
             warm = bodies(12, inputs)
             await one_at_a_time(nc, warm[:4], timeout)  # first batches of each shape
             lone = await one_at_a_time(nc, warm[4:], timeout)
             burst = bodies(n, inputs)
             floor, floor_wall = await at_once(nc, NOOP, burst, timeout)
-            records.clear()
+            burst_wall = time.time()
+            before = cpu_all(sup)
+            before["noop"] = cpu_s(noop.pid)
             outs, wall = await at_once(nc, subjects.EMBEDDINGS, burst, timeout)
+            cpu_after = cpu_all(sup)
+            cpu_after["noop"] = cpu_s(noop.pid)
+            cpu = per_request(before, cpu_after, n)
             after = await one_at_a_time(nc, warm[4:], timeout)
             await nc.flush()
             await asyncio.sleep(1)  # the last records' flight, not synchronisation
@@ -120,14 +128,22 @@ async def run(n: int, inputs: int, timeout: float, workdir: Path) -> dict:
             await nc.close()
             noop.terminate()
             noop.wait()
+    # The gateway's records of the burst's refusals (the lone requests are all 200)
+    records = [r for r in map(record_decoder.decode, msgspec.msgpack.decode(rec_path.read_bytes()))
+               if isinstance(r, RequestRecord) and r.finished_at >= burst_wall]
     codes = Counter(str(o.status) for o in outs)
     refused = [o.took for o in outs if o.status == 429]
     gw_refused = [r.total_s for r in records if r.status == 429]
+    # when the gateway had answered each refusal, from the burst's start (one clock:
+    # the client and the gateway run on this machine)
+    gw_done = [r.finished_at - burst_wall for r in records if r.status == 429]
+    gw_start = [r.finished_at - r.total_s - burst_wall for r in records if r.status == 429]
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
         "load_average_1m": round(os.getloadavg()[0], 2),
-        "command": f"python -m bench.burst --requests {n} --inputs {inputs} --timeout {timeout:g}",
+        "command": f"python -m bench.burst --requests {n} --inputs {inputs} --timeout {timeout:g}"
+                   f" --engine-nice {engine_nice}",
         "burst": {"sent": n, "answered_200": codes.get("200", 0), "refused_429": codes.get("429", 0),
                   "deadline_504": codes.get("504", 0), "other": {k: v for k, v in codes.items()
                                                                 if k not in ("200", "429", "504")},
@@ -137,7 +153,11 @@ async def run(n: int, inputs: int, timeout: float, workdir: Path) -> dict:
                   **summary(outs)},
         "refusal_ms": {"gateway_p50": pct(gw_refused, 50), "gateway_p99": pct(gw_refused, 99),
                        "gateway_records": len(gw_refused),
+                       "gateway_start_p50": pct(gw_start, 50), "gateway_start_p99": pct(gw_start, 99),
+                       "gateway_done_p50": pct(gw_done, 50), "gateway_done_p99": pct(gw_done, 99),
                        "client_p50": pct(refused, 50), "client_p99": pct(refused, 99)},
+        # over the whole burst (until its last answer), per request sent; worker = compute
+        "cpu_ms_per_request": cpu,
         "noop_floor_ms": {"p50": pct([o.took for o in floor], 50),
                           "p99": pct([o.took for o in floor], 99), "wall_s": round(floor_wall, 2)},
         "lone_ms": {"p50": pct(lone, 50), "max": pct(lone, 100)},
@@ -145,9 +165,21 @@ async def run(n: int, inputs: int, timeout: float, workdir: Path) -> dict:
     }
 
 
-async def noop_responder(url: str) -> None:
-    """Answers every request on `bench.noop` at once, shaped like a 429."""
+async def noop_responder(url: str, records_path: str | None) -> None:
+    """Answers every request on `bench.noop` at once, shaped like a 429; keeps the
+    gateway's request records (here, not in the client, so that the client's work in
+    the burst is the same as against the floor) and writes them out on SIGTERM."""
     nc = await connect(url, "bench-noop")
+    kept: list[bytes] = []
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+
+    async def keep(msg) -> None:
+        kept.append(msg.data)
+
+    if records_path:
+        await nc.subscribe(subjects.TELEMETRY_REQUESTS, cb=keep, pending_msgs_limit=1_000_000,
+                           pending_bytes_limit=1 << 30)
     headers = {HEADER_CODE: "429", HEADER_MESSAGE: "no-op", HEADER_RETRY_AFTER: "1"}
     body = b'{"error":{"message":"no-op","type":"rate_limit_exceeded","code":"overloaded"}}'
 
@@ -156,7 +188,10 @@ async def noop_responder(url: str) -> None:
 
     await nc.subscribe(NOOP, cb=cb, pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30)
     await nc.flush()
-    await asyncio.Event().wait()
+    await stop.wait()
+    await nc.drain()
+    if records_path:
+        Path(records_path).write_bytes(msgspec.msgpack.encode(kept))
 
 
 def main() -> None:
@@ -164,14 +199,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--inputs", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--engine-nice", type=int, default=0,
+                    help="the worker's TENSORBUS_ENGINE_NICE (its engine threads' nice value)")
     ap.add_argument("--noop", metavar="NATS_URL", help=argparse.SUPPRESS)
+    ap.add_argument("--records", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.noop:
-        asyncio.run(noop_responder(args.noop))
+        asyncio.run(noop_responder(args.noop, args.records))
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as d:
-        res = asyncio.run(run(args.requests, args.inputs, args.timeout, Path(d)))
+        res = asyncio.run(run(args.requests, args.inputs, args.timeout, Path(d), args.engine_nice))
     print(json.dumps(res, indent=2))
     out = REPO / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
