@@ -1,14 +1,22 @@
-"""Embeddings benchmark: the raw engine in-process, then the full stack over NATS.
+"""Embeddings benchmark: the raw engine in-process, then the full stack over NATS and HTTP.
 
-    .venv/bin/python -m bench.embeddings [--seconds 10] [--skip-torch]
+    .venv/bin/python -m bench.embeddings [--seconds 10] [--skip-torch] [--http]
+        [--kinds short,long] [--concurrency 1,16,64] [--data-dir DIR]
 
 One run measures, on this machine:
   1. engine: JAX sentences/s at batch 64 (short ~16 and long ~128 tokens), batch-1
      latency, and (bench.engine_encoder) torch eager side by side, GFLOP/s, matmul share;
+     measured again after the stack (a shared machine's speed moves within minutes);
   2. stack: nats-server, gateway, scheduler, one worker and telemetry as separate
-     processes; closed-loop clients at concurrency 1, 16 and 64 for each input kind;
-  3. writes bench/out/embeddings.json, docs/img/embeddings.png and prints a markdown
-     table for docs/benchmarks.md.
+     processes; closed-loop clients over NATS at each concurrency for each input kind.
+     At concurrency 1 the gateway's request records (`telemetry.v1.requests`) split
+     the latency: the worker's batch wait, queue and compute, the gateway's total, and
+     the client's; at the highest concurrency, CPU milliseconds per request of every
+     process (bench.capacity's /proc reading), the client's included;
+  3. `--http`: `wrk` (Debian package) posts short inputs to `/v1/embeddings` with as
+     many connections as the highest concurrency, same CPU accounting (the client is wrk);
+  4. writes bench/out/embeddings.json, docs/img/embeddings.png (all kinds) and prints
+     a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import asyncio
 import json
 import os
 import platform
+import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -33,20 +43,20 @@ SEQ_BUCKETS = "16,32,64,128"
 REPO = Path(__file__).resolve().parent.parent
 
 
-def engine_figures(seconds: float) -> dict:
+def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("short", "long")) -> dict:
     from engine import jaxrt
     from engine.encoder import JaxEncoder
     from engine.tokenizer import Tokenizer
 
-    jaxrt.setup(str(REPO / ".data" / "jax-cache"))
+    jaxrt.setup(str(data_dir / "jax-cache"))
     path = catalog.bundled_dir(MODEL)
     tok = Tokenizer.from_dir(path)
     enc = JaxEncoder(path, name=MODEL, batch_buckets=tuple(map(int, BATCH_BUCKETS.split(","))),
                      seq_buckets=tuple(map(int, SEQ_BUCKETS.split(","))), max_batch=64)
     enc.warmup(progress=True)
     out = {}
-    for kind, texts in (("short", short_inputs()), ("long", long_inputs())):
-        ids = tok.encode_batch(texts)
+    for kind in kinds:
+        ids = tok.encode_batch(short_inputs() if kind == "short" else long_inputs())
         batch = ids[:64]
         enc.embed(batch)
         n, t0 = 0, time.perf_counter()
@@ -64,40 +74,150 @@ def engine_figures(seconds: float) -> dict:
     return out
 
 
-async def stack_figures(seconds: float, workdir: Path) -> dict:
-    import nats
-
+async def stack_figures(seconds: float, workdir: Path, data_dir: Path, kinds: list[str],
+                        concurrency: list[int], http: bool) -> dict:
+    from bench.capacity import cpu_all, free_port, per_request, wrk_phase
     from services.supervisor import Supervisor, wait_ready
+    from shared import subjects
+    from shared.bus import connect
+    from shared.telemetry import RequestRecord, record_decoder
 
-    results: dict[str, list[dict]] = {}
+    results: dict = {}
+    port = free_port()
+    records: list[RequestRecord] = []
     with Supervisor(workdir) as sup:
         sup.start_nats()
         env = dict(TENSORBUS_BATCH_BUCKETS=BATCH_BUCKETS, TENSORBUS_SEQ_BUCKETS=SEQ_BUCKETS,
-                   TENSORBUS_MAX_BATCH="64", TENSORBUS_DATA_DIR=str(REPO / ".data"),
-                   TENSORBUS_METRICS_PORT="0", TENSORBUS_LOG_LEVEL="warning")
+                   TENSORBUS_MAX_BATCH="64", TENSORBUS_DATA_DIR=str(data_dir),
+                   TENSORBUS_HTTP_PORT=str(port), TENSORBUS_METRICS_PORT="0",
+                   TENSORBUS_LOG_LEVEL="warning")
         for name in ("gateway", "scheduler", "worker", "telemetry"):
             sup.start(name, f"services.{name}", **env)
-        nc = await nats.connect(sup.nats_url)
+        nc = await connect(sup.nats_url, "bench-client")
+
+        async def on_record(msg) -> None:
+            rec = record_decoder.decode(msg.data)
+            if isinstance(rec, RequestRecord):
+                records.append(rec)
+
         try:
-            await wait_ready(nc, MODEL, 1)
+            await wait_ready(nc, MODEL, 1, timeout=600)
             # The first seconds after `ready` run slower (first touches of every
             # executable and buffer); settle before measuring.
             warm = [embed_body(MODEL, t) for t in short_inputs()]
-            await closed_loop(nc, "inference.v1.embeddings", warm, 16, 10.0)
-            for kind, texts in (("short", short_inputs()), ("long", long_inputs())):
+            await closed_loop(nc, subjects.EMBEDDINGS, warm, 16, 10.0)
+            for kind in kinds:
+                texts = short_inputs() if kind == "short" else long_inputs()
                 bodies = [embed_body(MODEL, t) for t in texts]
                 results[kind] = []
                 # A long batch of 64 takes seconds: measure long inputs for longer.
                 window = seconds if kind == "short" else seconds * 3
-                for c in (1, 16, 64):
-                    r = await closed_loop(nc, "inference.v1.embeddings", bodies, c, window,
+                for c in concurrency:
+                    records.clear()
+                    sub = None  # records are kept at concurrency 1 only (the client's CPU)
+                    if c == 1:
+                        sub = await nc.subscribe(subjects.TELEMETRY_REQUESTS, cb=on_record)
+                    await nc.flush()
+                    before = cpu_all(sup)
+                    r = await closed_loop(nc, subjects.EMBEDDINGS, bodies, c, window,
                                           warmup_s=window / 5)
+                    after = cpu_all(sup)
+                    r["cpu_ms_per_request"] = per_request(before, after, r["answered"])
+                    if sub is not None:
+                        await nc.flush()
+                        await sub.unsubscribe()
+                        r["split_ms"] = split(records)
+                        r["hops_ms"] = await hops(sup.nats_url, nc, bodies)
                     print(f"stack {kind} c={c}: {r['rps']:.1f} req/s p50 {r['p50_ms']:.2f} ms "
-                          f"p99 {r['p99_ms']:.2f} ms errors {r['errors']}", flush=True)
+                          f"p99 {r['p99_ms']:.2f} ms errors {r['errors']} "
+                          f"cpu ms/request {r['cpu_ms_per_request']} {r.get('split_ms', '')} "
+                          f"{r.get('hops_ms', '')}",
+                          flush=True)
                     results[kind].append(r)
+            if http:
+                results["http"] = await asyncio.to_thread(wrk_phase, sup, port, max(concurrency),
+                                                          seconds, workdir)
+                results["http"]["clients"] = max(concurrency)
+                print("http:", json.dumps(results["http"]), flush=True)
         finally:
             await nc.close()
     return results
+
+
+async def hops(url: str, nc, bodies: list[bytes], n: int = 200) -> dict:
+    """Medians (ms) of each leg of a lone request, timed by a second connection that
+    also receives every internal message (submit, work, the worker's result): client
+    -> gateway -> submit seen; submit -> work (scheduler); work -> result (the worker,
+    less its compute and queue, which its record gives); result -> reply at the client.
+    Each timestamp includes this process's own wake-up, the same for every leg."""
+    from shared import subjects
+    from shared.bus import connect
+    from shared.telemetry import RequestRecord, record_decoder
+
+    spy = await connect(url, "bench-spy")
+    seen: dict[str, float] = {}
+    rec: list[RequestRecord] = []
+    got = asyncio.Event()
+    client_prefix = bytes(nc._resp_sub_prefix or b"").decode()
+
+    def mark(kind: str):
+        async def cb(msg) -> None:
+            if kind == "result" and client_prefix and msg.subject.startswith(client_prefix):
+                return
+            seen.setdefault(kind, time.perf_counter())
+        return cb
+
+    async def on_record(msg) -> None:
+        r = record_decoder.decode(msg.data)
+        if isinstance(r, RequestRecord):
+            rec.append(r)
+            got.set()
+
+    await spy.subscribe(subjects.SCHED_SUBMIT, cb=mark("submit"))
+    await spy.subscribe(subjects.worker_work("*"), cb=mark("work"))
+    await spy.subscribe("_INBOX.>", cb=mark("result"))  # the gateway's reply inbox
+    await spy.subscribe(subjects.TELEMETRY_REQUESTS, cb=on_record)
+    await spy.flush()
+    rows = []
+    try:
+        for i in range(n):
+            seen.clear()
+            rec.clear()
+            got.clear()
+            t0 = time.perf_counter()
+            await nc.request(subjects.EMBEDDINGS, bodies[i % len(bodies)], timeout=30)
+            t1 = time.perf_counter()
+            await asyncio.wait_for(got.wait(), 5)  # this request's record
+            if len(seen) == 3 and rec[0].status == 200:
+                r = rec[0]
+                rows.append({"client_to_submit": seen["submit"] - t0,
+                             "scheduler": seen["work"] - seen["submit"],
+                             "worker_less_compute": seen["result"] - seen["work"] - r.compute_s
+                             - r.queue_s - r.batch_wait_s,
+                             "worker_queue_and_wait": r.queue_s + r.batch_wait_s,
+                             "compute": r.compute_s, "result_to_client": t1 - seen["result"],
+                             "total": t1 - t0})
+    finally:
+        await spy.close()
+    if not rows:
+        return {}
+    return {"requests": len(rows), **{k: round(statistics.median(x[k] for x in rows) * 1000, 3)
+                                      for k in rows[0]}}
+
+
+def split(records: list) -> dict:
+    """Medians (ms) of the gateway's request records: where a lone request's time goes."""
+    ok = [r for r in records if r.status == 200]
+    if not ok:
+        return {}
+
+    def med(f) -> float:
+        return round(statistics.median(f(r) for r in ok) * 1000, 3)
+
+    return {"records": len(ok), "gateway_total": med(lambda r: r.total_s),
+            "compute": med(lambda r: r.compute_s), "queue": med(lambda r: r.queue_s),
+            "batch_wait": med(lambda r: r.batch_wait_s),
+            "outside_worker": med(lambda r: r.total_s - r.compute_s - r.queue_s - r.batch_wait_s)}
 
 
 def plot(res: dict, path: Path) -> None:
@@ -108,7 +228,9 @@ def plot(res: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for kind, color in (("short", "tab:blue"), ("long", "tab:orange")):
-        rows = res["stack"][kind]
+        rows = res["stack"].get(kind)
+        if not rows:
+            continue
         cs = [r["concurrency"] for r in rows]
         axes[0].plot(cs, [r["rps"] for r in rows], "o-", color=color, label=f"stack, {kind}")
         axes[0].axhline(res["engine"][f"{kind}_batch64_sps"], color=color, ls="--",
@@ -129,17 +251,43 @@ def plot(res: dict, path: Path) -> None:
 
 def table(res: dict) -> str:
     e = res["engine"]
-    lines = ["| input | concurrency | stack sentences/s | share of raw engine | p50 ms | p99 ms |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| path | input | concurrency | stack sentences/s | share of raw engine (batch 64: "
+             "before / after the stack) "
+             "| p50 ms | p99 ms |", "|---|---|---|---|---|---|---|"]
+    ea = res.get("engine_after", {})
+
+    def share(rps: float, kind: str) -> str:
+        key = f"{kind}_batch64_sps"
+        after = f" / {rps / ea[key]:.0%}" if key in ea else ""
+        return f"{rps / e[key]:.0%}{after}"
+
     for kind in ("short", "long"):
-        for r in res["stack"][kind]:
-            share = r["rps"] / e[f"{kind}_batch64_sps"]
-            lines.append(f"| {kind} | {r['concurrency']} | {r['rps']:.1f} | {share:.0%} | "
-                         f"{r['p50_ms']:.2f} | {r['p99_ms']:.2f} |")
+        for r in res["stack"].get(kind, []):
+            lines.append(f"| NATS | {kind} | {r['concurrency']} | {r['rps']:.1f} | "
+                         f"{share(r['rps'], kind)} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |")
+    h = res["stack"].get("http")
+    if h and "rps" in h:
+        lines.append(f"| HTTP (wrk) | short | {h['clients']} | {h['rps']:.1f} | "
+                     f"{share(h['rps'], 'short')} | {h['p50']} | {h['p99']} |")
     lines.append("")
     lines.append(f"raw engine: short batch 64 {e['short_batch64_sps']:.1f}/s, long batch 64 "
                  f"{e['long_batch64_sps']:.1f}/s; batch-1 p50 short {e['short_batch1_p50_ms']:.2f} ms, "
                  f"long {e['long_batch1_p50_ms']:.2f} ms")
+    if ea:
+        lines.append(f"raw engine after the stack: {json.dumps(ea)}")
+    for kind in ("short", "long"):
+        for r in res["stack"].get(kind, []):
+            if r["concurrency"] == 1:
+                b1 = [x[f"{kind}_batch1_p50_ms"] for x in (e, ea) if f"{kind}_batch1_p50_ms" in x]
+                lines.append(f"c=1 {kind}: p50 {r['p50_ms']:.2f} ms; engine batch-1 p50 "
+                             + " / ".join(f"{b:.2f} ms ({r['p50_ms'] - b:+.2f})" for b in b1)
+                             + " (before / after the stack); records "
+                             f"{json.dumps(r.get('split_ms', {}))}; legs {json.dumps(r.get('hops_ms', {}))}")
+            lines.append(f"CPU ms/request NATS {kind} c={r['concurrency']}: "
+                         f"{json.dumps(r['cpu_ms_per_request'])}")
+    if h and "rps" in h:
+        lines.append(f"CPU ms/request HTTP: {json.dumps(h['cpu_ms_per_request'])} "
+                     f"(client = wrk), non-2xx {h['non_2xx']}, socket errors '{h['socket_errors']}'")
     if "torch" in res:
         lines.append(f"engine vs torch: {json.dumps(res['torch'])}")
     return "\n".join(lines)
@@ -149,11 +297,23 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--http", action="store_true", help="also load /v1/embeddings with wrk")
+    ap.add_argument("--kinds", default="short,long")
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--data-dir", type=Path, default=REPO / ".data",
+                    help="the worker's data dir (its jax-cache is shared with the engine run)")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    kinds = args.kinds.split(",")
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    cache = Path(os.environ.get("TENSORBUS_TEST_CACHE", REPO / ".data" / "test-jax-cache"))
+    if not (args.data_dir / "jax-cache").is_dir() and cache.is_dir():
+        shutil.copytree(cache, args.data_dir / "jax-cache")  # compiled buckets, if any
+    args.data_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                 "date": time.strftime("%Y-%m-%d"), "seconds": args.seconds}
-    res["engine"] = engine_figures(args.seconds)
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "seconds": args.seconds}
+    res["engine"] = engine_figures(args.seconds, args.data_dir)
     print("engine:", json.dumps(res["engine"]), flush=True)
     if not args.skip_torch:
         try:
@@ -163,11 +323,17 @@ def main() -> None:
         except ImportError:
             pass
     with tempfile.TemporaryDirectory() as d:
-        res["stack"] = asyncio.run(stack_figures(args.seconds, Path(d)))
+        res["stack"] = asyncio.run(stack_figures(args.seconds, Path(d), args.data_dir, kinds,
+                                                 concurrency, args.http))
+    # The machine's speed moves within minutes: the raw engine again, right after.
+    res["engine_after"] = engine_figures(args.seconds, args.data_dir, tuple(kinds))
+    print("engine after:", json.dumps(res["engine_after"]), flush=True)
+    res["load_average_1m"] = round(os.getloadavg()[0], 2)
     out = REPO / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
     (out / "embeddings.json").write_text(json.dumps(res, indent=2))
-    plot(res, REPO / "docs" / "img" / "embeddings.png")
+    if "short" in kinds and "long" in kinds:
+        plot(res, REPO / "docs" / "img" / "embeddings.png")
     print(table(res))
 
 

@@ -42,10 +42,10 @@ async def closed_loop(nc, subject: str, bodies: list[bytes], concurrency: int,
     t_start = time.perf_counter()
     t_measure = t_start + warmup_s
     t_end = t_measure + seconds
-    counted = 0
+    counted = answered = 0
 
     async def client(i: int) -> None:
-        nonlocal errors, counted
+        nonlocal errors, counted, answered
         k = i
         while True:
             t0 = time.perf_counter()
@@ -53,6 +53,7 @@ async def closed_loop(nc, subject: str, bodies: list[bytes], concurrency: int,
                 return
             msg = await nc.request(subject, bodies[k % len(bodies)], timeout=timeout)
             t1 = time.perf_counter()
+            answered += 1
             k += concurrency
             if t0 >= t_measure and t1 <= t_end:
                 counted += 1
@@ -61,8 +62,10 @@ async def closed_loop(nc, subject: str, bodies: list[bytes], concurrency: int,
                     errors += 1
 
     await asyncio.gather(*(client(i) for i in range(concurrency)))
+    # answered / wall_s: every request of the call, warm-up included (CPU per request)
     return {"concurrency": concurrency, "requests": counted, "errors": errors,
-            "rps": counted / seconds, **percentiles(lat)}
+            "rps": counted / seconds, "answered": answered,
+            "wall_s": time.perf_counter() - t_start, **percentiles(lat)}
 
 
 def embed_body(model: str, text: str) -> bytes:
