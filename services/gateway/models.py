@@ -13,6 +13,7 @@ the tokenizer and limits.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,8 +119,15 @@ class ModelTable:
             if info is not None:
                 self._entries[name] = _load_entry(info)
 
+    @staticmethod
+    @functools.cache
+    def _bundled() -> tuple[str, ...]:
+        """The bundled models' names: installed packages, fixed for the process's life
+        (read once: describing them parses a GGUF header, and /v1/models is polled)."""
+        return tuple(i.name for i in catalog.bundled())
+
     def known(self) -> list[str]:
-        names = {i.name for i in catalog.bundled()} | set(self._entries) | set(self.fleet.models())
+        names = set(self._bundled()) | set(self._entries) | set(self.fleet.models())
         return sorted(names)
 
     def card(self, name: str, decisions, status=None) -> ModelCard:
