@@ -18,7 +18,9 @@ Dataflow of a served sequence:
      back to the host.
   4. The caller decides when a sequence ends (EOS, stop string, max tokens,
      `context_left(slot) == 0`) and calls `free(slot)`: its blocks go back to the
-     pool; full prompt blocks stay cached (LRU) for the next prompt that shares them.
+     pool; its full blocks stay cached (LRU) for the next prompt that shares them,
+     generated tokens included (the engine notes each token it hands out), so a
+     conversation's next turn reuses the previous answer as well as its prompt.
 
 Compiles: one per (prefill bucket, context window it may attend to) plus one per
 decode attention window (the step attends to the smallest window that holds every
@@ -32,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,14 +93,18 @@ class _Prefill:
 class PendingStep:
     """A dispatched decode step; its tokens leave the device on `result()`."""
 
-    def __init__(self, tokens: jax.Array, preempted: list[int]) -> None:
+    def __init__(self, tokens: jax.Array, preempted: list[int],
+                 on_result: Callable[[np.ndarray], None] | None = None) -> None:
         self._tokens = tokens  # [SLOTS] int32, on device
         self._host: np.ndarray | None = None
+        self._on_result = on_result
         self.preempted = preempted  # slots freed to make room before it (not in it)
 
     def result(self) -> np.ndarray:
         if self._host is None:
             self._host = np.asarray(self._tokens)  # the step's one host copy
+            if self._on_result is not None:
+                self._on_result(self._host)
         return self._host
 
 
@@ -196,6 +203,9 @@ class DecoderEngine:
         self._jobs: dict[int, _Prefill] = {}  # slots between begin and their last chunk
         self._order = np.zeros(self._slots, np.int64)  # when each slot began (preemption)
         self._began = 0
+        # Each sequence's tokens (prompt, then generated as the caller reads them), to
+        # key its full blocks when it ends.
+        self._tokens: list[list[int]] = [[] for _ in range(self._slots)]
         self._lengths = np.zeros(self._slots, np.int64)  # tokens in context per slot
         self._active = np.zeros(self._slots, bool)  # live: part of decode steps
         log.info(
@@ -343,6 +353,7 @@ class DecoderEngine:
         self._tables[slot, : len(blocks)] = blocks
         self._began += 1
         self._order[slot] = self._began
+        self._tokens[slot] = list(prompt)
         self._jobs[slot] = _Prefill(list(prompt), reused * self.block, _slot_sampling(sampling),
                                     np.uint32(seed % 2**32), prefix_keys(prompt, self.block))
 
@@ -369,6 +380,7 @@ class DecoderEngine:
         del self._jobs[slot]
         self._active[slot] = True
         self._lengths[slot] = len(job.prompt) + 1
+        self._tokens[slot].append(int(token))
         return int(token)
 
     def prefill_insert(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> int:
@@ -438,15 +450,41 @@ class DecoderEngine:
         them from the returned step's `preempted`.
         """
         preempted = self.make_room()
-        pending = PendingStep(self._run_step(self.window_for()), preempted)
+        live = np.flatnonzero(self._active)
+        began = self._order[live].copy()  # which sequence each live slot held
+        pending = PendingStep(self._run_step(self.window_for()), preempted,
+                              lambda host: self._note(live, began, host))
         self._lengths[self._active] = np.minimum(
             self._lengths[self._active] + 1, self._max_context
         )
         return pending
 
+    def _note(self, live: np.ndarray, began: np.ndarray, host: np.ndarray) -> None:
+        """A step's tokens reached the host: each goes on its sequence's record, unless
+        that sequence has ended (or another began in its slot) since the dispatch."""
+        for slot, order in zip(live.tolist(), began.tolist()):
+            if self._held[slot] and self._order[slot] == order:
+                self._tokens[slot].append(int(host[slot]))
+
+    def _keep(self, slot: int) -> None:
+        """Key the full blocks of the sequence in `slot` before it lets them go: its
+        prompt's are keyed already (as computed); this adds those its decode steps
+        filled. Only positions whose K/V has been written and whose token the host
+        has seen count: `lengths - 1` (the last drawn token is never fed back)."""
+        if not self.pool.prefix_cache or slot in self._jobs or not self._held[slot]:
+            return
+        tokens = self._tokens[slot]
+        full = min(int(self._lengths[slot]) - 1, len(tokens)) // self.block
+        if full > 0:
+            self.pool.register(self._held[slot][:full],
+                               prefix_keys(tokens[: full * self.block], self.block))
+
     def free(self, slot: int) -> None:
-        """End the sequence in `slot` (idempotent): its blocks go back to the pool."""
+        """End the sequence in `slot` (idempotent): its blocks go back to the pool, its
+        full ones keyed, so a prompt that continues it reuses them."""
+        self._keep(slot)
         self.pool.release(self._held[slot])
+        self._tokens[slot] = []
         self._held[slot] = []
         self._tables[slot, :] = SCRATCH
         self._jobs.pop(slot, None)

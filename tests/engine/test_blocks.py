@@ -78,3 +78,34 @@ def test_without_the_prefix_cache_nothing_is_matched():
     pool.register(got, keys)
     pool.release(got)
     assert pool.match(keys) == [] and pool.cached == 0 and pool.available == 4
+
+
+def test_a_finished_sequences_generated_blocks_serve_its_continuation():
+    """Prompt blocks keyed as computed, the generated ones when the sequence ends: a
+    follow-up whose prompt is prompt + answer + more matches all of them."""
+    pool = BlockPool(9, 4)
+    prompt, answer = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]
+    pkeys = prefix_keys(prompt, 4)
+    blocks, _ = pool.acquire(pkeys, 4)  # 13 tokens in context -> 4 blocks
+    pool.register(blocks[:1], pkeys)  # the prompt's one full block
+    # Ends with 13 tokens written (the last drawn token is never fed back): 3 full.
+    seq = prompt + answer
+    pool.register(blocks[:3], prefix_keys(seq[:12], 4))
+    pool.release(blocks)
+    assert pool.cached == 3 and pool.available == 8
+    follow = prefix_keys(seq + [14, 15, 16, 17], 4)
+    assert pool.match(follow) == blocks[:3]
+    # Another answer to the same prompt shares only the prompt's block.
+    assert pool.match(prefix_keys(prompt + [9, 9, 9, 9, 9, 9], 4)) == blocks[:1]
+
+
+def test_keying_a_prefix_another_block_holds_leaves_this_one_free():
+    pool = BlockPool(9, 4)
+    keys = prefix_keys(list(range(8)), 4)
+    a, _ = pool.acquire([], 2)
+    b, _ = pool.acquire([], 2)  # computed the same tokens without reusing a's
+    pool.register(a, keys)
+    pool.register(b, keys)
+    pool.release(a)
+    pool.release(b)
+    assert pool.cached == 2 and pool.match(keys) == a  # b went back to the free list

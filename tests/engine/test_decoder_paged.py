@@ -146,3 +146,43 @@ def test_chunked_prefill_interleaves_with_decode_and_changes_no_output(tiny):
     got = drive(eng, prompts, NEW, budget=16, arrive={3: 3})
     for p, tokens in zip(prompts, got):
         assert tokens == hf_greedy(ref, p, NEW)
+
+
+def _continue(prompt: list[int], answer: list[int], i: int) -> list[int]:
+    return prompt + answer + [60 + i, 61, 62 + i]
+
+
+def test_a_follow_up_reuses_the_previous_answer_and_changes_no_output(tiny):
+    """A conversation of four turns, each prompt the last one plus its answer plus a
+    question: with the cache on, the answer's full blocks (filled by decode steps) are
+    reused; outputs equal transformers' and the engine's with the cache off."""
+    path, ref = tiny
+    on = engine(path, kv_blocks=40)
+    off = engine(path, kv_blocks=40, prefix_cache=False)
+    prompt = [5, 17, 30, 42, 7]
+    for i in range(4):
+        want = hf_greedy(ref, prompt, NEW)
+        before = on.cache_stats().hits
+        assert drive(on, [prompt], NEW)[0] == want
+        assert drive(off, [prompt], NEW)[0] == want
+        if i:  # all but the last block holding prompt's final token come from the cache
+            assert on.cache_stats().hits - before == (len(prompt) - 1) // 16 * 16
+        prompt = _continue(prompt, want, i)
+    assert off.cache_stats().hits == 0
+
+
+def test_generated_blocks_after_eviction_change_no_output(tiny):
+    """A pool too small to keep two conversations: each evicts the other's blocks
+    (generated ones included), and a partly evicted prefix is recomputed right."""
+    path, ref = tiny
+    eng = engine(path, kv_blocks=9)  # 8 usable blocks: 128 tokens
+    convs = [[5, 17, 30, 42, 7], list(range(100, 130))]
+    for i in range(3):
+        for c, prompt in enumerate(convs):
+            want = hf_greedy(ref, prompt, NEW)
+            assert drive(eng, [prompt], NEW)[0] == want, (i, c)
+            convs[c] = _continue(prompt, want, i)
+            if len(convs[c]) + NEW > CONTEXT:
+                convs[c] = convs[c][-40:]
+    assert eng.cache_stats().hits > 0
+    assert eng.pool.held == 0
