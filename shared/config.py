@@ -38,7 +38,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     stall_s: float = 10.0  # a worker holding work with no finished step this long is wedged
     target_queue_per_replica: float = 32.0  # scaling signal: desired queue per worker
     prefix_route_imbalance: int = 4  # scheduler: extra requests a worker caching a prompt's prefix may hold over the least loaded and still get it (-1 = route by load only)
-    target_slots_per_replica: float = 12.0  # scaling signal: desired busy KV slots per decoder worker
+    target_slots_per_replica: float = 0.0  # scaling signal: desired busy decode slots per decoder worker (0 = three quarters of decode_slots)
     # --- fleet sizing (scheduler decides, the orchestrator or KEDA acts)
     min_workers: int = 1  # fewest workers per model (0 = may scale to zero)
     max_workers: int = 4  # most workers per model

@@ -44,9 +44,11 @@ def check_settings(config: Config) -> None:
     for name in ("idle_to_zero_s", "scale_down_s"):
         if getattr(config, name) < 0:
             raise bad_config(f"TENSORBUS_{name.upper()} must not be negative")
-    for name in ("target_queue_per_replica", "target_slots_per_replica"):
-        if getattr(config, name) <= 0:
-            raise bad_config(f"TENSORBUS_{name.upper()} must be above 0")
+    if config.target_queue_per_replica <= 0:
+        raise bad_config("TENSORBUS_TARGET_QUEUE_PER_REPLICA must be above 0")
+    if config.target_slots_per_replica < 0:
+        raise bad_config("TENSORBUS_TARGET_SLOTS_PER_REPLICA must not be negative "
+                         "(0: three quarters of TENSORBUS_DECODE_SLOTS)")
 
 
 def combine(decisions: Iterable[ScaleDecision], target_per_replica: float | None = None) -> int:

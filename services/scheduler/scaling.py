@@ -6,7 +6,8 @@ Each decision, for one model at one instant (`now`: this process's monotonic clo
   2. Demand: the work this scheduler sees. Encoders: held + max(dispatched here and
      unfinished, queued + in flight in the workers' heartbeats), against
      `target_queue_per_replica`. Decoders: held + max(dispatched here, occupied KV
-     slots + requests waiting for a slot), against `target_slots_per_replica`.
+     slots + requests waiting for a slot), against `target_slots_per_replica` (unset:
+     three quarters of `decode_slots`, the sequences a worker admits).
      need = ceil(demand / target).
   3. Floor: the minimum when it is above 0. With a minimum of 0: 0 until the model
      first has demand or a worker; then 1, and 0 again only after the model was
@@ -62,6 +63,15 @@ class _Model:
     desired: int = 0
 
 
+SLOTS_BUSY = 0.75  # default decoder target: this share of a worker's decode slots
+
+
+def slots_target(decode_slots: int) -> float:
+    """Busy slots per decoder worker to aim for when not set: three quarters of the
+    sequences a worker admits, leaving a quarter for bursts while a new one starts."""
+    return max(1.0, SLOTS_BUSY * decode_slots)
+
+
 class Autoscaler:
     def __init__(self, config: Config, scheduler_id: str = "") -> None:
         self.config = config
@@ -69,8 +79,10 @@ class Autoscaler:
         self._models: dict[str, _Model] = {}
 
     def target(self, kind: str) -> float:
-        t = self.config.target_slots_per_replica if kind == "decoder" else \
-            self.config.target_queue_per_replica
+        if kind == "decoder":
+            t = self.config.target_slots_per_replica or slots_target(self.config.decode_slots)
+        else:
+            t = self.config.target_queue_per_replica
         return max(t, 1e-9)
 
     def decide(self, d: Demand, now: float, at: float | None = None) -> ScaleDecision:

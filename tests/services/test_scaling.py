@@ -101,6 +101,22 @@ def test_decoders_scale_on_occupied_slots():
     assert enc.desired_replicas == 1
 
 
+def test_the_default_decoder_target_follows_the_slots_a_worker_admits():
+    """Unset, the target is three quarters of TENSORBUS_DECODE_SLOTS (48 of the
+    default 64): a worker is asked for beside it when its slots are three quarters
+    busy, not at 12 of its 64 (a target made for 16 slots)."""
+    cfg = Config()
+    a = Autoscaler(Config(min_workers=1, max_workers=8))
+    assert a.target("decoder") == 0.75 * cfg.decode_slots
+    busy = Demand(M, kind="decoder", ready=1, slots_used=40, in_flight=40)
+    assert a.decide(busy, now=0).desired_replicas == 1
+    busy = Demand(M, kind="decoder", ready=1, slots_used=64, queue_depth=8, in_flight=72)
+    assert a.decide(busy, now=1).desired_replicas == 2
+    small = Autoscaler(Config(decode_slots=16))
+    assert small.target("decoder") == 12.0
+    assert Autoscaler(Config(target_slots_per_replica=5.0)).target("decoder") == 5.0
+
+
 def test_memory_pressured_workers_are_not_capacity():
     a = scaler()
     d = a.decide(Demand(M, kind="encoder", ready=0, pressured=1, held=1), now=0)
@@ -156,7 +172,7 @@ def test_workers_that_appear_get_the_idle_period_before_zero():
 @pytest.mark.parametrize("setting", [
     dict(fleet="enc=3:1"), dict(fleet="enc"), dict(memory_high=0.0), dict(memory_high=1.5),
     dict(min_workers=3, max_workers=2), dict(scale_down_s=-1.0),
-    dict(target_queue_per_replica=0.0)])
+    dict(target_queue_per_replica=0.0), dict(target_slots_per_replica=-1.0)])
 def test_settings_that_cannot_work_exit_78(setting):
     with pytest.raises(SystemExit) as exc:
         check_settings(Config(**setting))
