@@ -52,6 +52,10 @@ async def _held_in_heartbeats(st, engine) -> None:
         keys <= v.prefixes for v in st.scheduler.fleet.workers.values()), timeout=10)
 
 
+def _ready(st) -> int:
+    return sum(v.ready for v in st.scheduler.fleet.workers.values())
+
+
 @pytest.mark.asyncio(loop_scope="session")
 async def test_follow_ups_go_to_the_worker_holding_the_conversation(stack, engines):
     a, b, _ = engines
@@ -66,3 +70,29 @@ async def test_follow_ups_go_to_the_worker_holding_the_conversation(stack, engin
         await _ask(stack, a.name, conversation)
         assert _hits(first) > before, i
     assert other.cache_stats().queries == 0
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_a_restarted_scheduler_routes_by_the_prefixes_workers_announce(stack, engines):
+    """The scheduler keeps no routing state: a new one (new id, nothing carried over)
+    learns from the workers' heartbeats which holds the conversation, and its
+    follow-up goes there, not to the other worker, which is as idle."""
+    a, b, _ = engines
+    conversation = "Restarting: " + TURN * 2
+    before = {e: e.cache_stats().queries for e in (a, b)}
+    await _ask(stack, a.name, conversation)
+    first = a if a.cache_stats().queries > before[a] else b
+    other = b if first is a else a
+    await _held_in_heartbeats(stack, first)
+    old = stack.scheduler
+    new = await stack.restart_scheduler()
+    assert new.id != old.id and not new.fleet.workers
+    await wait_until(lambda: _ready(stack) == 2, timeout=10)
+    await _held_in_heartbeats(stack, first)
+    for i in range(5):  # by load alone (a coin toss between equals): 1 in 32
+        hits, asked = first.cache_stats().hits, other.cache_stats().queries
+        conversation += f" Then {i}? Only then. "
+        await _ask(stack, a.name, conversation)
+        assert first.cache_stats().hits > hits, i
+        assert other.cache_stats().queries == asked, i
+        await _held_in_heartbeats(stack, first)

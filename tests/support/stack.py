@@ -83,6 +83,21 @@ class Stack:
         self.workers[worker_id].stop()
         await self._tasks.pop(worker_id)
 
+    async def restart_scheduler(self) -> Scheduler:
+        """Stop the scheduler and start a new one (new id, new connection, nothing
+        carried over), as a restarted process would be."""
+        old = self.scheduler
+        old.stop()
+        await self._tasks.pop("scheduler")
+        await old.nc.close()
+        nc = await nats.connect(self.config.nats_url, name="scheduler")
+        self._exit.push_async_callback(_close, nc)
+        self.scheduler = Scheduler(nc, self.config, scale_interval_s=old.scale_interval_s)
+        ready = asyncio.Event()
+        self._tasks["scheduler"] = asyncio.create_task(self.scheduler.run(ready))
+        await asyncio.wait_for(ready.wait(), 10)
+        return self.scheduler
+
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.gateway.http_port}"
