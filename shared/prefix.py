@@ -12,7 +12,7 @@ route, never a wrong answer (the engine matches on the full key).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -37,7 +37,7 @@ def short(key: bytes) -> int:
     return int.from_bytes(key[:8], "big")
 
 
-def matched(keys: list[int], held: frozenset[int]) -> int:
+def matched(keys: list[int], held: Container[int]) -> int:
     """How many leading blocks of a prompt (its short keys) a worker holds."""
     n = 0
     for k in keys:
@@ -47,7 +47,7 @@ def matched(keys: list[int], held: frozenset[int]) -> int:
     return n
 
 
-def choose(candidates: list[T], keys: list[int], held: Callable[[T], frozenset[int]],
+def choose(candidates: list[T], keys: list[int], held: Callable[[T], Container[int]],
            load: Callable[[T], tuple], imbalance: float) -> T:
     """The candidate holding the longest prefix of `keys` (the least loaded among
     equals), unless its load (first element: requests) exceeds the least loaded

@@ -44,3 +44,33 @@ def test_a_pool_summarises_its_cached_prefixes_most_useful_first():
     assert len(pool.summary(3)) == 3
     pool.release(blocks)
     assert pool.summary(2) == [short(keys[0]), short(keys[1])]  # head evicted last
+
+
+def test_a_prompt_sent_to_a_worker_counts_as_held_until_heartbeats_can_say():
+    """Between dispatch and the worker's next heartbeat after the request ends, the
+    scheduler's own record says where the prompt went; then only heartbeats."""
+    from services.scheduler.routed import Routed
+
+    r = Routed(grace_s=2.0)
+    keys = _keys(TURN1)
+    r.sent("a", keys)
+    nothing = frozenset()
+    assert matched(_keys(TURN2), r.held("a", nothing, now=100.0)) == 5  # running
+    assert matched(_keys(TURN2), r.held("b", nothing, now=100.0)) == 0
+    r.finished("a", keys, now=100.0)
+    assert matched(_keys(TURN2), r.held("a", nothing, now=101.9)) == 5
+    assert matched(_keys(TURN2), r.held("a", nothing, now=102.0)) == 0  # grace over
+    # Announced keys count whatever the record says; a lost worker is forgotten.
+    assert matched(_keys(TURN2), r.held("a", frozenset(keys[:2]), now=200.0)) == 2
+    r.sent("a", keys)
+    r.forget("a")
+    assert matched(_keys(TURN2), r.held("a", nothing, now=0.0)) == 0
+
+
+def test_the_record_is_bounded_per_worker():
+    from services.scheduler.routed import Routed
+
+    r = Routed(grace_s=1.0, limit=3)
+    r.sent("a", [1, 2, 3, 4, 5])
+    held = r.held("a", frozenset(), now=0.0)
+    assert [k in held for k in (1, 2, 3, 4, 5)] == [False, False, True, True, True]

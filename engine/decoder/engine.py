@@ -266,6 +266,11 @@ class DecoderEngine:
         return CacheStats(p.usable, p.held, p.cached, p.stats.queries, p.stats.hits,
                           p.stats.preemptions)
 
+    @property
+    def prefix_block(self) -> int:
+        """Tokens per prefix key; 0 with the prefix cache off (nothing to route by)."""
+        return self.block if self.pool.prefix_cache else 0
+
     def held_prefixes(self, limit: int) -> list[int]:
         """Short keys (shared.prefix) of the prompt prefixes cached here, at most `limit`."""
         return self.pool.summary(limit)

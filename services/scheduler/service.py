@@ -49,7 +49,7 @@ import random
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from nats.aio.client import Client
@@ -60,6 +60,7 @@ from services.lifecycle import Lifecycle
 from services.micro import ServiceHealth, add_service
 from services.scheduler.aliases import AliasTable
 from services.scheduler.catalogue import Catalogue
+from services.scheduler.routed import Routed
 from services.scheduler.scaling import Autoscaler, Demand
 from shared import VERSION, admission, prefix, subjects
 from shared.admission import Cost, CostBook, LoadBoard, Tally
@@ -93,6 +94,7 @@ class Outstanding:
     work: WorkRequest
     worker_id: str
     dispatched_at: float
+    keys: list[int] = field(default_factory=list)  # short prefix keys of its prompt
 
 
 def work_size(work: WorkRequest) -> tuple[int, int]:
@@ -107,7 +109,8 @@ class HeldWork:
     work: WorkRequest
     since: float  # monotonic: when it was first held
 
-CATALOGUE_REFRESH_S = 10.0  # how often the registry's model list is read again
+CATALOGUE_REFRESH_S = 10.0
+ROUTED_GRACE_BEATS = 4  # heartbeat intervals a finished request's prefix counts as held  # how often the registry's model list is read again
 
 
 class Scheduler(Lifecycle):
@@ -128,6 +131,8 @@ class Scheduler(Lifecycle):
         self.prod_version = self.aliases.prod if self.aliases is not None else (lambda model: "")
         self.scale_interval_s = scale_interval_s
         self.outstanding: dict[str, Outstanding] = {}
+        # Prompts' prefixes sent to each worker, until its heartbeats announce them.
+        self.routed = Routed(grace_s=ROUTED_GRACE_BEATS * config.heartbeat_s)
         self.load: dict[str, int] = {}  # worker_id -> requests outstanding here
         self.tally: dict[str, Tally] = {}  # model -> work outstanding here (dispatched)
         self.costs = CostBook()  # model -> engine seconds per token, from WorkDone
@@ -279,11 +284,13 @@ class Scheduler(Lifecycle):
             pin, ready = self._route_version(work.model, ready, work.user)
             if pin:  # the worker runs the drawn canary, not its own prod
                 sent = msgspec.structs.replace(work, version=pin)
-        target = self._pick(work, ready)
+        target, keys = self._pick(work, ready)
         wid = target.worker_id
         # The unpinned original is kept: a re-dispatch draws again.
         now = time.monotonic()
-        self.outstanding[work.request_id] = Outstanding(work, wid, now)
+        self.outstanding[work.request_id] = Outstanding(work, wid, now, keys)
+        if keys:
+            self.routed.sent(wid, keys)
         self.load[wid] = self.load.get(wid, 0) + 1
         self.tally.setdefault(work.model, Tally()).add(*work_size(work))
         self.dispatched += 1
@@ -305,14 +312,17 @@ class Scheduler(Lifecycle):
                     return ("" if version == prod else version), pool
         return "", ready
 
-    def _pick(self, work: WorkRequest, ready: list[WorkerView]) -> WorkerView:
-        """Prefix first (prompts, when workers report cached prefixes), then load."""
-        block = next((w.hb.prefix_block for w in ready if w.prefixes), 0)
+    def _pick(self, work: WorkRequest, ready: list[WorkerView]) -> tuple[WorkerView, list[int]]:
+        """Prefix first (prompts, when workers cache prefixes), then load -> (worker,
+        the prompt's short prefix keys: [] when not routed by prefix)."""
+        block = next((w.hb.prefix_block for w in ready if w.hb.prefix_block), 0)
         if isinstance(work, EmbedWork) or not block or self.config.prefix_route_imbalance < 0:
-            return min(ready, key=self._load_of)
+            return min(ready, key=self._load_of), []
         keys = [prefix.short(k) for k in prefix.prefix_keys(work.prompt, block)]
-        return prefix.choose(ready, keys, lambda w: w.prefixes, lambda w: self._load_of(w),
-                             self.config.prefix_route_imbalance)
+        now = time.monotonic()
+        held = lambda w: self.routed.held(w.worker_id, w.prefixes, now)  # noqa: E731
+        return prefix.choose(ready, keys, held, lambda w: self._load_of(w),
+                             self.config.prefix_route_imbalance), keys
 
     def _load_of(self, w: WorkerView) -> tuple[int, float]:
         mine = self.load.get(w.worker_id, 0)
@@ -343,6 +353,8 @@ class Scheduler(Lifecycle):
 
     def _finished(self, o: Outstanding) -> None:
         self.load[o.worker_id] = max(0, self.load.get(o.worker_id, 0) - 1)
+        if o.keys:
+            self.routed.finished(o.worker_id, o.keys, time.monotonic())
         self.tally[o.work.model].add(*work_size(o.work), sign=-1)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
@@ -385,6 +397,7 @@ class Scheduler(Lifecycle):
         """Send the unfinished work of a lost worker to the others."""
         lost = [o for o in self.outstanding.values() if o.worker_id == worker_id]
         self.load.pop(worker_id, None)
+        self.routed.forget(worker_id)
         if lost:
             log.warning("redispatching", worker_id=worker_id, requests=len(lost), reason=why)
         for o in lost:

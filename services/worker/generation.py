@@ -198,10 +198,11 @@ class DecoderRunner:
         """What prod's engine holds, for prefix-aware routing (bounded)."""
         from shared.prefix import SUMMARY_KEYS
 
-        if not serving or not serving[0].engine.block:
+        engine = serving[0].engine if serving else None
+        block = getattr(engine, "prefix_block", getattr(engine, "block", 0))  # 0: cache off
+        if not block:
             return {}
-        engine = serving[0].engine
-        return {"prefix_block": engine.block, "prefix_keys": engine.held_prefixes(SUMMARY_KEYS)}
+        return {"prefix_block": block, "prefix_keys": engine.held_prefixes(SUMMARY_KEYS)}
 
     # -------------------------------------------------------------- requests
     def submit(self, work: GenerateWork) -> None:
