@@ -13,8 +13,17 @@
    TTFT = the engine's time from `begin` to the first token (prefill only, nothing
    queued in front). Prefix cache on vs off, same engine shapes, p50 and p99.
 
+3. `--scenario chunked`: SmolLM2 (or `--model`), `--streams` short sequences
+   decoding while `--arrivals` prompts of `--long` tokens arrive (at evenly spaced
+   steps); each iteration spends at most the prefill chunk on prompts, then one
+   decode step, as the worker's runner does. Chunk `--chunk` (512) vs a chunk
+   longer than the prompt (the whole prompt between two steps), and a baseline
+   with no long prompt: the running streams' inter-token latency p50/p99 and the
+   longest gap, and the time of one chunk, side by side.
+
     .venv/bin/python -m bench.paged_kv --scenario concurrency
     .venv/bin/python -m bench.paged_kv --scenario prefix --requests 12
+    .venv/bin/python -m bench.paged_kv --scenario chunked
 """
 
 from __future__ import annotations
@@ -122,20 +131,124 @@ def prefix(args) -> dict:
     return out
 
 
+def _itl_run(eng, streams: list[list[int]], longs: list[list[int]], arrive: list[int],
+             new: int, long_new: int) -> dict:
+    """Serve `streams` for `new` tokens while `longs[i]` arrives at step `arrive[i]`;
+    each iteration: admit, at most one chunk of prompt tokens, one decode step."""
+    short = {}  # slot -> token arrival times of a short stream
+    waiting = [(p, True) for p in streams]
+    running: dict[int, tuple[bool, int]] = {}  # slot -> (short?, tokens so far)
+    prefilling: dict[int, bool] = {}
+    chunk_s: list[float] = []
+    step = 0
+    while waiting or running or prefilling or step <= max(arrive, default=0):
+        waiting += [(p, False) for p, a in zip(longs, arrive) if a == step]
+        while waiting:
+            slot = next((s for s in range(eng.slots) if s not in running
+                         and s not in prefilling), None)
+            if slot is None or not eng.can_admit(waiting[0][0]):
+                break
+            p, is_short = waiting.pop(0)
+            eng.begin(slot, p, _greedy(), 0)
+            prefilling[slot] = is_short
+        left = eng.chunk
+        for slot, is_short in list(prefilling.items()):
+            if left <= 0:
+                break
+            n = min(left, eng.prefilling(slot))
+            left -= n
+            first = eng.prefill_step(slot, n)  # returns at once unless it is the last piece
+            if not is_short:
+                chunk_s.append(n)
+            if first is not None:
+                running[slot] = (is_short, 1)
+                del prefilling[slot]
+                if is_short:
+                    short[slot] = [time.perf_counter()]
+        for slot in eng.make_room():
+            raise RuntimeError(f"preempted slot {slot}: size the pool for the scenario")
+        if running:
+            eng.step()
+            now = time.perf_counter()
+            for slot, (is_short, n) in list(running.items()):
+                if is_short:
+                    short[slot].append(now)
+                running[slot] = (is_short, n + 1)
+                if n + 1 >= (new if is_short else long_new):
+                    eng.free(slot)
+                    del running[slot]
+        step += 1
+    gaps = sorted(b - a for times in short.values() for a, b in zip(times, times[1:]))
+    q = lambda x: round(1000 * gaps[min(len(gaps) - 1, int(x * len(gaps)))], 1)
+    return {"itl_p50_ms": q(0.5), "itl_p99_ms": q(0.99), "itl_max_ms": round(1000 * gaps[-1], 1),
+            "gaps": len(gaps), "prefill_pieces": len(chunk_s)}
+
+
+def _piece_ms(eng, tokens: int, runs: int = 3) -> float:
+    """Median time to prefill one piece of `tokens` tokens (alone, to the first token)."""
+    times = []
+    for i in range(runs):
+        t0 = time.perf_counter()
+        eng.prefill_insert(0, [5 + i] + list(range(4000, 4000 + tokens - 1)), _greedy(), 0)
+        times.append(time.perf_counter() - t0)
+        eng.free(0)
+    return round(1000 * statistics.median(times), 1)
+
+
+def chunked(args) -> dict:
+    from engine.decoder import DecoderEngine
+    from shared import catalog
+
+    path = catalog.bundled_dir(args.model)
+    ctx = 2048
+    if args.long + 16 > ctx:
+        raise SystemExit(f"--long {args.long}: at most {ctx - 16} tokens here")
+    streams = [[100 + i] + list(range(2000 + 7 * i, 2020 + 7 * i)) for i in range(args.streams)]
+    longs = [[9 + i] + list(range(3000, 3000 + args.long - 1)) for i in range(args.arrivals)]
+    gap = max(1, args.new // (args.arrivals + 1))
+    arrive = [gap * (i + 1) for i in range(args.arrivals)]
+    out = {"model": args.model, "streams": args.streams, "long_tokens": args.long,
+           "arrive_at_steps": arrive}
+    runs = [("baseline", args.chunk, []), ("chunked", args.chunk, longs),
+            ("whole prompt", ctx, longs)]
+    engines = {}
+    for name, chunk, these in runs:
+        eng = engines.get(chunk)
+        if eng is None:
+            eng = engines[chunk] = DecoderEngine(
+                path, "bench", slots=args.streams + args.arrivals, max_context=ctx,
+                prefill_buckets=(32, chunk), decode_windows=(256, ctx), prefill_chunk=chunk,
+                prefix_cache=False)
+            eng.warmup(progress=False)
+        if eng.chunk < args.long:
+            out[f"one chunk of {eng.chunk} ms"] = _piece_ms(eng, eng.chunk)
+        out[name] = {"chunk": eng.chunk,
+                     **_itl_run(eng, streams, these, arrive[: len(these)], args.new, 4)}
+        out[name]["loadavg_1m"] = round(os.getloadavg()[0], 2)
+        print(name, json.dumps(out[name]), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--scenario", choices=("concurrency", "prefix"), required=True)
+    ap.add_argument("--scenario", choices=("concurrency", "prefix", "chunked"), required=True)
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--prompt", type=int, default=40)
-    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--new", type=int, default=None)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--budget-tokens", type=int, default=8192)
     ap.add_argument("--paged-slots", type=lambda v: [int(x) for x in v.split(",")],
                     default=[64, 128])
     ap.add_argument("--system", type=int, default=480)
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--long", type=int, default=1500, help="tokens of an arriving prompt")
+    ap.add_argument("--arrivals", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=512)
     args = ap.parse_args()
-    result = concurrency(args) if args.scenario == "concurrency" else prefix(args)
+    if args.new is None:  # tokens per sequence: short chats / the running streams
+        args.new = 48 if args.scenario == "chunked" else 64
+    result = {"concurrency": concurrency, "prefix": prefix, "chunked": chunked}[args.scenario](args)
     print(json.dumps(result, indent=2))
 
 

@@ -48,14 +48,22 @@ def matched(keys: list[int], held: Container[int]) -> int:
 
 
 def choose(candidates: list[T], keys: list[int], held: Callable[[T], Container[int]],
-           load: Callable[[T], tuple], imbalance: float) -> T:
+           load: Callable[[T], tuple], imbalance: float,
+           size: Callable[[T], int] | None = None) -> T:
     """The candidate holding the longest prefix of `keys` (the least loaded among
     equals), unless its load (first element: requests) exceeds the least loaded
-    one's by more than `imbalance`; else the least loaded."""
+    one's by more than `imbalance`; else the least loaded. A prompt nobody holds
+    goes to the one caching least (`size`: its cached blocks) among the least
+    loaded, so new prefixes spread over the fleet's caches instead of piling up
+    where the load's tie-break happened to send them."""
     lightest = min(candidates, key=load)
     if not keys:
         return lightest
     best = min(candidates, key=lambda c: (-matched(keys, held(c)), load(c)))
-    if matched(keys, held(best)) == 0 or load(best)[0] - load(lightest)[0] > imbalance:
+    if matched(keys, held(best)) == 0:
+        if size is None:
+            return lightest
+        return min(candidates, key=lambda c: (load(c)[0], size(c), load(c)))
+    if load(best)[0] - load(lightest)[0] > imbalance:
         return lightest
     return best

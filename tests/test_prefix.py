@@ -35,6 +35,17 @@ def test_load_wins_past_the_imbalance_and_without_a_match():
     assert _pick({"a": (frozenset(), 0), "b": (b, 5)}, list(range(9))) == "a"  # < a block
 
 
+def test_a_prefix_nobody_holds_goes_to_the_emptier_cache_among_the_least_loaded():
+    held = {"a": frozenset(_keys(SYSTEM)), "b": frozenset()}
+    workers = {"a": 0, "b": 0, "c": 1}
+    other = list(range(700, 764))  # another system prompt: no match anywhere
+    pick = lambda load: choose(list(load), _keys(other), lambda w: held.get(w, frozenset()),
+                               lambda w: (load[w], w), 4, lambda w: len(held.get(w, ())))
+    assert pick(workers) == "b"  # a caches four blocks already, b none
+    assert pick({"a": 0, "b": 1}) == "a"  # load first: the emptier cache is busier
+    assert pick({"a": 0, "b": 0, "c": 0}) in ("b", "c")
+
+
 def test_a_pool_summarises_its_cached_prefixes_most_useful_first():
     pool = BlockPool(20, 16)
     keys = prefix_keys(TURN1, 16)

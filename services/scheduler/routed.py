@@ -62,5 +62,9 @@ class Routed:
     def forget(self, worker: str) -> None:
         self._sent.pop(worker, None)
 
+    def size(self, worker: str, announced: frozenset[int]) -> int:
+        """About how many blocks `worker` caches: announced, and sent not yet announced."""
+        return len(announced) + len(self._sent.get(worker, ()))
+
     def held(self, worker: str, announced: frozenset[int], now: float) -> Held:
         return Held(announced, self._sent.get(worker), now)

@@ -321,8 +321,9 @@ class Scheduler(Lifecycle):
         keys = [prefix.short(k) for k in prefix.prefix_keys(work.prompt, block)]
         now = time.monotonic()
         held = lambda w: self.routed.held(w.worker_id, w.prefixes, now)  # noqa: E731
+        size = lambda w: self.routed.size(w.worker_id, w.prefixes)  # noqa: E731
         return prefix.choose(ready, keys, held, lambda w: self._load_of(w),
-                             self.config.prefix_route_imbalance), keys
+                             self.config.prefix_route_imbalance, size), keys
 
     def _load_of(self, w: WorkerView) -> tuple[int, float]:
         mine = self.load.get(w.worker_id, 0)

@@ -35,6 +35,18 @@ async def stack(nats_server, engines):
         yield st
 
 
+@pytest_asyncio.fixture(loop_scope="session")
+async def slow_beats(nats_server, engines):
+    """Heartbeats every 5 s (and at state changes): follow-ups come long before a
+    heartbeat could announce what the last turn cached."""
+    a, b, path = engines
+    async with running_stack(nats_server.url, models={a.name: path}, max_context=CONTEXT,
+                             decode_slots=4, heartbeat_s=5.0, worker_expiry_s=60.0) as st:
+        await st.add_worker(a, "dec-a", kind="decoder")
+        await st.add_worker(b, "dec-b", kind="decoder")
+        yield st
+
+
 def _hits(engine) -> int:
     return engine.cache_stats().hits
 
@@ -96,3 +108,23 @@ async def test_a_restarted_scheduler_routes_by_the_prefixes_workers_announce(sta
         assert first.cache_stats().hits > hits, i
         assert other.cache_stats().queries == asked, i
         await _held_in_heartbeats(stack, first)
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_follow_ups_before_any_heartbeat_go_where_the_last_turn_went(slow_beats, engines):
+    """The scheduler counts a prompt's prefix as held by the worker it sent it to,
+    until heartbeats can say: a follow-up sent as soon as the answer is in goes
+    there too."""
+    a, b, _ = engines
+    st = slow_beats
+    before = {e: e.cache_stats().queries for e in (a, b)}
+    conversation = "Between heartbeats: " + TURN * 2
+    await _ask(st, a.name, conversation)
+    first = a if a.cache_stats().queries > before[a] else b
+    other = b if first is a else a
+    for i in range(5):
+        hits, asked = first.cache_stats().hits, other.cache_stats().queries
+        conversation += f" Next {i}? Not yet. "
+        await _ask(st, a.name, conversation)
+        assert first.cache_stats().hits > hits, i
+        assert other.cache_stats().queries == asked, i
