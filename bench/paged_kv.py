@@ -178,7 +178,9 @@ def _itl_run(eng, streams: list[list[int]], longs: list[list[int]], arrive: list
                     eng.free(slot)
                     del running[slot]
         step += 1
-    gaps = sorted(b - a for times in short.values() for a, b in zip(times, times[1:]))
+    # From each stream's second token: the first gap also holds the other streams'
+    # prompts, admitted in the same iterations (TTFT's business, not this figure's).
+    gaps = sorted(b - a for times in short.values() for a, b in zip(times[1:], times[2:]))
     q = lambda x: round(1000 * gaps[min(len(gaps) - 1, int(x * len(gaps)))], 1)
     return {"itl_p50_ms": q(0.5), "itl_p99_ms": q(0.99), "itl_max_ms": round(1000 * gaps[-1], 1),
             "gaps": len(gaps), "prefill_pieces": len(chunk_s)}

@@ -109,8 +109,8 @@ class HeldWork:
     work: WorkRequest
     since: float  # monotonic: when it was first held
 
-CATALOGUE_REFRESH_S = 10.0
-ROUTED_GRACE_BEATS = 4  # heartbeat intervals a finished request's prefix counts as held  # how often the registry's model list is read again
+CATALOGUE_REFRESH_S = 10.0  # how often the registry's model list is read again
+ROUTED_GRACE_BEATS = 4  # heartbeat intervals a finished request's prefix counts as held
 
 
 class Scheduler(Lifecycle):
