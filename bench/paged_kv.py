@@ -18,8 +18,9 @@
    steps); each iteration spends at most the prefill chunk on prompts, then one
    decode step, as the worker's runner does. Chunk `--chunk` (512) vs a chunk
    longer than the prompt (the whole prompt between two steps), and a baseline
-   with no long prompt: the running streams' inter-token latency p50/p99 and the
-   longest gap, and the time of one chunk, side by side.
+   with no long prompt: the running streams' inter-token latency p50/p99 (from
+   their second token) and the longest gap, the time of one chunk alone, and the
+   prompt pieces' own times during the run (median, longest), side by side.
 
     .venv/bin/python -m bench.paged_kv --scenario concurrency
     .venv/bin/python -m bench.paged_kv --scenario prefix --requests 12
@@ -135,6 +136,7 @@ def _itl_run(eng, streams: list[list[int]], longs: list[list[int]], arrive: list
              new: int, long_new: int) -> dict:
     """Serve `streams` for `new` tokens while `longs[i]` arrives at step `arrive[i]`;
     each iteration: admit, at most one chunk of prompt tokens, one decode step."""
+    import jax
     short = {}  # slot -> token arrival times of a short stream
     waiting = [(p, True) for p in streams]
     running: dict[int, tuple[bool, int]] = {}  # slot -> (short?, tokens so far)
@@ -157,9 +159,13 @@ def _itl_run(eng, streams: list[list[int]], longs: list[list[int]], arrive: list
                 break
             n = min(left, eng.prefilling(slot))
             left -= n
+            t0 = time.perf_counter()
             first = eng.prefill_step(slot, n)  # returns at once unless it is the last piece
             if not is_short:
-                chunk_s.append(n)
+                # Wait for the piece here rather than in the next step (the device runs
+                # them in order): the stall is the same, and its time is the piece's.
+                jax.block_until_ready(eng._state)
+                chunk_s.append(time.perf_counter() - t0)
             if first is not None:
                 running[slot] = (is_short, 1)
                 del prefilling[slot]
@@ -183,7 +189,9 @@ def _itl_run(eng, streams: list[list[int]], longs: list[list[int]], arrive: list
     gaps = sorted(b - a for times in short.values() for a, b in zip(times[1:], times[2:]))
     q = lambda x: round(1000 * gaps[min(len(gaps) - 1, int(x * len(gaps)))], 1)
     return {"itl_p50_ms": q(0.5), "itl_p99_ms": q(0.99), "itl_max_ms": round(1000 * gaps[-1], 1),
-            "gaps": len(gaps), "prefill_pieces": len(chunk_s)}
+            "gaps": len(gaps), "prefill_pieces": len(chunk_s),
+            "piece_ms_median": round(1000 * statistics.median(chunk_s), 1) if chunk_s else 0.0,
+            "piece_ms_max": round(1000 * max(chunk_s, default=0.0), 1)}
 
 
 def _piece_ms(eng, tokens: int, runs: int = 3) -> float:

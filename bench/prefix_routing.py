@@ -18,8 +18,8 @@ tokens/s and requests/s over the run.
 
 The demo LM (512-token context), not SmolLM2: on this 2-core machine two SmolLM2
 workers prefilling 1,000-token prompts would take far longer than a benchmark can
-run. Its context caps the system prompts near 320 tokens (four turns must fit). Each worker's KV pool
-(`--kv-blocks`, blocks of 16) is sized to hold about half the system prompts: the
+run. Its context caps the system prompts near 320 tokens (four turns must fit).
+Each worker's KV pool (`--kv-blocks`, blocks of 16) holds about half of them: the
 regime routing is for, where the fleet's cache is larger than one worker's. With a
 pool that holds every system prompt, least-loaded routing also ends up with every
 prompt cached on both workers and only the first request of each prompt per worker
