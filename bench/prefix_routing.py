@@ -43,7 +43,6 @@ import numpy as np
 from shared import catalog, subjects
 
 MODEL = catalog.DEMO_LM
-REPO = Path(__file__).resolve().parent.parent
 WORDS = ("you are a careful assistant for a museum that answers visitors about the "
          "galleries opening hours tickets exhibits paintings sculptures maps cafe shop "
          "accessibility lifts toilets guided tours school groups families children rules "
