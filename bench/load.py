@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
+from nats.errors import NoRespondersError
 
 from shared.errors import HEADER_CODE, HEADER_RETRY_AFTER
 
@@ -37,6 +38,10 @@ async def one(nc, subject: str, body: bytes, timeout: float, headers: dict | Non
         msg = await nc.request(subject, body, timeout=timeout, headers=headers)
     except TimeoutError:
         return Outcome(t0, time.monotonic() - t0, LOST)
+    except NoRespondersError:
+        # nats-server's own 503: nobody subscribes to the subject right now (a gateway
+        # that has not resubscribed after a bus restart yet). A clear answer, not a loss.
+        return Outcome(t0, time.monotonic() - t0, 503)
     except Exception as exc:  # noqa: BLE001 - reported, e.g. no responders
         return Outcome(t0, time.monotonic() - t0, type(exc).__name__)
     h = msg.headers or {}
