@@ -1,6 +1,7 @@
 """Capacity of the serving path alone: an engine that does no math, real processes.
 
     .venv/bin/python -m bench.capacity [--seconds 10] [--clients 64] [--http] [--gateways 1]
+        [--loop auto|asyncio|uvloop]
 
   1. Start nats-server, gateway, scheduler, telemetry and one worker as processes
      (services/supervisor.py); the worker runs `bench.nomath` (384-dim one-hot
@@ -16,6 +17,8 @@
      scheduler, worker, nats-server, telemetry and the client, before and after,
      divided by the requests answered -> milliseconds of CPU per request per process.
 
+`--loop` sets TENSORBUS_EVENT_LOOP for every service process (the client stays on
+asyncio), so two runs compare event loops with everything else equal.
 All processes share this machine's cores with the client: compare within one run.
 Prints one JSON object; bench/out/capacity.json keeps it.
 """
@@ -128,9 +131,10 @@ def wrk_phase(sup: Supervisor, port: int, clients: int, seconds: float, workdir:
             "cpu_cores": {k: round((after[k] - before[k]) / wall, 2) for k in before}}
 
 
-async def run(seconds: float, clients: int, http: bool, workdir: Path, gateways: int = 1) -> dict:
+async def run(seconds: float, clients: int, http: bool, workdir: Path, gateways: int = 1,
+              loop: str = "auto") -> dict:
     port = free_port()
-    with Supervisor(workdir, env=env(port)) as sup:
+    with Supervisor(workdir, env=env(port, {"TENSORBUS_EVENT_LOOP": loop})) as sup:
         start_stack(sup, gateways=gateways)
         nc = await connect(sup.nats_url, "bench-client")
         try:
@@ -144,7 +148,8 @@ async def run(seconds: float, clients: int, http: bool, workdir: Path, gateways:
             "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
             "load_average_1m": round(os.getloadavg()[0], 2),
             "command": f"python -m bench.capacity --seconds {seconds:g} --clients {clients}"
-                       + (" --http" if http else "") + f" --gateways {gateways}", **res}
+                       + (" --http" if http else "") + f" --gateways {gateways} --loop {loop}",
+            "event_loop": loop, **res}
 
 
 def free_port() -> int:
@@ -161,10 +166,13 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--http", action="store_true", help="also load HTTP with wrk")
     ap.add_argument("--gateways", type=int, default=1, help="gateway processes")
+    ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                    help="TENSORBUS_EVENT_LOOP of every service process")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as d:
-        res = asyncio.run(run(args.seconds, args.clients, args.http, Path(d), args.gateways))
+        res = asyncio.run(run(args.seconds, args.clients, args.http, Path(d), args.gateways,
+                              args.loop))
     print(json.dumps(res, indent=2))
     out = REPO / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)

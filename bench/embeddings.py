@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.embeddings [--seconds 10] [--skip-torch] [--http]
         [--kinds short,long] [--concurrency 1,16,64] [--data-dir DIR]
+        [--loop auto|asyncio|uvloop]
 
 One run measures, on this machine:
   1. engine: JAX sentences/s at batch 64 (short ~16 and long ~128 tokens), batch-1
@@ -15,7 +16,9 @@ One run measures, on this machine:
      process (bench.capacity's /proc reading), the client's included;
   3. `--http`: `wrk` (Debian package) posts short inputs to `/v1/embeddings` with as
      many connections as the highest concurrency, same CPU accounting (the client is wrk);
-  4. writes bench/out/embeddings.json, docs/img/embeddings.png (all kinds) and prints
+  4. `--loop` sets TENSORBUS_EVENT_LOOP for every service process (the client and the
+     raw engine stay on asyncio);
+  5. writes bench/out/embeddings.json, docs/img/embeddings.png (all kinds) and prints
      a markdown table for docs/benchmarks.md.
 """
 
@@ -75,7 +78,7 @@ def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("sh
 
 
 async def stack_figures(seconds: float, workdir: Path, data_dir: Path, kinds: list[str],
-                        concurrency: list[int], http: bool) -> dict:
+                        concurrency: list[int], http: bool, loop: str = "auto") -> dict:
     from bench.capacity import cpu_all, free_port, per_request, wrk_phase
     from services.supervisor import Supervisor, wait_ready
     from shared import subjects
@@ -90,7 +93,7 @@ async def stack_figures(seconds: float, workdir: Path, data_dir: Path, kinds: li
         env = dict(TENSORBUS_BATCH_BUCKETS=BATCH_BUCKETS, TENSORBUS_SEQ_BUCKETS=SEQ_BUCKETS,
                    TENSORBUS_MAX_BATCH="64", TENSORBUS_DATA_DIR=str(data_dir),
                    TENSORBUS_HTTP_PORT=str(port), TENSORBUS_METRICS_PORT="0",
-                   TENSORBUS_LOG_LEVEL="warning")
+                   TENSORBUS_LOG_LEVEL="warning", TENSORBUS_EVENT_LOOP=loop)
         for name in ("gateway", "scheduler", "worker", "telemetry"):
             sup.start(name, f"services.{name}", **env)
         nc = await connect(sup.nats_url, "bench-client")
@@ -302,6 +305,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--data-dir", type=Path, default=REPO / ".data",
                     help="the worker's data dir (its jax-cache is shared with the engine run)")
+    ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                    help="TENSORBUS_EVENT_LOOP of every service process")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     kinds = args.kinds.split(",")
@@ -312,7 +317,7 @@ def main() -> None:
     args.data_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "seconds": args.seconds}
+                 "seconds": args.seconds, "event_loop": args.loop}
     res["engine"] = engine_figures(args.seconds, args.data_dir)
     print("engine:", json.dumps(res["engine"]), flush=True)
     if not args.skip_torch:
@@ -324,7 +329,7 @@ def main() -> None:
             pass
     with tempfile.TemporaryDirectory() as d:
         res["stack"] = asyncio.run(stack_figures(args.seconds, Path(d), args.data_dir, kinds,
-                                                 concurrency, args.http))
+                                                 concurrency, args.http, args.loop))
     # The machine's speed moves within minutes: the raw engine again, right after.
     res["engine_after"] = engine_figures(args.seconds, args.data_dir, tuple(kinds))
     print("engine after:", json.dumps(res["engine_after"]), flush=True)

@@ -77,4 +77,7 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    from services.lifecycle import run_loop
+    from shared.config import Config
+
+    run_loop(main(), Config.from_env().event_loop)

@@ -1,7 +1,8 @@
 """One process lifecycle for every service: `python -m services.NAME` is `serve(...)`.
 
   1. Read the config (`Config.from_env`), run the service's own settings check (a
-     setting that cannot work exits 78), configure logging once.
+     setting that cannot work exits 78), configure logging once, choose the event
+     loop (TENSORBUS_EVENT_LOOP; logged as `event_loop` when the process starts).
   2. SIGINT / SIGTERM set an Event (shared.bus.stop_event).
   3. Connect to NATS (retried until nats-server listens).
   4. `build(nc, config)` returns the service and any extra background work (the
@@ -27,7 +28,7 @@ from typing import Any, Awaitable, Callable, Coroutine, NoReturn
 from nats.aio.client import Client
 
 from shared.bus import connection, stop_event
-from shared.config import Config
+from shared.config import Config, bad_config
 from shared.logging import configure_logging, get_logger
 
 log = get_logger("lifecycle")
@@ -89,7 +90,45 @@ def serve(name: str, build: Build, *, client_name: str | Callable[[Config], str]
         check(config)
     configure_logging(name, config.log_level, config.log_format)
     client = client_name(config) if callable(client_name) else client_name or name
-    sys.exit(asyncio.run(run_service(config, build, client)))
+    sys.exit(run_loop(run_service(config, build, client), config.event_loop))
+
+
+LoopFactory = Callable[[], asyncio.AbstractEventLoop]
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
+
+
+def loop_factory(setting: str) -> tuple[str, LoopFactory]:
+    """(name, factory) of the event loop TENSORBUS_EVENT_LOOP asks for. `auto` takes
+    uvloop when it is installed, else asyncio's own loop. Asking for uvloop where it is
+    not installed, or for a loop not in EVENT_LOOPS, exits 78."""
+    if setting not in EVENT_LOOPS:
+        raise bad_config(f"TENSORBUS_EVENT_LOOP={setting!r}: use one of {', '.join(EVENT_LOOPS)}")
+    if setting != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if setting == "uvloop":
+                raise bad_config("TENSORBUS_EVENT_LOOP=uvloop but uvloop is not installed "
+                                 "(pip install uvloop; Linux and macOS only)") from None
+        else:
+            return "uvloop", uvloop.new_event_loop
+    return "asyncio", asyncio.new_event_loop
+
+
+def run_loop(main: Coroutine[Any, Any, Any], setting: str = "auto") -> Any:
+    """`asyncio.run(main)` on the event loop `setting` names (see loop_factory)."""
+    try:
+        name, factory = loop_factory(setting)
+    except SystemExit:
+        main.close()  # never started: no "never awaited" warning on the way out
+        raise
+
+    async def logged() -> Any:
+        log.info("event_loop", loop=name, setting=setting)
+        return await main
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(logged())
 
 
 async def run_service(config: Config, build: Build, client_name: str) -> int:

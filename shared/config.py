@@ -75,6 +75,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     metrics_host: str = "127.0.0.1"  # /metrics bind address; 0.0.0.0 inside a pod
     summary_interval_s: float = 5.0  # telemetry.v1.summary period
     cost_per_hour: str = "0"  # price of one worker-hour, VALUE[,KEY=VALUE...]; KEY a model or device kind (cpu, cuda)
+    # --- process
+    event_loop: str = "auto"  # every service's event loop: auto (uvloop when installed, else asyncio) | asyncio | uvloop (missing = exit 78)
     # --- logs
     log_level: str = "info"  # debug / info / warning / error
     log_format: str = "auto"  # auto (JSON unless a TTY) | json | console
