@@ -118,13 +118,15 @@ def loop_factory(setting: str) -> tuple[str, LoopFactory]:
 def run_loop(main: Coroutine[Any, Any, Any], setting: str = "auto") -> Any:
     """`asyncio.run(main)` on the event loop `setting` names (see loop_factory)."""
     try:
-        name, factory = loop_factory(setting)
+        _, factory = loop_factory(setting)
     except SystemExit:
         main.close()  # never started: no "never awaited" warning on the way out
         raise
 
     async def logged() -> Any:
-        log.info("event_loop", loop=name, setting=setting)
+        # The loop actually running (uvloop.Loop or asyncio's own), not the one asked for.
+        running = type(asyncio.get_running_loop()).__module__.partition(".")[0]
+        log.info("event_loop", loop=running, setting=setting)
         return await main
 
     with asyncio.Runner(loop_factory=factory) as runner:
