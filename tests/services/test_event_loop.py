@@ -67,8 +67,8 @@ async def test_a_service_started_on_uvloop_runs_on_it_and_answers(nats_server, n
                 # 400 from h11 when the block arrives in pieces; 431 from the gateway's
                 # own check when it arrives whole (as on asyncio's loop)
                 assert r.status_code in (400, 431), r.status_code
-            except httpx.RemoteProtocolError:
-                pass  # h11 may close the connection on an oversized header block
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                pass  # h11 may answer and close while the block is still being sent
             r = await http.get("/v1/models")
             assert r.status_code == 200 and r.json()["object"] == "list"
         proc.send_signal(signal.SIGTERM)
