@@ -1,5 +1,6 @@
-"""Weight-only quantization: int8 and int4, each with a scale per output channel
-and group of inputs.
+"""Quantized weights: int8 and int4 with a scale per output channel and group of
+inputs, fp8 (e4m3) with a scale per output channel, and int8 per output channel for
+int8 x int8 matmuls.
 
 A quantized weight is a `QWeight` standing in the parameter pytree where the float
 weight stood; the model code's `dense`, `unembed` and row lookups accept either, so
@@ -20,10 +21,19 @@ matrix, 1 for a [V, E] embedding that is also the lm head), IN split into groups
   (q in [-7, 7]) raised SmolLM2's perplexity on the fixed texts by 49 %, Q4_0's
   (the signed extreme at -8) by 34 %, this one by 6 %. Packed by hand because
   XLA:CPU keeps `jnp.int4` arrays at one byte per value.
+- fp8: `q` float8_e4m3fn, w's shape; one scale per output channel (the whole axis
+  is one group), scale = amax / 448 (e4m3's largest finite value).
+- w8a8: int8 as above with one scale per output channel (the whole axis one group),
+  for the int8 x int8 -> int32 matmul: per-input-group scales would split the dot
+  into one per group, which measured slower here than float32 (docs/decisions/0013).
 - `scale` (and int4's `offset`): float32, w's shape with the contracted axis IN / group.
 
-The matmul dequantizes inside the jitted step (convert, scale, then the float
-matmul; XLA fuses the first two into one loop over the weight).
+`compute` (static) says how a matmul uses the weight:
+- "dequant": convert and scale inside the jitted step, then the float matmul (XLA
+  fuses the first two into one loop over the weight);
+- "int8" (w8a8 weights only): each activation row is quantized to int8 inside the
+  step (symmetric, its own amax / 127), `dot_general` accumulates in int32, and the
+  result is scaled by the row's scale times the channel's.
 """
 
 from __future__ import annotations
@@ -35,23 +45,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MODES = ("none", "int8", "int4")
+MODES = ("none", "int8", "int4", "fp8")
 GROUPS = {8: (128, 64, 32), 4: (32, 16, 8)}  # preferred group sizes, largest first
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 @dataclasses.dataclass(frozen=True)
 class QWeight:
-    q: Any  # int8 [w's shape] or uint8 [w's shape, contracted axis / 2]
+    q: Any  # int8 or float8_e4m3fn [w's shape], or uint8 [w's shape, contracted axis / 2]
     scale: Any  # float32 [w's shape, contracted axis / group]
-    offset: Any  # int4: float32, scale's shape (each group's minimum); int8: None
+    offset: Any  # int4: float32, scale's shape (each group's minimum); else None
     axis: int  # the contracted axis of the float weight (static)
     bits: int  # 8 or 4 (static)
     group: int  # inputs per scale (static)
+    compute: str = "dequant"  # "dequant" | "int8" (static; see the module docstring)
 
 
 jax.tree_util.register_dataclass(
-    QWeight, data_fields=["q", "scale", "offset"], meta_fields=["axis", "bits", "group"]
-)
+    QWeight, data_fields=["q", "scale", "offset"],
+    meta_fields=["axis", "bits", "group", "compute"],
+)  # fmt: skip
 
 
 def group_size(n: int, bits: int) -> int:
@@ -70,20 +83,27 @@ def check_mode(mode: str) -> str:
 
 
 def quantize(w: np.ndarray, mode: str, axis: int) -> QWeight:
-    """Float weight -> QWeight contracted over `axis` (host numpy, done once at load)."""
-    bits = {"int8": 8, "int4": 4}.get(mode)
+    """Float weight -> QWeight contracted over `axis` (host numpy, done once at load).
+    `mode`: int8 | int4 | fp8 | w8a8 (int8 per output channel, for int8 matmuls)."""
+    bits = {"int8": 8, "int4": 4, "fp8": 8, "w8a8": 8}.get(mode)
     if bits is None:
         raise ValueError(f"cannot quantize to {mode!r}")
     w = np.asarray(w, np.float32)
     n = w.shape[axis]
-    g = group_size(n, bits)
+    if mode == "fp8":
+        amax = np.maximum(np.abs(w).max(axis=axis, keepdims=True), 1e-30)  # [..., 1, ...]
+        scale = (amax / FP8_MAX).astype(np.float32)
+        q = (w / scale).astype(jnp.float8_e4m3fn)  # round to nearest even, as XLA does
+        return QWeight(q, scale, None, axis, bits, n)
+    g = n if mode == "w8a8" else group_size(n, bits)
     x = np.moveaxis(w, axis, -1)  # [..., IN]
     x = x.reshape(x.shape[:-1] + (n // g, g))  # [..., IN/G, G]
     back = lambda a: np.moveaxis(a[..., 0], -1, axis).astype(np.float32)  # noqa: E731
     if bits == 8:
         scale = np.maximum(np.abs(x).max(axis=-1, keepdims=True), 1e-30) / 127.0  # [..., IN/G, 1]
         q = np.clip(np.rint(x / scale), -127, 127).astype(np.int8).reshape(x.shape[:-2] + (n,))
-        return QWeight(np.moveaxis(q, -1, axis), back(scale), None, axis, bits, g)
+        compute = "int8" if mode == "w8a8" else "dequant"
+        return QWeight(np.moveaxis(q, -1, axis), back(scale), None, axis, bits, g, compute)
     lo = x.min(axis=-1, keepdims=True)  # [..., IN/G, 1]
     scale = np.maximum(x.max(axis=-1, keepdims=True) - lo, 1e-30) / 15.0
     u = np.clip(np.rint((x - lo) / scale), 0, 15).astype(np.uint8).reshape(x.shape[:-2] + (n,))
@@ -104,13 +124,34 @@ def dequantize(w: QWeight, dtype) -> jax.Array:
     return jnp.moveaxis(f.reshape(q.shape), -1, w.axis)  # back to w's shape
 
 
+def quantize_rows(x):
+    """x: [N, K] float -> (int8 [N, K], float32 [N, 1]): each row symmetric over its
+    own amax, x ~ q * scale."""
+    xf = x.astype(jnp.float32)
+    scale = jnp.maximum(jnp.abs(xf).max(axis=-1, keepdims=True), 1e-30) / 127.0
+    return jnp.clip(jnp.round(xf / scale), -127, 127).astype(jnp.int8), scale
+
+
+def _int8_dot(x, w: QWeight):
+    """x: [N, K] float, w: w8a8 weight contracted over its axis K -> [N, OUT] float32"""
+    xq, sx = quantize_rows(x)
+    acc = jax.lax.dot_general(xq, w.q, (((1,), (w.axis,)), ((), ())),
+                              preferred_element_type=jnp.int32)  # [N, OUT]  # fmt: skip
+    sw = w.scale[0] if w.axis == 0 else w.scale[:, 0]  # [OUT]
+    return acc.astype(jnp.float32) * sx * sw
+
+
 def matmul(x, w: QWeight, precision=None):
     """x: [N, IN] @ w: [IN, OUT] (contracted over axis 0) -> [N, OUT] in x's dtype."""
+    if w.compute == "int8":
+        return _int8_dot(x, w).astype(x.dtype)
     return jnp.matmul(x, dequantize(w, x.dtype), precision=precision)
 
 
 def unembed(h, w: QWeight, precision=None):
     """h: [N, E], w: [V, E] (contracted over axis 1) -> [N, V] float32"""
+    if w.compute == "int8":
+        return _int8_dot(h, w)
     return jnp.einsum("ne,ve->nv", h, dequantize(w, h.dtype),
                       preferred_element_type=jnp.float32, precision=precision)  # fmt: skip
 
@@ -120,7 +161,8 @@ def take_rows(w, ids, dtype=None):
     if not isinstance(w, QWeight):
         return w[ids]
     offset = None if w.offset is None else w.offset[ids]
-    rows = QWeight(w.q[ids], w.scale[ids], offset, w.axis + ids.ndim - 1, w.bits, w.group)
+    rows = QWeight(w.q[ids], w.scale[ids], offset, w.axis + ids.ndim - 1, w.bits, w.group,
+                   w.compute)  # fmt: skip
     return dequantize(rows, dtype or jnp.float32)
 
 
@@ -135,6 +177,41 @@ def quantize_tree(tree: dict, mode: str, axes: dict[str, int]) -> dict:
         if isinstance(node, list):
             return [walk(v) for v in node]
         return node
+
+    return walk(tree)
+
+
+def dequantize_tree(tree, dtype):
+    """Every QWeight of a device tree -> its float weight in `dtype` (the float form:
+    the same numbers as the quantized weights, at float size)."""
+
+    def walk(node):
+        if isinstance(node, QWeight):
+            return dequantize(node, dtype)
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(tree)
+
+
+def float_bytes(tree, dtype) -> int:
+    """Bytes `tree`'s weights take as floats in `dtype` (QWeights at their float
+    shape; other leaves as they are)."""
+    size = np.dtype(dtype).itemsize
+
+    def walk(node) -> int:
+        if isinstance(node, QWeight):
+            shape = list(node.q.shape)
+            shape[node.axis] *= 8 // node.bits if node.q.dtype == np.uint8 else 1
+            return int(np.prod(shape)) * size
+        if isinstance(node, dict):
+            return sum(walk(v) for v in node.values())
+        if isinstance(node, list):
+            return sum(walk(v) for v in node)
+        return int(np.prod(node.shape)) * node.dtype.itemsize
 
     return walk(tree)
 

@@ -51,7 +51,7 @@ from engine.decoder.kvcache import (
     cache_bytes,
     init_decode_state,
 )
-from engine.decoder.model import load_params, param_bytes
+from engine.decoder.model import param_bytes
 from engine.interface import CacheStats
 from shared.logging import get_logger
 from shared.messages import Sampling
@@ -134,18 +134,26 @@ class DecoderEngine:
         prefix_cache: bool = True,
         tensor_parallel: int = 1,
         quant: str = "none",
+        quant_form: str = "auto",
+        weight_budget: int = 0,
+        forms_cache: str | Path | None = "",
     ) -> None:
         """kv_blocks: pool size (0: enough for every slot to hold a full context, the
         memory of the old fixed rows); prefill_chunk: longest prefill piece (0: the
-        largest bucket)."""
+        largest bucket). quant_form: auto (the fastest allowed per bucket, chosen at
+        `warmup`) or one of engine/forms.py's forms; weight_budget: bytes all held
+        forms' weights may take (0: the float32 size of the weights); forms_cache:
+        the choice's file ("": beside the compilation cache; None: not kept)."""
         from engine import sharding
         from engine.jaxrt import device_name, dtype_name, parse_dtype
+        from engine import forms
         from engine.quant import check_mode
 
         t0 = time.perf_counter()
         self.name = name
         self.model_dir = Path(model_dir)
         self.quant = check_mode(quant)
+        self.quant_form = forms.check_form(quant_form, self.quant)
         tp = sharding.parse(tensor_parallel)
         cfg = load_config(model_dir)
         if tp > 1:
@@ -175,7 +183,7 @@ class DecoderEngine:
         self.contexts = tuple(sorted(ctx))
         self.device = device_name()
         self.tokenizer = self._load_tokenizer()
-        self.params = load_params(model_dir, self.cfg, self._jdtype, self.quant, self._mesh)
+        self._load_forms(weight_budget, forms_cache)
         blocks = int(kv_blocks) or self._slots * self._max_blocks + 1
         self.pool = BlockPool(blocks, self.block, prefix_cache)
         self._state = init_decode_state(self.cfg, self._slots, blocks, self.block, self._jdtype)
@@ -197,7 +205,7 @@ class DecoderEngine:
             lambda params, state, tables, live: steps.generate(params, cfg, state, tables, live),
             donate_argnums=1, **out,
         )  # fmt: skip
-        self.weight_bytes = param_bytes(self.params)  # integers and scales when quantized
+        self.weight_bytes = sum(param_bytes(t) for t in self._forms.values())
         self._tables = np.full((self._slots, self._max_blocks), SCRATCH, np.int32)
         self._held: list[list[int]] = [[] for _ in range(self._slots)]  # slot -> blocks
         self._jobs: dict[int, _Prefill] = {}  # slots between begin and their last chunk
@@ -210,12 +218,87 @@ class DecoderEngine:
         self._active = np.zeros(self._slots, bool)  # live: part of decode steps
         log.info(
             "decoder_loaded", model=name, family=self.cfg.family, dtype=self._dtype,
-            quant=self.quant, devices=self.devices,
+            quant=self.quant, forms=list(self._forms), devices=self.devices,
             slots=self._slots, max_context=self._max_context, buckets=list(self.buckets),
             windows=list(self.windows), contexts=list(self.contexts), kv_block=self.block,
             kv_blocks=blocks, param_bytes=self.weight_bytes,
             cache_bytes=cache_bytes(self._state), seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
+
+    def _load_forms(self, budget: int, cache) -> None:
+        """Weights in every compute form this engine may run (engine/forms.py); until
+        `select_forms` every bucket runs the forced form, or the stored one."""
+        from engine import forms, quant, sharding
+        from engine.decoder.model import load_param_forms
+
+        want = ("float",) if self.quant == "none" else ("dequant",)
+        if self.quant == "int8" and self.quant_form in ("auto", "w8a8"):
+            want += ("w8a8",)
+        trees = load_param_forms(self.model_dir, self.cfg, self._jdtype, self.quant, want,
+                                 self._mesh)  # fmt: skip
+        sizes = {f: param_bytes(t) for f, t in trees.items()}
+        if self.quant != "none":
+            sizes["float"] = quant.float_bytes(trees["dequant"], self._jdtype)
+            budget = int(budget) or quant.float_bytes(trees["dequant"], np.float32)
+            self.form_candidates = forms.candidates(self.quant, self.quant_form, sizes, budget)
+            if "float" in self.form_candidates:
+                f = quant.dequantize_tree(trees["dequant"], self._jdtype)
+                trees["float"] = f if self._mesh is None else sharding.place(f, self._mesh)
+        else:
+            self.form_candidates = ("float",)
+        self._forms = {f: t for f, t in trees.items() if f in self.form_candidates}
+        self._forms_cache = forms.cache_path(cache)
+        first = self.form_candidates[0] if len(self.form_candidates) == 1 else "dequant"
+        self.compute_forms: dict[str, str] = {b: first for b in self.form_buckets}
+        self.form_ms: dict[str, dict[str, float]] = {}  # bucket -> form -> ms measured
+        self.forms_measured = False  # whether the last `select_forms` measured
+        self.params = self._forms[first]  # the decode step's weights (benchmarks, tests)
+
+    @property
+    def form_buckets(self) -> list[str]:
+        """Buckets a compute form is chosen for: the decode step (every slot, at any
+        window) and each prefill length."""
+        return [f"step {self._slots}"] + [f"prefill {b}" for b in self.buckets]
+
+    def _params_for(self, bucket: str) -> dict:
+        return self._forms[self.compute_forms[bucket]]
+
+    def select_forms(self) -> dict[str, str]:
+        """The fastest allowed compute form per bucket: measured once (each bucket's
+        program at its smallest context), then read from the choice file. Forms no
+        bucket chose are dropped (their memory goes back)."""
+        from engine import forms
+
+        if len(self._forms) > 1:
+            table = np.full(self._max_blocks, SCRATCH, np.int32)  # writes go to scratch
+            saved = self.compute_forms
+
+            def run(bucket: str, form: str):
+                kind, size = bucket.split()
+                self.compute_forms = dict(saved, **{bucket: form})
+                if kind == "step":
+                    return self._run_step(self.windows[0])
+                ctx = self.context_for(int(size))
+                return self._run_chunk(0, [0] * int(size), 0, table[: ctx // self.block],
+                                       _slot_sampling(GREEDY), np.uint32(0))  # fmt: skip
+
+            cfg = self.cfg
+            fields = dict(model=self.name, family=cfg.family, layers=cfg.layers,
+                          hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                          intermediate=cfg.intermediate, vocab=cfg.vocab_size,
+                          dtype=self._dtype, quant=self.quant, tp=cfg.tensor_parallel,
+                          windows=list(self.windows), contexts=list(self.contexts))  # fmt: skip
+            self.compute_forms = saved
+            choices, ms, measured = forms.select(self.form_buckets, tuple(self._forms), run,
+                                                 fields, self._forms_cache)  # fmt: skip
+            self.compute_forms, self.form_ms, self.forms_measured = choices, ms, measured
+            self._forms = {f: t for f, t in self._forms.items() if f in set(choices.values())}
+            self.params = self._params_for(self.form_buckets[0])
+            self.weight_bytes = sum(param_bytes(t) for t in self._forms.values())
+        log.info("compute_forms", model=self.name, quant=self.quant, choices=self.compute_forms,
+                 ms=self.form_ms, measured=self.forms_measured, weight_bytes=self.weight_bytes,
+                 cache=str(self._forms_cache or ""))  # fmt: skip
+        return dict(self.compute_forms)
 
     def _load_tokenizer(self):
         from engine.tokenizer import Tokenizer, has_tokenizer
@@ -290,6 +373,8 @@ class DecoderEngine:
         """Compile every prefill shape and every decode window; return how many."""
         from tqdm import tqdm
 
+        if self.quant != "none":
+            self.select_forms()
         jobs = self.compiles
         bar = tqdm(jobs, desc=f"compile {self.name}", file=sys.stderr, disable=not progress)
         t0 = time.perf_counter()
@@ -399,8 +484,9 @@ class DecoderEngine:
                    sampling: SlotSampling, seed) -> jax.Array:
         padded = np.zeros(self.bucket_for(len(piece)), np.int32)  # padded: [T]
         padded[: len(piece)] = piece
+        params = self._params_for(f"prefill {self.bucket_for(len(piece))}")
         self._state, token = self._prefill(
-            self.params, self._state, padded, np.int32(offset), np.int32(len(piece)),
+            params, self._state, padded, np.int32(offset), np.int32(len(piece)),
             np.array(table), np.int32(slot), sampling, seed,
         )  # fmt: skip
         return token
@@ -432,7 +518,8 @@ class DecoderEngine:
     def _run_step(self, window: int):
         live = np.array(self._active)  # a copy: the host flips these while the step runs
         tables = np.array(self._tables[:, : window // self.block])  # [SLOTS, NW]
-        self._state, tokens = self._generate(self.params, self._state, tables, live)
+        params = self._params_for(f"step {self._slots}")
+        self._state, tokens = self._generate(params, self._state, tables, live)
         return tokens
 
     def window_for(self) -> int:

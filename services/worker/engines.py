@@ -1,6 +1,7 @@
 """Which engine a worker builds for a model: kind from the model's files, backend
 from `TENSORBUS_ENGINE`, precision from `TENSORBUS_DTYPE`, devices from
-`TENSORBUS_TENSOR_PARALLEL` and stored weights from `TENSORBUS_QUANT` (all per model).
+`TENSORBUS_TENSOR_PARALLEL`, stored weights from `TENSORBUS_QUANT` and how they are
+multiplied from `TENSORBUS_QUANT_FORM` and `TENSORBUS_WEIGHT_BUDGET_MB` (all per model).
 
 The serving layer sees engines only through engine/interface.py; this is the one
 place that picks an implementation.
@@ -15,7 +16,7 @@ from shared.config import Config, bad_config
 
 ENGINES = ("jax", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTS = ("none", "int8", "int4")  # engine/quant.py; fp8 is not implemented
+QUANTS = ("none", "int8", "int4", "fp8")  # engine/quant.py
 
 
 def parallel_settings(config: Config, model: str) -> tuple[int, str]:
@@ -34,6 +35,33 @@ def parallel_settings(config: Config, model: str) -> tuple[int, str]:
     if quant not in QUANTS:
         raise bad_config(f"TENSORBUS_QUANT={quant!r} for {model}: use one of {', '.join(QUANTS)}")
     return tp, quant
+
+
+def form_settings(config: Config, model: str, kind: str) -> tuple[str, int]:
+    """(compute form, weight budget in bytes) for `model`; exits 78 on a bad value
+    or a form its quantization (or an encoder, which runs its stored form) cannot run."""
+    from engine import forms
+
+    _, quant = parallel_settings(config, model)
+    try:
+        form = config.for_model("quant_form", model) or "auto"
+        budget_text = config.for_model("weight_budget_mb", model) or "0"
+    except ValueError as exc:
+        raise bad_config(str(exc)) from None
+    try:
+        forms.check_form(form, quant)
+    except ValueError as exc:
+        raise bad_config(f"TENSORBUS_QUANT_FORM={form!r} for {model}: {exc}") from None
+    if kind == "encoder" and form not in ("auto", "float" if quant == "none" else "dequant"):
+        raise bad_config(f"TENSORBUS_QUANT_FORM={form!r} for {model}: encoders run their "
+                         f"stored weights (auto or dequant)")  # fmt: skip
+    try:
+        budget = float(budget_text)
+    except ValueError:
+        budget = -1.0
+    if budget < 0:
+        raise bad_config(f"TENSORBUS_WEIGHT_BUDGET_MB={budget_text!r} for {model}: use a number >= 0")
+    return form, int(budget * 2**20)
 
 
 def check_split(config: Config, info: catalog.ModelInfo) -> None:
@@ -64,6 +92,7 @@ def engine_settings(config: Config, model: str) -> tuple[str, str]:
     parallel degree or quantization the backend does not run, or (when the model's
     directory is known here) heads that do not split over the devices asked for."""
     tp, quant = parallel_settings(config, model)
+    form_settings(config, model, "decoder")  # the encoder's narrower check: at build
     try:
         engine = config.for_model("engine", model) or "jax"
         dtype = config.for_model("dtype", model) or "float32"
@@ -91,14 +120,16 @@ def build_engine(config: Config, info: catalog.ModelInfo):
     backend, dtype = engine_settings(config, info.name)
     check_split(config, info)
     tp, quant = parallel_settings(config, info.name)
+    form, budget = form_settings(config, info.name, info.kind)
     jaxrt.setup(str(Path(config.data_dir) / "jax-cache"))
     try:
-        return _build(config, info, backend, dtype, tp, quant)
+        return _build(config, info, backend, dtype, tp, quant, form, budget)
     except ShardingError as exc:  # e.g. fewer devices than asked for
         raise bad_config(str(exc)) from None
 
 
-def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp: int, quant: str):
+def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp: int, quant: str,
+           form: str = "auto", budget: int = 0):
     if info.kind == "encoder":
         kw = dict(name=info.name, dtype=dtype, batch_buckets=config.batch_bucket_list,
                   seq_buckets=config.seq_bucket_list, max_batch=config.max_batch)
@@ -119,4 +150,5 @@ def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp
 
     return DecoderEngine(info.path, kv_block=config.kv_block, kv_blocks=config.kv_blocks,
                          prefill_chunk=config.prefill_chunk, prefix_cache=config.prefix_cache,
-                         tensor_parallel=tp, quant=quant, **kw)  # fmt: skip
+                         tensor_parallel=tp, quant=quant, quant_form=form,
+                         weight_budget=budget, **kw)  # fmt: skip

@@ -4,6 +4,8 @@ model's perplexity on the fixed text set (bench/texts.py) against its float32 we
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,9 +90,162 @@ def perplexity(engine: DecoderEngine, texts=PERPLEXITY_TEXTS, bucket: int = 64) 
 def test_demo_model_perplexity_within_bounds_of_float32():
     d = bundled_dir(DEMO_LM)
     ppl = {m: perplexity(DecoderEngine(d, DEMO_LM, slots=1, max_context=64, quant=m))
-           for m in ("none", "int8", "int4")}  # fmt: skip
+           for m in ("none", "int8", "int4", "fp8")}  # fmt: skip
     # The demo model is small (4M parameters, docstrings only): about 300 here, far
     # better than a uniform guess over its 4096 tokens, which is all this needs.
     assert 1.0 < ppl["none"] < 1000, ppl
     assert ppl["int8"] <= 1.02 * ppl["none"], ppl
     assert ppl["int4"] <= 1.08 * ppl["none"], ppl
+    assert ppl["fp8"] <= 1.08 * ppl["none"], ppl
+
+
+# ---------------------------------------------------------------- fp8 and int8 x int8
+
+
+def test_fp8_weights_round_to_e4m3_with_a_scale_per_output_channel():
+    import ml_dtypes
+
+    w = np.random.default_rng(1).standard_normal((96, 40)).astype(np.float32)
+    w[:, 3] *= 1e3  # one loud channel keeps its own scale
+    qw = quant.quantize(w, "fp8", 0)
+    assert qw.q.dtype == jnp.float8_e4m3fn and qw.scale.shape == (1, 40)
+    back = np.asarray(quant.dequantize(qw, jnp.float32))
+    scale = np.abs(w).max(0) / float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    # e4m3: 3 mantissa bits (half a step is 2^-4 of the value), subnormal steps of 2^-9.
+    bound = np.maximum(np.abs(w) * 2.0**-4, scale * 2.0**-10) * 1.0001
+    assert (np.abs(back - w) <= bound).all()
+    assert np.abs(back[:, 3] - w[:, 3]).max() <= 2.0**-4 * np.abs(w[:, 3]).max()
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_int8_by_int8_matmul_tracks_the_float64_product(axis):
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((16, 192)).astype(np.float32)
+    x[:, 7] *= 20  # an outlier input channel, as real activations have
+    w = rng.standard_normal((192, 320) if axis == 0 else (320, 192)).astype(np.float32)
+    qw = quant.quantize(w, "w8a8", axis)
+    assert qw.compute == "int8" and qw.group == 192 and qw.q.dtype == np.int8
+    want = x.astype(np.float64) @ (w if axis == 0 else w.T).astype(np.float64)
+    mm = quant.matmul if axis == 0 else quant.unembed
+    got = np.asarray(jax.jit(mm)(jnp.asarray(x), jax.tree.map(jnp.asarray, qw)))
+    assert got.dtype == np.float32
+    rel = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+    assert rel.max() < 0.05, rel.max()  # the outlier sets each row's step: 3.5 % here
+    # The int32 accumulation is exact: the only error is the two roundings to int8.
+    xq, sx = quant.quantize_rows(jnp.asarray(x))
+    wf = np.asarray(quant.dequantize(qw, jnp.float32), np.float64)
+    exact = (np.asarray(xq, np.float64) * np.asarray(sx, np.float64)) @ (wf if axis == 0 else wf.T)
+    np.testing.assert_allclose(got, exact, rtol=2e-5, atol=2e-4 * np.abs(exact).max())
+
+
+def _smollm2_perplexity(**kw) -> float:
+    from shared.catalog import SMOLLM2
+
+    eng = DecoderEngine(bundled_dir(SMOLLM2), SMOLLM2, slots=1, max_context=64, forms_cache=None,
+                        prefill_buckets=(16,), decode_windows=(64,), **kw)  # fmt: skip
+    return perplexity(eng)
+
+
+def test_smollm2_int8_activations_and_fp8_weights_against_float32_perplexity():
+    """The issue's int8 target (2 %) holds for int8 x int8 matmuls too; fp8 (e4m3,
+    a scale per output channel) is measured here at +5.2 %, bounded by int4's 8 %."""
+    ref = _smollm2_perplexity()
+    w8a8 = _smollm2_perplexity(quant="int8", quant_form="w8a8")
+    fp8 = _smollm2_perplexity(quant="fp8")
+    assert ref < w8a8 <= 1.02 * ref, (ref, w8a8)
+    assert ref < fp8 <= 1.08 * ref, (ref, fp8)
+
+
+# ---------------------------------------------------------------- compute forms
+
+_DEMO = dict(slots=2, max_context=64, prefill_buckets=(16, 32), decode_windows=(64,))
+_PROMPTS = [list(range(30, 42)), list(range(50, 55))]
+
+
+def _demo(**kw) -> DecoderEngine:
+    return DecoderEngine(bundled_dir(DEMO_LM), DEMO_LM, **{**_DEMO, **kw})
+
+
+def _teacher_forced_logits(engine: DecoderEngine) -> np.ndarray:
+    from engine.decoder.model import prompt_logits
+
+    f = jax.jit(lambda p, t: prompt_logits(p, engine.cfg, t))
+    rows = []
+    for text in PERPLEXITY_TEXTS:
+        ids = engine.tokenizer.encode(text)[:64]
+        padded = np.zeros(64, np.int32)
+        padded[: len(ids)] = ids
+        rows.append(np.asarray(f(engine.params, padded))[: len(ids)])
+    return np.concatenate(rows)  # [tokens, V]
+
+
+@pytest.fixture(scope="module")
+def float32_demo():
+    eng = _demo(forms_cache=None)
+    return _teacher_forced_logits(eng), eng.generate_static(_PROMPTS, 12)
+
+
+@pytest.mark.parametrize("quant_mode, form, min_cosine, min_top1", [
+    ("int8", "float", 0.9999, 0.995), ("int8", "dequant", 0.9999, 0.995),
+    ("int8", "w8a8", 0.999, 0.98), ("fp8", "dequant", 0.999, 0.98),
+    ("fp8", "float", 0.999, 0.98),
+])  # fmt: skip
+def test_every_compute_form_agrees_with_float32(float32_demo, quant_mode, form, min_cosine,
+                                                min_top1):  # fmt: skip
+    want_logits, want_tokens = float32_demo
+    eng = _demo(quant=quant_mode, quant_form=form, forms_cache=None)
+    assert set(eng.compute_forms.values()) == {form} and list(eng._forms) == [form]
+    got = _teacher_forced_logits(eng)
+    assert _cosine(got, want_logits).min() >= min_cosine
+    assert (got.argmax(1) == want_logits.argmax(1)).mean() >= min_top1
+    if quant_mode == "int8" and form != "w8a8":
+        # The float form holds the int8 weights' own values: the same model as the
+        # dequantizing matmul, whose greedy tokens equal float32's here.
+        assert eng.generate_static(_PROMPTS, 12) == want_tokens
+
+
+def test_fastest_form_per_bucket_is_measured_once_then_read_from_the_cache(tmp_path,
+                                                                           monkeypatch):
+    from engine import forms
+
+    path = tmp_path / "jax-cache" / forms.CACHE_NAME
+    budget = 10**9  # room for the float copy: all three forms compete
+    first = _demo(quant="int8", weight_budget=budget, forms_cache=path)
+    assert first.form_candidates == ("float", "dequant", "w8a8")
+    first.warmup(progress=False)
+    buckets = ["step 2", "prefill 16", "prefill 32"]
+    assert first.forms_measured and set(first.compute_forms) == set(buckets)
+    for bucket in buckets:
+        ms = first.form_ms[bucket]
+        assert set(ms) == {"float", "dequant", "w8a8"} and min(ms.values()) > 0
+        assert first.compute_forms[bucket] == min(ms, key=ms.get)
+    assert set(first._forms) == set(first.compute_forms.values())  # the rest dropped
+    doc = json.loads(path.read_text())
+    (entry,) = doc.values()
+    assert entry["choices"] == first.compute_forms and entry["ms"] == first.form_ms
+    tokens = first.generate_static(_PROMPTS, 8)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(forms, "timed", no_timing)
+    second = _demo(quant="int8", weight_budget=budget, forms_cache=path)
+    second.warmup(progress=False)
+    assert not second.forms_measured and second.compute_forms == first.compute_forms
+    assert second.generate_static(_PROMPTS, 8) == tokens
+    # Other shapes are another key: that engine would measure (and fail here).
+    third = _demo(quant="int8", weight_budget=budget, forms_cache=path, slots=3)
+    with pytest.raises(AssertionError, match="measured again"):
+        third.select_forms()
+
+
+def test_the_weight_budget_decides_whether_a_float_copy_may_compete():
+    default = _demo(quant="int8", forms_cache=None)  # budget: the float32 size
+    assert default.form_candidates == ("dequant", "w8a8")
+    tight = _demo(quant="int8", forms_cache=None, weight_budget=1)
+    assert tight.form_candidates == ("dequant",)
+    assert _demo(quant="int4", forms_cache=None).form_candidates == ("dequant",)
+    assert _demo(quant="int4", forms_cache=None, weight_budget=10**9).form_candidates == (
+        "float", "dequant")
+    with pytest.raises(ValueError, match="int8 weights only"):
+        _demo(quant="int4", quant_form="w8a8")

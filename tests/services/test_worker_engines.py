@@ -69,7 +69,11 @@ def test_engine_setting_picks_the_decoder_backend_per_model(tmp_path):
     ({"TENSORBUS_MODEL": catalog.SMOLLM2, "TENSORBUS_TENSOR_PARALLEL": "1,smollm2-135m-instruct=2"},
      "cannot split 9 query heads, 3 kv heads into 2 equal parts"),
     ({"TENSORBUS_TENSOR_PARALLEL": "two"}, "TENSORBUS_TENSOR_PARALLEL='two'"),
-    ({"TENSORBUS_QUANT": "none,all-MiniLM-L6-v2=fp8"}, "use one of none, int8, int4"),
+    ({"TENSORBUS_QUANT": "none,all-MiniLM-L6-v2=fp4"}, "use one of none, int8, int4, fp8"),
+    ({"TENSORBUS_QUANT": "int4", "TENSORBUS_QUANT_FORM": "w8a8"}, "runs int8 weights only"),
+    ({"TENSORBUS_QUANT_FORM": "dequant"}, "needs quantized weights"),
+    ({"TENSORBUS_QUANT_FORM": "fast"}, "use one of auto, float, dequant, w8a8"),
+    ({"TENSORBUS_WEIGHT_BUDGET_MB": "-5"}, "TENSORBUS_WEIGHT_BUDGET_MB='-5'"),
     ({"TENSORBUS_ENGINE": "torch", "TENSORBUS_QUANT": "int8"}, "need TENSORBUS_ENGINE=jax"),
 ])  # fmt: skip
 def test_worker_exits_78_when_the_model_cannot_split_or_quantize_so(env, says):
@@ -88,6 +92,9 @@ def test_quantized_and_split_settings_reach_the_jax_engine(tmp_path):
     cfg = Config.from_env({}, data_dir=str(tmp_path / "data"), decode_slots=2, max_context=32)
     engine = build_engine(cfg.with_(quant="none,tiny=int4"), info)
     assert (engine.quant, engine.devices) == ("int4", ["cpu:0"])
+    engine = build_engine(cfg.with_(quant="int8", quant_form="auto,tiny=w8a8"), info)
+    assert set(engine.compute_forms.values()) == {"w8a8"}
+    assert build_engine(cfg.with_(quant="fp8"), info).quant == "fp8"
     with pytest.raises(SystemExit) as exit_info:  # one CPU device in this process
         build_engine(cfg.with_(tensor_parallel="2"), info)
     assert exit_info.value.code == EX_CONFIG

@@ -1,0 +1,142 @@
+"""Compute forms of a quantized model, and the choice of the fastest one per bucket.
+
+A quantized model's weights can be multiplied in more than one way, and which is
+fastest depends on the backend and on how many rows the matmul has (a batch bucket):
+- "dequant": the stored integers (or fp8) converted and scaled inside the jitted
+  step, then the float matmul (engine/quant.py);
+- "w8a8": int8 weights with one scale per output channel, activations quantized per
+  row inside the step, int8 x int8 -> int32 matmuls (int8 models only);
+- "float": the dequantized weights held as floats in the model dtype (the same
+  numbers at float size; allowed only where the weight budget holds them).
+
+`select` measures every allowed form at every bucket once (`run(bucket, form)` runs
+that bucket's compiled program), keeps the fastest per bucket, and writes the choice
+with its figures to a JSON file beside the JAX compilation cache, keyed by the model,
+its shapes, the device kind and the JAX version, so a later cold start reads the
+choice instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+FORMS = ("float", "dequant", "w8a8")
+SETTINGS = ("auto",) + FORMS  # TENSORBUS_QUANT_FORM
+CACHE_NAME = "compute-forms.json"
+
+
+def check_form(form: str, quant: str) -> str:
+    """A requested form that `quant` can run; ValueError otherwise."""
+    if form not in SETTINGS:
+        raise ValueError(f"unknown compute form {form!r}; use one of {', '.join(SETTINGS)}")
+    if quant == "none" and form in ("dequant", "w8a8"):
+        raise ValueError(f"compute form {form!r} needs quantized weights (quant is 'none')")
+    if form == "w8a8" and quant != "int8":
+        raise ValueError(f"compute form 'w8a8' runs int8 weights only (quant is {quant!r})")
+    return form
+
+
+def candidates(quant: str, setting: str, sizes: dict[str, int], budget: int) -> tuple[str, ...]:
+    """Forms to consider: the forced one, or (auto) those whose weights fit in
+    `budget` bytes next to the stored ones. sizes: form -> bytes of its weights."""
+    if quant == "none":
+        return ("float",)
+    if setting != "auto":
+        return (setting,)
+    possible = ("float", "dequant", "w8a8") if quant == "int8" else ("float", "dequant")
+    stored = sizes["dequant"]
+    return tuple(f for f in possible if f == "dequant" or stored + sizes[f] <= budget)
+
+
+def cache_path(explicit: str | os.PathLike | None = "") -> Path | None:
+    """Where choices are kept: `explicit`, or (given "") beside the JAX compilation
+    cache when one is set; None: nowhere (every start measures)."""
+    if explicit is None:
+        return None
+    if explicit:
+        return Path(explicit)
+    import jax
+
+    cache_dir = jax.config.jax_compilation_cache_dir
+    return Path(cache_dir) / CACHE_NAME if cache_dir else None
+
+
+def cache_key(fields: dict) -> str:
+    import jax
+
+    dev = jax.devices()[0]
+    full = dict(fields, device=f"{dev.platform}:{dev.device_kind}", jax=jax.__version__)
+    text = json.dumps(full, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def _read(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: measure again and write a fresh one
+
+
+def _write(path: Path, key: str, entry: dict) -> None:
+    """Merge one entry in, atomically (another worker may be writing its own)."""
+    doc = _read(path)
+    doc[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def timed(run: Callable[[], object], repeats: int) -> float:
+    """Milliseconds of one run (median of `repeats`), after one untimed run that
+    compiles."""
+    import jax
+
+    jax.block_until_ready(run())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
+
+
+def select(
+    buckets: Iterable[str],
+    forms: tuple[str, ...],
+    run: Callable[[str, str], object],
+    key_fields: dict,
+    path: Path | None,
+    repeats: int = 3,
+) -> tuple[dict[str, str], dict[str, dict[str, float]], bool]:
+    """-> (bucket -> form, bucket -> {form: ms}, measured now?).
+
+    One form: no measurement. Otherwise the cached choice for this key if there is
+    one, else each form timed at each bucket and the choice written to `path`."""
+    buckets = list(buckets)
+    if len(forms) == 1:
+        return {b: forms[0] for b in buckets}, {}, False
+    key = cache_key(dict(key_fields, buckets=buckets, forms=list(forms)))
+    if path is not None:
+        entry = _read(path).get(key)
+        if entry and set(entry.get("choices", {})) == set(buckets):
+            return entry["choices"], entry.get("ms", {}), False
+    ms = {b: {f: round(timed(lambda b=b, f=f: run(b, f), repeats), 3) for f in forms}
+          for b in buckets}  # fmt: skip
+    choices = {b: min(forms, key=lambda f: ms[b][f]) for b in buckets}
+    if path is not None:
+        entry = {"fields": key_fields, "choices": choices, "ms": ms,
+                 "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+        _write(path, key, entry)
+    return choices, ms, True
