@@ -9,7 +9,9 @@ loaders, so load, quantization, compile and step are all the real code.
      30522), `--batch` sequences of `--seq` tokens; sentences/s per quantization;
   2. decoder: SmolLM2-135M's shapes (30 layers, hidden 576, 9 query / 3 KV heads,
      MLP 1536, vocab 49152, tied head), `--streams` slots decoding in lock-step;
-     tokens/s of decode steps alone, per quantization;
+     tokens/s of decode steps alone, per quantization and compute form
+     (engine/forms.py: `int8` alone is auto, the form chosen by measurement at
+     warm-up, reported with its figures; `int8:w8a8`, `int8:dequant` force one);
   3. weight bytes of each form, and the device the figures came from.
 
 `--dry` shrinks every shape (2 layers, hidden 64) so the whole run takes seconds on
@@ -117,7 +119,7 @@ def bench_encoder(model_dir: Path, dtype: str, quant: str, batch: int, seq: int,
 
 
 def bench_decoder(model_dir: Path, dtype: str, quant: str, streams: int, steps: int,
-                  context: int, repeats: int):  # fmt: skip
+                  context: int, repeats: int, form: str = "auto"):  # fmt: skip
     import jax
 
     from engine.decoder import DecoderEngine
@@ -125,7 +127,7 @@ def bench_decoder(model_dir: Path, dtype: str, quant: str, streams: int, steps: 
 
     eng = DecoderEngine(model_dir, "smollm2-shaped", dtype=dtype, slots=streams,
                         max_context=context, prefill_buckets=(16,), decode_windows=(context,),
-                        quant=quant)  # fmt: skip
+                        quant=quant, quant_form=form, forms_cache=None)  # fmt: skip
     t0 = time.perf_counter()
     eng.warmup(progress=False)
     compile_s = time.perf_counter() - t0
@@ -140,8 +142,8 @@ def bench_decoder(model_dir: Path, dtype: str, quant: str, streams: int, steps: 
 
     run()
     sec = _timed(run, repeats)
-    return {"quant": quant, "dtype": eng.dtype, "streams": streams, "steps": steps,
-            "weight_bytes": eng.weight_bytes, "compile_s": round(compile_s, 2),
+    return {"quant": quant, "form": form, "dtype": eng.dtype, "streams": streams, "steps": steps,
+            "chosen": eng.compute_forms, "form_ms": eng.form_ms, "weight_bytes": eng.weight_bytes, "compile_s": round(compile_s, 2),
             "step_ms": round(1e3 * sec / steps, 3),
             "tokens_per_s": round(streams * steps / sec, 1)}  # fmt: skip
 
@@ -150,7 +152,10 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry", action="store_true", help="tiny shapes: seconds on a CPU")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--quants", default="none,int8,int4")
+    ap.add_argument("--quants", default="none,int8,int4,fp8",
+                    help="weight forms; the encoder runs each quantization once")
+    ap.add_argument("--decoder-forms", default="none,int8,int8:dequant,int8:w8a8,int4,fp8",
+                    help="QUANT[:FORM] per decoder row (no form: auto)")
     ap.add_argument("--batch", type=int, default=256, help="encoder batch")
     ap.add_argument("--seq", type=int, default=128, help="encoder sequence length")
     ap.add_argument("--streams", type=int, default=64, help="decoder slots decoding at once")
@@ -179,8 +184,10 @@ def main(argv=None) -> dict:
             row = bench_encoder(enc_dir, a.dtype, q, a.batch, a.seq, a.repeats)
             result["encoder"].append(row)
             print("encoder", json.dumps(row), flush=True)
-        for q in quants:
-            row = bench_decoder(dec_dir, a.dtype, q, a.streams, a.steps, a.context, a.repeats)
+        for item in [d for d in a.decoder_forms.split(",") if d]:
+            q, _, form = item.partition(":")
+            row = bench_decoder(dec_dir, a.dtype, q, a.streams, a.steps, a.context, a.repeats,
+                                form or "auto")  # fmt: skip
             result["decoder"].append(row)
             print("decoder", json.dumps(row), flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)

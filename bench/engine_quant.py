@@ -1,7 +1,7 @@
 """Quantized and split decoder engines side by side, on this machine's CPU.
 
 Per weight form of one model (float32, bfloat16, int8 dequantized in the matmul,
-int8 x int8 (w8a8), int4, fp8, and int8 with the compute form chosen per bucket,
+int8 x int8 (w8a8), int4, fp8, a GGUF model's own blocks (`gguf`), and int8 with the compute form chosen per bucket,
 engine/forms.py: `int8-auto` within the default weight budget, `int8-auto+float`
 with room for a float copy):
   - weight bytes held (integers plus scales; every form an auto engine kept);
@@ -35,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FORMS = {"float32": ("float32", "none", "auto", 0), "bfloat16": ("bfloat16", "none", "auto", 0),
          "int8": ("float32", "int8", "dequant", 0), "int8-w8a8": ("float32", "int8", "w8a8", 0),
          "int4": ("float32", "int4", "dequant", 0), "fp8": ("float32", "fp8", "dequant", 0),
+         "gguf": ("float32", "gguf", "dequant", 0),  # a GGUF file's own Q4_1/Q8_0 blocks
          "int8-auto": ("float32", "int8", "auto", 0),
          "int8-auto+float": ("float32", "int8", "auto", 1 << 40)}  # fmt: skip
 

@@ -207,6 +207,9 @@ class JaxEncoder:
         self.cfg = BertConfig(model_dir)
         self.name = name
         self.quant = check_mode(quant)
+        if self.quant == "gguf":
+            raise ValueError("quantization 'gguf' keeps a GGUF decoder's blocks; encoders "
+                             "use int8, int4 or fp8")  # fmt: skip
         self.tp = sharding.parse(tensor_parallel)
         if self.tp > 1:
             sharding.check_divisible(name, self.tp, attention_heads=self.cfg.heads,

@@ -88,6 +88,17 @@ def load_weights(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
+def tensor_types(path: str | Path) -> dict[str, str]:
+    """Hugging Face name -> the file's storage type of that tensor ("Q4_1", "Q8_0",
+    "F32", ...), from the header alone."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    types = {hf_name(t.name): t.tensor_type.name for t in reader.tensors}
+    del reader
+    return {k: v for k, v in types.items() if k is not None}
+
+
 # --- tokenizer
 
 # `tokenizer.ggml.pre` values whose split llama.cpp (llama-vocab.cpp) does exactly as

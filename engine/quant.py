@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MODES = ("none", "int8", "int4", "fp8")
+MODES = ("none", "int8", "int4", "fp8", "gguf")  # gguf: a GGUF file's own blocks (model.py)
 GROUPS = {8: (128, 64, 32), 4: (32, 16, 8)}  # preferred group sizes, largest first
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -82,9 +82,10 @@ def check_mode(mode: str) -> str:
     return mode
 
 
-def quantize(w: np.ndarray, mode: str, axis: int) -> QWeight:
+def quantize(w: np.ndarray, mode: str, axis: int, group: int = 0) -> QWeight:
     """Float weight -> QWeight contracted over `axis` (host numpy, done once at load).
-    `mode`: int8 | int4 | fp8 | w8a8 (int8 per output channel, for int8 matmuls)."""
+    `mode`: int8 | int4 | fp8 | w8a8 (int8 per output channel, for int8 matmuls);
+    `group` (int8, int4): inputs per scale instead of the preferred size."""
     bits = {"int8": 8, "int4": 4, "fp8": 8, "w8a8": 8}.get(mode)
     if bits is None:
         raise ValueError(f"cannot quantize to {mode!r}")
@@ -95,7 +96,9 @@ def quantize(w: np.ndarray, mode: str, axis: int) -> QWeight:
         scale = (amax / FP8_MAX).astype(np.float32)
         q = (w / scale).astype(jnp.float8_e4m3fn)  # round to nearest even, as XLA does
         return QWeight(q, scale, None, axis, bits, n)
-    g = n if mode == "w8a8" else group_size(n, bits)
+    g = n if mode == "w8a8" else group or group_size(n, bits)
+    if n % g:
+        raise ValueError(f"groups of {g} do not divide the contracted size {n}")
     x = np.moveaxis(w, axis, -1)  # [..., IN]
     x = x.reshape(x.shape[:-1] + (n // g, g))  # [..., IN/G, G]
     back = lambda a: np.moveaxis(a[..., 0], -1, axis).astype(np.float32)  # noqa: E731
@@ -166,14 +169,18 @@ def take_rows(w, ids, dtype=None):
     return dequantize(rows, dtype or jnp.float32)
 
 
-def quantize_tree(tree: dict, mode: str, axes: dict[str, int]) -> dict:
-    """Quantize the leaves named in `axes` (name -> contracted axis), at any depth."""
+def quantize_tree(tree: dict, mode: str | dict[str, tuple[str, int]], axes: dict[str, int]) -> dict:
+    """Quantize the leaves named in `axes` (name -> contracted axis), at any depth.
+    `mode`: one for every such leaf, or per name (name -> (mode, group); names left
+    out stay float)."""
     if mode == "none":
         return tree
+    modes = mode if isinstance(mode, dict) else {k: (mode, 0) for k in axes}
 
     def walk(node):
         if isinstance(node, dict):
-            return {k: quantize(v, mode, axes[k]) if k in axes else walk(v) for k, v in node.items()}
+            return {k: quantize(v, *modes[k][:1], axes[k], modes[k][1]) if k in modes and k in axes
+                    else walk(v) for k, v in node.items()}  # fmt: skip
         if isinstance(node, list):
             return [walk(v) for v in node]
         return node

@@ -144,9 +144,8 @@ class DecoderEngine:
         `warmup`) or one of engine/forms.py's forms; weight_budget: bytes all held
         forms' weights may take (0: the float32 size of the weights); forms_cache:
         the choice's file ("": beside the compilation cache; None: not kept)."""
-        from engine import sharding
+        from engine import forms, sharding
         from engine.jaxrt import device_name, dtype_name, parse_dtype
-        from engine import forms
         from engine.quant import check_mode
 
         t0 = time.perf_counter()

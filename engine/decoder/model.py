@@ -69,7 +69,8 @@ def load_param_forms(
     if quant == "none":
         out["float"] = q.cast_tree(tree, dtype)
     elif "dequant" in forms or "float" in forms:
-        out["dequant"] = q.cast_tree(q.quantize_tree(tree, quant, fam.QUANT_AXES), dtype)
+        how = gguf_blocks(model_dir, cfg) if quant == "gguf" else quant
+        out["dequant"] = q.cast_tree(q.quantize_tree(tree, how, fam.QUANT_AXES), dtype)
         if "float" in forms:
             out["float"] = q.dequantize_tree(out["dequant"], dtype)
     if "w8a8" in forms and quant != "none":
@@ -77,6 +78,47 @@ def load_param_forms(
             q.quantize_tree(_fold_mlp_norm(tree, cfg), "w8a8", fam.QUANT_AXES), dtype)
     out = {f: t for f, t in out.items() if f in forms}
     return out if mesh is None else {f: sharding.place(t, mesh) for f, t in out.items()}
+
+
+# Tree weight -> the Hugging Face tensors it is made of (layer 0 stands for all).
+_SOURCES = {
+    "embed": ("model.embed_tokens.weight",), "lm_head": ("lm_head.weight",),
+    "qkv_w": tuple(f"model.layers.{{i}}.self_attn.{n}_proj.weight" for n in "qkv"),
+    "o_w": ("model.layers.{i}.self_attn.o_proj.weight",),
+    "gate_up_w": ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    "down_w": ("model.layers.{i}.mlp.down_proj.weight",),
+}  # fmt: skip
+# GGUF block type -> (mode, group) holding the same numbers: Q8_0 is 32 int8 values
+# with one scale (symmetric int8, groups of 32); Q4_1 is 32 four-bit values with a
+# scale and a minimum (the int4 form, groups of 32). Float tensors stay float.
+_BLOCKS = {"Q8_0": ("int8", 32), "Q4_1": ("int4", 32)}
+_FLOAT = {"F32", "F16", "BF16"}
+
+
+def gguf_blocks(model_dir: str | Path, cfg: DecoderConfig) -> dict[str, tuple[str, int]]:
+    """quant "gguf": for each quantized weight of the tree, the form that keeps the
+    file's blocks as they are. The weights are requantized from the file's
+    dequantized values with the blocks' own group size and formula, which gives back
+    each block's integers, scale and minimum (within float32 rounding); ValueError for
+    a model that is not one GGUF file, or a block type with no such form."""
+    from engine import gguf
+    from shared.gguf import find_file
+
+    path = find_file(Path(model_dir)) if Path(model_dir).is_dir() else None
+    if path is None or cfg.family != LLAMA:
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks; {model_dir} has none")
+    types = gguf.tensor_types(path)
+    out = {}
+    for leaf, names in _SOURCES.items():
+        found = {types[n.format(i=i)] for n in names for i in range(cfg.layers)
+                 if n.format(i=i) in types}  # fmt: skip
+        if not found or found <= _FLOAT:
+            continue
+        if len(found) > 1 or not found <= set(_BLOCKS):
+            raise ValueError(f"quantization 'gguf' keeps Q8_0 and Q4_1 blocks; {leaf} is "
+                             f"stored as {', '.join(sorted(found))}: use int8 or int4")  # fmt: skip
+        out[leaf] = _BLOCKS[found.pop()]
+    return out
 
 
 def _fold_mlp_norm(tree: dict, cfg: DecoderConfig) -> dict:

@@ -16,7 +16,7 @@ from shared.config import Config, bad_config
 
 ENGINES = ("jax", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTS = ("none", "int8", "int4", "fp8")  # engine/quant.py
+QUANTS = ("none", "int8", "int4", "fp8", "gguf")  # engine/quant.py; gguf: the file's own blocks
 
 
 def parallel_settings(config: Config, model: str) -> tuple[int, str]:
@@ -64,6 +64,19 @@ def form_settings(config: Config, model: str, kind: str) -> tuple[str, int]:
     return form, int(budget * 2**20)
 
 
+def _check_gguf_blocks(info: catalog.ModelInfo) -> None:
+    """Exit 78 unless the model is one GGUF file whose blocks the engine can keep."""
+    if info.kind == "encoder":
+        raise bad_config(f"TENSORBUS_QUANT='gguf' for {info.name}: encoders are not read from GGUF")
+    from engine.decoder.config import load_config
+    from engine.decoder.model import gguf_blocks
+
+    try:
+        gguf_blocks(info.path, load_config(info.path))
+    except ValueError as exc:
+        raise bad_config(f"TENSORBUS_QUANT='gguf' for {info.name}: {exc}") from None
+
+
 def check_split(config: Config, info: catalog.ModelInfo) -> None:
     """Exit 78 when the model's heads or MLP columns do not split over its devices."""
     from engine import sharding
@@ -106,9 +119,11 @@ def engine_settings(config: Config, model: str) -> tuple[str, str]:
         raise bad_config(f"{model}: the torch engine runs on one device with float weights; "
                          f"TENSORBUS_TENSOR_PARALLEL={tp} and TENSORBUS_QUANT={quant!r} need "
                          f"TENSORBUS_ENGINE=jax")  # fmt: skip
-    info = catalog.resolve(model, config.model_dir) if tp > 1 else None
+    info = catalog.resolve(model, config.model_dir) if tp > 1 or quant == "gguf" else None
     if info is not None:
         check_split(config, info)
+        if quant == "gguf":
+            _check_gguf_blocks(info)
     return engine, dtype
 
 
@@ -121,6 +136,8 @@ def build_engine(config: Config, info: catalog.ModelInfo):
     check_split(config, info)
     tp, quant = parallel_settings(config, info.name)
     form, budget = form_settings(config, info.name, info.kind)
+    if quant == "gguf":
+        _check_gguf_blocks(info)
     jaxrt.setup(str(Path(config.data_dir) / "jax-cache"))
     try:
         return _build(config, info, backend, dtype, tp, quant, form, budget)

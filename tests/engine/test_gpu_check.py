@@ -23,8 +23,14 @@ def test_dry_mode_writes_one_json_file_with_every_form(tmp_path):
     bench = doc["bench"]
     assert bench["platform"] == "cpu"
     for part in ("encoder", "decoder"):
-        rows = {r["quant"]: r for r in bench[part]}
-        assert list(rows) == ["none", "int8", "int4"]
-        assert rows["int8"]["weight_bytes"] < rows["none"]["weight_bytes"] / 2
-        assert rows["int4"]["weight_bytes"] < rows["int8"]["weight_bytes"]
+        rows = {(r["quant"], r.get("form", "auto")): r for r in bench[part]}
+        assert [q for q, f in rows if f == "auto"] == ["none", "int8", "int4", "fp8"]
+        none, int8, int4 = (rows[q, "auto"]["weight_bytes"] for q in ("none", "int8", "int4"))
+        assert int8 < none / 2 and int4 < int8
         assert all(r.get("sentences_per_s", r.get("tokens_per_s", 0)) > 0 for r in rows.values())
+    decoder = {(r["quant"], r["form"]): r for r in bench["decoder"]}
+    assert set(decoder) >= {("int8", "dequant"), ("int8", "w8a8")}
+    auto = decoder["int8", "auto"]  # the choice per bucket, with what each form measured
+    assert set(auto["chosen"]) == set(auto["form_ms"]) and auto["chosen"]
+    for bucket, form in auto["chosen"].items():
+        assert form == min(auto["form_ms"][bucket], key=auto["form_ms"][bucket].get)

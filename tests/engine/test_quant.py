@@ -249,3 +249,39 @@ def test_the_weight_budget_decides_whether_a_float_copy_may_compete():
         "float", "dequant")
     with pytest.raises(ValueError, match="int8 weights only"):
         _demo(quant="int4", quant_form="w8a8")
+
+
+# ---------------------------------------------------------------- GGUF blocks kept
+
+
+def test_smollm2_gguf_blocks_are_served_as_stored():
+    """quant 'gguf': the bundled file's Q4_1 layers become int4 groups of 32 and its
+    Q8_0 embedding (the tied head) int8 groups of 32, holding the file's own numbers:
+    the dequantized weights equal the float path's (the file dequantized by the gguf
+    package) to float32 rounding, and so do the logits."""
+    from engine.decoder.config import load_config
+    from engine.decoder.model import gguf_blocks, load_params, prompt_logits
+    from shared.catalog import SMOLLM2
+
+    d = bundled_dir(SMOLLM2)
+    cfg = load_config(d)
+    assert gguf_blocks(d, cfg) == {"embed": ("int8", 32), "qkv_w": ("int4", 32),
+                                   "o_w": ("int4", 32), "gate_up_w": ("int4", 32),
+                                   "down_w": ("int4", 32)}  # fmt: skip
+    kept = load_params(d, cfg, jnp.float32, "gguf")
+    ref = load_params(d, cfg, jnp.float32, "none")
+    assert quant.tree_bytes(kept) < 0.25 * quant.tree_bytes(ref)
+    pairs = [(kept["embed"], ref["embed"])] + [
+        (lk[n], lr[n]) for lk, lr in zip(kept["layers"], ref["layers"])
+        for n in ("qkv_w", "o_w", "gate_up_w", "down_w")]  # fmt: skip
+    for qw, w in pairs:
+        back = np.asarray(quant.dequantize(qw, jnp.float32))
+        np.testing.assert_allclose(back, np.asarray(w), rtol=0, atol=4e-6 * np.abs(w).max())
+    tokens = np.asarray(Tokenizer.from_dir(d).encode(PERPLEXITY_TEXTS[0])[:32], np.int32)
+    f = jax.jit(lambda p, t: prompt_logits(p, cfg, t))
+    np.testing.assert_allclose(f(kept, tokens), f(ref, tokens), rtol=0, atol=2e-3)
+
+
+def test_gguf_blocks_need_a_gguf_model():
+    with pytest.raises(ValueError, match="has none"):
+        DecoderEngine(bundled_dir(DEMO_LM), DEMO_LM, slots=1, max_context=32, quant="gguf")

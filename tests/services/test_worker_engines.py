@@ -74,6 +74,8 @@ def test_engine_setting_picks_the_decoder_backend_per_model(tmp_path):
     ({"TENSORBUS_QUANT_FORM": "dequant"}, "needs quantized weights"),
     ({"TENSORBUS_QUANT_FORM": "fast"}, "use one of auto, float, dequant, w8a8"),
     ({"TENSORBUS_WEIGHT_BUDGET_MB": "-5"}, "TENSORBUS_WEIGHT_BUDGET_MB='-5'"),
+    ({"TENSORBUS_QUANT": "gguf"}, "encoders are not read from GGUF"),
+    ({"TENSORBUS_MODEL": catalog.DEMO_LM, "TENSORBUS_QUANT": "gguf"}, "has none"),
     ({"TENSORBUS_ENGINE": "torch", "TENSORBUS_QUANT": "int8"}, "need TENSORBUS_ENGINE=jax"),
 ])  # fmt: skip
 def test_worker_exits_78_when_the_model_cannot_split_or_quantize_so(env, says):
