@@ -1,9 +1,9 @@
 """Quantized and split decoder engines side by side, on this machine's CPU.
 
 Per weight form of one model (float32, bfloat16, int8 dequantized in the matmul,
-int8 x int8 (w8a8), int4, fp8, a GGUF model's own blocks (`gguf`), and int8 with the compute form chosen per bucket,
-engine/forms.py: `int8-auto` within the default weight budget, `int8-auto+float`
-with room for a float copy):
+int8 x int8 (w8a8), int4, fp8, a GGUF model's own blocks (`gguf`), and int8 with
+the compute form chosen per bucket, engine/forms.py: `int8-auto` within the
+default weight budget, `int8-auto+float` with room for a float copy):
   - weight bytes held (integers plus scales; every form an auto engine kept);
   - perplexity on the fixed text set (bench/texts.py, each text cut to 64 tokens);
   - decode tokens/s at 1 and at 16 streams (a static batch of one 12-token prompt,
@@ -156,6 +156,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tp", default="", help="e.g. 1,2: float32 step time per degree")
     ap.add_argument("--torch", default="float32,int8", help="torch decoder rows ('' for none)")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch's threads (1: its steadier setting on a shared machine)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     import jax
@@ -165,6 +167,7 @@ def main(argv=None) -> dict:
     from shared.catalog import bundled_dir
 
     jaxrt.setup(None)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     model_dir = bundled_dir(a.model)
     streams = [int(s) for s in a.streams.split(",") if s]
     rows, split = [], []
@@ -186,6 +189,10 @@ def main(argv=None) -> dict:
         print(json.dumps(row), flush=True)
         del eng
     torch_rows = []
+    if a.torch:
+        import torch
+
+        torch.set_num_threads(a.torch_threads)
     for kind in [k for k in a.torch.split(",") if k]:
         row = {"engine": "torch", "form": kind}
         for n in streams:
@@ -202,9 +209,11 @@ def main(argv=None) -> dict:
                                        a.repeats, tp)  # fmt: skip
             split.append({"tensor_parallel": tp, "streams": n, "step_ms": round(1e3 * sec, 2)})
             print(json.dumps(split[-1]), flush=True)
-    result = {"model": a.model, "jax": jax.__version__, "devices": jax.device_count(),
+    result = {"model": a.model, "started": started, "jax": jax.__version__,
+              "devices": jax.device_count(),
               "cpus": os.cpu_count(), "load_1min": round(os.getloadavg()[0], 1),
-              "date": time.strftime("%Y-%m-%d"), "forms": rows, "torch": torch_rows, "split": split}  # fmt: skip
+              "date": time.strftime("%Y-%m-%d"), "forms": rows, "torch": torch_rows,
+              "torch_threads": a.torch_threads, "split": split}  # fmt: skip
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=2)
