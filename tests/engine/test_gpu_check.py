@@ -25,8 +25,11 @@ def test_dry_mode_writes_one_json_file_with_every_form(tmp_path):
     for part in ("encoder", "decoder"):
         rows = {(r["quant"], r.get("form", "auto")): r for r in bench[part]}
         assert [q for q, f in rows if f == "auto"] == ["none", "int8", "int4", "fp8"]
-        none, int8, int4 = (rows[q, "auto"]["weight_bytes"] for q in ("none", "int8", "int4"))
+        int8_form = "dequant" if part == "decoder" else "auto"  # auto may hold two forms
+        none, int8, int4 = (rows[q, f]["weight_bytes"] for q, f in
+                            (("none", "auto"), ("int8", int8_form), ("int4", "auto")))
         assert int8 < none / 2 and int4 < int8
+        assert rows["int8", "auto"]["weight_bytes"] <= none  # the default weight budget
         assert all(r.get("sentences_per_s", r.get("tokens_per_s", 0)) > 0 for r in rows.values())
     decoder = {(r["quant"], r["form"]): r for r in bench["decoder"]}
     assert set(decoder) >= {("int8", "dequant"), ("int8", "w8a8")}
