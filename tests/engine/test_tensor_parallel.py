@@ -18,6 +18,7 @@ from tests.support.tiny_models import build
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.timeout(800)  # a whole child suite: minutes on a shared 2-core machine
 def test_engines_on_three_forced_cpu_devices_equal_one_device():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=3")
     done = subprocess.run(
