@@ -19,13 +19,18 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTS = ("none", "int8", "int4", "fp8", "gguf")  # engine/quant.py; gguf: the file's own blocks
 
 
-def parallel_settings(config: Config, model: str) -> tuple[int, str]:
-    """(tensor parallel degree, quantization) for `model`; exits 78 on a bad value."""
+def _per_model(config: Config, name: str, model: str, default: str) -> str:
+    """`model`'s value of a `VALUE[,MODEL=VALUE...]` setting; exits 78 when malformed."""
     try:
-        tp_text = config.for_model("tensor_parallel", model) or "1"
-        quant = config.for_model("quant", model) or "none"
+        return config.for_model(name, model) or default
     except ValueError as exc:
         raise bad_config(str(exc)) from None
+
+
+def parallel_settings(config: Config, model: str) -> tuple[int, str]:
+    """(tensor parallel degree, quantization) for `model`; exits 78 on a bad value."""
+    tp_text = _per_model(config, "tensor_parallel", model, "1")
+    quant = _per_model(config, "quant", model, "none")
     try:
         tp = int(tp_text)
     except ValueError:
@@ -43,11 +48,8 @@ def form_settings(config: Config, model: str, kind: str) -> tuple[str, int]:
     from engine import forms
 
     _, quant = parallel_settings(config, model)
-    try:
-        form = config.for_model("quant_form", model) or "auto"
-        budget_text = config.for_model("weight_budget_mb", model) or "0"
-    except ValueError as exc:
-        raise bad_config(str(exc)) from None
+    form = _per_model(config, "quant_form", model, "auto")
+    budget_text = _per_model(config, "weight_budget_mb", model, "0")
     try:
         forms.check_form(form, quant)
     except ValueError as exc:
@@ -106,11 +108,8 @@ def engine_settings(config: Config, model: str) -> tuple[str, str]:
     directory is known here) heads that do not split over the devices asked for."""
     tp, quant = parallel_settings(config, model)
     form_settings(config, model, "decoder")  # the encoder's narrower check: at build
-    try:
-        engine = config.for_model("engine", model) or "jax"
-        dtype = config.for_model("dtype", model) or "float32"
-    except ValueError as exc:
-        raise bad_config(str(exc)) from None
+    engine = _per_model(config, "engine", model, "jax")
+    dtype = _per_model(config, "dtype", model, "float32")
     if engine not in ENGINES:
         raise bad_config(f"TENSORBUS_ENGINE={engine!r} for {model}: use one of {', '.join(ENGINES)}")
     if dtype not in DTYPES:
