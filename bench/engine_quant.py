@@ -40,22 +40,6 @@ FORMS = {"float32": ("float32", "none", "auto", 0), "bfloat16": ("bfloat16", "no
          "int8-auto+float": ("float32", "int8", "auto", 1 << 40)}  # fmt: skip
 
 
-def perplexity(engine, texts, bucket: int = 64) -> float:
-    import jax
-
-    from engine.decoder.model import token_nll
-
-    nll = jax.jit(lambda p, t: token_nll(p, engine.cfg, t))
-    total, count = 0.0, 0
-    for text in texts:
-        ids = engine.tokenizer.encode(text)[:bucket]
-        padded = np.zeros(bucket, np.int32)
-        padded[: len(ids)] = ids
-        terms = np.asarray(nll(engine.params, padded))[: len(ids) - 1]
-        total, count = total + float(terms.sum()), count + len(terms)
-    return float(np.exp(total / count))
-
-
 def decode_rate(model_dir, name, dtype, quant, streams, steps, repeats, tp=1, form="auto",
                 budget=0):  # fmt: skip
     """(seconds per step, tokens/s) of `streams` slots decoding in lock-step. An auto
@@ -162,7 +146,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     import jax
 
-    from bench.texts import PERPLEXITY_TEXTS
+    from bench.texts import PERPLEXITY_TEXTS, perplexity
     from engine import jaxrt
     from shared.catalog import bundled_dir
 

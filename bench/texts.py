@@ -30,3 +30,21 @@ PERPLEXITY_TEXTS = (
     "see from distant stars left them long ago, so looking at the night sky is a way "
     "of looking into the past.",
 )
+
+
+def perplexity(engine, texts=PERPLEXITY_TEXTS, bucket: int = 64) -> float:
+    """exp(mean token NLL) of a decoder engine over `texts`, each cut to `bucket` tokens."""
+    import jax
+    import numpy as np
+
+    from engine.decoder.model import token_nll
+
+    nll = jax.jit(lambda p, t: token_nll(p, engine.cfg, t))
+    total, count = 0.0, 0
+    for text in texts:
+        ids = engine.tokenizer.encode(text)[:bucket]
+        padded = np.zeros(bucket, np.int32)
+        padded[: len(ids)] = ids
+        terms = np.asarray(nll(engine.params, padded))[: len(ids) - 1]
+        total, count = total + float(terms.sum()), count + len(terms)
+    return float(np.exp(total / count))

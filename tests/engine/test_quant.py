@@ -11,10 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.texts import PERPLEXITY_TEXTS
+from bench.texts import PERPLEXITY_TEXTS, perplexity
 from engine import quant
 from engine.decoder import DecoderEngine
-from engine.decoder.model import token_nll
 from engine.encoder import JaxEncoder
 from engine.tokenizer import Tokenizer
 from shared.catalog import DEMO_LM, bundled_dir
@@ -72,19 +71,6 @@ def test_quantized_minilm_tracks_sentence_transformers(minilm_case, mode, min_co
     cos = _cosine(enc.embed(ids), reference)
     assert cos.min() >= min_cosine, f"worst cosine {cos.min():.5f}"
     assert enc.weight_bytes <= max_bytes * f32.weight_bytes
-
-
-def perplexity(engine: DecoderEngine, texts=PERPLEXITY_TEXTS, bucket: int = 64) -> float:
-    """exp(mean token NLL) over the texts, each cut to `bucket` tokens."""
-    nll = jax.jit(lambda p, t: token_nll(p, engine.cfg, t))
-    total, count = 0.0, 0
-    for text in texts:
-        ids = engine.tokenizer.encode(text)[:bucket]
-        padded = np.zeros(bucket, np.int32)
-        padded[: len(ids)] = ids
-        terms = np.asarray(nll(engine.params, padded))[: len(ids) - 1]
-        total, count = total + float(terms.sum()), count + len(terms)
-    return float(np.exp(total / count))
 
 
 def test_demo_model_perplexity_within_bounds_of_float32():
