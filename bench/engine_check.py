@@ -118,12 +118,26 @@ def bench_encoder(model_dir: Path, dtype: str, quant: str, batch: int, seq: int,
             "batch_ms": round(1e3 * s, 3), "sentences_per_s": round(batch / s, 1)}  # fmt: skip
 
 
-def bench_decoder(model_dir: Path, dtype: str, quant: str, streams: int, steps: int,
-                  context: int, repeats: int, form: str = "auto"):  # fmt: skip
+def start_streams(eng, streams: int, prompt: list[int]) -> None:
+    """Slots 0..streams-1 each prefilled with `prompt` (greedy), ready to decode."""
+    from engine.decoder.engine import GREEDY
+
+    for s in range(streams):
+        eng.prefill_insert(s, prompt, GREEDY, 0)
+
+
+def decode_steps(eng, steps: int) -> None:
+    """`steps` decode steps of every live slot, dispatched back to back, then waited for."""
     import jax
 
+    for _ in range(steps):
+        eng.step_async()
+    jax.block_until_ready(eng._state.tokens)
+
+
+def bench_decoder(model_dir: Path, dtype: str, quant: str, streams: int, steps: int,
+                  context: int, repeats: int, form: str = "auto"):  # fmt: skip
     from engine.decoder import DecoderEngine
-    from engine.decoder.engine import GREEDY
 
     eng = DecoderEngine(model_dir, "smollm2-shaped", dtype=dtype, slots=streams,
                         max_context=context, prefill_buckets=(16,), decode_windows=(context,),
@@ -131,14 +145,10 @@ def bench_decoder(model_dir: Path, dtype: str, quant: str, streams: int, steps: 
     t0 = time.perf_counter()
     eng.warmup(progress=False)
     compile_s = time.perf_counter() - t0
-    prompt = list(range(3, 15))
-    for s in range(streams):
-        eng.prefill_insert(s, prompt, GREEDY, 0)
+    start_streams(eng, streams, list(range(3, 15)))
 
     def run():
-        for _ in range(steps):
-            eng.step_async()
-        jax.block_until_ready(eng._state.tokens)
+        decode_steps(eng, steps)
 
     run()
     sec = _timed(run, repeats)

@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from bench.engine_check import decode_steps, start_streams
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # name -> (dtype, quant, compute form, weight budget in bytes; 0: the float32 size)
@@ -44,10 +46,7 @@ def decode_rate(model_dir, name, dtype, quant, streams, steps, repeats, tp=1, fo
                 budget=0):  # fmt: skip
     """(seconds per step, tokens/s) of `streams` slots decoding in lock-step. An auto
     form is measured afresh (no choice file) before the timed steps."""
-    import jax
-
     from engine.decoder import DecoderEngine
-    from engine.decoder.engine import GREEDY
 
     eng = DecoderEngine(model_dir, name, dtype=dtype, slots=streams, max_context=128,
                         prefill_buckets=(16,), decode_windows=(128,), quant=quant,
@@ -56,20 +55,17 @@ def decode_rate(model_dir, name, dtype, quant, streams, steps, repeats, tp=1, fo
     if quant != "none" and form == "auto":
         eng.select_forms()
     prompt = list(range(30, 42))
-    for s in range(streams):
-        eng.prefill_insert(s, prompt, GREEDY, 0)
+    start_streams(eng, streams, prompt)
 
     def run():
-        for _ in range(steps):
-            eng.step_async()
-        jax.block_until_ready(eng._state.tokens)
+        decode_steps(eng, steps)
 
     run()  # compiles
     times = []
     for _ in range(repeats):
         for s in range(streams):  # restart the sequences: same positions every run
             eng.free(s)
-            eng.prefill_insert(s, prompt, GREEDY, 0)
+        start_streams(eng, streams, prompt)
         t0 = time.perf_counter()
         run()
         times.append(time.perf_counter() - t0)
