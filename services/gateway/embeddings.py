@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.gateway import codec
-from services.gateway.frontend import Frontend, user_key
+from services.gateway.frontend import INLINE_TOKENIZE, Frontend, user_key
 from services.gateway.models import ModelEntry, split_name
 from shared import admission
 from shared.api import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
@@ -54,7 +54,14 @@ class Embeddings:
             raise bad_request(f"model '{name}' generates text; use the completions endpoints")
         front.check_served(name)
         front.shed(name, call.deadline)
-        ids = await front.tokenize(tokenize_inputs, req, entry, self.config, size=len(body))
+        if len(body) <= INLINE_TOKENIZE:  # on the loop: nothing is read meanwhile
+            ids = tokenize_inputs(req, entry, self.config)
+        else:  # in a thread: the requests read meanwhile must see this one ahead
+            inputs, texts, tokens = sizes(req)
+            with front.preparing(name, inputs, tokens + front.estimate_tokens(name, texts)):
+                ids = await front.tokenize(tokenize_inputs, req, entry, self.config)
+            if texts and not tokens:
+                front.learn_tokens(name, texts, sum(len(x) for x in ids))
         out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "",
                          user=user_key(req.user, call.user))
@@ -76,6 +83,16 @@ class Embeddings:
 
     def chunks(self, prep: EmbedPrepared, call: Call):
         raise bad_request("embeddings are not streamed")
+
+
+def sizes(req: EmbeddingRequest) -> tuple[int, list[str], int]:
+    """Before tokenizing: the request's inputs, its texts, and the tokens it sends as ids."""
+    inp = [req.input] if isinstance(req.input, str) else req.input
+    texts = [x for x in inp if isinstance(x, str)]
+    lists = [x for x in inp if isinstance(x, list)]
+    if lists or texts:
+        return max(len(inp), 1), texts, sum(map(len, lists))
+    return 1, texts, len(inp)  # one input of token ids
 
 
 def tokenize_inputs(req: EmbeddingRequest, entry: ModelEntry, config: Config) -> list[list[int]]:

@@ -67,7 +67,10 @@ def new_request_id() -> str:
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
-INLINE_TOKENIZE = 16_384  # bodies up to this many bytes are tokenized on the event loop
+INLINE_TOKENIZE = 2_048  # bodies up to this many bytes are tokenized on the event loop
+# (a 6 KB body of eight long inputs takes the tokenizer about a millisecond: on the
+# loop, a burst's first admitted requests would hold every refusal behind them)
+CHARS_PER_TOKEN = 4.0  # a text's tokens before its first tokenizing: chars / this
 USER_HEADER = "Tensorbus-User"  # sticky canary key for clients that cannot set `user`
 MAX_USER = 256
 
@@ -105,6 +108,7 @@ class Frontend:
         self.statuses: dict[str, ModelStatus] = {}  # the orchestrator's view, per model
         self.loads = admission.LoadBoard(expiry_s=config.worker_expiry_s)  # every scheduler's work
         self.sent_work: dict[str, admission.Tally] = {}  # model -> embeddings submitted, unanswered
+        self.chars_per_token: dict[str, float] = {}  # model -> what its tokenizer has shown
 
     async def start(self) -> None:
         await self.inbox.start()
@@ -117,13 +121,42 @@ class Frontend:
             timeout_s, self.config.request_timeout_s * 10)
         return time.time() + max(t, 0.001)
 
-    async def tokenize(self, fn, *args, size: int):
-        """`fn(*args)`, off the event loop when the body is large: an adversarial 1 MB
-        input takes the tokenizer seconds, and it releases the GIL meanwhile."""
-        if size <= INLINE_TOKENIZE:
-            return fn(*args)
+    async def tokenize(self, fn, *args):
+        """`fn(*args)` off the event loop, for a body above INLINE_TOKENIZE: an
+        adversarial 1 MB input takes the tokenizer seconds, and it releases the GIL
+        meanwhile. Count the request as `preparing` around it."""
         async with self._tokenizing:
             return await asyncio.to_thread(fn, *args)
+
+    def estimate_tokens(self, model: str, texts: list[str]) -> int:
+        """Tokens `texts` will hold, before tokenizing them: their characters over the
+        ratio this model's tokenizer has shown here (4 until it has tokenized once),
+        plus two special tokens each."""
+        ratio = self.chars_per_token.get(model, CHARS_PER_TOKEN)
+        return sum(int(len(t) / ratio) + 2 for t in texts)
+
+    def learn_tokens(self, model: str, texts: list[str], tokens: int) -> None:
+        """What tokenizing `texts` gave: `tokens`, special tokens included."""
+        chars, tokens = sum(map(len, texts)), tokens - 2 * len(texts)
+        if chars > 0 and tokens > 0:
+            r = self.chars_per_token.get(model)
+            seen = chars / tokens
+            self.chars_per_token[model] = seen if r is None else 0.8 * r + 0.2 * seen
+
+    @contextmanager
+    def preparing(self, model: str, inputs: int, tokens: int):
+        """Count an admitted request while it is tokenized, before it is submitted, as
+        waiting and as estimated work: tokenizing can take a thread and the loop meanwhile
+        reads the requests behind it, which must see it ahead of them (a burst would
+        otherwise pass the gateway's check whole while its first requests tokenize)."""
+        sent = self.sent_work.setdefault(model, admission.Tally())
+        self.waiting[model] += 1
+        sent.add(inputs, tokens)
+        try:
+            yield
+        finally:
+            self.waiting[model] -= 1
+            sent.add(inputs, tokens, sign=-1)
 
     def check_served(self, model: str) -> None:
         """503 at once for a model that will not get a worker: not served, or failed."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
 from services.gateway import codec
-from services.gateway.frontend import user_key
+from services.gateway.frontend import INLINE_TOKENIZE, user_key
 from services.gateway.models import ModelEntry, split_name
 from shared.api import (
     ChatChoice,
@@ -92,7 +92,11 @@ class Generation:
         if not chat and req.echo:
             raise bad_request("'echo' is not supported; send the prompt back yourself")
         render = self._chat_prompt if chat else self._prompt
-        prompt = await self.front.tokenize(render, req, entry, size=len(body))
+        if len(body) <= INLINE_TOKENIZE:
+            prompt = render(req, entry)
+        else:  # in a thread: counted as waiting meanwhile (the count bound)
+            with self.front.preparing(name, 1, 0):
+                prompt = await self.front.tokenize(render, req, entry)
         limit = min(entry.info.max_tokens, self.config.max_context)
         if len(prompt) > limit - 1:
             raise bad_request(

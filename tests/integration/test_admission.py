@@ -7,6 +7,7 @@ per batch (bench.nomath), a real nats-server, the services in one event loop."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import msgspec
@@ -149,3 +150,49 @@ async def test_two_schedulers_share_one_bound(nats_server):
             second.stop()
             await asyncio.gather(task, return_exceptions=True)
             await nc.close()
+
+
+async def test_large_requests_are_refused_while_those_ahead_still_tokenize(nats_server):
+    """A body above the inline limit is tokenized off the event loop; meanwhile the
+    gateway reads the requests behind it, which must count it as work ahead (its size
+    estimated from its characters) and be refused at once, not wait behind the
+    tokenizer for the scheduler to refuse them."""
+    import threading
+
+    from bench.workload import long_inputs
+
+    engine = NoMathEncoder(per_token_s=0.0002)  # ~0.1 s for 4 inputs of ~120 tokens
+    texts = long_inputs(64)
+    big = [msgspec.json.encode({"model": MODEL, "input": texts[4 * i:4 * i + 4]})
+           for i in range(16)]
+    assert min(map(len, big)) > 2_048  # tokenized in a thread
+    async with running_stack(nats_server.url, max_queue_s=0.5) as st:
+        await st.add_worker(engine, "enc-tokenizing")
+        await measured(st)
+        front = st.gateway.front
+        await wait_until(lambda: any(r.cost.per_token for _, r in front.loads.others(
+            MODEL, time.monotonic())))  # the gateway has heard the scheduler's estimate
+        entry = await front.models.get(MODEL)
+        gate, tokenized = threading.Event(), []
+        encode = entry.tokenizer.encode_batch
+
+        def held(texts, *a, **kw):  # the tokenizer, made slow until the test opens it
+            gate.wait()
+            tokenized.append(len(texts))
+            return encode(texts, *a, **kw)
+
+        entry.tokenizer.encode_batch = held
+        try:
+            tasks = [asyncio.create_task(one(st.client, subjects.EMBEDDINGS, big[i % 16], 35))
+                     for i in range(60)]
+            # Refused before any of them was tokenized: the work ahead is the estimate.
+            await wait_until(lambda: sum(t.done() for t in tasks) >= 45)
+            assert not tokenized
+            early = [t.result() for t in tasks if t.done()]
+            assert {o.status for o in early} == {429}, Counter(o.status for o in early)
+            assert all(o.retry_after and o.retry_after > 0 for o in early)
+        finally:
+            gate.set()
+            del entry.tokenizer.encode_batch
+        codes = Counter(o.status for o in await asyncio.gather(*tasks))
+        assert set(codes) <= {200, 429} and codes[200] >= 1, codes
