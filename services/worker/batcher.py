@@ -7,7 +7,10 @@
      when its batch closes, and other versions keep their place). It first waits (at
      most `max_wait_s` after the oldest arrival) until as many inputs wait as the
      largest of the last few batches: under steady load batches stay full, while a
-     lone request (recent batches of one) never waits at all.
+     lone request (recent batches of one) never waits at all. The wait is also never
+     longer than a recent batch took to compute: it exists to save a whole batch for
+     the stragglers, so with an engine whose batch costs 0.1 ms, waiting 5 ms would
+     spend fifty times what it saves (docs/decisions/0016).
   3. Expired requests are answered 504 and never computed.
   4. The batch runs on the single engine thread, on the engine `LoadedModels` holds
      for its version at that moment; the event loop stays free.
@@ -67,6 +70,9 @@ class BatchStats:
         return min(occ, 1.0)
 
 
+BATCH_S_WEIGHT = 0.2  # moving-average weight of the newest batch's compute time
+
+
 class EncoderRunner:
     """Dynamic batching over a worker's encoder versions (a `runner.Runner`)."""
 
@@ -89,6 +95,7 @@ class EncoderRunner:
         self._closed = False
         self._waiting = 0  # inputs in the inbox
         self._recent: deque[int] = deque(maxlen=8)  # sizes of the last batches
+        self._batch_s: float | None = None  # recent batches' compute time (moving average)
         self.computing: str | None = None  # version of the batch on the engine thread
         self._batch_done = asyncio.Condition()
 
@@ -159,8 +166,9 @@ class EncoderRunner:
 
     async def _close_batch(self) -> tuple[str, list[Pending]]:
         target = min(self.max_batch, max(self._recent, default=1))
-        if self.max_wait_s > 0 and self._waiting < target:
-            deadline = self.inbox[0].arrived + self.max_wait_s
+        wait_s = self.max_wait_s if self._batch_s is None else min(self.max_wait_s, self._batch_s)
+        if wait_s > 0 and self._waiting < target:
+            deadline = self.inbox[0].arrived + wait_s
             while self._waiting < target and not self._closed:
                 left = deadline - time.perf_counter()
                 if left <= 0:
@@ -224,6 +232,8 @@ class EncoderRunner:
                 return BatchOutcome(batch, [], [], exc, version=version)
             return self._compute_one_by_one(version, batch)
         end = time.perf_counter()
+        took, was = end - start, self._batch_s
+        self._batch_s = took if was is None else was + BATCH_S_WEIGHT * (took - was)
         out, timings, i = [], [], 0
         for p in batch:
             k = len(p.work.inputs)

@@ -142,3 +142,42 @@ async def test_event_loop_stays_responsive_while_a_batch_computes(nats_server):
         eng.gate.set()
         assert (await pending)[0] == 200
         assert w.state == "ready"
+
+
+async def test_a_batch_waits_to_fill_no_longer_than_a_batch_takes(nats_server):
+    """After a batch of 7, a lone request waits for company (up to max_wait_ms) only
+    as long as a batch takes to compute: with an engine whose batch costs nothing it
+    is computed at once, with one whose batch costs 0.3 s it waits about that long."""
+    from bench.nomath import NoMathEncoder
+    from shared.telemetry import RequestRecord, record_decoder
+
+    waits: dict[str, float] = {}
+
+    async def keep(msg) -> None:
+        rec = record_decoder.decode(msg.data)
+        if isinstance(rec, RequestRecord):
+            waits[rec.request_id] = rec.batch_wait_s
+
+    for per_batch_s in (0.0, 0.3):
+        eng = NoMathEncoder(per_batch_s=per_batch_s)
+        async with running_stack(nats_server.url, max_wait_ms=2000) as st:
+            await st.client.subscribe(subjects.TELEMETRY_REQUESTS, cb=keep)
+            w = await st.add_worker(eng, "w1")
+            for _ in range(4):  # lone batches: the engine's batch time is known
+                assert (await ask(st.client, body()))[0] == 200
+            eng.gate.clear()  # one batch computing, seven waiting: the next batch is 7
+            held = [asyncio.create_task(ask(st.client, body()))]
+            await wait_until(lambda: w.runner.in_flight == 1)
+            held += [asyncio.create_task(ask(st.client, body())) for _ in range(7)]
+            await wait_until(lambda: w.runner.queue_depth == 7)
+            eng.gate.set()
+            assert [c for c, _ in await asyncio.gather(*held)] == [200] * 8
+            assert eng.batches[-2:] == [1, 7]
+            rid = f"lone-{per_batch_s}"
+            code, _ = await ask(st.client, body(), headers={"X-Request-Id": rid})
+            assert code == 200 and eng.batches[-1] == 1
+            await wait_until(lambda: rid in waits)
+        if per_batch_s == 0.0:
+            assert waits[rid] < 0.5, waits[rid]  # not the 2 s it may wait at most
+        else:
+            assert 0.2 <= waits[rid] <= 1.0, waits[rid]
