@@ -15,14 +15,16 @@
      per iteration, on the engine thread: prompt chunks of the admitted sequences,
      oldest first, at most `prefill_chunk` tokens in all (a long prompt takes
      several iterations, so running streams lose at most one chunk's time per
-     token); then per lane the tokens of the step dispatched last time, room in the
-     cache for the next (`make_room`: the newest sequences may be preempted), and
-     the next step dispatched (`step_async`) before returning, so detokenizing and
-     publishing step n overlap the computation of step n+1. A sequence whose prompt
-     is done joins the step after the one in flight; tokens from steps it was not
-     part of are ignored. A preempted sequence goes back to the front of the queue
-     and later re-runs its prompt plus its tokens so far, drawing what it would have
-     drawn next (draws are keyed by seed and position).
+     token); then per lane room in the cache for the next step (`make_room`: the
+     newest sequences may be preempted), the next step dispatched (`step_async`),
+     and only then the tokens of the step before it read: step n+1 waits on the
+     device behind step n, and detokenizing and publishing step n overlap its
+     computation. A sequence whose prompt is done joins the step after the one in
+     flight; tokens from steps it was not part of are ignored, and so is the one
+     extra step a sequence that ended at step n rides in (its slot is freed once
+     the host has read step n). A preempted sequence goes back to the front of the
+     queue and later re-runs its prompt plus its tokens so far, drawing what it
+     would have drawn next (draws are keyed by seed and position).
   4. New tokens are detokenized per sequence (never splitting a UTF-8 character),
      checked against EOS, stop strings, `max_tokens` and the context, and streamed to
      the gateway as GenChunks naming the version (non-streaming requests get one
@@ -308,7 +310,7 @@ class DecoderRunner:
 
     def _engine_step(self, prefilling: list[Sequence], lanes: list[Lane]):
         """Runs on the engine thread: prompt chunks within the token budget, then per
-        lane read the step in flight, make room for the next and dispatch it."""
+        lane make room for the next step, dispatch it, and read the one before it."""
         firsts = []
         left = self.chunk
         for seq in prefilling:
@@ -328,15 +330,18 @@ class DecoderRunner:
                 seq.joined = seq.lane.dispatched + 1
         tokens, preempted = [], []
         for lane in lanes:
+            # The next step is dispatched before the last one is read: it queues behind
+            # it, so the device goes from one to the next while this thread wakes, the
+            # loop takes the tokens and calls back (docs/decisions/0016).
             pending, step_no = lane.pending, lane.dispatched
-            if pending is not None:
-                tokens.append((lane, pending.result(), step_no))
             preempted += [(lane, slot) for slot in lane.engine.make_room()]
             if lane.engine.active_slots:
                 lane.pending = lane.engine.step_async()
                 lane.dispatched += 1
             else:
                 lane.pending = None
+            if pending is not None:
+                tokens.append((lane, pending.result(), step_no))
         return firsts, tokens, preempted
 
     def _requeue(self, preempted: list[tuple[Lane, int]]) -> None:
