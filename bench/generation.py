@@ -5,6 +5,14 @@
     .venv/bin/python -m bench.generation --model smollm2-135m-instruct --seconds 20 \
         --max-tokens 32 --max-context 128 --prefill-buckets 16
 
+The served requests are greedy by default, the math of the engine's static run, so
+the ratio between the two is the serving path's share alone; `--temperature 0.7`
+adds the sampling's own cost (a softmax and a cumulative sum over the vocabulary
+per slot and step) to the served side only. `--engine-threads 1` gives the engine
+run and the worker one XLA thread (NPROC): on a two-core machine the demo LM's
+batch-16 step is faster on one thread than on two, and the serving processes keep
+the other core.
+
 The default model is the demo LM; `--model` takes another bundled decoder (SmolLM2,
 read from its GGUF file by the engine, the worker and transformers alike), with
 `--max-context` (the worker's and the engine's KV length, which also caps the
@@ -73,7 +81,7 @@ async def stream_once(nc, body: bytes, timeout: float = 60.0) -> tuple[float, li
 
 
 async def load(nc, concurrency: int, seconds: float, max_tokens: int, model: str = MODEL,
-               sup=None) -> dict:
+               sup=None, temperature: float = 0.0) -> dict:
     ttft, itl, tokens, done, chunks = [], [], 0, 0, 0
     t_end = time.perf_counter() + seconds
     t_start = time.perf_counter()
@@ -83,7 +91,8 @@ async def load(nc, concurrency: int, seconds: float, max_tokens: int, model: str
         k = i
         while time.perf_counter() < t_end:
             body = msgspec.json.encode({"model": model, "prompt": PROMPTS[k % len(PROMPTS)],
-                                        "max_tokens": max_tokens, "temperature": 0.7, "seed": k,
+                                        "max_tokens": max_tokens, "temperature": temperature,
+                                        "seed": k,
                                         "ignore_eos": True, "stream": True,
                                         "stream_options": {"include_usage": True}})
             t0, arr, n = await stream_once(nc, body)
@@ -110,7 +119,8 @@ async def load(nc, concurrency: int, seconds: float, max_tokens: int, model: str
 
 
 async def stack_figures(seconds: float, max_tokens: int, workdir: Path, model: str = MODEL,
-                        max_context: int = 0) -> list[dict]:
+                        max_context: int = 0, temperature: float = 0.0,
+                        concurrency: tuple[int, ...] = (1, 4, 16)) -> list[dict]:
     import nats
 
     from services.supervisor import Supervisor, wait_ready
@@ -130,8 +140,8 @@ async def stack_figures(seconds: float, max_tokens: int, workdir: Path, model: s
         try:
             await wait_ready(nc, model, 1, timeout=600)
             await load(nc, 4, 2.0, 8, model)  # warm the path
-            for c in (1, 4, 16):
-                r = await load(nc, c, seconds, max_tokens, model, sup)
+            for c in concurrency:
+                r = await load(nc, c, seconds, max_tokens, model, sup, temperature)
                 r["loadavg_1m"] = round(os.getloadavg()[0], 2)
                 print(f"stack c={c}: {r['tokens_per_s']:.1f} tok/s ttft p50 {r['ttft_p50_ms']:.1f} "
                       f"p99 {r['ttft_p99_ms']:.1f} ms itl p50 {r['itl_p50_ms']:.2f} "
@@ -201,12 +211,22 @@ def main() -> None:
     ap.add_argument("--stack-only", action="store_true",
                     help="only the served figures, printed (no engine run, no files written); "
                          "the worker takes TENSORBUS_ENGINE and the rest from the environment")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the served requests' (default 0, greedy: the static run's math; "
+                         "0.7 adds the sampling's own cost to every step)")
+    ap.add_argument("--engine-threads", type=int, default=0,
+                    help="XLA's threads for the engine run and the worker (NPROC; default: "
+                         "every core)")
+    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated stream counts")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.engine_threads:  # before JAX starts here; the worker inherits it
+        os.environ["NPROC"] = str(args.engine_threads)
+    streams = tuple(int(x) for x in args.concurrency.split(",") if x)
     if args.stack_only:
         with tempfile.TemporaryDirectory() as d:
             rows = asyncio.run(stack_figures(args.seconds, args.max_tokens, Path(d), args.model,
-                                             args.max_context))
+                                             args.max_context, args.temperature, streams))
         print(json.dumps(rows, indent=2))
         return
     from bench.engine_decoder import run as engine_run
@@ -216,6 +236,7 @@ def main() -> None:
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "machine": f"{os.cpu_count()} cores", "model": args.model,
                  "max_tokens": args.max_tokens, "max_context": args.max_context,
+                 "temperature": args.temperature, "engine_threads": args.engine_threads or "all",
                  "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     buckets = tuple(int(x) for x in args.prefill_buckets.split(",") if x) or None
     res["engine"] = engine_run(max_new=args.max_tokens, hf_requests=args.hf_requests,
@@ -225,7 +246,7 @@ def main() -> None:
     print("engine:", json.dumps(res["engine"]), flush=True)
     with tempfile.TemporaryDirectory() as d:
         res["stack"] = asyncio.run(stack_figures(args.seconds, args.max_tokens, Path(d), args.model,
-                                                 args.max_context))
+                                                 args.max_context, args.temperature, streams))
     res["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     name = "generation" if args.model == MODEL else f"generation-{args.model}"
     out = REPO / "bench" / "out"
