@@ -53,12 +53,17 @@ class Embeddings:
         if entry.info.kind != "encoder":
             raise bad_request(f"model '{name}' generates text; use the completions endpoints")
         front.check_served(name)
-        front.shed(name, call.deadline)
         if len(body) <= INLINE_TOKENIZE:  # on the loop: nothing is read meanwhile
+            front.shed(name, call.deadline)
             ids = tokenize_inputs(req, entry, self.config)
-        else:  # in a thread: the requests read meanwhile must see this one ahead
+        else:
+            # Tokenized in a thread, behind others: refused now if its estimated size
+            # does not fit (not after the wait), and while it waits the requests read
+            # meanwhile see it ahead of them.
             inputs, texts, tokens = sizes(req)
-            with front.preparing(name, inputs, tokens + front.estimate_tokens(name, texts)):
+            tokens += front.estimate_tokens(name, texts)
+            front.shed(name, call.deadline, inputs, tokens)
+            with front.preparing(name, inputs, tokens):
                 ids = await front.tokenize(tokenize_inputs, req, entry, self.config)
             if texts and not tokens:
                 front.learn_tokens(name, texts, sum(len(x) for x in ids))

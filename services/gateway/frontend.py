@@ -168,7 +168,8 @@ class Frontend:
             why = status.reason or "its worker exited on an invalid configuration"
             raise unavailable(f"model '{model}' cannot start: {why}", retry_after=None)
 
-    def shed(self, model: str, deadline: float | None = None) -> None:
+    def shed(self, model: str, deadline: float | None = None, inputs: int = 0,
+             tokens: int = 0) -> None:
         """429 before any work when this gateway alone already waits on as many of the
         model's requests as the whole fleet may queue. The scheduler's admission stays
         the exact one (it sees every gateway); this spares a request it would refuse
@@ -182,14 +183,15 @@ class Frontend:
             raise overloaded(f"model '{model}' is at capacity ({waiting} requests queued); "
                              "retry after the hinted delay", retry_after=1.0)
         if deadline is not None:
-            self.shed_by_work(model, deadline)
+            self.shed_by_work(model, deadline, inputs, tokens)
 
-    def shed_by_work(self, model: str, deadline: float) -> None:
+    def shed_by_work(self, model: str, deadline: float, inputs: int = 0, tokens: int = 0) -> None:
         """429 before tokenizing when the work ahead already fills the queue or outlasts
-        the deadline without this request's own work. The work ahead is what the
-        schedulers reported, less what the workers computed since, or what this
-        gateway itself has submitted and not seen answered if that is more: a burst
-        outruns the reports (one interval old), never this gateway's own count."""
+        the deadline without this request's own work (with it, when `tokens` gives an
+        estimate of its size: a large body, whose tokenizing waits). The work ahead is
+        what the schedulers reported, less what the workers computed since, or what
+        this gateway itself has submitted and not seen answered if that is more: a
+        burst outruns the reports (one interval old), never this gateway's own count."""
         now = time.monotonic()
         reports = self.loads.others(model, now)
         cost = next((r.cost for _, r in reports if r.cost.per_token or r.cost.per_batch), None)
@@ -205,9 +207,9 @@ class Frontend:
         own = self.sent_work.get(model)
         if own is not None and own.tokens > ahead.tokens:
             ahead = own
-        admission.check(model, ahead, 0, 0, len(workers), max_batch, cost,
+        admission.check(model, ahead, inputs, tokens, len(workers), max_batch, cost,
                         deadline - time.time(), self.config.max_queue_per_worker,
-                        self.config.max_queue_s, size_unknown=True)
+                        self.config.max_queue_s, size_unknown=not tokens)
 
     def check_size(self, body: bytes) -> None:
         if len(body) > self.config.max_payload:

@@ -122,7 +122,7 @@ async def test_two_schedulers_share_one_bound(nats_server):
             both = (st.scheduler, second)
             # The gateway refuses early from its own count of what it sent; with it off,
             # what is admitted is the schedulers' doing alone.
-            st.gateway.front.shed_by_work = lambda model, deadline: None
+            st.gateway.front.shed_by_work = lambda model, deadline, *size: None
             for _ in range(60):  # both have timed the model (directly or from the other)
                 await call(st.client)
                 if all(s.costs.per_token(MODEL) for s in both):
