@@ -102,6 +102,10 @@ ConcurrentHandler = Callable[[Msg], Awaitable[bool]]
 """Serves one message to the end (replies included); returns False when it answered
 with an error."""
 
+QuickHandler = Callable[[Msg], Awaitable[bool]]
+"""Answers a message in the subscription's callback when it can do so at once (an
+error reply, no task); returns False to leave it to the ConcurrentHandler."""
+
 
 class ConcurrentEndpoint(Endpoint):
     """A nats.micro endpoint that serves each message in its own task.
@@ -115,9 +119,11 @@ class ConcurrentEndpoint(Endpoint):
     """
 
     def __init__(self, service: Service, config: EndpointConfig, handler: ConcurrentHandler,
-                 tasks: set[asyncio.Task], pending_msgs: int, pending_bytes: int) -> None:
+                 tasks: set[asyncio.Task], pending_msgs: int, pending_bytes: int,
+                 quick: QuickHandler | None = None) -> None:
         super().__init__(service, config)
         self._serve = handler
+        self._quick = quick
         self._tasks = tasks
         self._pending = (pending_msgs, pending_bytes)
 
@@ -128,7 +134,13 @@ class ConcurrentEndpoint(Endpoint):
 
     async def _handle_request(self, msg: Msg) -> None:
         self._num_requests += 1
-        task = asyncio.create_task(self._timed(msg, time.perf_counter_ns()))
+        start_ns = time.perf_counter_ns()
+        if self._quick is not None and await self._quick(msg):  # answered (an error)
+            self._num_errors += 1
+            self._processing_time += time.perf_counter_ns() - start_ns
+            self._average_processing_time = int(self._processing_time / self._num_requests)
+            return
+        task = asyncio.create_task(self._timed(msg, start_ns))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -162,12 +174,14 @@ class MicroService(Service):
     async def add_concurrent_endpoint(
             self, name: str, subject: str, handler: ConcurrentHandler, *, queue_group: str,
             tasks: set[asyncio.Task], pending_msgs: int = 65_536,
-            pending_bytes: int = 64 * 1024 * 1024) -> None:
+            pending_bytes: int = 64 * 1024 * 1024, quick: QuickHandler | None = None) -> None:
         """An endpoint whose messages are served concurrently (see ConcurrentEndpoint);
-        `tasks` holds the running ones so the owner can wait for them at shutdown."""
+        `tasks` holds the running ones so the owner can wait for them at shutdown;
+        `quick`, if given, may answer a message first, in the callback."""
         config = EndpointConfig(name=name, subject=subject, queue_group=queue_group,
                                 handler=_never_called)
-        endpoint = ConcurrentEndpoint(self, config, handler, tasks, pending_msgs, pending_bytes)
+        endpoint = ConcurrentEndpoint(self, config, handler, tasks, pending_msgs, pending_bytes,
+                                      quick)
         await endpoint._start()
         self._endpoints.append(endpoint)
 

@@ -20,7 +20,7 @@ from services.gateway.models import ModelEntry, split_name
 from shared import admission
 from shared.api import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
 from shared.config import Config
-from shared.errors import bad_request, internal
+from shared.errors import ServiceError, bad_request, internal
 from shared.messages import EmbedResult, EmbedWork
 
 if TYPE_CHECKING:
@@ -50,27 +50,52 @@ class Embeddings:
         name, version = split_name(req.model)
         out.model = name
         entry = await front.models.get(name)
-        if entry.info.kind != "encoder":
-            raise bad_request(f"model '{name}' generates text; use the completions endpoints")
-        front.check_served(name)
-        if len(body) <= INLINE_TOKENIZE:  # on the loop: nothing is read meanwhile
-            front.shed(name, call.deadline)
+        size = self._admit(req, entry, body, call.deadline)
+        if size is None:  # on the loop: nothing is read meanwhile
             ids = tokenize_inputs(req, entry, self.config)
-        else:
-            # Tokenized in a thread, behind others: refused now if its estimated size
-            # does not fit (not after the wait), and while it waits the requests read
-            # meanwhile see it ahead of them.
-            inputs, texts, tokens = sizes(req)
-            tokens += front.estimate_tokens(name, texts)
-            front.shed(name, call.deadline, inputs, tokens)
+        else:  # in a thread: the requests read meanwhile see it ahead of them
+            inputs, texts, tokens = size
             with front.preparing(name, inputs, tokens):
                 ids = await front.tokenize(tokenize_inputs, req, entry, self.config)
-            if texts and not tokens:
+            if texts:
                 front.learn_tokens(name, texts, sum(len(x) for x in ids))
         out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "",
                          user=user_key(req.user, call.user))
         return EmbedPrepared(req, work)
+
+    def _admit(self, req: EmbeddingRequest, entry: ModelEntry, body: bytes, deadline: float):
+        """The checks before tokenizing (400 for a decoder, 503, 429). A body above
+        INLINE_TOKENIZE is tokenized in a thread, behind others: its estimated size
+        counts in its own check (refused now, not after the wait) and is returned
+        (inputs, texts to learn from, tokens) to be counted while it waits."""
+        front, name = self.front, entry.info.name
+        if entry.info.kind != "encoder":
+            raise bad_request(f"model '{name}' generates text; use the completions endpoints")
+        front.check_served(name)
+        if len(body) <= INLINE_TOKENIZE:
+            front.shed(name, deadline)
+            return None
+        inputs, texts, id_tokens = sizes(req)
+        tokens = id_tokens + front.estimate_tokens(name, texts)
+        front.shed(name, deadline, inputs, tokens)
+        return inputs, (texts if not id_tokens else []), tokens
+
+    def refusal(self, body: bytes, msgpack: bool, deadline: float) -> tuple[str, ServiceError] | None:
+        """The 429 `prepare` would answer, decided without waiting on anything (the
+        model's entry already loaded), else None: while the gateway is refusing, a
+        transport answers it at once instead of giving the request a task."""
+        if len(body) > self.config.max_payload:
+            return None
+        try:
+            req = codec.decode(body, EmbeddingRequest, msgpack)
+            entry = self.front.models.cached(split_name(req.model)[0])
+            if entry is not None:
+                self._admit(req, entry, body, deadline)
+        except ServiceError as err:
+            if err.status == 429:
+                return entry.info.name, err
+        return None
 
     async def whole(self, prep: EmbedPrepared, call: Call) -> EmbeddingResponse:
         work, out = prep.work, call.out
