@@ -60,7 +60,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     quant_form: str = "auto"  # quantized decoders' matmuls: auto (fastest per bucket, measured once) / float / dequant / w8a8, as VALUE[,MODEL=VALUE...]
     weight_budget_mb: str = "0"  # MB all held weight forms may take (0 = the model's float32 size), as VALUE[,MODEL=VALUE...]
     max_batch: int = 64  # dynamic batching: largest batch
-    max_wait_ms: float = 5.0  # dynamic batching: longest wait to fill a batch (0 = never)
+    max_wait_ms: float = 5.0  # dynamic batching: longest wait to fill a batch (0 = never; at most a recent batch's compute time)
     engine_nice: int = 0  # added to the nice value of the engine's threads (Linux): the serving path first on shared cores
     batch_buckets: str = "1,2,4,8,16,32,64"  # padded batch sizes compiled at warm-up
     seq_buckets: str = "16,32,64,128,256"  # padded sequence lengths
