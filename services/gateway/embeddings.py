@@ -76,8 +76,10 @@ class Embeddings:
         if len(body) <= INLINE_TOKENIZE:
             front.shed(name, deadline)
             return None
-        inputs, texts, id_tokens = sizes(req)
-        tokens = id_tokens + front.estimate_tokens(name, texts)
+        limit = entry.info.max_tokens
+        inputs, texts, id_tokens = sizes(req, limit)
+        check_count(inputs, self.config)  # the 400 comes first, as on the inline path
+        tokens = id_tokens + front.estimate_tokens(name, texts, limit)
         front.shed(name, deadline, inputs, tokens)
         return inputs, (texts if not id_tokens else []), tokens
 
@@ -115,14 +117,20 @@ class Embeddings:
         raise bad_request("embeddings are not streamed")
 
 
-def sizes(req: EmbeddingRequest) -> tuple[int, list[str], int]:
-    """Before tokenizing: the request's inputs, its texts, and the tokens it sends as ids."""
+def sizes(req: EmbeddingRequest, limit: int) -> tuple[int, list[str], int]:
+    """Before tokenizing: the request's inputs, its texts, and the tokens it sends as ids
+    (at most `limit` an input: more is a 400 later, not work)."""
     inp = [req.input] if isinstance(req.input, str) else req.input
     texts = [x for x in inp if isinstance(x, str)]
     lists = [x for x in inp if isinstance(x, list)]
     if lists or texts:
-        return max(len(inp), 1), texts, sum(map(len, lists))
-    return 1, texts, len(inp)  # one input of token ids
+        return max(len(inp), 1), texts, sum(min(len(x), limit) for x in lists)
+    return 1, texts, min(len(inp), limit)  # one input of token ids
+
+
+def check_count(inputs: int, config: Config) -> None:
+    if inputs > config.max_inputs:
+        raise bad_request(f"too many inputs: {inputs}; at most {config.max_inputs} per request")
 
 
 def tokenize_inputs(req: EmbeddingRequest, entry: ModelEntry, config: Config) -> list[list[int]]:
@@ -132,8 +140,7 @@ def tokenize_inputs(req: EmbeddingRequest, entry: ModelEntry, config: Config) ->
         inp = [inp]
     if not inp:
         raise bad_request("'input' is empty: send a string or a non-empty list")
-    if len(inp) > config.max_inputs:
-        raise bad_request(f"too many inputs: {len(inp)}; at most {config.max_inputs} per request")
+    check_count(len(inp), config)
     kinds = {type(x) for x in inp}
     if kinds == {str}:
         for i, s in enumerate(inp):

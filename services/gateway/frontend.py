@@ -130,12 +130,13 @@ class Frontend:
         async with self._tokenizing:
             return await asyncio.to_thread(fn, *args)
 
-    def estimate_tokens(self, model: str, texts: list[str]) -> int:
+    def estimate_tokens(self, model: str, texts: list[str], limit: int) -> int:
         """Tokens `texts` will hold, before tokenizing them: their characters over the
         ratio this model's tokenizer has shown here (4 until it has tokenized once),
-        plus two special tokens each."""
+        plus two special tokens each; at most `limit` each (a longer input is a 400
+        once tokenized, never work a queue must make room for)."""
         ratio = self.chars_per_token.get(model, CHARS_PER_TOKEN)
-        return sum(int(len(t) / ratio) + 2 for t in texts)
+        return sum(min(int(len(t) / ratio) + 2, limit) for t in texts)
 
     def learn_tokens(self, model: str, texts: list[str], tokens: int) -> None:
         """What tokenizing `texts` gave: `tokens`, special tokens included."""
