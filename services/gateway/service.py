@@ -2,7 +2,8 @@
 
   1. Each route's subject is a nats.micro endpoint (services.gateway.pipeline.routes);
      each request runs in its own task (a subscription callback must not wait on a
-     model).
+     model), except that while the gateway is refusing, a request it can refuse
+     before tokenizing is answered in the callback itself (`_refuse_now`).
   2. A Call (services.gateway.call) wraps it: ids from `X-Request-Id` / `Nats-Msg-Id`,
      deadline from `Tensorbus-Timeout`, msgpack from `Content-Type`.
   3. The route's pipeline prepares it, then answers whole (one reply) or streamed
@@ -164,14 +165,18 @@ class Gateway(Lifecycle):
         """While this gateway is refusing (a 429 in the last second), a request its
         pipeline can refuse without waiting on anything is answered here, in the
         subscription's callback: the same 429 and record as `_serve` would give, but
-        no task, no Call. In a burst far above capacity a refusal then costs the
-        gateway about half the CPU, and the refusals behind it wait that much less."""
+        no task, no Call (docs/decisions/0017). Anything unexpected leaves the request
+        to `_serve`, which answers every request."""
         if not self.front.refusing():
             return False
         started = time.perf_counter()
         hdrs = msg.headers or {}
         mp = codec.is_msgpack(hdrs)
-        got = pipe.refusal(msg.data, mp, self.front.deadline(_timeout(hdrs)))
+        try:
+            got = pipe.refusal(msg.data, mp, self.front.deadline(_timeout(hdrs)))
+        except Exception as exc:  # noqa: BLE001 - the full path answers it instead
+            log.warning("quick_refusal_failed", error=repr(exc))
+            return False
         if got is None:
             return False
         model, err = got
