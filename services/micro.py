@@ -136,9 +136,7 @@ class ConcurrentEndpoint(Endpoint):
         self._num_requests += 1
         start_ns = time.perf_counter_ns()
         if self._quick is not None and await self._quick(msg):  # answered (an error)
-            self._num_errors += 1
-            self._processing_time += time.perf_counter_ns() - start_ns
-            self._average_processing_time = int(self._processing_time / self._num_requests)
+            self._count(False, start_ns)
             return
         task = asyncio.create_task(self._timed(msg, start_ns))
         self._tasks.add(task)
@@ -149,10 +147,13 @@ class ConcurrentEndpoint(Endpoint):
         try:
             ok = await self._serve(msg)
         finally:
-            if not ok:
-                self._num_errors += 1
-            self._processing_time += time.perf_counter_ns() - start_ns
-            self._average_processing_time = int(self._processing_time / self._num_requests)
+            self._count(ok, start_ns)
+
+    def _count(self, ok: bool, start_ns: int) -> None:
+        if not ok:
+            self._num_errors += 1
+        self._processing_time += time.perf_counter_ns() - start_ns
+        self._average_processing_time = int(self._processing_time / self._num_requests)
 
 
 class MicroService(Service):

@@ -91,12 +91,15 @@ class Embeddings:
             return None
         try:
             req = codec.decode(body, EmbeddingRequest, msgpack)
-            entry = self.front.models.cached(split_name(req.model)[0])
-            if entry is not None:
-                self._admit(req, entry, body, deadline)
+        except ServiceError:
+            return None  # the full path says what is wrong with it
+        entry = self.front.models.cached(split_name(req.model)[0])
+        if entry is None:
+            return None
+        try:
+            self._admit(req, entry, body, deadline)
         except ServiceError as err:
-            if err.status == 429:
-                return entry.info.name, err
+            return (entry.info.name, err) if err.status == 429 else None
         return None
 
     async def whole(self, prep: EmbedPrepared, call: Call) -> EmbeddingResponse:

@@ -2,8 +2,8 @@
 
   1. Each route's subject is a nats.micro endpoint (services.gateway.pipeline.routes);
      each request runs in its own task (a subscription callback must not wait on a
-     model), except that while the gateway is refusing, a request it can refuse
-     before tokenizing is answered in the callback itself (`_refuse_now`).
+     model), except that while the gateway is refusing, a request its pipeline can
+     refuse before tokenizing (`refusal`) is answered in the callback (`_refuse_now`).
   2. A Call (services.gateway.call) wraps it: ids from `X-Request-Id` / `Nats-Msg-Id`,
      deadline from `Tensorbus-Timeout`, msgpack from `Content-Type`.
   3. The route's pipeline prepares it, then answers whole (one reply) or streamed
@@ -25,8 +25,8 @@ from nats.aio.msg import Msg
 
 from services.gateway import codec
 from services.gateway.codec import VERSION_HEADER  # noqa: F401 - where tests and clients look
-from services.gateway.call import MAX_CLIENT_ID, Call
-from services.gateway.frontend import USER_HEADER, Frontend, Outcome, new_request_id
+from services.gateway.call import Call
+from services.gateway.frontend import USER_HEADER, Frontend
 from services.gateway.pipeline import Pipeline, Prepared, routes
 from services.lifecycle import Lifecycle
 from services.micro import ServiceHealth, add_service
@@ -143,13 +143,17 @@ class Gateway(Lifecycle):
         await self._respond(msg, codec.encode(self.front.model_list(), mp), mp)
         return True
 
-    async def _serve(self, pipe: Pipeline, msg: Msg) -> bool:
-        """Serve one request to the end; False when it was answered with an error."""
+    def _call(self, pipe: Pipeline, msg: Msg) -> Call:
+        """The request's Call, from its headers."""
         hdrs = msg.headers or {}
         client_id = next((hdrs[h] for h in REQUEST_ID_HEADERS if hdrs.get(h)), None)
-        mp = codec.is_msgpack(hdrs)
-        call = Call.open(self.front, pipe.name, client_id=client_id, timeout_s=_timeout(hdrs),
-                         msgpack=mp, user=hdrs.get(USER_HEADER, ""))
+        return Call.open(self.front, pipe.name, client_id=client_id, timeout_s=_timeout(hdrs),
+                         msgpack=codec.is_msgpack(hdrs), user=hdrs.get(USER_HEADER, ""))
+
+    async def _serve(self, pipe: Pipeline, msg: Msg) -> bool:
+        """Serve one request to the end; False when it was answered with an error."""
+        call = self._call(pipe, msg)
+        mp = call.msgpack
         async with call.guarded():
             prep = await pipe.prepare(msg.data, call)
             if prep.stream:
@@ -165,26 +169,22 @@ class Gateway(Lifecycle):
         """While this gateway is refusing (a 429 in the last second), a request its
         pipeline can refuse without waiting on anything is answered here, in the
         subscription's callback: the same 429 and record as `_serve` would give, but
-        no task, no Call (docs/decisions/0017). Anything unexpected leaves the request
-        to `_serve`, which answers every request."""
+        no task and no pipeline awaits (docs/decisions/0017). Anything unexpected
+        leaves the request to `_serve`, which answers every request."""
         if not self.front.refusing():
             return False
-        started = time.perf_counter()
-        hdrs = msg.headers or {}
-        mp = codec.is_msgpack(hdrs)
+        call = self._call(pipe, msg)
         try:
-            got = pipe.refusal(msg.data, mp, self.front.deadline(_timeout(hdrs)))
+            got = pipe.refusal(msg.data, call.msgpack, call.deadline)
         except Exception as exc:  # noqa: BLE001 - the full path answers it instead
             log.warning("quick_refusal_failed", error=repr(exc))
             return False
         if got is None:
             return False
-        model, err = got
-        client_id = next((hdrs[h] for h in REQUEST_ID_HEADERS if hdrs.get(h)), None)
-        out = Outcome(pipe.name, model=model, status=err.status, error_code=err.code)
-        await self._respond_error(msg, err, mp)
-        await self.front.record(client_id[:MAX_CLIENT_ID] if client_id else new_request_id(),
-                                out, started)
+        call.out.model, err = got
+        call.fail(err)
+        await self._respond_error(msg, err, call.msgpack)
+        await call.finish()
         return True
 
     async def _stream(self, msg: Msg, pipe: Pipeline, prep: Prepared, call: Call) -> None:
