@@ -102,10 +102,12 @@ def check_split(config: Config, info: catalog.ModelInfo) -> None:
         raise bad_config(str(exc)) from None
 
 
-def engine_settings(config: Config, model: str) -> tuple[str, str]:
+def engine_settings(config: Config, model: str,
+                    info: catalog.ModelInfo | None = None) -> tuple[str, str]:
     """(engine, dtype) for `model`; exits 78 on a value no engine knows, a tensor
-    parallel degree or quantization the backend does not run, or (when the model's
-    directory is known here) heads that do not split over the devices asked for."""
+    parallel degree or quantization the backend does not run, or (for `info`, else
+    the model's directory when it is known here) heads that do not split over the
+    devices asked for or GGUF blocks the engine cannot keep."""
     tp, quant = parallel_settings(config, model)
     form_settings(config, model, "decoder")  # the encoder's narrower check: at build
     engine = _per_model(config, "engine", model, "jax")
@@ -118,7 +120,8 @@ def engine_settings(config: Config, model: str) -> tuple[str, str]:
         raise bad_config(f"{model}: the torch engine runs on one device with float weights; "
                          f"TENSORBUS_TENSOR_PARALLEL={tp} and TENSORBUS_QUANT={quant!r} need "
                          f"TENSORBUS_ENGINE=jax")  # fmt: skip
-    info = catalog.resolve(model, config.model_dir) if tp > 1 or quant == "gguf" else None
+    if info is None and (tp > 1 or quant == "gguf"):
+        info = catalog.resolve(model, config.model_dir)
     if info is not None:
         check_split(config, info)
         if quant == "gguf":
@@ -131,12 +134,9 @@ def build_engine(config: Config, info: catalog.ModelInfo):
     from engine import jaxrt
     from engine.sharding import ShardingError
 
-    backend, dtype = engine_settings(config, info.name)
-    check_split(config, info)
+    backend, dtype = engine_settings(config, info.name, info)
     tp, quant = parallel_settings(config, info.name)
     form, budget = form_settings(config, info.name, info.kind)
-    if quant == "gguf":
-        _check_gguf_blocks(info)
     jaxrt.setup(str(Path(config.data_dir) / "jax-cache"))
     try:
         return _build(config, info, backend, dtype, tp, quant, form, budget)
