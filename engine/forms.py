@@ -54,7 +54,7 @@ def candidates(quant: str, setting: str, sizes: dict[str, int], budget: int) -> 
         return ("float",)
     if setting != "auto":
         return (setting,)
-    possible = ("float", "dequant", "w8a8") if quant == "int8" else ("float", "dequant")
+    possible = FORMS if quant == "int8" else ("float", "dequant")
     stored = sizes["dequant"]
     return tuple(f for f in possible if f == "dequant" or stored + sizes[f] <= budget)
 

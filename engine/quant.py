@@ -179,7 +179,7 @@ def quantize_tree(tree: dict, mode: str | dict[str, tuple[str, int]], axes: dict
 
     def walk(node):
         if isinstance(node, dict):
-            return {k: quantize(v, *modes[k][:1], axes[k], modes[k][1]) if k in modes and k in axes
+            return {k: quantize(v, modes[k][0], axes[k], modes[k][1]) if k in modes and k in axes
                     else walk(v) for k, v in node.items()}  # fmt: skip
         if isinstance(node, list):
             return [walk(v) for v in node]
@@ -191,17 +191,8 @@ def quantize_tree(tree: dict, mode: str | dict[str, tuple[str, int]], axes: dict
 def dequantize_tree(tree, dtype):
     """Every QWeight of a device tree -> its float weight in `dtype` (the float form:
     the same numbers as the quantized weights, at float size)."""
-
-    def walk(node):
-        if isinstance(node, QWeight):
-            return dequantize(node, dtype)
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
-
-    return walk(tree)
+    return jax.tree.map(lambda n: dequantize(n, dtype) if isinstance(n, QWeight) else n,
+                        tree, is_leaf=is_qweight)
 
 
 def float_bytes(tree, dtype) -> int:
@@ -209,18 +200,14 @@ def float_bytes(tree, dtype) -> int:
     shape; other leaves as they are)."""
     size = np.dtype(dtype).itemsize
 
-    def walk(node) -> int:
-        if isinstance(node, QWeight):
-            shape = list(node.q.shape)
-            shape[node.axis] *= 8 // node.bits if node.q.dtype == np.uint8 else 1
-            return int(np.prod(shape)) * size
-        if isinstance(node, dict):
-            return sum(walk(v) for v in node.values())
-        if isinstance(node, list):
-            return sum(walk(v) for v in node)
-        return int(np.prod(node.shape)) * node.dtype.itemsize
+    def nbytes(n) -> int:
+        if not isinstance(n, QWeight):
+            return int(np.prod(n.shape)) * n.dtype.itemsize
+        shape = list(n.q.shape)
+        shape[n.axis] *= 8 // n.bits if n.q.dtype == np.uint8 else 1  # int4: two a byte
+        return int(np.prod(shape)) * size
 
-    return walk(tree)
+    return sum(nbytes(n) for n in jax.tree.leaves(tree, is_leaf=is_qweight))
 
 
 def is_qweight(x) -> bool:
