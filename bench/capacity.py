@@ -40,6 +40,7 @@ from pathlib import Path
 from bench.load import ClosedLoop, summary
 from bench.overload import cpu_s
 from bench.workload import embed_body, short_inputs
+from services.lifecycle import EVENT_LOOPS
 from services.supervisor import Supervisor, wait_ready
 from shared import catalog, subjects
 from shared.bus import connect
@@ -166,7 +167,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--http", action="store_true", help="also load HTTP with wrk")
     ap.add_argument("--gateways", type=int, default=1, help="gateway processes")
-    ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+    ap.add_argument("--loop", default="auto", choices=EVENT_LOOPS,
                     help="TENSORBUS_EVENT_LOOP of every service process")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.workload import closed_loop, embed_body, long_inputs, short_inputs
+from services.lifecycle import EVENT_LOOPS
 from shared import catalog
 
 MODEL = catalog.ENCODER
@@ -305,7 +306,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--data-dir", type=Path, default=REPO / ".data",
                     help="the worker's data dir (its jax-cache is shared with the engine run)")
-    ap.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+    ap.add_argument("--loop", default="auto", choices=EVENT_LOOPS,
                     help="TENSORBUS_EVENT_LOOP of every service process")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
