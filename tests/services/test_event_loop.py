@@ -53,7 +53,8 @@ async def test_a_service_started_on_uvloop_runs_on_it_and_answers(nats_server, n
                 while proc.poll() is None:
                     try:
                         r = await http.get("/readyz")
-                    except httpx.TransportError:  # not listening yet: ask again
+                    except httpx.TransportError:  # not listening yet: ask again shortly
+                        await asyncio.sleep(0.02)  # a polling interval, as wait_until's
                         continue
                     if r.status_code == 200:
                         break
