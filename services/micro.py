@@ -102,10 +102,6 @@ ConcurrentHandler = Callable[[Msg], Awaitable[bool]]
 """Serves one message to the end (replies included); returns False when it answered
 with an error."""
 
-QuickHandler = Callable[[Msg], Awaitable[bool]]
-"""Answers a message in the subscription's callback when it can do so at once (an
-error reply, no task); returns False to leave it to the ConcurrentHandler."""
-
 
 class ConcurrentEndpoint(Endpoint):
     """A nats.micro endpoint that serves each message in its own task.
@@ -119,11 +115,9 @@ class ConcurrentEndpoint(Endpoint):
     """
 
     def __init__(self, service: Service, config: EndpointConfig, handler: ConcurrentHandler,
-                 tasks: set[asyncio.Task], pending_msgs: int, pending_bytes: int,
-                 quick: QuickHandler | None = None) -> None:
+                 tasks: set[asyncio.Task], pending_msgs: int, pending_bytes: int) -> None:
         super().__init__(service, config)
         self._serve = handler
-        self._quick = quick
         self._tasks = tasks
         self._pending = (pending_msgs, pending_bytes)
 
@@ -134,11 +128,7 @@ class ConcurrentEndpoint(Endpoint):
 
     async def _handle_request(self, msg: Msg) -> None:
         self._num_requests += 1
-        start_ns = time.perf_counter_ns()
-        if self._quick is not None and await self._quick(msg):  # answered (an error)
-            self._count(False, start_ns)
-            return
-        task = asyncio.create_task(self._timed(msg, start_ns))
+        task = asyncio.create_task(self._timed(msg, time.perf_counter_ns()))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -147,13 +137,10 @@ class ConcurrentEndpoint(Endpoint):
         try:
             ok = await self._serve(msg)
         finally:
-            self._count(ok, start_ns)
-
-    def _count(self, ok: bool, start_ns: int) -> None:
-        if not ok:
-            self._num_errors += 1
-        self._processing_time += time.perf_counter_ns() - start_ns
-        self._average_processing_time = int(self._processing_time / self._num_requests)
+            if not ok:
+                self._num_errors += 1
+            self._processing_time += time.perf_counter_ns() - start_ns
+            self._average_processing_time = int(self._processing_time / self._num_requests)
 
 
 class MicroService(Service):
@@ -175,14 +162,12 @@ class MicroService(Service):
     async def add_concurrent_endpoint(
             self, name: str, subject: str, handler: ConcurrentHandler, *, queue_group: str,
             tasks: set[asyncio.Task], pending_msgs: int = 65_536,
-            pending_bytes: int = 64 * 1024 * 1024, quick: QuickHandler | None = None) -> None:
+            pending_bytes: int = 64 * 1024 * 1024) -> None:
         """An endpoint whose messages are served concurrently (see ConcurrentEndpoint);
-        `tasks` holds the running ones so the owner can wait for them at shutdown;
-        `quick`, if given, may answer a message first, in the callback."""
+        `tasks` holds the running ones so the owner can wait for them at shutdown."""
         config = EndpointConfig(name=name, subject=subject, queue_group=queue_group,
                                 handler=_never_called)
-        endpoint = ConcurrentEndpoint(self, config, handler, tasks, pending_msgs, pending_bytes,
-                                      quick)
+        endpoint = ConcurrentEndpoint(self, config, handler, tasks, pending_msgs, pending_bytes)
         await endpoint._start()
         self._endpoints.append(endpoint)
 

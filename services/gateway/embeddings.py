@@ -20,7 +20,7 @@ from services.gateway.models import ModelEntry, split_name
 from shared import admission
 from shared.api import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
 from shared.config import Config
-from shared.errors import ServiceError, bad_request, internal
+from shared.errors import bad_request, internal
 from shared.messages import EmbedResult, EmbedWork
 
 if TYPE_CHECKING:
@@ -82,25 +82,6 @@ class Embeddings:
         tokens = id_tokens + front.estimate_tokens(name, texts, limit)
         front.shed(name, deadline, inputs, tokens)
         return inputs, (texts if not id_tokens else []), tokens
-
-    def refusal(self, body: bytes, msgpack: bool, deadline: float) -> tuple[str, ServiceError] | None:
-        """The 429 `prepare` would answer, decided without waiting on anything (the
-        model's entry already loaded), else None: while the gateway is refusing, a
-        transport answers it at once instead of giving the request a task."""
-        if len(body) > self.config.max_payload:
-            return None
-        try:
-            req = codec.decode(body, EmbeddingRequest, msgpack)
-        except ServiceError:
-            return None  # the full path says what is wrong with it
-        entry = self.front.models.cached(split_name(req.model)[0])
-        if entry is None:
-            return None
-        try:
-            self._admit(req, entry, body, deadline)
-        except ServiceError as err:
-            return (entry.info.name, err) if err.status == 429 else None
-        return None
 
     async def whole(self, prep: EmbedPrepared, call: Call) -> EmbeddingResponse:
         work, out = prep.work, call.out

@@ -70,7 +70,6 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 INLINE_TOKENIZE = 2_048  # bodies up to this many bytes are tokenized on the event loop
 # (a 6 KB body of eight long inputs takes the tokenizer about a millisecond: on the
 # loop, a burst's first admitted requests would hold every refusal behind them)
-REFUSING_S = 1.0  # after a refusal, requests are first checked for one in their callback
 CHARS_PER_TOKEN = 4.0  # a text's tokens before its first tokenizing: chars / this
 USER_HEADER = "Tensorbus-User"  # sticky canary key for clients that cannot set `user`
 MAX_USER = 256
@@ -110,7 +109,6 @@ class Frontend:
         self.loads = admission.LoadBoard(expiry_s=config.worker_expiry_s)  # every scheduler's work
         self.sent_work: dict[str, admission.Tally] = {}  # model -> embeddings submitted, unanswered
         self.chars_per_token: dict[str, float] = {}  # model -> what its tokenizer has shown
-        self.refused_at = float("-inf")  # monotonic time of this gateway's last 429
 
     async def start(self) -> None:
         await self.inbox.start()
@@ -181,20 +179,12 @@ class Frontend:
         ready = len(self.fleet.ready(model))
         if not ready:
             return  # held during a cold start, or a 503: the scheduler's call
-        try:
-            waiting = self.waiting[model]
-            if waiting >= self.config.max_queue_per_worker * ready:
-                raise overloaded(f"model '{model}' is at capacity ({waiting} requests queued); "
-                                 "retry after the hinted delay", retry_after=1.0)
-            if deadline is not None:
-                self.shed_by_work(model, deadline, inputs, tokens)
-        except ServiceError:
-            self.refused_at = time.monotonic()
-            raise
-
-    def refusing(self) -> bool:
-        """Whether this gateway refused a request in the last REFUSING_S."""
-        return time.monotonic() - self.refused_at < REFUSING_S
+        waiting = self.waiting[model]
+        if waiting >= self.config.max_queue_per_worker * ready:
+            raise overloaded(f"model '{model}' is at capacity ({waiting} requests queued); "
+                             "retry after the hinted delay", retry_after=1.0)
+        if deadline is not None:
+            self.shed_by_work(model, deadline, inputs, tokens)
 
     def shed_by_work(self, model: str, deadline: float, inputs: int = 0, tokens: int = 0) -> None:
         """429 before tokenizing when the work ahead already fills the queue or outlasts

@@ -113,10 +113,6 @@ class ModelTable:
             self._entries[name] = entry
             return entry
 
-    def cached(self, name: str) -> ModelEntry | None:
-        """The entry if it is loaded already (never waits)."""
-        return self._entries.get(name)
-
     def preload(self, names: list[str]) -> None:
         for name in names:
             info = catalog.resolve(name)

@@ -5,9 +5,6 @@
   2. whole(prep, call): dispatch and wait for the answer; the OpenAI-shaped reply.
   3. chunks(prep, call): dispatch a streaming request; its OpenAI chunk objects, as
      lists of those ready together (the transport may send a list in one write).
-  4. refusal(body, msgpack, deadline), optional: the 429 `prepare` would give,
-     decided without awaiting anything, else None. The NATS transport calls it in
-     the subscription's callback while the gateway is refusing (embeddings has it).
 
 `routes()` is the one explicit list of endpoints: each pipeline with the NATS subject
 (services.gateway.service) and the HTTP path (services.gateway.http) it answers on.

@@ -2,8 +2,7 @@
 
   1. Each route's subject is a nats.micro endpoint (services.gateway.pipeline.routes);
      each request runs in its own task (a subscription callback must not wait on a
-     model), except that while the gateway is refusing, a request its pipeline can
-     refuse before tokenizing (`refusal`) is answered in the callback (`_refuse_now`).
+     model).
   2. A Call (services.gateway.call) wraps it: ids from `X-Request-Id` / `Nats-Msg-Id`,
      deadline from `Tensorbus-Timeout`, msgpack from `Content-Type`.
   3. The route's pipeline prepares it, then answers whole (one reply) or streamed
@@ -72,14 +71,12 @@ class Gateway(Lifecycle):
         # The inference subjects are the micro service's endpoints (queue group
         # `gateway`), so `nats micro stats tensorbus-gateway` counts every request,
         # its errors and its time; each request is still served in its own task.
-        for name, subject, handler, quick in (
-                *((r.endpoint, r.subject, partial(self._serve, r.pipeline),
-                   partial(self._refuse_now, r.pipeline) if hasattr(r.pipeline, "refusal")
-                   else None) for r in self.routes),
-                ("models", subjects.MODELS, self._on_models, None)):
+        for name, subject, handler in (
+                *((r.endpoint, r.subject, partial(self._serve, r.pipeline)) for r in self.routes),
+                ("models", subjects.MODELS, self._on_models)):
             await self.micro.add_concurrent_endpoint(
                 name, subject, handler, queue_group=subjects.QUEUE_GATEWAY, tasks=self._tasks,
-                pending_msgs=1_000_000, pending_bytes=1 << 30, quick=quick)
+                pending_msgs=1_000_000, pending_bytes=1 << 30)
         await self.nc.flush()
         server = None
         if self.http:
@@ -143,17 +140,13 @@ class Gateway(Lifecycle):
         await self._respond(msg, codec.encode(self.front.model_list(), mp), mp)
         return True
 
-    def _call(self, pipe: Pipeline, msg: Msg) -> Call:
-        """The request's Call, from its headers."""
-        hdrs = msg.headers or {}
-        client_id = next((hdrs[h] for h in REQUEST_ID_HEADERS if hdrs.get(h)), None)
-        return Call.open(self.front, pipe.name, client_id=client_id, timeout_s=_timeout(hdrs),
-                         msgpack=codec.is_msgpack(hdrs), user=hdrs.get(USER_HEADER, ""))
-
     async def _serve(self, pipe: Pipeline, msg: Msg) -> bool:
         """Serve one request to the end; False when it was answered with an error."""
-        call = self._call(pipe, msg)
-        mp = call.msgpack
+        hdrs = msg.headers or {}
+        client_id = next((hdrs[h] for h in REQUEST_ID_HEADERS if hdrs.get(h)), None)
+        mp = codec.is_msgpack(hdrs)
+        call = Call.open(self.front, pipe.name, client_id=client_id, timeout_s=_timeout(hdrs),
+                         msgpack=mp, user=hdrs.get(USER_HEADER, ""))
         async with call.guarded():
             prep = await pipe.prepare(msg.data, call)
             if prep.stream:
@@ -164,28 +157,6 @@ class Gateway(Lifecycle):
         if call.error is not None:
             await self._respond_error(msg, call.error, mp)
         return call.out.status < 400
-
-    async def _refuse_now(self, pipe, msg: Msg) -> bool:
-        """While this gateway is refusing (a 429 in the last second), a request its
-        pipeline can refuse without waiting on anything is answered here, in the
-        subscription's callback: the same 429 and record as `_serve` would give, but
-        no task and no pipeline awaits (docs/decisions/0017). Anything unexpected
-        leaves the request to `_serve`, which answers every request."""
-        if not self.front.refusing():
-            return False
-        call = self._call(pipe, msg)
-        try:
-            got = pipe.refusal(msg.data, call.msgpack, call.deadline)
-        except Exception as exc:  # noqa: BLE001 - the full path answers it instead
-            log.warning("quick_refusal_failed", error=repr(exc))
-            return False
-        if got is None:
-            return False
-        call.out.model, err = got
-        call.fail(err)
-        await self._respond_error(msg, err, call.msgpack)
-        await call.finish()
-        return True
 
     async def _stream(self, msg: Msg, pipe: Pipeline, prep: Prepared, call: Call) -> None:
         """One message per chunk to the reply subject, then `[DONE]`; an error after
