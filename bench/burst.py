@@ -153,6 +153,8 @@ async def run(n: int, inputs: int, timeout: float, workdir: Path, engine_nice: i
                   **summary(outs)},
         "refusal_ms": {"gateway_p50": pct(gw_refused, 50), "gateway_p99": pct(gw_refused, 99),
                        "gateway_records": len(gw_refused),
+                       # refused after tokenizing (by the scheduler): the late ones
+                       "gateway_over_100ms": sum(1 for t in gw_refused if t > 0.1),
                        "gateway_start_p50": pct(gw_start, 50), "gateway_start_p99": pct(gw_start, 99),
                        "gateway_done_p50": pct(gw_done, 50), "gateway_done_p99": pct(gw_done, 99),
                        "client_p50": pct(refused, 50), "client_p99": pct(refused, 99)},

@@ -39,6 +39,12 @@ DEADLINE_HEADROOM = 0.5  # admit only what the estimate finishes in half the tim
 # the estimate counts engine time only (not the host work between batches) and a
 # shared machine's speed moves; a request refused here is answered in milliseconds.
 COST_WEIGHT = 0.2  # moving-average weight of the newest batch
+OUTLIER = 1.5  # a batch counts as at most this many times (at least this fraction of)
+# what the fit predicts for its tokens: one batch that ran while other processes took
+# the cores (2.5x its usual time, in a burst's first half-second) moved the estimate
+# +50 %, and the scheduler then refused what it had just admitted (decisions/0018).
+# A lasting change still moves it, by up to 10 % a batch.
+SETTLED = 3  # batches timed before the fit judges one against its prediction
 UNMEASURED_BATCHES = 2  # batches of inputs per ready worker before any batch was timed
 
 
@@ -89,6 +95,11 @@ class CostBook:
         if m is None:
             self._m[model] = [1, t, c, t * t, t * c]
             return
+        if m[0] >= SETTLED:  # an outlier counts, but only as far as OUTLIER
+            cost = self.cost(model)
+            expected = cost.per_batch + cost.per_token * t
+            if expected > 0:
+                c = min(max(c, expected / OUTLIER), expected * OUTLIER)
         w = max(COST_WEIGHT, 1 / (m[0] + 1))  # plain mean until there are enough batches
         m[0] += 1
         for i, x in enumerate((t, c, t * t, t * c), start=1):
