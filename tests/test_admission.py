@@ -24,6 +24,20 @@ def test_batches_of_one_size_are_charged_per_token():
     assert book.cost("m") == Cost(0.0, pytest.approx(0.002))
 
 
+def test_one_slow_batch_moves_the_estimate_a_little_and_a_lasting_slowdown_fully():
+    book = CostBook()
+    for _ in range(10):
+        book.observe("m", 0.125, 1000)
+    # A batch twice the size at 2.4x its time per token: it ran while a burst's
+    # refusals and tokenizing held the cores. Unclipped it moved the estimate +47 %.
+    book.observe("m", 0.6, 2000)
+    assert book.cost("m").seconds(8, 1000, 32) < 0.125 * 1.2
+    # The machine gets twice as slow and stays so: the estimate follows within a dozen batches.
+    for _ in range(12):
+        book.observe("m", 0.25, 1000)
+    assert book.cost("m").seconds(8, 1000, 32) == pytest.approx(0.25, rel=0.05)
+
+
 def test_another_schedulers_estimate_is_taken_as_it_was_given():
     book = CostBook()
     book.learn("m", Cost(0.03, 0.0005))
