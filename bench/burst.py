@@ -1,10 +1,10 @@
 """A burst far above capacity against the real encoder: admitted work must finish.
 
     .venv/bin/python -m bench.burst [--requests 3000] [--inputs 8] [--timeout 30]
-        [--engine-nice N]
+        [--engine-nice N] [--gateways 1]
 
-  1. Start nats-server, gateway, scheduler and one encoder worker (the bundled
-     all-MiniLM-L6-v2, JAX) as processes, plus a no-op responder process that answers
+  1. Start nats-server, gateway (`--gateways` of them, one queue group), scheduler and
+     one encoder worker (the bundled all-MiniLM-L6-v2, JAX) as processes, plus a no-op responder process that answers
      every request on `bench.noop` at once with a 429-shaped reply and keeps the
      gateway's request records (`telemetry.v1.requests`), so the client does the same
      work in the burst as against the floor.
@@ -91,7 +91,8 @@ async def at_once(nc, subject: str, data: list[bytes], timeout: float):
     return outs, time.monotonic() - t0
 
 
-async def run(n: int, inputs: int, timeout: float, workdir: Path, engine_nice: int = 0) -> dict:
+async def run(n: int, inputs: int, timeout: float, workdir: Path, engine_nice: int = 0,
+              gateways: int = 1) -> dict:
     data_dir = workdir / "data"
     # compiled buckets of earlier runs, if any (the test suite's cache by default)
     cache = Path(os.environ.get("TENSORBUS_TEST_CACHE", REPO / ".data" / "test-jax-cache"))
@@ -99,8 +100,9 @@ async def run(n: int, inputs: int, timeout: float, workdir: Path, engine_nice: i
         shutil.copytree(cache, data_dir / "jax-cache")
     with Supervisor(workdir, env={**ENV, "TENSORBUS_DATA_DIR": str(data_dir)}) as sup:
         sup.start_nats()
-        for name in ("gateway", "scheduler"):
-            sup.start(name, f"services.{name}")
+        for i in range(gateways):
+            sup.start("gateway" if i == 0 else f"gateway{i + 1}", "services.gateway")
+        sup.start("scheduler", "services.scheduler")
         nice = {"TENSORBUS_ENGINE_NICE": str(engine_nice)} if engine_nice else {}
         sup.start("w1", "services.worker", TENSORBUS_WORKER_ID="w1", **nice)
         rec_path = workdir / "records.msgpack"
@@ -143,7 +145,7 @@ async def run(n: int, inputs: int, timeout: float, workdir: Path, engine_nice: i
         "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
         "load_average_1m": round(os.getloadavg()[0], 2),
         "command": f"python -m bench.burst --requests {n} --inputs {inputs} --timeout {timeout:g}"
-                   f" --engine-nice {engine_nice}",
+                   f" --engine-nice {engine_nice} --gateways {gateways}",
         "burst": {"sent": n, "answered_200": codes.get("200", 0), "refused_429": codes.get("429", 0),
                   "deadline_504": codes.get("504", 0), "other": {k: v for k, v in codes.items()
                                                                 if k not in ("200", "429", "504")},
@@ -203,6 +205,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--engine-nice", type=int, default=0,
                     help="the worker's TENSORBUS_ENGINE_NICE (its engine threads' nice value)")
+    ap.add_argument("--gateways", type=int, default=1, help="gateway processes")
     ap.add_argument("--noop", metavar="NATS_URL", help=argparse.SUPPRESS)
     ap.add_argument("--records", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -211,7 +214,8 @@ def main() -> None:
         return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as d:
-        res = asyncio.run(run(args.requests, args.inputs, args.timeout, Path(d), args.engine_nice))
+        res = asyncio.run(run(args.requests, args.inputs, args.timeout, Path(d), args.engine_nice,
+                              args.gateways))
     print(json.dumps(res, indent=2))
     out = REPO / "bench" / "out"
     out.mkdir(parents=True, exist_ok=True)
