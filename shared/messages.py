@@ -41,6 +41,8 @@ class EmbedWork(_Msg, tag="embed"):
     user: str = ""  # sticky canary / A-B key: OpenAI's `user`, else the Tensorbus-User header
     group: str = ""  # where the requester takes `Results` (several requests' answers in one
     # message); "" = every answer goes to `reply` on its own
+    reserved: str = ""  # the scheduler that admitted it before tokenizing (`Reserve`):
+    # admitted there already, not checked again; "" = admitted on arrival
 
 
 class GenerateWork(_Msg, tag="generate"):
@@ -198,6 +200,30 @@ class ModelStatus(msgspec.Struct, array_like=True, gc=False):
     reason: str = ""  # why `failed` (a worker's invalid configuration), or ""
 
 
+class Reserve(_Msg, tag="reserve"):
+    """Gateway -> a scheduler (`tensorbus.v1.sched.reserve`, request/reply): admit an
+    embeddings request by its estimated size before the gateway tokenizes it (a large
+    body: its tokenizing waits behind others'). Answered `Reserved`, or a WorkError
+    (the 429 or 503 its submit would get). Several gateways' requests meet here, so
+    their bursts share the bound before any tokenizing, not after."""
+
+    request_id: str
+    model: str
+    version: str
+    inputs: int
+    tokens: int  # estimated
+    deadline: float  # UNIX seconds
+
+
+class Reserved(_Msg, tag="reserved"):
+    """Scheduler -> gateway: room was taken for the request until its work arrives (or
+    RESERVATION_S passes). `scheduler_id` "" = nothing reserved (no ready worker: the
+    submit's own path decides, a hold or a 503)."""
+
+    request_id: str
+    scheduler_id: str
+
+
 class FleetStatus(_Msg, tag="fleet_status"):
     """Orchestrator -> scheduler and gateway (`tensorbus.v1.orchestrator.status`),
     every interval and at once on a change. A `failed` model gets 503 at once."""
@@ -215,3 +241,5 @@ done_decoder = msgspec.msgpack.Decoder(WorkDone)
 sched_load_decoder = msgspec.msgpack.Decoder(SchedLoad)
 cancel_decoder = msgspec.msgpack.Decoder(Cancel)
 fleet_status_decoder = msgspec.msgpack.Decoder(FleetStatus)
+reserve_decoder = msgspec.msgpack.Decoder(Reserve)
+reserve_reply_decoder = msgspec.msgpack.Decoder(Reserved | WorkError)

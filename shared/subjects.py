@@ -25,11 +25,20 @@ TELEMETRY_STREAM = "TELEMETRY"
 SCHED_SUBMIT = "tensorbus.v1.sched.submit"
 """Gateway -> scheduler (queue group `scheduler`): one WorkRequest."""
 
+SCHED_RESERVE = "tensorbus.v1.sched.reserve"
+"""Gateway -> scheduler (queue group `scheduler`, request/reply): Reserve, room for a
+large embeddings request before it is tokenized."""
+
 SCHED_LOAD = "tensorbus.v1.sched.load"
 """Scheduler -> all schedulers and gateways: SchedLoad, its outstanding work per model."""
 
 QUEUE_GATEWAY = "gateway"
 QUEUE_SCHEDULER = "scheduler"
+
+
+def sched_submit(scheduler_id: str) -> str:
+    """Gateway -> the scheduler that reserved its request's room (`Reserve`)."""
+    return f"tensorbus.v1.sched.{scheduler_id}.submit"
 
 
 def sched_done(scheduler_id: str) -> str:

@@ -1,7 +1,9 @@
 """The embeddings endpoint: validate and tokenize at the edge, format the reply.
 
   1. prepare: decode the body, resolve an encoder model, refuse early (503 for a
-     model not served, 429 when its queue or the work ahead is full), tokenize.
+     model not served, 429 when its queue or the work ahead is full), tokenize. A
+     large body, tokenized in a thread, is first admitted by a scheduler by its
+     estimated size (`Frontend.reserve`) and submitted to that scheduler.
   2. whole: submit one EmbedWork (counted in the gateway's own tally of work out),
      wait for its EmbedResult, check `dimensions`.
   3. Render the vectors as float lists or base64 float32 (`encoding_format`).
@@ -51,17 +53,26 @@ class Embeddings:
         out.model = name
         entry = await front.models.get(name)
         size = self._admit(req, entry, body, call.deadline)
+        reserved = ""
         if size is None:  # on the loop: nothing is read meanwhile
             ids = tokenize_inputs(req, entry, self.config)
         else:  # in a thread: the requests read meanwhile see it ahead of them
             inputs, texts, tokens = size
             with front.preparing(name, inputs, tokens):
-                ids = await front.tokenize(tokenize_inputs, req, entry, self.config)
+                # admitted by the scheduler before the wait, so never refused after it
+                reserved = await front.reserve(call.wire, name, version, inputs, tokens,
+                                               call.deadline)
+                try:
+                    ids = await front.tokenize(tokenize_inputs, req, entry, self.config)
+                except BaseException:
+                    if reserved:
+                        front.unreserve(call.wire)
+                    raise
             if texts:
                 front.learn_tokens(name, texts, sum(len(x) for x in ids))
         out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "",
-                         user=user_key(req.user, call.user))
+                         user=user_key(req.user, call.user), reserved=reserved)
         return EmbedPrepared(req, work)
 
     def _admit(self, req: EmbeddingRequest, entry: ModelEntry, body: bytes, deadline: float):

@@ -26,16 +26,31 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
 from services.fleet import Fleet
 from services.gateway.inbox import EXPIRED, ReplyInbox
 from services.gateway.models import ModelTable
 from shared import admission, subjects
 from shared.api import ModelList
+from shared.bus import connect
 from shared.config import Config
 from shared.errors import ServiceError, deadline_exceeded, overloaded, too_large, unavailable
 from shared.logging import get_logger
-from shared.messages import Accepted, Cancel, Held, ModelStatus, Timing, WorkError, encode
+from shared.messages import (
+    Accepted,
+    Cancel,
+    EmbedWork,
+    Held,
+    ModelStatus,
+    Reserve,
+    Reserved,
+    Timing,
+    WorkError,
+    encode,
+    reserve_reply_decoder,
+)
 from shared.scaling import LiveDecisions
 from shared.telemetry import RequestRecord
 from shared.telemetry import encode as encode_record
@@ -71,6 +86,7 @@ INLINE_TOKENIZE = 2_048  # bodies up to this many bytes are tokenized on the eve
 # (a 6 KB body of eight long inputs takes the tokenizer about a millisecond: on the
 # loop, a burst's first admitted requests would hold every refusal behind them)
 CHARS_PER_TOKEN = 4.0  # a text's tokens before its first tokenizing: chars / this
+RESERVE_TIMEOUT_S = 1.0  # a scheduler that does not answer a Reserve by then: submit unreserved
 USER_HEADER = "Tensorbus-User"  # sticky canary key for clients that cannot set `user`
 MAX_USER = 256
 
@@ -109,12 +125,20 @@ class Frontend:
         self.loads = admission.LoadBoard(expiry_s=config.worker_expiry_s)  # every scheduler's work
         self.sent_work: dict[str, admission.Tally] = {}  # model -> embeddings submitted, unanswered
         self.chars_per_token: dict[str, float] = {}  # model -> what its tokenizer has shown
+        self._unreserving: set[asyncio.Task] = set()
+        self.control = nc  # the connection reservations take (start() opens its own)
 
     async def start(self) -> None:
         await self.inbox.start()
+        # Reservations on a connection of their own: in a burst this connection's
+        # socket holds megabytes of requests, and a scheduler's answer behind them
+        # would be read only after all of them were handled.
+        self.control = await connect(self.config.nats_url, f"{self.nc.options['name']}-control")
 
     async def stop(self) -> None:
         await self.inbox.stop()
+        if self.control is not self.nc:
+            await self.control.close()
 
     def deadline(self, timeout_s: float | None = None) -> float:
         t = self.config.request_timeout_s if timeout_s is None else min(
@@ -158,6 +182,31 @@ class Frontend:
         finally:
             self.waiting[model] -= 1
             sent.add(inputs, tokens, sign=-1)
+
+    async def reserve(self, rid: str, model: str, version: str, inputs: int, tokens: int,
+                      deadline: float) -> str:
+        """Room for a large request at a scheduler before it is tokenized, by its
+        estimated size (`shared.messages.Reserve`): every gateway's requests meet one
+        bound there before their tokenizing, so none is refused after it. Returns the
+        scheduler's id (submit there), or "" (no ready worker, or no answer: the
+        submit is decided on arrival as any other); a refusal is raised."""
+        msg = Reserve(rid, model, version, inputs, tokens, deadline)
+        try:
+            reply = await self.control.request(subjects.SCHED_RESERVE, encode(msg),
+                                          timeout=min(RESERVE_TIMEOUT_S, max(deadline - time.time(), 0.001)))
+        except (NoRespondersError, NatsTimeout):
+            return ""
+        res = reserve_reply_decoder.decode(reply.data)
+        if isinstance(res, WorkError):
+            raise ServiceError(res.status, res.message, code=res.code or None,
+                               retry_after=res.retry_after)
+        return res.scheduler_id if isinstance(res, Reserved) else ""
+
+    def unreserve(self, rid: str) -> None:
+        """A reserved request that will not be submitted: its room back, now."""
+        task = asyncio.ensure_future(self.cancel(rid, "not submitted"))
+        self._unreserving.add(task)
+        task.add_done_callback(self._unreserving.discard)
 
     def check_served(self, model: str) -> None:
         """503 at once for a model that will not get a worker: not served, or failed."""
@@ -245,7 +294,10 @@ class Frontend:
             # client's own connection is reconnecting would be lost; a 504 later is not.
             raise unavailable("the gateway is reconnecting to the message bus; retry shortly")
         work.reply, work.group = reply, self.inbox.group
-        await self.nc.publish(subjects.SCHED_SUBMIT, encode(work), reply=reply)
+        subject = subjects.SCHED_SUBMIT
+        if isinstance(work, EmbedWork) and work.reserved:  # to the scheduler holding its room
+            subject = subjects.sched_submit(work.reserved)
+        await self.nc.publish(subject, encode(work), reply=reply)
         # request_id (bound by the transport) is the client's; wire_id is what the
         # scheduler's and worker's lines call request_id (the same when the client sent none).
         log.debug("request_submitted", wire_id=work.request_id, model=work.model)

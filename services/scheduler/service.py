@@ -12,7 +12,12 @@ Dataflow of one request:
      workers' `WorkDone`), shared with the other schedulers (their `SchedLoad`
      reports), and a request that cannot finish before its own deadline behind the
      work ahead is a 429 at once. Every refusal is sent to the request's reply
-     subject at once.
+     subject at once. A large embeddings body is admitted before the gateway
+     tokenizes it (`Reserve`, by its estimated size, on `tensorbus.v1.sched.reserve`):
+     its room is held in the tally until its work arrives on this scheduler's own
+     submit subject, and that work is not checked again. So gateways' bursts meet
+     the bound here before any tokenizing; a gateway that does not submit cancels,
+     and a reservation left over expires after RESERVATION_S.
   3. Cold start: no ready worker takes new work for the model (none running, all
      warming, or all above the memory threshold and so taking no new work): the
      request is held, the gateway is told (`Held`), and a ScaleDecision goes out at
@@ -72,12 +77,16 @@ from shared.messages import (
     EmbedWork,
     Held,
     ModelLoad,
+    Reserve,
+    Reserved,
     SchedLoad,
     WorkError,
     WorkRequest,
+    cancel_decoder,
     done_decoder,
     encode,
     fleet_status_decoder,
+    reserve_decoder,
     sched_load_decoder,
     work_decoder,
 )
@@ -109,6 +118,7 @@ class HeldWork:
     work: WorkRequest
     since: float  # monotonic: when it was first held
 
+RESERVATION_S = 5.0  # a reservation whose work never came (its gateway gone) is dropped
 CATALOGUE_REFRESH_S = 10.0  # how often the registry's model list is read again
 ROUTED_GRACE_BEATS = 4  # heartbeat intervals a finished request's prefix counts as held
 
@@ -134,7 +144,9 @@ class Scheduler(Lifecycle):
         # Prompts' prefixes sent to each worker, until its heartbeats announce them.
         self.routed = Routed(grace_s=ROUTED_GRACE_BEATS * config.heartbeat_s)
         self.load: dict[str, int] = {}  # worker_id -> requests outstanding here
-        self.tally: dict[str, Tally] = {}  # model -> work outstanding here (dispatched)
+        self.tally: dict[str, Tally] = {}  # model -> work outstanding here (dispatched, reserved)
+        self.reservations: dict[str, tuple[str, int, int, float]] = {}  # rid -> (model,
+        # inputs, tokens, monotonic expiry): admitted before tokenizing, not arrived yet
         self.costs = CostBook()  # model -> engine seconds per token, from WorkDone
         self.board = LoadBoard(self.id, expiry_s=config.worker_expiry_s)  # other schedulers
         self._reported: set[str] = set()  # models with work in the last SchedLoad
@@ -157,6 +169,12 @@ class Scheduler(Lifecycle):
             await self.nc.subscribe(subjects.SCHED_SUBMIT, queue=subjects.QUEUE_SCHEDULER,
                                     cb=self._on_submit, pending_msgs_limit=1_000_000,
                                     pending_bytes_limit=1 << 30),
+            await self.nc.subscribe(subjects.sched_submit(self.id), cb=self._on_submit,
+                                    pending_msgs_limit=1_000_000, pending_bytes_limit=1 << 30),
+            await self.nc.subscribe(subjects.SCHED_RESERVE, queue=subjects.QUEUE_SCHEDULER,
+                                    cb=self._on_reserve, pending_msgs_limit=1_000_000),
+            await self.nc.subscribe(subjects.CANCEL, cb=self._on_cancel,
+                                    pending_msgs_limit=1_000_000),
             await self.nc.subscribe(subjects.ORCHESTRATOR_STATUS, cb=self._on_fleet_status),
             await self.nc.subscribe(subjects.SCHED_LOAD, cb=self._on_sched_load),
         ]
@@ -207,6 +225,9 @@ class Scheduler(Lifecycle):
 
     async def admit(self, work: WorkRequest, since: float | None = None) -> None:
         """Dispatch, hold or refuse one request; `since` = held from then (monotonic)."""
+        reserved = isinstance(work, EmbedWork) and bool(work.reserved)
+        if reserved:  # its room, held here, becomes the work itself
+            self.release(work.request_id)
         if work.deadline <= time.time():
             raise deadline_exceeded("the request's deadline passed before it was scheduled")
         model = work.model
@@ -218,24 +239,78 @@ class Scheduler(Lifecycle):
                                   f"{work.version}; retry shortly")
             await self._hold(work, since)
             return
-        self._check_work(work, ready)
+        if not reserved:  # reserved work was admitted by its size before tokenizing
+            self._check_work(work, ready)
         await self._dispatch(work, ready, since)
 
     def _check_work(self, work: WorkRequest, ready: list[WorkerView]) -> None:
         """429 unless the request fits (`shared.admission.check`): by work for
         embeddings, by count for generation (a decoder's cost is per step, not per token)."""
-        model = work.model
-        ahead = self.ahead(model)
-        inputs, tokens = work_size(work)
-        by_work = isinstance(work, EmbedWork)
+        self._check_size(work.model, *work_size(work), work.deadline, ready,
+                         by_work=isinstance(work, EmbedWork))
+
+    def _check_size(self, model: str, inputs: int, tokens: int, deadline: float,
+                    ready: list[WorkerView], by_work: bool) -> None:
         admission.check(
-            model, ahead, inputs, tokens, len(ready),
+            model, self.ahead(model), inputs, tokens, len(ready),
             max_batch=max(w.hb.max_batch for w in ready) if by_work else 0,
             cost=self.costs.cost(model) if by_work else None,
-            left_s=work.deadline - time.time(),
+            left_s=deadline - time.time(),
             max_queue_per_worker=self.config.max_queue_per_worker,
             max_queue_s=self.config.max_queue_s if by_work else float("inf"),
             by_work=by_work)
+
+    # --------------------------------------------------------------- reservations
+    async def _on_reserve(self, msg: Msg) -> None:
+        try:
+            req = reserve_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            log.warning("bad_reserve")
+            return
+        if not msg.reply:
+            return
+        try:
+            out = Reserved(req.request_id, self.reserve(req))
+        except ServiceError as err:
+            out = WorkError(req.request_id, err.status, err.message, err.code, err.retry_after)
+        await self.nc.publish(msg.reply, encode(out))
+
+    def reserve(self, req: Reserve) -> str:
+        """Admit an embeddings request by its estimated size and hold its room: this
+        scheduler's id, "" when no ready worker serves it (its submit is then held or
+        refused as any other), or a ServiceError (429, 503, 504) as its submit would get."""
+        if req.deadline <= time.time():
+            raise deadline_exceeded("the request's deadline passed before it was scheduled")
+        self._check_served(req.model)
+        ready = self.fleet.available(req.model, req.version)
+        if not ready:
+            return ""
+        self._check_size(req.model, req.inputs, req.tokens, req.deadline, ready, by_work=True)
+        self.tally.setdefault(req.model, Tally()).add(req.inputs, req.tokens)
+        self.reservations[req.request_id] = (req.model, req.inputs, req.tokens,
+                                             time.monotonic() + RESERVATION_S)
+        return self.id
+
+    def release(self, request_id: str) -> None:
+        """A reservation's room back (its work arrived, was cancelled, or expired)."""
+        r = self.reservations.pop(request_id, None)
+        if r is not None:
+            self.tally[r[0]].add(r[1], r[2], sign=-1)
+
+    def _expire_reservations(self) -> None:
+        now = time.monotonic()
+        for rid in [rid for rid, r in self.reservations.items() if r[3] <= now]:
+            self.release(rid)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        """A gateway that reserved and will not submit (its request failed to
+        tokenize, or its client left) gives the room back."""
+        if not self.reservations:
+            return
+        try:
+            self.release(cancel_decoder.decode(msg.data).request_id)
+        except msgspec.DecodeError:
+            return
 
     def ahead(self, model: str) -> Tally:
         """Every scheduler's outstanding work for `model`: this one's (live), what it
@@ -429,6 +504,7 @@ class Scheduler(Lifecycle):
                 log.warning("worker_expired", worker_id=gone.worker_id)
                 await self._recover(gone.worker_id, "missed heartbeats")
             await self._expire_held()
+            self._expire_reservations()
 
     async def _expire_held(self) -> None:
         now = time.time()

@@ -15,6 +15,7 @@ import nats
 
 from bench.load import LOST, one
 from bench.nomath import NoMathEncoder
+from services.gateway.service import Gateway
 from services.scheduler.service import Scheduler
 from shared import catalog, subjects
 from tests.support.stack import running_stack, wait_until
@@ -197,3 +198,88 @@ async def test_large_requests_are_refused_while_those_ahead_still_tokenize(nats_
         codes = Counter(o.status for o in await asyncio.gather(*tasks))
         assert set(codes) <= {200, 429} and codes[200] >= 1, codes
 
+
+
+async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server):
+    """Two gateways each count their own work ahead; in a burst's first milliseconds
+    neither has heard of the other's. A large body is admitted by the scheduler by its
+    estimated size before it is tokenized (a reservation), so the excess is refused
+    then, and nothing that waited for the tokenizer is refused after it."""
+    import threading
+
+    from bench.workload import long_inputs
+
+    engine = NoMathEncoder(per_token_s=0.0002)  # ~0.1 s for 4 inputs of ~120 tokens
+    texts = long_inputs(64)
+    big = [msgspec.json.encode({"model": MODEL, "input": texts[4 * i:4 * i + 4]})
+           for i in range(16)]
+    async with running_stack(nats_server.url, max_queue_s=0.5) as st:
+        nc = await nats.connect(nats_server.url, name="gateway-2")
+        second = Gateway(nc, st.config, http=False)
+        ready = asyncio.Event()
+        task = asyncio.create_task(second.run(ready))
+        gate, tokenized, held = threading.Event(), [], {}
+        try:
+            await ready.wait()
+            await st.add_worker(engine, "enc-two-gateways")
+            await measured(st)
+            fronts = (st.gateway.front, second.front)
+            await wait_until(lambda: all(f.fleet.ready(MODEL) and any(
+                r.cost.per_token for _, r in f.loads.others(MODEL, time.monotonic()))
+                for f in fronts))  # both have heard the worker and the scheduler's estimate
+            for f in fronts:
+                tok = (await f.models.get(MODEL)).tokenizer
+                encode = tok.encode_batch
+
+                def slow(texts, *a, _encode=encode, **kw):  # held until the test opens it
+                    gate.wait()
+                    tokenized.append(len(texts))
+                    return _encode(texts, *a, **kw)
+
+                held[id(tok)] = tok
+                tok.encode_batch = slow
+            tasks = [asyncio.create_task(one(st.client, subjects.EMBEDDINGS, big[i % 16], 35))
+                     for i in range(120)]
+            sched = st.scheduler
+            # Every request refused or given room while no tokenizer has run.
+            await wait_until(lambda: sum(t.done() for t in tasks) + len(sched.reservations)
+                             == len(tasks))
+            assert not tokenized
+            early = Counter(t.result().status for t in tasks if t.done())
+            assert set(early) == {429}, early
+            reserved = len(sched.reservations)
+            per_request = sched.costs.cost(MODEL).seconds(4, 4 * 120, 32)
+            assert 1 <= reserved <= 0.5 / per_request + 2, (reserved, per_request)
+        finally:
+            gate.set()
+            for tok in held.values():
+                del tok.encode_batch
+        try:
+            codes = Counter(o.status for o in await asyncio.gather(*tasks))
+            # What was given room was answered: none refused after its tokenizing.
+            assert codes[200] == reserved and set(codes) == {200, 429}, codes
+            assert not sched.reservations  # each became its work
+        finally:
+            second.stop()
+            await asyncio.gather(task, return_exceptions=True)
+            await nc.close()
+
+
+async def test_a_reserved_request_that_fails_to_tokenize_gives_its_room_back(nats_server):
+    from bench.workload import long_inputs
+
+    engine = NoMathEncoder(per_token_s=0.0002)
+    texts = long_inputs(4)
+    bad = msgspec.json.encode({"model": MODEL, "input": texts[:3] + ["a NUL \x00 here"]})
+    assert len(bad) > 2_048  # the large path: reserved, then tokenized in a thread
+    async with running_stack(nats_server.url) as st:
+        await st.add_worker(engine, "enc-unreserve")
+        await measured(st)
+        await wait_until(lambda: st.gateway.front.fleet.ready(MODEL))
+        made, reserve = [], st.scheduler.reserve
+        st.scheduler.reserve = lambda req: made.append(reserve(req)) or made[-1]
+        out = await one(st.client, subjects.EMBEDDINGS, bad, 10)
+        assert out.status == 400 and made == [st.scheduler.id]  # room taken, then...
+        await wait_until(lambda: not st.scheduler.reservations)  # ...given back at once
+        assert st.scheduler.tally[MODEL].requests == 0
+        assert (await call(st.client)).status == 200
