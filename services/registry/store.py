@@ -33,6 +33,7 @@ from nats.js import api
 from nats.js.errors import (
     BucketNotFoundError,
     DigestMismatchError,
+    KeyDeletedError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
     NoKeysError,
@@ -142,21 +143,24 @@ class Registry:
 
     # --- reading
 
-    async def _scan(self, pattern: str, meta_only: bool = False) -> list:
-        """Latest entry of every key matching `pattern` (deletes left out)."""
-        watcher = await self._kv.watch(pattern, ignore_deletes=True, meta_only=meta_only)
+    async def _scan(self, pattern: str) -> list:
+        """Latest entry of every key matching `pattern` (deleted and purged keys left
+        out). The keys come from the stream's own subject index and each value from
+        a get: a watch's end-of-initial-values marker can arrive before entries still
+        in flight (nats.py issue 842), and a listing under load then missed versions."""
+        prefix = f"$KV.{subjects.REGISTRY_META}."
+        info = await self._js.stream_info(f"KV_{subjects.REGISTRY_META}",
+                                          subjects_filter=prefix + pattern)
         out = []
-        try:
-            async for entry in watcher:
-                if entry is None:  # the initial values are all delivered
-                    break
-                out.append(entry)
-        finally:
-            await watcher.stop()
+        for subject in sorted(info.state.subjects or {}):
+            try:
+                out.append(await self._kv.get(subject[len(prefix):]))
+            except (KeyNotFoundError, KeyDeletedError):
+                continue
         return out
 
     async def list_models(self) -> list[str]:
-        entries = await self._scan("model.*.v.*", meta_only=True)
+        entries = await self._scan("model.*.v.*")
         return sorted({e.key.split(".")[1].replace("=", ".") for e in entries})
 
     async def _records(self, name: str) -> list[ModelVersion]:
