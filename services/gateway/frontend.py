@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client
-from nats.errors import NoRespondersError
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from services.fleet import Fleet
@@ -194,8 +194,8 @@ class Frontend:
         try:
             reply = await self.control.request(subjects.SCHED_RESERVE, encode(msg),
                                           timeout=min(RESERVE_TIMEOUT_S, max(deadline - time.time(), 0.001)))
-        except (NoRespondersError, NatsTimeout):
-            return ""
+        except (NoRespondersError, NatsTimeout, ConnectionClosedError):
+            return ""  # no scheduler, or none answering: the submit decides
         res = reserve_reply_decoder.decode(reply.data)
         if isinstance(res, WorkError):
             raise ServiceError(res.status, res.message, code=res.code or None,
