@@ -12,6 +12,7 @@ from collections import Counter
 
 import msgspec
 import nats
+import pytest
 
 from bench.load import LOST, one
 from bench.nomath import NoMathEncoder
@@ -283,3 +284,62 @@ async def test_a_reserved_request_that_fails_to_tokenize_gives_its_room_back(nat
         await wait_until(lambda: not st.scheduler.reservations)  # ...given back at once
         assert st.scheduler.tally[MODEL].requests == 0
         assert (await call(st.client)).status == 200
+
+
+async def test_a_reserved_request_is_not_refused_when_the_estimate_moves(nats_server):
+    """Admitted before its tokenizing is admitted: the cost estimate may move while it
+    waits for the tokenizer (one slow batch in a burst did), and its submit is not
+    checked again. A request arriving after the move is judged by the new estimate."""
+    import threading
+
+    from bench.workload import long_inputs
+    from shared.admission import Cost, CostBook
+
+    engine = NoMathEncoder(per_token_s=0.0002)
+    texts = long_inputs(8)
+    big = [msgspec.json.encode({"model": MODEL, "input": texts[4 * i:4 * i + 4]}) for i in range(2)]
+    async with running_stack(nats_server.url) as st:
+        await st.add_worker(engine, "enc-moved")
+        await measured(st)
+        front, sched = st.gateway.front, st.scheduler
+        await wait_until(lambda: front.fleet.ready(MODEL))
+        tok = (await front.models.get(MODEL)).tokenizer
+        gate, encode = threading.Event(), tok.encode_batch
+
+        def held(texts, *a, **kw):
+            gate.wait()
+            return encode(texts, *a, **kw)
+
+        tok.encode_batch = held
+        try:
+            first = asyncio.create_task(one(st.client, subjects.EMBEDDINGS, big[0], 30))
+            await wait_until(lambda: len(sched.reservations) == 1)  # admitted, tokenizing
+            # The estimate moves a thousandfold: ~500 s of work for a request of 30 s.
+            sched.costs = CostBook()
+            sched.costs.learn(MODEL, Cost(0.0, 1.0))
+        finally:
+            gate.set()
+            del tok.encode_batch
+        assert (await first).status == 200
+        later = await one(st.client, subjects.EMBEDDINGS, big[1], 30)
+        assert later.status == 429, later
+        assert not sched.reservations
+
+
+async def test_a_reservation_whose_work_never_comes_expires(nats_server):
+    from services.scheduler.service import RESERVATION_S
+    from shared.messages import Reserve
+
+    engine = NoMathEncoder(per_token_s=0.0002)
+    async with running_stack(nats_server.url) as st:
+        await st.add_worker(engine, "enc-expiry")
+        await measured(st)
+        sched = st.scheduler
+        before = sched.ahead(MODEL).tokens
+        rid = sched.reserve(Reserve("gone-gateway", MODEL, "", 4, 400, time.time() + 30))
+        assert rid == sched.id and sched.ahead(MODEL).tokens == before + 400
+        model, inputs, tokens, expires = sched.reservations["gone-gateway"]
+        assert expires - time.monotonic() == pytest.approx(RESERVATION_S, abs=1.0)
+        sched.reservations["gone-gateway"] = (model, inputs, tokens, time.monotonic())
+        await wait_until(lambda: not sched.reservations)  # housekeeping drops it
+        assert sched.ahead(MODEL).tokens == before
