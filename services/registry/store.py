@@ -36,10 +36,10 @@ from nats.js.errors import (
     KeyDeletedError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NoKeysError,
+    NotFoundError,
     ObjectNotFoundError,
 )
-from nats.js.kv import KV_DEL, KV_PURGE
+from nats.js.kv import KV_DEL, KV_OP, KV_PURGE
 from tqdm import tqdm
 
 from services.registry import files as fs
@@ -201,14 +201,21 @@ class Registry:
         return Aliases() if entry is None else decode_aliases(entry.value)
 
     async def alias_history(self, name: str) -> list[AliasChange]:
-        """Every kept revision of the model's aliases, oldest first."""
+        """Every kept revision of the model's aliases, oldest first: the stream's
+        messages on the key's subject, one get each (a KV `history()` rests on a watch,
+        whose end marker can come early: see `_scan`)."""
         _check_name("model name", name)
-        try:
-            entries = await self._kv.history(alias_key(name))
-        except NoKeysError:
-            return []
-        return [alias_change(e.revision, decode_aliases(e.value)) for e in entries
-                if e.operation not in (KV_DEL, KV_PURGE) and e.value]
+        stream = f"KV_{subjects.REGISTRY_META}"
+        subject = f"$KV.{subjects.REGISTRY_META}.{alias_key(name)}"
+        out, seq = [], 1
+        while True:
+            try:
+                msg = await self._js.get_msg(stream, seq=seq, subject=subject, next=True)
+            except NotFoundError:
+                return out
+            if (msg.headers or {}).get(KV_OP) not in (KV_DEL, KV_PURGE) and msg.data:
+                out.append(alias_change(msg.seq, decode_aliases(msg.data)))
+            seq = msg.seq + 1
 
     def watch_aliases(self, name: str, include_current: bool = True) -> AliasWatch:
         """Async iterator of `Aliases`: the current value first, then every change."""
