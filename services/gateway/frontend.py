@@ -191,9 +191,9 @@ class Frontend:
         scheduler's id (submit there), or "" (no ready worker, or no answer: the
         submit is decided on arrival as any other); a refusal is raised."""
         msg = Reserve(rid, model, version, inputs, tokens, deadline)
+        wait = min(RESERVE_TIMEOUT_S, max(deadline - time.time(), 0.001))
         try:
-            reply = await self.control.request(subjects.SCHED_RESERVE, encode(msg),
-                                          timeout=min(RESERVE_TIMEOUT_S, max(deadline - time.time(), 0.001)))
+            reply = await self.control.request(subjects.SCHED_RESERVE, encode(msg), timeout=wait)
         except (NoRespondersError, NatsTimeout, ConnectionClosedError):
             return ""  # no scheduler, or none answering: the submit decides
         res = reserve_reply_decoder.decode(reply.data)
