@@ -47,19 +47,21 @@ def _events(stderr: str) -> list[dict]:
 async def test_a_service_started_on_uvloop_runs_on_it_and_answers(nats_server, nc):
     port = _free_port()
     proc = _gateway(nats_server.url, "uvloop", port)
+    lines: list[str] = []
+
+    def started() -> bool:  # the gateway's own line, logged once it listens and is ready
+        for line in proc.stderr:
+            lines.append(line)
+            if '"gateway_started"' in line:
+                return True
+        return False  # it exited first
+
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-            async with asyncio.timeout(60):  # asked until the gateway says it is ready
-                while proc.poll() is None:
-                    try:
-                        r = await http.get("/readyz")
-                    except httpx.TransportError:  # not listening yet: ask again shortly
-                        await asyncio.sleep(0.02)  # a polling interval, as wait_until's
-                        continue
-                    if r.status_code == 200:
-                        break
-            assert proc.poll() is None, proc.stderr.read()
-            assert r.json() == {"ready": True}
+            up = await asyncio.wait_for(asyncio.to_thread(started), 60)
+            assert up and proc.poll() is None, "".join(lines)
+            r = await http.get("/readyz")
+            assert r.status_code == 200 and r.json() == {"ready": True}
             msg = await nc.request(ready_subject("tensorbus-gateway"), b"", timeout=10)
             assert json.loads(msg.data)["status"] == "ok"  # and over NATS
             try:  # the header limits still hold on uvloop
@@ -74,7 +76,7 @@ async def test_a_service_started_on_uvloop_runs_on_it_and_answers(nats_server, n
             assert r.status_code == 200 and r.json()["object"] == "list"
         proc.send_signal(signal.SIGTERM)
         rc = await asyncio.to_thread(proc.wait, 30)
-        stderr = proc.stderr.read()
+        stderr = "".join(lines) + proc.stderr.read()
         assert rc == 0, stderr
         loops = [e for e in _events(stderr) if e["event"] == "event_loop"]
         assert [(e["loop"], e["setting"]) for e in loops] == [("uvloop", "uvloop")], stderr
