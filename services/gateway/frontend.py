@@ -198,8 +198,7 @@ class Frontend:
             return ""  # no scheduler, or none answering: the submit decides
         res = reserve_reply_decoder.decode(reply.data)
         if isinstance(res, WorkError):
-            raise ServiceError(res.status, res.message, code=res.code or None,
-                               retry_after=res.retry_after)
+            raise as_service_error(res)
         return res.scheduler_id if isinstance(res, Reserved) else ""
 
     def unreserve(self, rid: str) -> None:
@@ -382,6 +381,12 @@ class Frontend:
             log.warning("telemetry_publish_failed", error=str(exc))
 
 
+def as_service_error(err: WorkError) -> ServiceError:
+    """A scheduler's or worker's WorkError as the error the client gets."""
+    return ServiceError(err.status, err.message, code=err.code or None,
+                        retry_after=err.retry_after)
+
+
 def _taken(item, out: Outcome | None):
     """A queued item (services.gateway.inbox) as a result: None for a hold notice
     (noted in `out`), an error raised as ServiceError."""
@@ -390,8 +395,7 @@ def _taken(item, out: Outcome | None):
     if isinstance(item, WorkError):
         if out is not None and item.version:  # a version's failure counts against it
             out.version, out.worker_id = item.version, item.worker_id
-        raise ServiceError(item.status, item.message, code=item.code or None,
-                           retry_after=item.retry_after)
+        raise as_service_error(item)
     if isinstance(item, Held):
         if out is not None:
             out.held_at = time.perf_counter()
