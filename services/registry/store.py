@@ -64,6 +64,8 @@ __all__ = ["Registry", "ChecksumError", "VersionNotFound", "IncompatibleVersion"
 log = get_logger("registry")
 
 KV_HISTORY = 64  # the most JetStream KV keeps per key
+META_STREAM = f"KV_{subjects.REGISTRY_META}"  # the stream behind the metadata bucket
+META_PREFIX = f"$KV.{subjects.REGISTRY_META}."  # its keys' subjects start with this
 CHUNK_SIZE = 256 * 1024  # below the server's default 1 MiB max payload
 MAX_PREVIOUS = 32  # prod versions remembered for rollback
 STALE_PENDING = timedelta(minutes=15)  # a reservation this old was abandoned
@@ -148,13 +150,11 @@ class Registry:
         out). The keys come from the stream's own subject index and each value from
         a get: a watch's end-of-initial-values marker can arrive before entries still
         in flight (nats.py issue 842), and a listing under load then missed versions."""
-        prefix = f"$KV.{subjects.REGISTRY_META}."
-        info = await self._js.stream_info(f"KV_{subjects.REGISTRY_META}",
-                                          subjects_filter=prefix + pattern)
+        info = await self._js.stream_info(META_STREAM, subjects_filter=META_PREFIX + pattern)
         out = []
         for subject in sorted(info.state.subjects or {}):
             try:
-                out.append(await self._kv.get(subject[len(prefix):]))
+                out.append(await self._kv.get(subject[len(META_PREFIX):]))
             except (KeyNotFoundError, KeyDeletedError):
                 continue
         return out
@@ -205,12 +205,11 @@ class Registry:
         messages on the key's subject, one get each (a KV `history()` rests on a watch,
         whose end marker can come early: see `_scan`)."""
         _check_name("model name", name)
-        stream = f"KV_{subjects.REGISTRY_META}"
-        subject = f"$KV.{subjects.REGISTRY_META}.{alias_key(name)}"
+        subject = META_PREFIX + alias_key(name)
         out, seq = [], 1
         while True:
             try:
-                msg = await self._js.get_msg(stream, seq=seq, subject=subject, next=True)
+                msg = await self._js.get_msg(META_STREAM, seq=seq, subject=subject, next=True)
             except NotFoundError:
                 return out
             if (msg.headers or {}).get(KV_OP) not in (KV_DEL, KV_PURGE) and msg.data:
