@@ -55,6 +55,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgspec
 from nats.aio.client import Client
@@ -113,6 +114,15 @@ def work_size(work: WorkRequest) -> tuple[int, int]:
     return work.n, len(work.prompt)
 
 
+class Reservation(NamedTuple):
+    """Room a scheduler holds for a request admitted before tokenizing."""
+
+    model: str
+    inputs: int
+    tokens: int
+    expires: float  # monotonic
+
+
 @dataclass
 class HeldWork:
     work: WorkRequest
@@ -145,8 +155,7 @@ class Scheduler(Lifecycle):
         self.routed = Routed(grace_s=ROUTED_GRACE_BEATS * config.heartbeat_s)
         self.load: dict[str, int] = {}  # worker_id -> requests outstanding here
         self.tally: dict[str, Tally] = {}  # model -> work outstanding here (dispatched, reserved)
-        self.reservations: dict[str, tuple[str, int, int, float]] = {}  # rid -> (model,
-        # inputs, tokens, monotonic expiry): admitted before tokenizing, not arrived yet
+        self.reservations: dict[str, Reservation] = {}  # admitted before tokenizing, not arrived
         self.costs = CostBook()  # model -> engine seconds per token, from WorkDone
         self.board = LoadBoard(self.id, expiry_s=config.worker_expiry_s)  # other schedulers
         self._reported: set[str] = set()  # models with work in the last SchedLoad
@@ -287,19 +296,19 @@ class Scheduler(Lifecycle):
             return ""
         self._check_size(req.model, req.inputs, req.tokens, req.deadline, ready, by_work=True)
         self.tally.setdefault(req.model, Tally()).add(req.inputs, req.tokens)
-        self.reservations[req.request_id] = (req.model, req.inputs, req.tokens,
-                                             time.monotonic() + RESERVATION_S)
+        self.reservations[req.request_id] = Reservation(req.model, req.inputs, req.tokens,
+                                                        time.monotonic() + RESERVATION_S)
         return self.id
 
     def release(self, request_id: str) -> None:
         """A reservation's room back (its work arrived, was cancelled, or expired)."""
         r = self.reservations.pop(request_id, None)
         if r is not None:
-            self.tally[r[0]].add(r[1], r[2], sign=-1)
+            self.tally[r.model].add(r.inputs, r.tokens, sign=-1)
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()
-        for rid in [rid for rid, r in self.reservations.items() if r[3] <= now]:
+        for rid in [rid for rid, r in self.reservations.items() if r.expires <= now]:
             self.release(rid)
 
     async def _on_cancel(self, msg: Msg) -> None:

@@ -338,8 +338,8 @@ async def test_a_reservation_whose_work_never_comes_expires(nats_server):
         before = sched.ahead(MODEL).tokens
         rid = sched.reserve(Reserve("gone-gateway", MODEL, "", 4, 400, time.time() + 30))
         assert rid == sched.id and sched.ahead(MODEL).tokens == before + 400
-        model, inputs, tokens, expires = sched.reservations["gone-gateway"]
-        assert expires - time.monotonic() == pytest.approx(RESERVATION_S, abs=1.0)
-        sched.reservations["gone-gateway"] = (model, inputs, tokens, time.monotonic())
+        held = sched.reservations["gone-gateway"]
+        assert held.expires - time.monotonic() == pytest.approx(RESERVATION_S, abs=1.0)
+        sched.reservations["gone-gateway"] = held._replace(expires=time.monotonic())
         await wait_until(lambda: not sched.reservations)  # housekeeping drops it
         assert sched.ahead(MODEL).tokens == before
