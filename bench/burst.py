@@ -3,11 +3,12 @@
     .venv/bin/python -m bench.burst [--requests 3000] [--inputs 8] [--timeout 30]
         [--engine-nice N] [--gateways 1]
 
-  1. Start nats-server, gateway (`--gateways` of them, one queue group), scheduler and
-     one encoder worker (the bundled all-MiniLM-L6-v2, JAX) as processes, plus a no-op responder process that answers
-     every request on `bench.noop` at once with a 429-shaped reply and keeps the
-     gateway's request records (`telemetry.v1.requests`), so the client does the same
-     work in the burst as against the floor.
+  1. Start nats-server, gateway (`--gateways` of them, one queue group), scheduler
+     and one encoder worker (the bundled all-MiniLM-L6-v2, JAX) as processes, plus a
+     no-op responder process that answers every request on `bench.noop` at once
+     with a 429-shaped reply and keeps the gateway's request records
+     (`telemetry.v1.requests`), so the client does the same work in the burst as
+     against the floor.
   2. Unloaded: a few requests of `--inputs` long inputs (113-128 tokens each), one at
      a time: the scheduler times the model's batches, and this gives the lone latency.
   3. Floor: the same number of requests at once to the no-op responder: what this
