@@ -220,13 +220,22 @@ def retry_after(seconds: float) -> float:
 
 def drained(ahead: Tally, cost: Cost | None, max_batch: int, n_ready: int,
             elapsed_s: float) -> Tally:
-    """`ahead` as it will be `elapsed_s` later if nothing new arrives (the gateway's view
-    of reports up to one interval old): the ready workers keep computing meanwhile."""
-    if cost is None or elapsed_s <= 0 or ahead.tokens <= 0:
+    """`ahead` as its scheduler will count it `elapsed_s` later if nothing new arrives
+    (the gateway's view of reports up to one interval old): the ready workers keep
+    computing meanwhile, and a scheduler's count drops by whole batches, when a worker
+    says one is done. Only the batches surely done by then are taken off: drained
+    continuously, the view would show room a fraction of a batch early, which the
+    scheduler then refuses (a burst at the bound asked it in vain, a round trip each)."""
+    if cost is None or elapsed_s <= 0 or ahead.tokens <= 0 or ahead.inputs <= 0:
         return ahead
-    total = cost.seconds(ahead.inputs, ahead.tokens, max_batch)
-    if total <= 0:
+    batch = max(max_batch, 1)
+    batch_s = cost.seconds(min(batch, ahead.inputs),
+                           ahead.tokens * min(batch, ahead.inputs) / ahead.inputs, batch)
+    if batch_s <= 0:
         return ahead
-    share = max(0.0, 1 - elapsed_s * max(n_ready, 1) / total)
+    done = math.floor(elapsed_s * max(n_ready, 1) / batch_s) * batch  # inputs computed
+    if done <= 0:
+        return ahead
+    share = max(0.0, 1 - done / ahead.inputs)
     return Tally(math.ceil(ahead.requests * share), math.ceil(ahead.inputs * share),
                  math.ceil(ahead.tokens * share))

@@ -70,7 +70,13 @@ def test_the_count_bound_holds_whatever_the_cost():
     assert refusal(ahead=Tally(256, 256, 256)).status == 429
 
 
-def test_reports_drain_while_they_age():
-    ahead = Tally(10, 10, 1000)
-    assert drained(ahead, Cost(0.0, 0.001), 32, 1, 0.5) == Tally(5, 5, 500)
+def test_reports_drain_by_whole_batches_while_they_age():
+    # 64 inputs of 100 tokens: two batches of 32, 3.2 s each on one worker.
+    ahead = Tally(64, 64, 6400)
+    cost = Cost(0.0, 0.001)
+    assert drained(ahead, cost, 32, 1, 3.0) == ahead  # the first batch is not done yet
+    assert drained(ahead, cost, 32, 1, 3.3) == Tally(32, 32, 3200)
+    assert drained(ahead, cost, 32, 2, 3.3) == Tally(0, 0, 0)  # two workers, one each
+    assert drained(Tally(10, 10, 1000), cost, 32, 1, 0.5) == Tally(10, 10, 1000)
+    assert drained(Tally(10, 10, 1000), cost, 32, 1, 1.0) == Tally(0, 0, 0)
     assert drained(ahead, None, 32, 1, 0.5) == ahead

@@ -62,7 +62,10 @@ class Gateway(Lifecycle):
         self._subs.append(await self.nc.subscribe(
             subjects.TELEMETRY_WORKERS, cb=self._on_heartbeat, pending_msgs_limit=100_000))
         self._subs.append(await self.nc.subscribe(subjects.TELEMETRY_SCALE, cb=self._on_scale))
-        self._subs.append(await self.nc.subscribe(subjects.SCHED_LOAD, cb=self._on_sched_load))
+        # On the control connection: in a burst a report read behind the main
+        # connection's backlog of requests would come after the refusals it decides.
+        self._subs.append(await self.front.control.subscribe(subjects.SCHED_LOAD,
+                                                             cb=self._on_sched_load))
         self._subs.append(await self.nc.subscribe(subjects.ORCHESTRATOR_STATUS,
                                                   cb=self._on_fleet_status))
         self.micro = await add_service(

@@ -41,7 +41,9 @@ Dataflow of one request:
      outstanding here, that work is dispatched again to another worker (the gateway
      keeps only the first answer per request id).
   7. Every heartbeat interval this scheduler's outstanding work per model goes to
-     `tensorbus.v1.sched.load` (`SchedLoad`) for the other schedulers and the gateways.
+     `tensorbus.v1.sched.load` (`SchedLoad`) for the other schedulers and the gateways,
+     and at once after a refusal (at most every EARLY_REPORT_S): the gateways then
+     refuse the rest of a burst themselves.
   8. Every `scale_interval_s` a ScaleDecision for every model it knows (catalogue,
      registry, heartbeats; served or not) goes to `telemetry.v1.scale`, computed by
      the pure `services.scheduler.scaling.Autoscaler`.
@@ -129,6 +131,7 @@ class HeldWork:
     since: float  # monotonic: when it was first held
 
 RESERVATION_S = 5.0  # a reservation whose work never came (its gateway gone) is dropped
+EARLY_REPORT_S = 0.02  # after a refusal, the load report goes out at once, this often at most
 CATALOGUE_REFRESH_S = 10.0  # how often the registry's model list is read again
 ROUTED_GRACE_BEATS = 4  # heartbeat intervals a finished request's prefix counts as held
 
@@ -159,6 +162,7 @@ class Scheduler(Lifecycle):
         self.costs = CostBook()  # model -> engine seconds per token, from WorkDone
         self.board = LoadBoard(self.id, expiry_s=config.worker_expiry_s)  # other schedulers
         self._reported: set[str] = set()  # models with work in the last SchedLoad
+        self._reported_at = 0.0  # monotonic time of the last SchedLoad
         self.held: dict[str, deque[HeldWork]] = {}  # model -> waiting for a cold start
         self.failed: dict[str, str] = {}  # model -> why (the orchestrator's FleetStatus)
         self.published: dict[str, int] = {}  # model -> desired in its last decision
@@ -283,6 +287,8 @@ class Scheduler(Lifecycle):
         except ServiceError as err:
             out = WorkError(req.request_id, err.status, err.message, err.code, err.retry_after)
         await self.nc.publish(msg.reply, encode(out))
+        if isinstance(out, WorkError):
+            await self._report_early()
 
     def reserve(self, req: Reserve) -> str:
         """Admit an embeddings request by its estimated size and hold its room: this
@@ -419,6 +425,15 @@ class Scheduler(Lifecycle):
             return
         out = WorkError(work.request_id, err.status, err.message, err.code, err.retry_after)
         await self.nc.publish(work.reply, encode(out))
+        await self._report_early()
+
+    async def _report_early(self) -> None:
+        """A refusal here means a gateway's view of the queues (one report interval
+        old in a burst) let through what this scheduler would not: the gateways hear
+        this scheduler's load now, not at the next interval, so they refuse the rest
+        of the burst themselves instead of asking (at most every EARLY_REPORT_S)."""
+        if time.monotonic() - self._reported_at >= EARLY_REPORT_S:
+            await self.publish_load()
 
     # ------------------------------------------------------------------ feedback
     async def _on_done(self, msg: Msg) -> None:
@@ -564,6 +579,7 @@ class Scheduler(Lifecycle):
         return SchedLoad(self.id, models, time.time())
 
     async def publish_load(self) -> None:
+        self._reported_at = time.monotonic()
         report = self.load_report()
         if report.models:
             await self.nc.publish(subjects.SCHED_LOAD, encode(report))

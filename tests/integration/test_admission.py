@@ -154,6 +154,60 @@ async def test_two_schedulers_share_one_bound(nats_server):
             await nc.close()
 
 
+async def test_a_refusal_reaches_the_gateways_view_at_once(nats_server):
+    """Gateways count the schedulers' work from their load reports, one heartbeat
+    interval apart, so in a burst a gateway that has not heard one lets through what a
+    scheduler then refuses (a round trip, and with several gateways most of a burst).
+    A scheduler that refuses reports its load at once, not at the next interval."""
+    from shared.config import Config
+    from shared.messages import EmbedWork, WorkError, encode, result_decoder, sched_load_decoder
+    from shared.telemetry import Heartbeat
+    from shared.telemetry import encode as encode_record
+
+    # Reports every 30 s: any report within this test came early.
+    config = Config.from_env({}, nats_url=nats_server.url, heartbeat_s=30.0,
+                             worker_expiry_s=120.0, max_queue_per_worker=2)
+    snc = await nats.connect(nats_server.url, name="scheduler-early")
+    nc = await nats.connect(nats_server.url, name="gateway-like")
+    sched = Scheduler(snc, config, scheduler_id="early")
+    ready = asyncio.Event()
+    task = asyncio.create_task(sched.run(ready))
+    try:
+        await ready.wait()
+        reports, answers = [], []
+
+        async def report(msg):
+            reports.append(sched_load_decoder.decode(msg.data))
+
+        async def answer(msg):
+            answers.append(result_decoder.decode(msg.data))
+
+        await nc.subscribe(subjects.SCHED_LOAD, cb=report)
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=answer)
+        hb = Heartbeat(worker_id="w-early", model=MODEL, kind="encoder", state="ready",
+                       versions=["local"], queue_depth=0, in_flight=0, max_batch=32,
+                       batch_occupancy=0.0, steps=1, rss_bytes=0, device="cpu",
+                       sent_at=time.time())  # fmt: skip
+        await nc.publish(subjects.TELEMETRY_WORKERS, encode_record(hb))
+        await wait_until(lambda: sched.fleet.available(MODEL))
+        for i in range(3):  # the bound is two: the third is refused
+            work = EmbedWork(f"early-{i}", MODEL, "", [[101, 7592, 102]], time.time() + 30,
+                             inbox)
+            await nc.publish(subjects.SCHED_SUBMIT, encode(work))
+        await wait_until(lambda: any(isinstance(a, WorkError) for a in answers))
+        [refused] = [a for a in answers if isinstance(a, WorkError)]
+        assert refused.status == 429 and refused.request_id == "early-2"
+        await wait_until(lambda: reports, timeout=10.0)  # long before the interval
+        [load] = [m for m in reports[-1].models if m.model == MODEL]
+        assert (reports[-1].scheduler_id, load.requests) == ("early", 2)
+    finally:
+        sched.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        await nc.close()
+        await snc.close()
+
+
 async def test_large_requests_are_refused_while_those_ahead_still_tokenize(nats_server):
     """A body above the inline limit is tokenized off the event loop; meanwhile the
     gateway reads the requests behind it, which must count it as work ahead (its size
