@@ -65,6 +65,17 @@ class Tally:
         return Tally(self.requests + other.requests, self.inputs + other.inputs,
                      self.tokens + other.tokens)
 
+    def less(self, other: "Tally") -> "Tally":
+        """This without `other` (none below zero)."""
+        return Tally(max(0, self.requests - other.requests), max(0, self.inputs - other.inputs),
+                     max(0, self.tokens - other.tokens))
+
+    def least(self, other: "Tally") -> "Tally":
+        """The smaller of the two, in each count: of two bounds on the same work, the
+        tighter."""
+        return Tally(min(self.requests, other.requests), min(self.inputs, other.inputs),
+                     min(self.tokens, other.tokens))
+
 
 @dataclass(frozen=True)
 class Cost:

@@ -104,6 +104,7 @@ class Embeddings:
             sent.add(len(work.inputs), out.prompt_tokens, sign=-1)
         if not isinstance(res, EmbedResult):
             raise internal()
+        self.front.computed(work.model, len(work.inputs), out.prompt_tokens)
         out.version, out.worker_id, out.timing = res.version, res.worker_id, res.timing
         check_dimensions(prep.req, res.dim)
         return build_response(prep.req, res)

@@ -45,6 +45,7 @@ from shared.messages import (
     Held,
     ModelStatus,
     Reserve,
+    SchedLoad,
     Reserved,
     Timing,
     WorkError,
@@ -124,6 +125,8 @@ class Frontend:
         self.statuses: dict[str, ModelStatus] = {}  # the orchestrator's view, per model
         self.loads = admission.LoadBoard(expiry_s=config.worker_expiry_s)  # every scheduler's work
         self.sent_work: dict[str, admission.Tally] = {}  # model -> embeddings submitted, unanswered
+        # model -> embeddings this gateway saw computed since the last load report
+        self.done_since: dict[str, admission.Tally] = {}
         self.chars_per_token: dict[str, float] = {}  # model -> what its tokenizer has shown
         self._unreserving: set[asyncio.Task] = set()
         self.control = nc  # the connection reservations take (start() opens its own)
@@ -248,17 +251,33 @@ class Frontend:
             return  # not timed yet: the scheduler's call
         workers = self.fleet.available(model)
         max_batch = max((w.hb.max_batch for w in workers), default=1)
-        ahead = admission.Tally()
+        reported = admission.Tally()
         for _, r in reports:
-            ahead = ahead + r.tally
-        ahead = admission.drained(ahead, cost, max_batch, len(workers),
+            reported = reported + r.tally
+        ahead = admission.drained(reported, cost, max_batch, len(workers),
                                   now - max(at for at, _ in reports))
+        done = self.done_since.get(model)
+        if done is not None and done.requests:  # its own, seen computed since
+            ahead = ahead.least(reported.less(done))
         own = self.sent_work.get(model)
         if own is not None and own.tokens > ahead.tokens:
             ahead = own
         admission.check(model, ahead, inputs, tokens, len(workers), max_batch, cost,
                         deadline - time.time(), self.config.max_queue_per_worker,
                         self.config.max_queue_s, size_unknown=not tokens)
+
+    def observe_load(self, load: SchedLoad) -> None:
+        """A scheduler's load report: counted in `shed_by_work`, from now on without
+        what this gateway had seen computed before it."""
+        self.loads.observe(load, time.monotonic())
+        for m in load.models:
+            self.done_since.pop(m.model, None)
+
+    def computed(self, model: str, inputs: int, tokens: int) -> None:
+        """One of this gateway's requests computed: the schedulers' reports still count
+        it until their next one (an overload's last report would otherwise refuse the
+        first requests after it, for up to an interval)."""
+        self.done_since.setdefault(model, admission.Tally()).add(inputs, tokens)
 
     def check_size(self, body: bytes) -> None:
         if len(body) > self.config.max_payload:

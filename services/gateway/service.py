@@ -126,7 +126,7 @@ class Gateway(Lifecycle):
 
     async def _on_sched_load(self, msg: Msg) -> None:
         try:
-            self.front.loads.observe(sched_load_decoder.decode(msg.data), time.monotonic())
+            self.front.observe_load(sched_load_decoder.decode(msg.data))
         except msgspec.DecodeError:
             return
 

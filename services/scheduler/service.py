@@ -40,10 +40,10 @@ Dataflow of one request:
   6. When a worker expires (missed heartbeats) or reports draining with work still
      outstanding here, that work is dispatched again to another worker (the gateway
      keeps only the first answer per request id).
-  7. Every heartbeat interval this scheduler's outstanding work per model goes to
-     `tensorbus.v1.sched.load` (`SchedLoad`) for the other schedulers and the gateways,
-     and at once after a refusal (at most every EARLY_REPORT_S): the gateways then
-     refuse the rest of a burst themselves.
+  7. This scheduler's outstanding work per model goes to `tensorbus.v1.sched.load`
+     (`SchedLoad`) for the other schedulers and the gateways every heartbeat interval,
+     and within EARLY_REPORT_S of any change or refusal: the gateways then refuse
+     the rest of a burst themselves, and admit again as soon as room comes back.
   8. Every `scale_interval_s` a ScaleDecision for every model it knows (catalogue,
      registry, heartbeats; served or not) goes to `telemetry.v1.scale`, computed by
      the pure `services.scheduler.scaling.Autoscaler`.
@@ -131,7 +131,7 @@ class HeldWork:
     since: float  # monotonic: when it was first held
 
 RESERVATION_S = 5.0  # a reservation whose work never came (its gateway gone) is dropped
-EARLY_REPORT_S = 0.02  # after a refusal, the load report goes out at once, this often at most
+EARLY_REPORT_S = 0.02  # a change of the load goes out this soon, and reports this often at most
 CATALOGUE_REFRESH_S = 10.0  # how often the registry's model list is read again
 ROUTED_GRACE_BEATS = 4  # heartbeat intervals a finished request's prefix counts as held
 
@@ -163,6 +163,7 @@ class Scheduler(Lifecycle):
         self.board = LoadBoard(self.id, expiry_s=config.worker_expiry_s)  # other schedulers
         self._reported: set[str] = set()  # models with work in the last SchedLoad
         self._reported_at = 0.0  # monotonic time of the last SchedLoad
+        self._load_moved = asyncio.Event()  # the tally changed, or a request was refused
         self.held: dict[str, deque[HeldWork]] = {}  # model -> waiting for a cold start
         self.failed: dict[str, str] = {}  # model -> why (the orchestrator's FleetStatus)
         self.published: dict[str, int] = {}  # model -> desired in its last decision
@@ -238,9 +239,10 @@ class Scheduler(Lifecycle):
 
     async def admit(self, work: WorkRequest, since: float | None = None) -> None:
         """Dispatch, hold or refuse one request; `since` = held from then (monotonic)."""
-        reserved = isinstance(work, EmbedWork) and bool(work.reserved)
-        if reserved:  # its room, held here, becomes the work itself
-            self.release(work.request_id)
+        # Its room, held here, becomes the work itself. Work whose reservation lapsed
+        # (its gateway took longer than RESERVATION_S) is judged as any arrival.
+        reserved = (isinstance(work, EmbedWork) and bool(work.reserved)
+                    and self.release(work.request_id))
         if work.deadline <= time.time():
             raise deadline_exceeded("the request's deadline passed before it was scheduled")
         model = work.model
@@ -287,8 +289,7 @@ class Scheduler(Lifecycle):
         except ServiceError as err:
             out = WorkError(req.request_id, err.status, err.message, err.code, err.retry_after)
         await self.nc.publish(msg.reply, encode(out))
-        if isinstance(out, WorkError):
-            await self._report_early()
+        self._load_moved.set()
 
     def reserve(self, req: Reserve) -> str:
         """Admit an embeddings request by its estimated size and hold its room: this
@@ -302,15 +303,20 @@ class Scheduler(Lifecycle):
             return ""
         self._check_size(req.model, req.inputs, req.tokens, req.deadline, ready, by_work=True)
         self.tally.setdefault(req.model, Tally()).add(req.inputs, req.tokens)
+        self._load_moved.set()
         self.reservations[req.request_id] = Reservation(req.model, req.inputs, req.tokens,
                                                         time.monotonic() + RESERVATION_S)
         return self.id
 
-    def release(self, request_id: str) -> None:
-        """A reservation's room back (its work arrived, was cancelled, or expired)."""
+    def release(self, request_id: str) -> bool:
+        """A reservation's room back (its work arrived, was cancelled, or expired);
+        False when there was none."""
         r = self.reservations.pop(request_id, None)
-        if r is not None:
-            self.tally[r.model].add(r.inputs, r.tokens, sign=-1)
+        if r is None:
+            return False
+        self.tally[r.model].add(r.inputs, r.tokens, sign=-1)
+        self._load_moved.set()
+        return True
 
     def _expire_reservations(self) -> None:
         now = time.monotonic()
@@ -383,6 +389,7 @@ class Scheduler(Lifecycle):
             self.routed.sent(wid, keys)
         self.load[wid] = self.load.get(wid, 0) + 1
         self.tally.setdefault(work.model, Tally()).add(*work_size(work))
+        self._load_moved.set()
         self.dispatched += 1
         if since is not None and work.reply:  # released from a hold: the gateway records it
             await self.nc.publish(work.reply, encode(Accepted(work.request_id, wid, now - since)))
@@ -425,15 +432,7 @@ class Scheduler(Lifecycle):
             return
         out = WorkError(work.request_id, err.status, err.message, err.code, err.retry_after)
         await self.nc.publish(work.reply, encode(out))
-        await self._report_early()
-
-    async def _report_early(self) -> None:
-        """A refusal here means a gateway's view of the queues (one report interval
-        old in a burst) let through what this scheduler would not: the gateways hear
-        this scheduler's load now, not at the next interval, so they refuse the rest
-        of the burst themselves instead of asking (at most every EARLY_REPORT_S)."""
-        if time.monotonic() - self._reported_at >= EARLY_REPORT_S:
-            await self.publish_load()
+        self._load_moved.set()
 
     # ------------------------------------------------------------------ feedback
     async def _on_done(self, msg: Msg) -> None:
@@ -456,6 +455,7 @@ class Scheduler(Lifecycle):
         if o.keys:
             self.routed.finished(o.worker_id, o.keys, time.monotonic())
         self.tally[o.work.model].add(*work_size(o.work), sign=-1)
+        self._load_moved.set()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -557,10 +557,22 @@ class Scheduler(Lifecycle):
             self.costs.learn(m.model, Cost(m.cost_per_batch, m.cost_per_token))
 
     async def _publish_load(self) -> None:
-        """This scheduler's share of every queue, each heartbeat interval, so others
-        count it against the bound."""
+        """This scheduler's share of every queue, so others count it against the bound:
+        each heartbeat interval, and within EARLY_REPORT_S of a change or a refusal.
+        A refusal here means a gateway's view (a report old) let through what this
+        scheduler would not; a gateway that heard the count go up refuses the rest of
+        a burst itself, and one that heard it come down admits again at once."""
+        moved = self._load_moved
         while not self._stop.is_set():
-            await asyncio.sleep(self.config.heartbeat_s)
+            try:
+                async with asyncio.timeout(self.config.heartbeat_s):
+                    await moved.wait()
+            except TimeoutError:
+                pass
+            wait = self._reported_at + EARLY_REPORT_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)  # a rate limit: changes meanwhile go in this one
+            moved.clear()
             await self.publish_load()
 
     def load_report(self) -> SchedLoad:

@@ -154,13 +154,16 @@ async def test_two_schedulers_share_one_bound(nats_server):
             await nc.close()
 
 
-async def test_a_refusal_reaches_the_gateways_view_at_once(nats_server):
-    """Gateways count the schedulers' work from their load reports, one heartbeat
-    interval apart, so in a burst a gateway that has not heard one lets through what a
-    scheduler then refuses (a round trip, and with several gateways most of a burst).
-    A scheduler that refuses reports its load at once, not at the next interval."""
+async def test_the_schedulers_load_reaches_the_gateways_as_it_moves(nats_server):
+    """Gateways count the schedulers' work from their load reports. One heartbeat
+    interval apart, they are too old for a burst: a gateway that has not heard one
+    lets through what a scheduler then refuses (a round trip each, and with several
+    gateways most of a burst), and after an overload refuses for up to an interval
+    after room came back. A scheduler reports within EARLY_REPORT_S of its load
+    moving, either way."""
     from shared.config import Config
-    from shared.messages import EmbedWork, WorkError, encode, result_decoder, sched_load_decoder
+    from shared.messages import (EmbedWork, WorkDone, WorkError, encode, result_decoder,
+                                 sched_load_decoder)
     from shared.telemetry import Heartbeat
     from shared.telemetry import encode as encode_record
 
@@ -168,21 +171,27 @@ async def test_a_refusal_reaches_the_gateways_view_at_once(nats_server):
     config = Config.from_env({}, nats_url=nats_server.url, heartbeat_s=30.0,
                              worker_expiry_s=120.0, max_queue_per_worker=2)
     snc = await nats.connect(nats_server.url, name="scheduler-early")
-    nc = await nats.connect(nats_server.url, name="gateway-like")
+    nc = await nats.connect(nats_server.url, name="gateway-and-worker")
     sched = Scheduler(snc, config, scheduler_id="early")
     ready = asyncio.Event()
     task = asyncio.create_task(sched.run(ready))
     try:
         await ready.wait()
-        reports, answers = [], []
+        counts, answers, dispatched = [], [], []
 
         async def report(msg):
-            reports.append(sched_load_decoder.decode(msg.data))
+            for m in sched_load_decoder.decode(msg.data).models:
+                if m.model == MODEL:
+                    counts.append(m.requests)
 
         async def answer(msg):
             answers.append(result_decoder.decode(msg.data))
 
+        async def work(msg):  # this test plays the worker too
+            dispatched.append(msg)
+
         await nc.subscribe(subjects.SCHED_LOAD, cb=report)
+        await nc.subscribe(subjects.worker_work("w-early"), cb=work)
         inbox = nc.new_inbox()
         await nc.subscribe(inbox, cb=answer)
         hb = Heartbeat(worker_id="w-early", model=MODEL, kind="encoder", state="ready",
@@ -192,15 +201,15 @@ async def test_a_refusal_reaches_the_gateways_view_at_once(nats_server):
         await nc.publish(subjects.TELEMETRY_WORKERS, encode_record(hb))
         await wait_until(lambda: sched.fleet.available(MODEL))
         for i in range(3):  # the bound is two: the third is refused
-            work = EmbedWork(f"early-{i}", MODEL, "", [[101, 7592, 102]], time.time() + 30,
-                             inbox)
-            await nc.publish(subjects.SCHED_SUBMIT, encode(work))
-        await wait_until(lambda: any(isinstance(a, WorkError) for a in answers))
-        [refused] = [a for a in answers if isinstance(a, WorkError)]
-        assert refused.status == 429 and refused.request_id == "early-2"
-        await wait_until(lambda: reports, timeout=10.0)  # long before the interval
-        [load] = [m for m in reports[-1].models if m.model == MODEL]
-        assert (reports[-1].scheduler_id, load.requests) == ("early", 2)
+            w = EmbedWork(f"early-{i}", MODEL, "", [[101, 7592, 102]], time.time() + 30, inbox)
+            await nc.publish(subjects.SCHED_SUBMIT, encode(w))
+        await wait_until(lambda: answers and len(dispatched) == 2)
+        [refused] = answers
+        assert isinstance(refused, WorkError) and refused.status == 429
+        await wait_until(lambda: counts and counts[-1] == 2, timeout=10.0)  # not in 30 s
+        done = WorkDone("w-early", ["early-0", "early-1"])
+        await nc.publish(subjects.sched_done("early"), encode(done))
+        await wait_until(lambda: counts[-1] == 0, timeout=10.0)  # room back, said at once
     finally:
         sched.stop()
         await asyncio.gather(task, return_exceptions=True)
@@ -397,3 +406,40 @@ async def test_a_reservation_whose_work_never_comes_expires(nats_server):
         sched.reservations["gone-gateway"] = held._replace(expires=time.monotonic())
         await wait_until(lambda: not sched.reservations)  # housekeeping drops it
         assert sched.ahead(MODEL).tokens == before
+
+
+async def test_work_whose_reservation_lapsed_is_checked_on_arrival(nats_server):
+    """A reservation is room held for RESERVATION_S. Work that arrives after its room
+    was dropped (its gateway stalled past it) is judged as any other arrival, not
+    dispatched on a promise the scheduler no longer keeps."""
+    from shared.admission import Cost, CostBook
+    from shared.messages import EmbedWork, Reserve, WorkError, encode, result_decoder
+
+    engine = NoMathEncoder(per_token_s=0.0002)
+    async with running_stack(nats_server.url) as st:
+        await st.add_worker(engine, "enc-lapsed")
+        await measured(st)
+        sched = st.scheduler
+        for rid in ("kept", "lapsed"):
+            assert sched.reserve(Reserve(rid, MODEL, "", 1, 3, time.time() + 30)) == sched.id
+        sched.reservations["lapsed"] = sched.reservations["lapsed"]._replace(
+            expires=time.monotonic())
+        await wait_until(lambda: "lapsed" not in sched.reservations)  # housekeeping
+        # From now on any work is far beyond its deadline: ~1,000 s a token.
+        sched.costs = CostBook()
+        sched.costs.learn(MODEL, Cost(0.0, 1000.0))
+        answers: dict[str, object] = {}
+
+        async def answer(msg):
+            res = result_decoder.decode(msg.data)
+            answers[res.request_id] = res
+
+        inbox = st.client.new_inbox()
+        await st.client.subscribe(inbox, cb=answer)
+        for rid in ("kept", "lapsed"):
+            work = EmbedWork(rid, MODEL, "", [[101, 7592, 102]], time.time() + 30, inbox,
+                             reserved=sched.id)
+            await st.client.publish(subjects.sched_submit(sched.id), encode(work))
+        await wait_until(lambda: len(answers) == 2)
+        assert not isinstance(answers["kept"], WorkError), answers["kept"]  # its room held
+        assert isinstance(answers["lapsed"], WorkError) and answers["lapsed"].status == 429
