@@ -10,11 +10,11 @@ tokenizing when the queue is already full without the request). The flow:
      batch + per token x tokens over moving averages of recent batches, so work is
      tokens x cost per token plus the batches they fill x cost per batch.
   2. Load: every scheduler publishes what it has dispatched and not seen finish, per
-     model, every heartbeat interval (`SchedLoad` on `tensorbus.v1.sched.load`, with
-     its cost estimate); `LoadBoard` keeps the latest report of each live scheduler.
-     A scheduler adds the others' reports to its own tally, so several schedulers
-     share one bound; a report is at most one interval old, so the bound is exceeded
-     by at most one interval of arrivals.
+     model, every heartbeat interval and within 20 ms of a change (`SchedLoad` on
+     `tensorbus.v1.sched.load`, with its cost estimate); `LoadBoard` keeps the latest
+     report of each live scheduler. A scheduler adds the others' reports to its own
+     tally, so several schedulers share one bound, exceeded by at most the arrivals
+     of one report's delay.
   3. `check()` refuses with 429 and a Retry-After, in this order:
      a. the count bound (`max_queue_per_worker` x ready workers): state stays bounded
         whatever the cost;
@@ -232,7 +232,7 @@ def retry_after(seconds: float) -> float:
 def drained(ahead: Tally, cost: Cost | None, max_batch: int, n_ready: int,
             elapsed_s: float) -> Tally:
     """`ahead` as its scheduler will count it `elapsed_s` later if nothing new arrives
-    (the gateway's view of reports up to one interval old): the ready workers keep
+    (the gateway's view of reports that may be an interval old): the ready workers keep
     computing meanwhile, and a scheduler's count drops by whole batches, when a worker
     says one is done. Only the batches surely done by then are taken off: drained
     continuously, the view would show room a fraction of a batch early, which the
