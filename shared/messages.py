@@ -64,6 +64,7 @@ class GenerateWork(_Msg, tag="generate"):
     ignore_eos: bool = False
     user: str = ""  # sticky canary / A-B key: OpenAI's `user`, else the Tensorbus-User header
     group: str = ""  # as EmbedWork.group
+    reserved: str = ""  # as EmbedWork.reserved
 
 
 WorkRequest = EmbedWork | GenerateWork
@@ -201,18 +202,20 @@ class ModelStatus(msgspec.Struct, array_like=True, gc=False):
 
 
 class Reserve(_Msg, tag="reserve"):
-    """Gateway -> a scheduler (`tensorbus.v1.sched.reserve`, request/reply): admit an
-    embeddings request by its estimated size before the gateway tokenizes it (a large
-    body: its tokenizing waits behind others'). Answered `Reserved`, or a WorkError
-    (the 429 or 503 its submit would get). Several gateways' requests meet here, so
-    their bursts share the bound before any tokenizing, not after."""
+    """Gateway -> a scheduler (`tensorbus.v1.sched.reserve`, request/reply): admit a
+    request before the gateway tokenizes it (a large body: its tokenizing waits behind
+    others'), an embeddings request by its estimated size, a completion by count.
+    Answered `Reserved`, or a WorkError (the 429 or 503 its submit would get). Several
+    gateways' requests meet here, so their bursts share the bound before any
+    tokenizing, not after."""
 
     request_id: str
     model: str
     version: str
-    inputs: int
-    tokens: int  # estimated
+    inputs: int  # a completion: its choices (`n`)
+    tokens: int  # estimated; 0 for a completion
     deadline: float  # UNIX seconds
+    generate: bool = False  # a completion: admitted by count, as its submit would be
 
 
 class Reserved(_Msg, tag="reserved"):

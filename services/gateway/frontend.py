@@ -41,12 +41,11 @@ from shared.logging import get_logger
 from shared.messages import (
     Accepted,
     Cancel,
-    EmbedWork,
     Held,
     ModelStatus,
     Reserve,
-    SchedLoad,
     Reserved,
+    SchedLoad,
     Timing,
     WorkError,
     encode,
@@ -187,13 +186,14 @@ class Frontend:
             sent.add(inputs, tokens, sign=-1)
 
     async def reserve(self, rid: str, model: str, version: str, inputs: int, tokens: int,
-                      deadline: float) -> str:
+                      deadline: float, generate: bool = False) -> str:
         """Room for a large request at a scheduler before it is tokenized, by its
-        estimated size (`shared.messages.Reserve`): every gateway's requests meet one
-        bound there before their tokenizing, so none is refused after it. Returns the
+        estimated size, or by count for a completion (`generate`; see
+        `shared.messages.Reserve`): every gateway's requests meet one bound there
+        before their tokenizing, so none is refused after it. Returns the
         scheduler's id (submit there), or "" (no ready worker, or no answer: the
         submit is decided on arrival as any other); a refusal is raised."""
-        msg = Reserve(rid, model, version, inputs, tokens, deadline)
+        msg = Reserve(rid, model, version, inputs, tokens, deadline, generate)
         wait = min(RESERVE_TIMEOUT_S, max(deadline - time.time(), 0.001))
         try:
             reply = await self.control.request(subjects.SCHED_RESERVE, encode(msg), timeout=wait)
@@ -313,7 +313,7 @@ class Frontend:
             raise unavailable("the gateway is reconnecting to the message bus; retry shortly")
         work.reply, work.group = reply, self.inbox.group
         subject = subjects.SCHED_SUBMIT
-        if isinstance(work, EmbedWork) and work.reserved:  # to the scheduler holding its room
+        if work.reserved:  # to the scheduler holding its room
             subject = subjects.sched_submit(work.reserved)
         await self.nc.publish(subject, encode(work), reply=reply)
         # request_id (bound by the transport) is the client's; wire_id is what the

@@ -91,20 +91,25 @@ class Generation:
         self.front.shed(name)
         if not chat and req.echo:
             raise bad_request("'echo' is not supported; send the prompt back yourself")
-        render = self._chat_prompt if chat else self._prompt
-        if len(body) <= INLINE_TOKENIZE:
-            prompt = render(req, entry)
-        else:  # in a thread: counted as waiting meanwhile (the count bound)
-            with self.front.preparing(name, 1, 0):
-                prompt = await self.front.tokenize(render, req, entry)
-        limit = min(entry.info.max_tokens, self.config.max_context)
-        if len(prompt) > limit - 1:
-            raise bad_request(
-                f"the prompt has {len(prompt)} tokens; model '{name}' has a context of {limit} "
-                f"tokens, at least one of which must be left to generate",
-                code="context_length_exceeded")
         if req.n > self.config.max_n:
             raise bad_request(f"'n' is {req.n}; at most {self.config.max_n} choices per request")
+        render = self._chat_prompt if chat else self._prompt
+        limit = min(entry.info.max_tokens, self.config.max_context)
+        reserved = ""
+        if len(body) <= INLINE_TOKENIZE:
+            prompt = self._fits(render(req, entry), name, limit)
+        else:  # in a thread: counted as waiting meanwhile (the count bound)
+            with self.front.preparing(name, 1, 0):
+                # admitted by a scheduler before the wait, so never refused after it
+                reserved = await self.front.reserve(rid, name, version, req.n, 0, deadline,
+                                                    generate=True)
+                try:
+                    prompt = self._fits(await self.front.tokenize(render, req, entry), name,
+                                        limit)
+                except BaseException:
+                    if reserved:
+                        self.front.unreserve(rid)
+                    raise
         max_tokens = (req.max_completion_tokens if chat else None) or req.max_tokens
         max_tokens = min(max_tokens or limit, limit - len(prompt))
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -113,10 +118,20 @@ class Generation:
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
                             req.stream, deadline, "", ignore_eos=req.ignore_eos,
-                            user=user_key(req.user, call.user))
+                            user=user_key(req.user, call.user), reserved=reserved)
         opts = req.stream_options
         return Prepared(req, chat, work, req.model, int(time.time()),
                         bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
+
+    @staticmethod
+    def _fits(prompt: list[int], name: str, limit: int) -> list[int]:
+        """The prompt, or a 400 when it leaves no room to generate."""
+        if len(prompt) > limit - 1:
+            raise bad_request(
+                f"the prompt has {len(prompt)} tokens; model '{name}' has a context of {limit} "
+                f"tokens, at least one of which must be left to generate",
+                code="context_length_exceeded")
+        return prompt
 
     def _prompt(self, req: CompletionRequest, entry: ModelEntry) -> list[int]:
         p = req.prompt

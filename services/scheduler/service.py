@@ -241,8 +241,7 @@ class Scheduler(Lifecycle):
         """Dispatch, hold or refuse one request; `since` = held from then (monotonic)."""
         # Its room, held here, becomes the work itself. Work whose reservation lapsed
         # (its gateway took longer than RESERVATION_S) is judged as any arrival.
-        reserved = (isinstance(work, EmbedWork) and bool(work.reserved)
-                    and self.release(work.request_id))
+        reserved = bool(work.reserved) and self.release(work.request_id)
         if work.deadline <= time.time():
             raise deadline_exceeded("the request's deadline passed before it was scheduled")
         model = work.model
@@ -301,7 +300,8 @@ class Scheduler(Lifecycle):
         ready = self.fleet.available(req.model, req.version)
         if not ready:
             return ""
-        self._check_size(req.model, req.inputs, req.tokens, req.deadline, ready, by_work=True)
+        self._check_size(req.model, req.inputs, req.tokens, req.deadline, ready,
+                         by_work=not req.generate)
         self.tally.setdefault(req.model, Tally()).add(req.inputs, req.tokens)
         self._load_moved.set()
         self.reservations[req.request_id] = Reservation(req.model, req.inputs, req.tokens,

@@ -443,3 +443,86 @@ async def test_work_whose_reservation_lapsed_is_checked_on_arrival(nats_server):
         await wait_until(lambda: len(answers) == 2)
         assert not isinstance(answers["kept"], WorkError), answers["kept"]  # its room held
         assert isinstance(answers["lapsed"], WorkError) and answers["lapsed"].status == 429
+
+
+async def test_two_gateways_bursts_of_long_prompts_meet_one_count_bound_before_tokenizing(
+        nats_server, tmp_path, jax_cache_dir):
+    """Completions are admitted by count. A long prompt (a body above the inline limit)
+    is tokenized in a thread, behind others; two gateways each count only their own.
+    A scheduler admits it by count before its tokenizing (a reservation), so a burst
+    through both gateways meets one bound there, and nothing that waited for the
+    tokenizer is refused after it."""
+    import threading
+
+    from services.fleet import Fleet
+    from services.gateway.frontend import Frontend
+    from services.gateway.models import ModelTable
+    from tests.support.stack import table_resolver
+    from tests.support.tiny_models import serve_tiny
+
+    _, engine = serve_tiny("gpt2", tmp_path, "tiny-reserved", 1024, jax_cache_dir)
+    models = {engine.name: str(tmp_path)}
+    prompt = [100 + i % 200 for i in range(600)]  # 600 token ids: a body of ~2.4 KB
+    body = msgspec.json.encode({"model": engine.name, "prompt": prompt, "max_tokens": 2})
+    assert len(body) > 2_048  # rendered in a thread
+    bound = 4  # requests queued per ready worker
+    async with running_stack(nats_server.url, models=models, max_context=1024,
+                             decode_slots=4, max_queue_per_worker=bound) as st:
+        nc = await nats.connect(nats_server.url, name="gateway-2")
+        fleet = Fleet(expiry_s=st.config.worker_expiry_s)
+        second = Gateway(nc, st.config, Frontend(nc, st.config, fleet,
+                                                 ModelTable(fleet, table_resolver(models))),
+                         http=False)
+        ready = asyncio.Event()
+        task = asyncio.create_task(second.run(ready))
+        gate, rendered = threading.Event(), []
+        fronts = (st.gateway.front, second.front)
+        try:
+            await ready.wait()
+            await st.add_worker(engine, "dec-reserved", kind="decoder")
+            await wait_until(lambda: all(f.fleet.ready(engine.name) for f in fronts))
+            for f in fronts:
+                tokenize = f.tokenize
+
+                async def held(fn, *args, _tokenize=tokenize):
+                    def wait_then(*a):  # in the tokenizing thread, until the test opens it
+                        gate.wait()
+                        rendered.append(1)
+                        return fn(*a)
+
+                    return await _tokenize(wait_then, *args)
+
+                f.tokenize = held
+            tasks = [asyncio.create_task(one(st.client, subjects.COMPLETIONS, body, 60))
+                     for _ in range(24)]
+            sched = st.scheduler
+            # Every request refused or given room while no prompt has been rendered.
+            await wait_until(lambda: sum(t.done() for t in tasks) + len(sched.reservations)
+                             == len(tasks))
+            assert not rendered
+            early = Counter(t.result().status for t in tasks if t.done())
+            assert set(early) == {429}, early
+            reserved = len(sched.reservations)
+            assert 1 <= reserved <= bound, reserved  # one bound, not one per gateway
+        finally:
+            gate.set()
+            for f in fronts:
+                del f.tokenize
+        try:
+            codes = Counter(o.status for o in await asyncio.gather(*tasks))
+            # What was given room was answered: none refused after its tokenizing.
+            assert codes[200] == reserved and set(codes) == {200, 429}, codes
+            assert not sched.reservations  # each became its work
+            # A prompt longer than the context is found so after its tokenizing: a 400,
+            # and the room it was given goes back at once.
+            made, reserve = [], sched.reserve
+            sched.reserve = lambda req: made.append(reserve(req)) or made[-1]
+            too_long = msgspec.json.encode({"model": engine.name, "max_tokens": 2,
+                                            "prompt": [100 + i % 200 for i in range(1100)]})
+            out = await one(st.client, subjects.COMPLETIONS, too_long, 30)
+            assert out.status == 400 and made == [sched.id]
+            await wait_until(lambda: not sched.reservations)
+        finally:
+            second.stop()
+            await asyncio.gather(task, return_exceptions=True)
+            await nc.close()
