@@ -48,12 +48,23 @@ class Stack:
     cache_dir: Path | None = None  # per-stack scratch: registry fetches land here
     _tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     _exit: AsyncExitStack | None = None
+    _engines: list = field(default_factory=list)  # the test's engines, for their gates
+
+    def open_gates(self) -> None:
+        """Let every engine a test holds (`gate`, `warm_gate` cleared) go on: a test that
+        fails while holding one must not hold the stack's shutdown for pytest-timeout."""
+        for engine in self._engines:
+            for name in ("gate", "warm_gate"):
+                gate = getattr(engine, name, None)
+                if gate is not None:
+                    gate.set()
 
     async def add_worker(self, engine, worker_id: str, kind: str = "encoder",
                          wait_ready: bool = True, worker_cls=Worker) -> Worker:
         nc = await nats.connect(self.config.nats_url, name=worker_id)
         self._exit.push_async_callback(_close, nc)
         w = worker_cls(nc, self.config, engine, kind=kind, worker_id=worker_id)
+        self._engines.append(engine)
         return await self._start(w, wait_ready)
 
     async def add_registry_worker(self, model: str, factory, worker_id: str,
@@ -63,8 +74,14 @@ class Stack:
         nc = await nats.connect(self.config.nats_url, name=worker_id)
         self._exit.push_async_callback(_close, nc)
         source = ModelSource(await Registry.open(nc), self.cache_dir / worker_id)
+
+        def made(*args, **kw):  # kept, for their gates
+            engine = factory(*args, **kw)
+            self._engines.append(engine)
+            return engine
+
         w = Worker(nc, self.config, model=model, worker_id=worker_id, source=source,
-                   engine_factory=factory)
+                   engine_factory=made)
         return await self._start(w, wait_ready)
 
     async def _start(self, w: Worker, wait_ready: bool) -> Worker:
@@ -165,6 +182,7 @@ async def running_stack(nats_url: str, models: dict[str, str] | None = None,
         try:
             yield stack
         finally:
+            stack.open_gates()
             for wid in list(stack.workers):
                 stack.workers[wid].stop()
             gw.stop()
