@@ -49,7 +49,7 @@ from bench.capacity import cpu_all, per_request
 from bench.load import one, summary
 from bench.overload import cpu_s
 from bench.workload import long_inputs
-from services.supervisor import Supervisor, wait_ready
+from services.supervisor import Supervisor, die_with_parent, wait_ready
 from shared import catalog, subjects
 from shared.bus import connect
 from shared.errors import HEADER_CODE, HEADER_MESSAGE, HEADER_RETRY_AFTER
@@ -108,7 +108,7 @@ async def run(n: int, inputs: int, timeout: float, workdir: Path, engine_nice: i
         sup.start("w1", "services.worker", TENSORBUS_WORKER_ID="w1", **nice)
         rec_path = workdir / "records.msgpack"
         noop = subprocess.Popen([sys.executable, "-m", "bench.burst", "--noop", sup.nats_url,
-                                 "--records", str(rec_path)], cwd=REPO)
+                                 "--records", str(rec_path)], cwd=REPO, preexec_fn=die_with_parent)
         nc = await connect(sup.nats_url, "bench-client")
         try:
             await wait_ready(nc, MODEL, 1, timeout=600)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench.burst import MODEL, NOOP, at_once, bodies, pct
 from bench.capacity import cpu_all, per_request
-from services.supervisor import Supervisor
+from services.supervisor import Supervisor, die_with_parent
 from shared import subjects
 from shared.bus import connect
 from shared.messages import ModelLoad, SchedLoad, encode
@@ -62,7 +62,7 @@ async def run(n: int, inputs: int, rounds: int, workdir: Path) -> dict:
         sup.start_nats()
         sup.start("gateway", "services.gateway")
         noop = subprocess.Popen([sys.executable, "-m", "bench.burst", "--noop", sup.nats_url],
-                                cwd=REPO)
+                                cwd=REPO, preexec_fn=die_with_parent)
         nc = await connect(sup.nats_url, "bench-client")
         stop = asyncio.Event()
         fleet = asyncio.create_task(play_fleet(nc, stop))

@@ -2,7 +2,10 @@
 
 Used by benchmarks and fault tests (which need real processes to SIGKILL), and for
 development when honcho is not wanted. Production orchestration is Kubernetes
-(deploy/). Readiness is observed on the bus, never guessed with sleeps.
+(deploy/). Readiness is observed on the bus, never guessed with sleeps. On Linux the
+processes it starts get SIGTERM (nats-server SIGKILL) when the thread that started
+them dies, so a benchmark killed mid-run leaves nothing running; start them from
+the thread that outlives them (the main one).
 """
 
 from __future__ import annotations
@@ -19,6 +22,15 @@ from shared.config import Config
 from shared.natsd import NatsServer
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def die_with_parent() -> None:
+    """In a child before it runs (`preexec_fn`): SIGTERM when its parent's starting
+    thread dies (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 @dataclass
@@ -48,7 +60,7 @@ class Supervisor:
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def start_nats(self) -> NatsServer:
-        self.nats = NatsServer(self.workdir / "nats").start()
+        self.nats = NatsServer(self.workdir / "nats").start(die_with_parent=True)
         return self.nats
 
     @property
@@ -69,7 +81,8 @@ class Supervisor:
         log_path = self.workdir / f"{name}.log"
         log = open(log_path, "ab")
         popen = subprocess.Popen([sys.executable, "-m", module], cwd=REPO,
-                                 env=self.service_env(**env), stdout=log, stderr=subprocess.STDOUT)
+                                 env=self.service_env(**env), stdout=log, stderr=subprocess.STDOUT,
+                                 preexec_fn=die_with_parent)
         proc = Proc(name, popen, log_path)
         self.procs[name] = proc
         return proc

@@ -69,12 +69,15 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self) -> "NatsServer":
+    def start(self, die_with_parent: bool = False) -> "NatsServer":
+        """Start it and wait until it listens. `die_with_parent`: SIGKILL it when the
+        calling thread dies (Linux), for a caller that may itself be killed."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         config = self.config or str(default_config(self.store_dir))
         self.proc = subprocess.Popen(
             command(self.port, self.store_dir, config=config, extra=self.extra),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if die_with_parent else None,
         )
         wait_listening(self.port)
         return self

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import nats
 import pytest
@@ -66,3 +67,36 @@ def test_an_idle_bus_stops_at_once(tmp_path, sig):
     proc, _ = _start(tmp_path, grace_s=60)
     os.killpg(proc.pid, sig)
     assert proc.wait(timeout=30) == 0
+
+
+def test_a_killed_benchmark_leaves_no_bus_behind(tmp_path):
+    """The supervisor benchmarks and fault tests use ties its nats-server (and its
+    services) to the process that started them: a benchmark killed mid-run, even with
+    SIGKILL, leaves nothing listening."""
+    code = ("import sys, time\n"
+            "from pathlib import Path\n"
+            "from services.supervisor import Supervisor\n"
+            "sup = Supervisor(Path(sys.argv[1])).__enter__()\n"
+            "print(sup.start_nats().proc.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        child = int(parent.stdout.readline())
+    finally:
+        parent.kill()
+        parent.wait()
+    # The server is our grandchild: once reparented, nothing reaps it, so "gone" is
+    # its death (a zombie, or no entry at all).
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, "nats-server outlived the process that started it"
+        time.sleep(0.02)  # polling the process table, not synchronisation on an event
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
