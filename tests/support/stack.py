@@ -12,6 +12,7 @@ import asyncio
 import shutil
 import tempfile
 import time
+import weakref
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,12 +49,15 @@ class Stack:
     cache_dir: Path | None = None  # per-stack scratch: registry fetches land here
     _tasks: dict[str, asyncio.Task] = field(default_factory=dict)
     _exit: AsyncExitStack | None = None
-    _engines: list = field(default_factory=list)  # the test's engines, for their gates
+    _engines: list = field(default_factory=list)  # weak refs to the test's engines, for their gates
 
     def open_gates(self) -> None:
         """Let every engine a test holds (`gate`, `warm_gate` cleared) go on: a test that
         fails while holding one must not hold the stack's shutdown for pytest-timeout."""
-        for engine in self._engines:
+        for ref in self._engines:
+            engine = ref()
+            if engine is None:
+                continue
             for name in ("gate", "warm_gate"):
                 gate = getattr(engine, name, None)
                 if gate is not None:
@@ -64,7 +68,7 @@ class Stack:
         nc = await nats.connect(self.config.nats_url, name=worker_id)
         self._exit.push_async_callback(_close, nc)
         w = worker_cls(nc, self.config, engine, kind=kind, worker_id=worker_id)
-        self._engines.append(engine)
+        self._engines.append(_ref(engine))
         return await self._start(w, wait_ready)
 
     async def add_registry_worker(self, model: str, factory, worker_id: str,
@@ -75,9 +79,9 @@ class Stack:
         self._exit.push_async_callback(_close, nc)
         source = ModelSource(await Registry.open(nc), self.cache_dir / worker_id)
 
-        def made(*args, **kw):  # kept, for their gates
+        def made(*args, **kw):  # noted (weakly: a swapped-out engine must be freed), for gates
             engine = factory(*args, **kw)
-            self._engines.append(engine)
+            self._engines.append(_ref(engine))
             return engine
 
         w = Worker(nc, self.config, model=model, worker_id=worker_id, source=source,
@@ -123,6 +127,14 @@ class Stack:
         """Vanish without a word (no drain, no heartbeat)."""
         self._tasks.pop(worker_id).cancel()
         self.workers.pop(worker_id)
+
+
+def _ref(engine):
+    """A weak reference where the engine takes one, else a strong one behind the same call."""
+    try:
+        return weakref.ref(engine)
+    except TypeError:
+        return lambda: engine
 
 
 async def _close(nc) -> None:
