@@ -79,7 +79,8 @@ def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("sh
 
 
 async def stack_figures(seconds: float, workdir: Path, data_dir: Path, kinds: list[str],
-                        concurrency: list[int], http: bool, loop: str = "auto") -> dict:
+                        concurrency: list[int], http: bool, loop: str = "auto",
+                        extra_env: dict[str, str] | None = None, gateways: int = 1) -> dict:
     from bench.capacity import cpu_all, free_port, per_request, wrk_phase
     from services.supervisor import Supervisor, wait_ready
     from shared import subjects
@@ -95,8 +96,11 @@ async def stack_figures(seconds: float, workdir: Path, data_dir: Path, kinds: li
                    TENSORBUS_MAX_BATCH="64", TENSORBUS_DATA_DIR=str(data_dir),
                    TENSORBUS_HTTP_PORT=str(port), TENSORBUS_METRICS_PORT="0",
                    TENSORBUS_LOG_LEVEL="warning", TENSORBUS_EVENT_LOOP=loop)
+        env.update(extra_env or {})
         for name in ("gateway", "scheduler", "worker", "telemetry"):
             sup.start(name, f"services.{name}", **env)
+        for i in range(2, gateways + 1):  # more gateways: same queue group, same HTTP port
+            sup.start(f"gateway{i}", "services.gateway", **env)
         nc = await connect(sup.nats_url, "bench-client")
 
         async def on_record(msg) -> None:

@@ -1,6 +1,7 @@
 """bench/gpu_check.sh in its CPU dry mode: the script the lent GPU machine runs keeps
 working (its test selection still collects, the benchmark path runs every weight form
-through the real loaders, and one JSON file comes out)."""
+through the real loaders, the serving path answers over a real bus in front of the
+stand-in model, and one JSON file comes out)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def test_dry_mode_writes_one_json_file_with_every_form(tmp_path):
     out = tmp_path / "check.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(["bash", "bench/gpu_check.sh", "--dry", "--out", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+                          env=env, capture_output=True, text=True, timeout=420)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["dry"] and doc["tests"]["rc"] == 0 and "collected" in doc["tests"]["summary"]
@@ -37,3 +38,8 @@ def test_dry_mode_writes_one_json_file_with_every_form(tmp_path):
     assert set(auto["chosen"]) == set(auto["form_ms"]) and auto["chosen"]
     for bucket, form in auto["chosen"].items():
         assert form == min(auto["form_ms"][bucket], key=auto["form_ms"][bucket].get)
+    serving = doc["serving"]  # the stack in front of the engine: every request answered
+    assert doc["serving_rc"] == 0 and serving["engine"]["batch64_sps"] > 0
+    rows = serving["stack"]["gateways_1"]
+    assert [r["concurrency"] for r in rows] == [1, 16]
+    assert all(r["answered"] > 0 and r["errors"] == 0 for r in rows)

