@@ -76,8 +76,20 @@ async def connection(url: str, name: str, **kw) -> AsyncIterator[Client]:
                 await asyncio.wait_for(nc.drain(), 5)
             except Exception as exc:  # noqa: BLE001 - shutdown must finish
                 log.warning("drain_failed", error=str(exc))
-        if not nc.is_closed:
-            await nc.close()
+        await close(nc)
+
+
+async def close(nc: Client, timeout: float = 5.0) -> None:
+    """Close a connection, whatever state the bus left it in. With nats-server gone,
+    nats-py's close writes its pending buffer to a transport that is already closed and
+    raises (uvloop: RuntimeError): a service stopped then must still exit cleanly."""
+    if nc.is_closed:
+        return
+    try:
+        await asyncio.wait_for(nc.close(), timeout)
+    except Exception as exc:  # noqa: BLE001 - shutdown must finish
+        log.warning("close_failed", client=nc.options.get("name"),
+                    error=str(exc) or type(exc).__name__)
 
 
 def stop_event() -> asyncio.Event:

@@ -34,7 +34,7 @@ from services.gateway.inbox import EXPIRED, ReplyInbox
 from services.gateway.models import ModelTable
 from shared import admission, subjects
 from shared.api import ModelList
-from shared.bus import connect
+from shared.bus import close, connect
 from shared.config import Config
 from shared.errors import ServiceError, deadline_exceeded, overloaded, too_large, unavailable
 from shared.logging import get_logger
@@ -140,7 +140,7 @@ class Frontend:
     async def stop(self) -> None:
         await self.inbox.stop()
         if self.control is not self.nc:
-            await self.control.close()
+            await close(self.control)
 
     def deadline(self, timeout_s: float | None = None) -> float:
         t = self.config.request_timeout_s if timeout_s is None else min(

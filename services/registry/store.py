@@ -113,7 +113,8 @@ def _version_order(v: str) -> tuple[int, int | str]:
 class Registry:
     """Both buckets behind one object. Build it with `await Registry.open(nc)`."""
 
-    def __init__(self, js, kv, objects, actor: str | None = None) -> None:
+    def __init__(self, js, kv, objects, actor: str | None = None, nc=None) -> None:
+        self._nc = nc  # the connection, where known: cleanup skips calls while it is down
         self._js = js
         self._kv = kv
         self._obj = objects
@@ -141,7 +142,7 @@ class Registry:
             obj = await js.create_object_store(
                 subjects.REGISTRY_OBJECTS, description="tensorbus model files",
             )
-        return cls(js, kv, obj, actor)
+        return cls(js, kv, obj, actor, nc=nc)
 
     # --- reading
 
@@ -348,22 +349,38 @@ class Registry:
             await asyncio.shield(put)
         except asyncio.CancelledError:
             reader.abort()
-            await asyncio.gather(put, return_exceptions=True)
+            if self._nc is not None and not self._nc.is_connected:
+                # The bus is down: the put's publishes would each wait out their timeout.
+                put.add_done_callback(lambda t: t.cancelled() or t.exception())
+                put.cancel()
+            else:
+                await asyncio.gather(put, return_exceptions=True)
             raise
 
     async def _abandon(self, mv: ModelVersion, rels: list[str]) -> None:
-        """Undo a failed push: drop uploaded objects and the reservation."""
-        for rel in rels:
+        """Undo a failed push: drop uploaded objects and the reservation. Best effort:
+        the first call that fails stops the rest (the bus is likely gone, and each call
+        would wait out its own timeout, holding a stopping service for a minute); what
+        is left behind is a pending reservation, which a later push of that version
+        takes over once it is stale (`_take_stale`), and orphaned chunks."""
+        calls = [(rel, lambda rel=rel: self._obj.delete(object_name(mv.name, mv.version, rel)))
+                 for rel in rels]
+        calls.append((None, lambda: self._kv.purge(version_key(mv.name, mv.version))))
+        for i, (rel, call) in enumerate(calls):
+            if self._nc is not None and not self._nc.is_connected:
+                log.warning("abandon_failed", model=mv.name, version=mv.version,
+                            object=rel or "(reservation)", left=len(calls) - i - 1,
+                            error="not connected")
+                return
             try:
-                await self._obj.delete(object_name(mv.name, mv.version, rel))
+                await call()
             except ObjectNotFoundError:
                 pass
-            except Exception as exc:  # noqa: BLE001 - best effort, keep cleaning
-                log.warning("abandon_object_failed", object=rel, error=str(exc))
-        try:
-            await self._kv.purge(version_key(mv.name, mv.version))
-        except Exception as exc:  # noqa: BLE001 - the reservation goes stale instead
-            log.warning("abandon_reservation_failed", model=mv.name, error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - best effort
+                log.warning("abandon_failed", model=mv.name, version=mv.version,
+                            object=rel or "(reservation)", left=len(calls) - i - 1,
+                            error=str(exc) or type(exc).__name__)
+                return
 
     # --- fetching
 
