@@ -47,27 +47,36 @@ SEQ_BUCKETS = "16,32,64,128"
 REPO = Path(__file__).resolve().parent.parent
 
 
-def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("short", "long")) -> dict:
+def sentences_per_s(enc, rows: list, seconds: float) -> float:
+    """Back-to-back `enc.embed(rows)` for `seconds`, after one untimed call."""
+    enc.embed(rows)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        enc.embed(rows)
+        n += len(rows)
+    return n / (time.perf_counter() - t0)
+
+
+def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("short", "long"),
+                   path: Path | None = None, dtype: str = "float32") -> dict:
+    """The raw engine in-process with the stack's buckets and batch limit: the bundled
+    model, or the one at `path`, in `dtype`."""
     from engine import jaxrt
     from engine.encoder import JaxEncoder
     from engine.tokenizer import Tokenizer
 
     jaxrt.setup(str(data_dir / "jax-cache"))
-    path = catalog.bundled_dir(MODEL)
+    path = path or catalog.bundled_dir(MODEL)
     tok = Tokenizer.from_dir(path)
-    enc = JaxEncoder(path, name=MODEL, batch_buckets=tuple(map(int, BATCH_BUCKETS.split(","))),
+    enc = JaxEncoder(path, name=MODEL, dtype=dtype,
+                     batch_buckets=tuple(map(int, BATCH_BUCKETS.split(","))),
                      seq_buckets=tuple(map(int, SEQ_BUCKETS.split(","))), max_batch=64)
     enc.warmup(progress=True)
     out = {}
     for kind in kinds:
         ids = tok.encode_batch(short_inputs() if kind == "short" else long_inputs())
         batch = ids[:64]
-        enc.embed(batch)
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            enc.embed(batch)
-            n += 64
-        out[f"{kind}_batch64_sps"] = n / (time.perf_counter() - t0)
+        out[f"{kind}_batch64_sps"] = sentences_per_s(enc, batch, seconds)
         lat = []
         for i in range(200):
             t = time.perf_counter()

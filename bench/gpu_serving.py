@@ -5,9 +5,10 @@ decides throughput. This measures both sides in one run, on the machine it runs 
 
   1. a MiniLM-shaped encoder (6 layers, hidden 384; random weights written here,
      `bench.engine_check`'s layout) with the real MiniLM tokenizer files, in `--dtype`;
-  2. the raw engine in-process on short inputs (14-17 tokens): sentences/s at batch
-     64 (the worker's default batch limit and token budget), at batch 256 with no
-     budget (what the device can do), and batch-1 p50;
+  2. the raw engine in-process on short inputs (14-17 tokens;
+     `bench.embeddings.engine_figures`): sentences/s at batch 64 (the worker's
+     batch limit and token budget), at batch 256 with no budget (what the device can
+     do), and batch-1 p50;
   3. the whole stack as processes (nats-server, gateway, scheduler, one worker on the
      device, telemetry; `bench.embeddings.stack_figures`) with closed-loop clients
      over NATS at each concurrency, once per gateway count in `--gateways`: requests/s,
@@ -36,7 +37,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.txt", "modules.json", "sentence_bert_config.json",
@@ -71,45 +71,26 @@ def build_model(work: Path, tokenizer_dir: Path, dry: bool) -> Path:
 
 
 def engine_figures(model: Path, dtype: str, seconds: float, data_dir: Path) -> dict:
+    """bench.embeddings' raw figures (the worker's buckets, batch limit 64 and token
+    budget), and batch 256 with no budget: what the device carries in one step."""
+    from bench.embeddings import engine_figures as raw, sentences_per_s
     from bench.workload import short_inputs
-    from engine import jaxrt
     from engine.encoder import JaxEncoder
     from engine.tokenizer import Tokenizer
 
-    jaxrt.setup(str(data_dir / "jax-cache"))
+    t0 = time.perf_counter()
+    e = raw(seconds, data_dir, ("short",), path=model, dtype=dtype)
     import jax
 
-    ids = Tokenizer.from_dir(model).encode_batch(short_inputs())
     out: dict = {"device": str(jax.devices()[0]), "dtype": dtype,
-                 "short_tokens": float(np.mean([len(x) for x in ids[:64]]))}
-
-    def rate(enc, batch: int) -> float:
-        rows = ids[:batch]
-        enc.embed(rows)
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            enc.embed(rows)
-            n += batch
-        return n / (time.perf_counter() - t0)
-
-    # The worker's own settings (batch limit 64, the default token budget).
-    enc = JaxEncoder(model, name="minilm-shaped", dtype=dtype, seq_buckets=(16, 32, 64, 128),
-                     max_batch=64)
-    t0 = time.perf_counter()
-    enc.warmup(progress=True)
-    out["compile_s"] = round(time.perf_counter() - t0, 1)
-    out["batch64_sps"] = round(rate(enc, 64), 1)
-    lat = []
-    for i in range(300):
-        t = time.perf_counter()
-        enc.embed([ids[i % len(ids)]])
-        lat.append(time.perf_counter() - t)
-    out["batch1_p50_ms"] = round(float(np.percentile(np.array(lat) * 1000, 50)), 3)
-    # What the device carries in one step when nothing limits the batch.
+                 "short_tokens": e["short_tokens"], "seconds": round(time.perf_counter() - t0, 1),
+                 "batch64_sps": round(e["short_batch64_sps"], 1),
+                 "batch1_p50_ms": round(e["short_batch1_p50_ms"], 3)}
     big = JaxEncoder(model, name="minilm-shaped", dtype=dtype, batch_buckets=(256,),
                      seq_buckets=(16, 32), max_batch=256, token_budget=None)
     big.warmup(progress=False)
-    out["batch256_sps"] = round(rate(big, 256), 1)
+    ids = Tokenizer.from_dir(model).encode_batch(short_inputs())
+    out["batch256_sps"] = round(sentences_per_s(big, ids[:256], seconds), 1)
     print("engine:", json.dumps(out), flush=True)
     return out
 

@@ -19,6 +19,7 @@ key's history (64 revisions) is the record of who served what, when.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
 import os
 import shutil
@@ -349,8 +350,7 @@ class Registry:
             await asyncio.shield(put)
         except asyncio.CancelledError:
             reader.abort()
-            if self._nc is not None and not self._nc.is_connected:
-                # The bus is down: the put's publishes would each wait out their timeout.
+            if self._bus_down():  # its publishes would each wait out their timeout
                 put.add_done_callback(lambda t: t.cancelled() or t.exception())
                 put.cancel()
             else:
@@ -363,24 +363,23 @@ class Registry:
         would wait out its own timeout, holding a stopping service for a minute); what
         is left behind is a pending reservation, which a later push of that version
         takes over once it is stale (`_take_stale`), and orphaned chunks."""
-        calls = [(rel, lambda rel=rel: self._obj.delete(object_name(mv.name, mv.version, rel)))
-                 for rel in rels]
-        calls.append((None, lambda: self._kv.purge(version_key(mv.name, mv.version))))
-        for i, (rel, call) in enumerate(calls):
-            if self._nc is not None and not self._nc.is_connected:
-                log.warning("abandon_failed", model=mv.name, version=mv.version,
-                            object=rel or "(reservation)", left=len(calls) - i - 1,
-                            error="not connected")
-                return
-            try:
-                await call()
-            except ObjectNotFoundError:
-                pass
-            except Exception as exc:  # noqa: BLE001 - best effort
-                log.warning("abandon_failed", model=mv.name, version=mv.version,
-                            object=rel or "(reservation)", left=len(calls) - i - 1,
-                            error=str(exc) or type(exc).__name__)
-                return
+        try:
+            for rel in rels:
+                self._require_bus()
+                with contextlib.suppress(ObjectNotFoundError):
+                    await self._obj.delete(object_name(mv.name, mv.version, rel))
+            self._require_bus()
+            await self._kv.purge(version_key(mv.name, mv.version))
+        except Exception as exc:  # noqa: BLE001 - best effort
+            log.warning("abandon_failed", model=mv.name, version=mv.version,
+                        error=str(exc) or type(exc).__name__)
+
+    def _bus_down(self) -> bool:
+        return self._nc is not None and not self._nc.is_connected
+
+    def _require_bus(self) -> None:
+        if self._bus_down():
+            raise ConnectionError("not connected to nats-server")
 
     # --- fetching
 

@@ -24,6 +24,7 @@ from services.registry.source import ModelSource
 from services.registry.store import Registry
 from services.scheduler.service import Scheduler
 from services.worker.service import Worker
+from shared.bus import close
 from shared.config import Config
 
 
@@ -66,9 +67,9 @@ class Stack:
     async def add_worker(self, engine, worker_id: str, kind: str = "encoder",
                          wait_ready: bool = True, worker_cls=Worker) -> Worker:
         nc = await nats.connect(self.config.nats_url, name=worker_id)
-        self._exit.push_async_callback(_close, nc)
+        self._exit.push_async_callback(close, nc)
         w = worker_cls(nc, self.config, engine, kind=kind, worker_id=worker_id)
-        self._engines.append(_ref(engine))
+        self._engines.append(weakref.ref(engine))
         return await self._start(w, wait_ready)
 
     async def add_registry_worker(self, model: str, factory, worker_id: str,
@@ -76,12 +77,12 @@ class Stack:
         """A worker that loads `model`'s versions from the registry with `factory`
         (`(ModelInfo, version) -> engine`) and follows its aliases, as the process does."""
         nc = await nats.connect(self.config.nats_url, name=worker_id)
-        self._exit.push_async_callback(_close, nc)
+        self._exit.push_async_callback(close, nc)
         source = ModelSource(await Registry.open(nc), self.cache_dir / worker_id)
 
         def made(*args, **kw):  # noted (weakly: a swapped-out engine must be freed), for gates
             engine = factory(*args, **kw)
-            self._engines.append(_ref(engine))
+            self._engines.append(weakref.ref(engine))
             return engine
 
         w = Worker(nc, self.config, model=model, worker_id=worker_id, source=source,
@@ -112,7 +113,7 @@ class Stack:
         await self._tasks.pop("scheduler")
         await old.nc.close()
         nc = await nats.connect(self.config.nats_url, name="scheduler")
-        self._exit.push_async_callback(_close, nc)
+        self._exit.push_async_callback(close, nc)
         self.scheduler = Scheduler(nc, self.config, scale_interval_s=old.scale_interval_s)
         ready = asyncio.Event()
         self._tasks["scheduler"] = asyncio.create_task(self.scheduler.run(ready))
@@ -127,19 +128,6 @@ class Stack:
         """Vanish without a word (no drain, no heartbeat)."""
         self._tasks.pop(worker_id).cancel()
         self.workers.pop(worker_id)
-
-
-def _ref(engine):
-    """A weak reference where the engine takes one, else a strong one behind the same call."""
-    try:
-        return weakref.ref(engine)
-    except TypeError:
-        return lambda: engine
-
-
-async def _close(nc) -> None:
-    if not nc.is_closed:
-        await nc.close()
 
 
 def table_resolver(models: dict[str, str]):
@@ -165,7 +153,7 @@ async def running_stack(nats_url: str, models: dict[str, str] | None = None,
         ncs = []
         for name in ("client", "gateway", "scheduler"):
             nc = await nats.connect(nats_url, name=name)
-            ex.push_async_callback(_close, nc)
+            ex.push_async_callback(close, nc)
             ncs.append(nc)
         client, gnc, snc = ncs
         cache = Path(tempfile.mkdtemp(prefix="tensorbus-stack-"))
