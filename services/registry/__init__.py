@@ -1,6 +1,7 @@
 """The model registry on NATS JetStream: versions, files, aliases (prod / canary).
 
-`store.Registry` is the library; `source.ModelSource` is what a worker loads from;
+`store.Registry` is the library (reading in `store`, pushing in `push`, aliases in
+`aliases`); `source.ModelSource` is what a worker loads from;
 `routing.choose_version` splits traffic; `seed.seed_bundled` fills an empty registry;
 `cli.main` is `tensorbus registry ...`.
 """

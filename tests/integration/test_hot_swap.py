@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from services.gateway.codec import VERSION_HEADER
-from services.registry.store import alias_key
+from services.registry.keys import alias_key
 from services.scheduler.aliases import seed_registry
 from shared import catalog, subjects
 from shared.errors import HEADER_CODE

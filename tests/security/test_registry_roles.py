@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from services.registry.store import Registry, alias_key
+from services.registry.keys import alias_key
+from services.registry.store import Registry
 from shared import subjects
 
 

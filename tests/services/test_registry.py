@@ -16,20 +16,20 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from services.registry.routing import choose_version
-from services.registry.seed import seed_bundled
-from services.registry.source import ModelSource
-from services.registry.store import (
-    CHUNK_SIZE,
+from services.registry.errors import (
     ChecksumError,
     IncompatibleVersion,
     InvalidWeight,
     NothingToRollBack,
-    Registry,
     RegistryError,
     VersionExists,
     VersionNotFound,
 )
+from services.registry.push import CHUNK_SIZE
+from services.registry.routing import choose_version
+from services.registry.seed import seed_bundled
+from services.registry.source import ModelSource
+from services.registry.store import Registry
 from shared import catalog, subjects
 from shared.catalog import ModelInfo
 from shared.natsd import NatsServer

@@ -1,0 +1,46 @@
+"""Where the registry keeps things: KV keys, object names, the stream behind the bucket.
+
+The layout itself is documented with the records (`shared/registry.py`). Reading,
+pushing and aliases all build keys here, so the three agree by construction.
+"""
+
+from __future__ import annotations
+
+from services.registry.errors import RegistryError
+from shared import subjects
+from shared.registry import NAME_RE
+
+META_STREAM = f"KV_{subjects.REGISTRY_META}"  # the stream behind the metadata bucket
+META_PREFIX = f"$KV.{subjects.REGISTRY_META}."  # its keys' subjects start with this
+
+
+def _token(s: str) -> str:
+    # Dots separate subject tokens; names may contain them, `=` never appears in one.
+    return s.replace(".", "=")
+
+
+def name_of(key: str) -> str:
+    """The model name inside a `model.<NAME>...` key."""
+    return key.split(".")[1].replace("=", ".")
+
+
+def version_key(name: str, version: str) -> str:
+    return f"model.{_token(name)}.v.{_token(version)}"
+
+
+def versions_pattern(name: str = "*") -> str:
+    """Every version key of `name` (of every model with the default)."""
+    return f"model.{_token(name)}.v.*"
+
+
+def alias_key(name: str) -> str:
+    return f"model.{_token(name)}.aliases"
+
+
+def object_name(name: str, version: str, path: str) -> str:
+    return f"{name}/{version}/{path}"
+
+
+def check_name(what: str, value: str) -> None:
+    if not NAME_RE.match(value):
+        raise RegistryError(f"invalid {what} {value!r}: use letters, digits, '.', '_', '-'")
