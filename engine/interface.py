@@ -152,6 +152,10 @@ class Decoder(Protocol):
         """Greedy, `max_new` tokens for each prompt, decoding in lock-step (benchmarks)."""
 
 
+Engine = Encoder | Decoder
+"""What a worker holds for one model version: which of the two follows the model's kind."""
+
+
 class WholePrompt:
     """`begin`/`prefill_step` for an engine that computes a prompt in one call into a
     cache with a row per slot (nothing to chunk, share or preempt): the torch engine

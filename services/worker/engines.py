@@ -10,9 +10,13 @@ place that picks an implementation.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shared import catalog
 from shared.config import Config, bad_config
+
+if TYPE_CHECKING:  # the engines themselves are imported when one is built
+    from engine.interface import Engine
 
 ENGINES = ("jax", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -129,7 +133,7 @@ def engine_settings(config: Config, model: str,
     return engine, dtype
 
 
-def build_engine(config: Config, info: catalog.ModelInfo):
+def build_engine(config: Config, info: catalog.ModelInfo) -> Engine:
     """The engine for one model directory, by kind and the model's engine settings."""
     from engine import jaxrt
     from engine.sharding import ShardingError
@@ -145,7 +149,7 @@ def build_engine(config: Config, info: catalog.ModelInfo):
 
 
 def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp: int, quant: str,
-           form: str = "auto", budget: int = 0):
+           form: str = "auto", budget: int = 0) -> Engine:
     if info.kind == "encoder":
         kw = dict(name=info.name, dtype=dtype, batch_buckets=config.batch_bucket_list,
                   seq_buckets=config.seq_bucket_list, max_batch=config.max_batch)

@@ -28,10 +28,11 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Generic, TypeVar
 
 from nats.errors import ConnectionClosedError
 
+from engine.interface import Engine
 from services.registry.errors import IncompatibleVersion, VersionNotFound
 from services.registry.source import LOCAL, ModelSource
 from shared import catalog
@@ -40,13 +41,16 @@ from shared.registry import Aliases
 
 log = get_logger("worker.versions")
 
-EngineFactory = Callable[[catalog.ModelInfo, str], object]
+E = TypeVar("E", bound=Engine)
+"""The engines a worker holds: `Encoder`, `Decoder`, or either until the first load."""
+
+EngineFactory = Callable[[catalog.ModelInfo, str], E]
 """(model directory info, version) -> an engine, built but not yet warmed."""
 
 _RETRY_S = (0.5, 1.0, 2.0, 5.0)  # back-off of a failed alias watch
 
 
-class LoadedModels:
+class LoadedModels(Generic[E]):
     """The engines a worker holds, by version; which one is prod and which the canary.
 
     Read on the event loop and (engine lookups only) the engine thread; changed only
@@ -54,8 +58,8 @@ class LoadedModels:
     once (heartbeat now; the decoder runner's per-engine lanes follow).
     """
 
-    def __init__(self, engine=None, version: str = LOCAL, kind: str = "") -> None:
-        self.engines: dict[str, object] = {}
+    def __init__(self, engine: E | None = None, version: str = LOCAL, kind: str = "") -> None:
+        self.engines: dict[str, E] = {}
         self.prod = ""
         self.canary = ""
         self.kind = kind  # "encoder" | "decoder"; "" until the first version is built
@@ -83,29 +87,29 @@ class LoadedModels:
         """The version that serves a request: the pinned one, else prod."""
         return requested or self.prod
 
-    def engine_of(self, version: str = ""):
+    def engine_of(self, version: str = "") -> E:
         return self.engines[self.resolve(version)]
 
     @property
-    def prod_engine(self):
+    def prod_engine(self) -> E | None:
         """The prod engine, or None before the first load."""
         return self.engines.get(self.prod)
 
-    def switch(self, prod: str, canary: str, added: dict[str, object]) -> list[str]:
+    def switch(self, prod: str, canary: str, added: dict[str, E]) -> list[str]:
         """Install new engines and aliases; return the versions nothing names now."""
         self.engines.update(added)
         self.prod, self.canary = prod, canary
         self.changed()
         return [v for v in self.engines if v not in (prod, canary)]
 
-    def drop(self, version: str):
-        """Forget a version nothing names; return its engine (to close) or None."""
-        if version in (self.prod, self.canary):
-            return None
-        engine = self.engines.pop(version, None)
-        if engine is not None:
-            self.changed()
-        return engine
+    def drop(self, version: str) -> bool:
+        """Forget a version nothing names, which frees its engine once the listeners
+        let go of it too; False when it is named again (or was gone already)."""
+        if version in (self.prod, self.canary) or version not in self.engines:
+            return False
+        del self.engines[version]
+        self.changed()
+        return True
 
     def report(self, errors: list[str]) -> None:
         self.error = "; ".join(errors)
@@ -116,11 +120,11 @@ InUse = Callable[[str], Awaitable[None]]
 """version -> returns once no running or queued work needs that version."""
 
 
-class HotSwap:
+class HotSwap(Generic[E]):
     """Loads a worker's versions from the registry and follows its aliases."""
 
-    def __init__(self, model: str, models: LoadedModels, source: ModelSource | None,
-                 factory: EngineFactory, *, in_use: InUse, grace_s: float,
+    def __init__(self, model: str, models: LoadedModels[E], source: ModelSource | None,
+                 factory: EngineFactory[E], *, in_use: InUse, grace_s: float,
                  model_dir: str = "") -> None:
         self.model = model
         self.models = models  # filled by start(), changed by apply() and retirement
@@ -266,12 +270,8 @@ class HotSwap:
     async def _retire(self, version: str) -> None:
         await asyncio.sleep(self.grace_s)
         await self.in_use(version)
-        engine = self.models.drop(version)  # in the same step: nothing can start on it
-        if engine is None:
+        if not self.models.drop(version):  # in the same step: nothing can start on it
             return  # named again meanwhile
-        close = getattr(engine, "close", None)
-        if close is not None:
-            await asyncio.get_running_loop().run_in_executor(self.loader, close)
         log.info("version_retired", model=self.model, version=version)
         self._retiring.pop(version, None)
 
@@ -282,7 +282,7 @@ class HotSwap:
         self.loader.shutdown(wait=False)
 
     # ------------------------------------------------------------------ loading
-    async def _build(self, version: str, warm: bool = False):
+    async def _build(self, version: str, warm: bool = False) -> E:
         """Fetch (verified), describe, check the kind, build and maybe warm one version."""
         info = await self._fetch(version)
         kind = self.models.kind
@@ -298,7 +298,7 @@ class HotSwap:
                  seconds=round(time.perf_counter() - t0, 3))
         return engine
 
-    def _make(self, info: catalog.ModelInfo, version: str, warm: bool):
+    def _make(self, info: catalog.ModelInfo, version: str, warm: bool) -> E:
         """Runs on the loader thread."""
         engine = self.factory(info, version)
         if warm:

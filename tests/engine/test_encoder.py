@@ -16,6 +16,7 @@ import pytest
 from engine import jaxrt
 from engine.buckets import BucketError
 from engine.encoder import JaxEncoder
+from engine.interface import Encoder
 from engine.tokenizer import Tokenizer
 from engine.torch_encoder import TorchEncoder
 from tests.engine.minilm_inputs import mixed_texts, model_dir, words
@@ -136,3 +137,9 @@ def test_engines_swap_without_the_caller_noticing(jax_f32, ids):
     a, b = jax_f32.embed(batch), torch_enc.embed(batch)
     assert a.shape == b.shape == (6, 384) and a.dtype == b.dtype == np.float32
     assert _cosine(a, b).min() >= 0.9999
+    # The worker sees either only through the protocol: each has all of it.
+    members = set(Encoder.__annotations__) | {
+        k for k, v in vars(Encoder).items() if callable(v) and not k.startswith("_")}
+    assert {"embed", "warmup", "dim", "max_batch"} <= members
+    for enc in (jax_f32, torch_enc):
+        assert not [m for m in members if not hasattr(enc, m)], type(enc).__name__
