@@ -5,7 +5,7 @@ SPMD partitioner:
   1. in-projections are column-parallel: Q/K/V (and MLP up, gate) are split by
      output column, so device i holds heads [i*H/N, (i+1)*H/N) and their K/V heads;
   2. attention runs per head, on the device that holds the head; the KV cache is
-     split by KV head the same way (the paged pool [NUM_BLOCKS, KV, BLOCK, D] sharded on KV);
+     split by KV head the same way (the paged pool [KV, NUM_BLOCKS, BLOCK, D] sharded on KV);
   3. out-projections (attention output, MLP down) are row-parallel: each device
      multiplies its own slice of the inputs, and the partial sums meet in one
      all-reduce per projection, inserted by XLA;
@@ -142,5 +142,5 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:
-    """Paged KV pool [NUM_BLOCKS, KV, BLOCK, D] (one per layer) split by KV head."""
-    return NamedSharding(mesh, P(None, AXIS, None, None))
+    """Paged KV pool [KV, NUM_BLOCKS, BLOCK, D] (one per layer) split by KV head."""
+    return NamedSharding(mesh, P(AXIS, None, None, None))

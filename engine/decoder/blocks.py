@@ -1,6 +1,6 @@
 """The KV block pool's bookkeeping, on the host: which block holds what, who uses it.
 
-Pure Python, no arrays: the device pool ([NUM_BLOCKS, KV, BLOCK, D] per layer) is
+Pure Python, no arrays: the device pool ([KV, NUM_BLOCKS, BLOCK, D] per layer) is
 only ever indexed through block ids handed out here.
 
 - Block 0 is never handed out: it is the scratch block that padding and free slots

@@ -12,10 +12,13 @@ Dataflow of a served sequence:
      key and makes the slot live. (`prefill_insert` does 1 and 2 in one call.)
   3. `make_room()` then `step()`: a live slot whose next token starts a new block
      gets one; when the pool is dry the newest sequence is preempted (its blocks
-     go back, the caller re-runs it later from its tokens so far). Then one jitted
-     decode step for every slot at once, reading each through its block table; the
-     state is donated, so the pool is updated in place; one [SLOTS] int32 array comes
-     back to the host.
+     go back, the caller re-runs it later from its tokens so far). Then one
+     compiled decode step for the live slots only, compacted into the smallest
+     batch bucket that holds them (a slot is a place in the pool, not a row of
+     every step: one stream pays for one row), each reading its own blocks through
+     its table up to the smallest window that holds the longest; the state is
+     donated, so the pool is updated in place; one [B] int32 array comes back to
+     the host, spread back to a [SLOTS] array there.
   4. The caller decides when a sequence ends (EOS, stop string, max tokens,
      `context_left(slot) == 0`) and calls `free(slot)`: its blocks go back to the
      pool; its full blocks stay cached (LRU) for the next prompt that shares them,
@@ -23,24 +26,29 @@ Dataflow of a served sequence:
      conversation's next turn reuses the previous answer as well as its prompt.
 
 Compiles: one per (prefill bucket, context window it may attend to) plus one per
-decode attention window (the step attends to the smallest window that holds every
-live sequence: reading the cache is most of a step's cost), all at `warmup()`.
-Nothing else compiles afterwards: every per-request value (slot, offset, length,
-block table, seed, sampling) is traced.
+(decode batch bucket, attention window). `warmup()` compiles what a first request
+needs (engine/decoder/programs.py) and, with `background=True`, the rest on a
+thread of its own, cheapest first; until a shape is compiled the smallest compiled
+one that holds the work stands in (a larger batch bucket or window computes the
+same tokens). Every per-request value (slot, offset, length, block table, seed,
+sampling) is traced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from collections.abc import Callable
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from engine.decoder import attention as attention_kernel
 from engine.decoder import steps
 from engine.decoder.blocks import SCRATCH, BlockPool, prefix_keys
 from engine.decoder.config import DecoderConfig, load_config
@@ -52,12 +60,14 @@ from engine.decoder.kvcache import (
     init_decode_state,
 )
 from engine.decoder.model import param_bytes
+from engine.decoder.programs import Programs
 from engine.interface import CacheStats
 from shared.logging import get_logger
 from shared.messages import Sampling
 
 log = get_logger(__name__)
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+COMPILE_AHEAD = ("all", "first")
 GREEDY = Sampling(temperature=0.0)
 
 
@@ -72,6 +82,18 @@ def _windows(requested: tuple[int, ...] | None, max_context: int, block: int) ->
         requested = tuple(2**i for i in range(7, 16))
     top = _round_up(max_context, block)
     return tuple(sorted({_round_up(w, block) for w in requested if 0 < w < max_context} | {top}))
+
+
+def _batches(slots: int) -> tuple[int, ...]:
+    """Decode batch buckets: powers of two below the slot count, and the slot count."""
+    return tuple(sorted({2**i for i in range(16) if 2**i < slots} | {slots}))
+
+
+def _spec(tree):
+    """Shapes, dtypes and placements of a pytree: what lowering needs, without
+    holding (or reading) buffers a step may have donated meanwhile."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        tree)  # fmt: skip
 
 
 def _buckets(requested: tuple[int, ...], chunk: int) -> tuple[int, ...]:
@@ -93,16 +115,22 @@ class _Prefill:
 class PendingStep:
     """A dispatched decode step; its tokens leave the device on `result()`."""
 
-    def __init__(self, tokens: jax.Array, preempted: list[int],
+    def __init__(self, tokens: jax.Array, rows: np.ndarray, slots: int, preempted: list[int],
                  on_result: Callable[[np.ndarray], None] | None = None) -> None:
-        self._tokens = tokens  # [SLOTS] int32, on device
+        self._tokens = tokens  # [B] int32, on device: row i is slot rows[i]'s token
+        self._rows = rows  # [B] int32 (padding rows name the dummy row, index SLOTS)
+        self._slots = slots
         self._host: np.ndarray | None = None
         self._on_result = on_result
         self.preempted = preempted  # slots freed to make room before it (not in it)
+        self.batch = len(rows)  # the batch bucket it ran at
 
     def result(self) -> np.ndarray:
+        """[SLOTS] int32: each slot's token (slots not in the step: ignore)."""
         if self._host is None:
-            self._host = np.asarray(self._tokens)  # the step's one host copy
+            out = np.zeros(self._slots + 1, np.int32)
+            out[self._rows] = np.asarray(self._tokens)  # the step's one host copy
+            self._host = out[: self._slots]
             if self._on_result is not None:
                 self._on_result(self._host)
         return self._host
@@ -137,18 +165,27 @@ class DecoderEngine:
         quant_form: str = "auto",
         weight_budget: int = 0,
         forms_cache: str | Path | None = "",
+        compile_ahead: str = "all",
+        attention: str = "auto",
     ) -> None:
         """kv_blocks: pool size (0: enough for every slot to hold a full context, the
         memory of the old fixed rows); prefill_chunk: longest prefill piece (0: the
         largest bucket). quant_form: auto (the fastest allowed per bucket, chosen at
         `warmup`) or one of engine/forms.py's forms; weight_budget: bytes all held
         forms' weights may take (0: the float32 size of the weights); forms_cache:
-        the choice's file ("": beside the compilation cache; None: not kept)."""
+        the choice's file ("": beside the compilation cache; None: not kept).
+        compile_ahead: what `warmup` compiles before it returns: "all" shapes, or the
+        "first" a request needs (the rest on a background thread). attention: the
+        decode step's paged attention (engine/decoder/attention.py: auto, xla,
+        pallas)."""
         from engine import forms, sharding
         from engine.jaxrt import device_name, dtype_name, parse_dtype
         from engine.quant import check_mode
 
         t0 = time.perf_counter()
+        if compile_ahead not in COMPILE_AHEAD:
+            raise ValueError(f"compile_ahead {compile_ahead!r}: use one of {', '.join(COMPILE_AHEAD)}")
+        self.compile_ahead = compile_ahead
         self.name = name
         self.model_dir = Path(model_dir)
         self.quant = check_mode(quant)
@@ -172,6 +209,7 @@ class DecoderEngine:
         self._jdtype = parse_dtype(dtype)
         self.block = int(kv_block)
         self.windows = _windows(decode_windows, self._max_context, self.block)
+        self.batches = _batches(self._slots)
         self._max_blocks = self.windows[-1] // self.block  # table width: a full context
         chunk = int(prefill_chunk) or max(prefill_buckets)
         self.chunk = min(chunk, self.windows[-1])
@@ -181,6 +219,7 @@ class DecoderEngine:
         ctx = [w for i, w in enumerate(reversed(self.windows)) if i % 2 == 0]
         self.contexts = tuple(sorted(ctx))
         self.device = device_name()
+        self.attention = attention_kernel.pick(attention, jax.devices()[0].platform)
         self.tokenizer = self._load_tokenizer()
         self._load_forms(weight_budget, forms_cache)
         blocks = int(kv_blocks) or self._slots * self._max_blocks + 1
@@ -200,12 +239,19 @@ class DecoderEngine:
             lambda params, state, *args: steps.prefill_chunk(params, cfg, state, *args),
             donate_argnums=1, **out,
         )  # fmt: skip
+        # The Pallas kernel is written for GPUs; elsewhere it runs interpreted (tests).
+        kernel, interpret = self.attention, jax.devices()[0].platform == "cpu"
         self._generate = jax.jit(
-            lambda params, state, tables, live: steps.generate(params, cfg, state, tables, live),
+            lambda params, state, *args: steps.generate(params, cfg, state, *args, kernel,
+                                                        interpret),
             donate_argnums=1, **out,
         )  # fmt: skip
+        self._state_spec = _spec(self._state)
+        self.programs = Programs(name)
+        self.step_counts: dict[int, int] = {}  # batch bucket -> decode steps run at it
         self.weight_bytes = sum(param_bytes(t) for t in self._forms.values())
-        self._tables = np.full((self._slots, self._max_blocks), SCRATCH, np.int32)
+        # One table per slot, plus the dummy row's (all scratch) for padding rows.
+        self._tables = np.full((self._slots + 1, self._max_blocks), SCRATCH, np.int32)
         self._held: list[list[int]] = [[] for _ in range(self._slots)]  # slot -> blocks
         self._jobs: dict[int, _Prefill] = {}  # slots between begin and their last chunk
         self._order = np.zeros(self._slots, np.int64)  # when each slot began (preemption)
@@ -219,7 +265,7 @@ class DecoderEngine:
             "decoder_loaded", model=name, family=self.cfg.family, dtype=self._dtype,
             quant=self.quant, forms=list(self._forms), devices=self.devices,
             slots=self._slots, max_context=self._max_context, buckets=list(self.buckets),
-            windows=list(self.windows), contexts=list(self.contexts), kv_block=self.block,
+            windows=list(self.windows), batches=list(self.batches), attention=self.attention, contexts=list(self.contexts), kv_block=self.block,
             kv_blocks=blocks, param_bytes=self.weight_bytes,
             cache_bytes=cache_bytes(self._state), seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
@@ -255,9 +301,9 @@ class DecoderEngine:
 
     @property
     def form_buckets(self) -> list[str]:
-        """Buckets a compute form is chosen for: the decode step (every slot, at any
+        """Buckets a compute form is chosen for: each decode batch bucket (at any
         window) and each prefill length."""
-        return [f"step {self._slots}"] + [f"prefill {b}" for b in self.buckets]
+        return [f"step {b}" for b in self.batches] + [f"prefill {b}" for b in self.buckets]
 
     def _params_for(self, bucket: str) -> dict:
         return self._forms[self.compute_forms[bucket]]
@@ -269,16 +315,15 @@ class DecoderEngine:
         from engine import forms
 
         if len(self._forms) > 1:
-            table = np.full(self._max_blocks, SCRATCH, np.int32)  # writes go to scratch
             saved = self.compute_forms
 
             def run(bucket: str, form: str):
                 kind, size = bucket.split()
                 self.compute_forms = dict(saved, **{bucket: form})
                 if kind == "step":
-                    return self._run_step(self.windows[0])
+                    return self._run_step(int(size), self.windows[0])[0]
                 ctx = self.context_for(int(size))
-                return self._run_chunk(0, [0] * int(size), 0, table[: ctx // self.block],
+                return self._run_chunk(self._slots, [0] * int(size), 0, int(size), ctx,
                                        _slot_sampling(GREEDY), np.uint32(0))  # fmt: skip
 
             cfg = self.cfg
@@ -286,13 +331,14 @@ class DecoderEngine:
                           hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
                           intermediate=cfg.intermediate, vocab=cfg.vocab_size,
                           dtype=self._dtype, quant=self.quant, tp=cfg.tensor_parallel,
-                          windows=list(self.windows), contexts=list(self.contexts))  # fmt: skip
+                          windows=list(self.windows), contexts=list(self.contexts),
+                          batches=list(self.batches))  # fmt: skip
             self.compute_forms = saved
             choices, ms, measured = forms.select(self.form_buckets, tuple(self._forms), run,
                                                  fields, self._forms_cache)  # fmt: skip
             self.compute_forms, self.form_ms, self.forms_measured = choices, ms, measured
             self._forms = {f: t for f, t in self._forms.items() if f in set(choices.values())}
-            self.params = self._params_for(self.form_buckets[0])
+            self.params = self._params_for(f"step {self.batches[-1]}")
             self.weight_bytes = sum(param_bytes(t) for t in self._forms.values())
         log.info("compute_forms", model=self.name, quant=self.quant, choices=self.compute_forms,
                  ms=self.form_ms, measured=self.forms_measured, weight_bytes=self.weight_bytes,
@@ -364,30 +410,92 @@ class DecoderEngine:
     # ----------------------------------------------------------------- warmup
     @property
     def compiles(self) -> list[tuple[str, int, int]]:
-        """Every shape served: (prefill, bucket, context) and (step, window, 0)."""
-        pre = [("prefill", b, c) for b in self.buckets for c in self.contexts if c >= b]
-        return pre + [("step", w, 0) for w in self.windows]
+        """Every shape served: (prefill, bucket, context) and (step, batch, window),
+        cheapest first within each kind."""
+        pre = [("prefill", b, c) for c in self.contexts for b in self.buckets if c >= b]
+        step = sorted((("step", b, w) for b in self.batches for w in self.windows),
+                      key=lambda k: (k[1] * k[2], k[1]))  # fmt: skip
+        return pre + step
 
-    def warmup(self, progress: bool = True) -> int:
-        """Compile every prefill shape and every decode window; return how many."""
+    def first_compiles(self) -> list[tuple[str, int, int]]:
+        """What a first request needs: one stream's step at the smallest window, and
+        each prefill bucket at the smallest context (a longer prompt is chunked)."""
+        c0 = self.contexts[0]
+        return [("step", 1, self.windows[0])] + [
+            ("prefill", b, c0) for b in self.buckets if b <= c0]
+
+    def warmup(self, progress: bool = True, background: bool | None = None) -> int:
+        """Compile what a first request needs (every shape unless `background`, which
+        compiles the rest on a thread of its own, engine/decoder/programs.py) and run
+        it once; return how many programs were compiled here. `background` defaults
+        to the engine's `compile_ahead` ("first": True)."""
         from tqdm import tqdm
 
+        if background is None:
+            background = self.compile_ahead == "first"
         if self.quant != "none":
             self.select_forms()
-        jobs = self.compiles
+        jobs = self.first_compiles() if background else self.compiles
         bar = tqdm(jobs, desc=f"compile {self.name}", file=sys.stderr, disable=not progress)
         t0 = time.perf_counter()
-        table = np.full(self._max_blocks, SCRATCH, np.int32)  # writes go to scratch
-        for kind, size, ctx in bar:
-            bar.set_postfix_str(f"{kind} {size}")
+        for kind, size, other in bar:
+            bar.set_postfix_str(f"{kind} {size} {other}")
             if kind == "prefill":
-                self._run_chunk(0, [0] * size, 0, table[: ctx // self.block],
-                                _slot_sampling(GREEDY), np.uint32(0))
+                # The dummy row: its table is all scratch, its state row nobody's.
+                jax.block_until_ready(self._run_chunk(self._slots, [0] * size, 0, size, other,
+                                                      _slot_sampling(GREEDY), np.uint32(0)))
             else:
-                jax.block_until_ready(self._run_step(size))
-        log.info("decoder_warm", model=self.name, compiled=len(jobs),
-                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+                jax.block_until_ready(self._run_step(size, other)[0])
+        if background:
+            # The thread holds the engine weakly: a dropped version stops compiling.
+            ref = weakref.ref(self)
+            rest = [k for k in self.compiles if k not in set(jobs)]
+            self.programs.start_background(
+                [(self._key(*k), functools.partial(_lower_weakly, ref, k)) for k in rest])
+        log.info("decoder_warm", model=self.name, compiled=len(jobs), background=background,
+                 total=len(self.compiles), seconds=round(time.perf_counter() - t0, 3))
         return len(jobs)
+
+    def compile_progress(self) -> tuple[int, int]:
+        """(programs compiled, programs this engine serves)."""
+        return self.programs.compiled, max(self.programs.total, len(self.compiles))
+
+    def close(self) -> None:
+        """Stop compiling in the background (the engine is being dropped)."""
+        self.programs.stop()
+
+    # ------------------------------------------------------------- programs
+    def _key(self, kind: str, size: int, other: int):
+        form = self.compute_forms[f"{kind} {size}"]
+        return (kind, size, other, form)
+
+    def _lowering(self, kind: str, size: int, other: int):
+        """A function that lowers the program of one shape (not called here)."""
+        params = self._params_for(f"{kind} {size}")
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
+        if kind == "step":
+            nw = other // self.block
+            args = (i32(size), i32(size, nw), jax.ShapeDtypeStruct((size,), np.bool_))
+            return lambda: self._generate.lower(params, self._state_spec, *args)
+        f32, u32 = (jax.ShapeDtypeStruct((), t) for t in (np.float32, np.uint32))
+        args = (i32(size), i32(), i32(), i32(other // self.block), i32(),
+                SlotSampling(f32, i32(), f32), u32)  # fmt: skip
+        return lambda: self._prefill.lower(params, self._state_spec, *args)
+
+    def _program(self, kind: str, size: int, other: int):
+        return self.programs.get(self._key(kind, size, other), self._lowering(kind, size, other))
+
+    def _choose(self, kind: str, size: int, other: int) -> tuple[int, int]:
+        """The compiled shape that holds (size, other) at the least cost, or the exact
+        one (compiled where it is first needed) when none is."""
+        best = (size, other)
+        cost = None
+        for key in self.programs.keys():
+            k, s, o, form = key
+            if (k == kind and s >= size and o >= other and form == self.compute_forms[f"{k} {s}"]
+                    and (cost is None or s * o < cost)):
+                best, cost = (s, o), s * o
+        return best
 
     # -------------------------------------------------------------- requests
     def bucket_for(self, length: int) -> int:
@@ -457,9 +565,9 @@ class DecoderEngine:
         job = self._jobs[slot]
         n = min(len(job.prompt) - job.done, self.chunk, budget if budget > 0 else self.chunk)
         end = job.done + n
-        ctx = self.context_for(max(end, self.bucket_for(n)))  # a compiled (bucket, context)
-        table = self._tables[slot, : ctx // self.block]
-        token = self._run_chunk(slot, job.prompt[job.done : end], job.done, table,
+        bucket = self.bucket_for(n)
+        bucket, ctx = self._choose("prefill", bucket, self.context_for(max(end, bucket)))
+        token = self._run_chunk(slot, job.prompt[job.done : end], job.done, bucket, ctx,
                                 job.sampling, job.seed)
         job.done = end
         full = end // self.block
@@ -479,14 +587,15 @@ class DecoderEngine:
             pass
         return token
 
-    def _run_chunk(self, slot: int, piece: list[int], offset: int, table: np.ndarray,
+    def _run_chunk(self, slot: int, piece: list[int], offset: int, bucket: int, ctx: int,
                    sampling: SlotSampling, seed) -> jax.Array:
-        padded = np.zeros(self.bucket_for(len(piece)), np.int32)  # padded: [T]
+        padded = np.zeros(bucket, np.int32)  # padded: [T]
         padded[: len(piece)] = piece
-        params = self._params_for(f"prefill {self.bucket_for(len(piece))}")
-        self._state, token = self._prefill(
-            params, self._state, padded, np.int32(offset), np.int32(len(piece)),
-            np.array(table), np.int32(slot), sampling, seed,
+        table = np.array(self._tables[slot, : ctx // self.block])  # [NC]
+        run = self._program("prefill", bucket, ctx)
+        self._state, token = run(
+            self._params_for(f"prefill {bucket}"), self._state, padded, np.int32(offset),
+            np.int32(len(piece)), table, np.int32(slot), sampling, seed,
         )  # fmt: skip
         return token
 
@@ -514,12 +623,22 @@ class DecoderEngine:
                     break
         return preempted
 
-    def _run_step(self, window: int):
-        live = np.array(self._active)  # a copy: the host flips these while the step runs
-        tables = np.array(self._tables[:, : window // self.block])  # [SLOTS, NW]
-        params = self._params_for(f"step {self._slots}")
-        self._state, tokens = self._generate(params, self._state, tables, live)
-        return tokens
+    def _run_step(self, batch: int, window: int) -> tuple[jax.Array, np.ndarray]:
+        """One decode step of the live slots at (batch bucket, window) -> (tokens [B]
+        on device, rows [B]: the slot of each row, the dummy row for padding)."""
+        live = np.flatnonzero(self._active)
+        rows = np.full(batch, self._slots, np.int32)  # [B]
+        rows[: len(live)] = live
+        tables = self._tables[rows, : window // self.block]  # [B, NW] (a copy)
+        run = self._program("step", batch, window)
+        self._state, tokens = run(self._params_for(f"step {batch}"), self._state, rows, tables,
+                                  rows < self._slots)  # fmt: skip
+        if len(live):  # warm-up and measuring runs are not steps
+            self.step_counts[batch] = self.step_counts.get(batch, 0) + 1
+        return tokens, rows
+
+    def batch_for(self, live: int) -> int:
+        return next(b for b in self.batches if b >= live)
 
     def window_for(self) -> int:
         """Smallest attention window that holds every active slot's next position."""
@@ -543,7 +662,9 @@ class DecoderEngine:
         preempted = self.make_room()
         live = np.flatnonzero(self._active)
         began = self._order[live].copy()  # which sequence each live slot held
-        pending = PendingStep(self._run_step(self.window_for()), preempted,
+        batch, window = self._choose("step", self.batch_for(len(live)), self.window_for())
+        tokens, rows = self._run_step(batch, window)
+        pending = PendingStep(tokens, rows, self._slots, preempted,
                               lambda host: self._note(live, began, host))
         self._lengths[self._active] = np.minimum(
             self._lengths[self._active] + 1, self._max_context
@@ -601,6 +722,13 @@ class DecoderEngine:
                 self.free(i)
             out.extend(seqs)
         return out
+
+
+def _lower_weakly(ref: "weakref.ref[DecoderEngine]", shape: tuple[str, int, int]):
+    engine = ref()
+    if engine is None:
+        raise LookupError("the engine was dropped")
+    return engine._lowering(*shape)()
 
 
 def _slot_sampling(sampling: Sampling) -> SlotSampling:

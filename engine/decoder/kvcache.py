@@ -19,14 +19,15 @@ from engine.decoder.config import DecoderConfig
 
 
 class DecodeState(NamedTuple):
-    k: tuple  # L x [NUM_BLOCKS, KV, BLOCK, D]
-    v: tuple  # L x [NUM_BLOCKS, KV, BLOCK, D]
-    tokens: jax.Array  # [SLOTS] int32: the token each slot feeds at its next step
-    positions: jax.Array  # [SLOTS] int32: where that token's K/V will be written
-    keys: jax.Array  # [SLOTS, 2] uint32: per-slot PRNG key (fixed for a sequence)
-    temperature: jax.Array  # [SLOTS] float32 (0 = greedy)
-    top_k: jax.Array  # [SLOTS] int32 (<= 0 = off)
-    top_p: jax.Array  # [SLOTS] float32 (1 = off)
+    k: tuple  # L x [KV, NUM_BLOCKS, BLOCK, D] (a head's pages contiguous: kernels read them so)
+    v: tuple  # L x [KV, NUM_BLOCKS, BLOCK, D]
+    # Per slot, plus one dummy row (index SLOTS) that a step's padding rows name.
+    tokens: jax.Array  # [SLOTS + 1] int32: the token each slot feeds at its next step
+    positions: jax.Array  # [SLOTS + 1] int32: where that token's K/V will be written
+    keys: jax.Array  # [SLOTS + 1, 2] uint32: per-slot PRNG key (fixed for a sequence)
+    temperature: jax.Array  # [SLOTS + 1] float32 (0 = greedy)
+    top_k: jax.Array  # [SLOTS + 1] int32 (<= 0 = off)
+    top_p: jax.Array  # [SLOTS + 1] float32 (1 = off)
 
 
 class SlotSampling(NamedTuple):
@@ -40,8 +41,9 @@ class SlotSampling(NamedTuple):
 def init_decode_state(
     cfg: DecoderConfig, slots: int, num_blocks: int, block: int, dtype
 ) -> DecodeState:
-    shape = (num_blocks, cfg.kv_heads, block, cfg.head_dim)
+    shape = (cfg.kv_heads, num_blocks, block, cfg.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.layers))  # noqa: E731
+    slots += 1  # the dummy row
     return DecodeState(
         k=zeros(),
         v=zeros(),

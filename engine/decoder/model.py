@@ -22,9 +22,8 @@ import numpy as np
 from engine.decoder import gpt2, llama
 from engine.decoder.config import GPT2, LLAMA, DecoderConfig
 from engine.decoder.blocks import SCRATCH
-from engine.decoder.layers import (
-    cached_attention, causal_attention, context_attention, inv_frequencies,
-)
+from engine.decoder.attention import gather, paged_decode, write
+from engine.decoder.layers import causal_attention, context_attention, inv_frequencies
 
 FAMILIES = {GPT2: gpt2, LLAMA: llama}
 _PREFIXES = {GPT2: ("transformer.",), LLAMA: ("model.",)}
@@ -180,28 +179,15 @@ def last_logits(params: dict, cfg: DecoderConfig, x, true_length):
     return family(cfg).head(params, cfg, row)[0]
 
 
-def _write(cache, blocks, offsets, new):
-    """cache: [NB, KV, BLOCK, D]; blocks, offsets: [N]; new: [N, KV, D] -> cache with
-    each new row at (block, offset). Donated buffers: XLA scatters in place."""
-    return cache.at[blocks, :, offsets].set(new)
-
-
-def _gather(cache, table):
-    """cache: [NB, KV, BLOCK, D], table: [..., NW] -> [..., KV, NW * BLOCK, D]: the
-    blocks a table names, laid end to end as one contiguous sequence."""
-    g = cache[table]  # [..., NW, KV, BLOCK, D]
-    g = jnp.moveaxis(g, -3, -4)  # [..., KV, NW, BLOCK, D]
-    return g.reshape(*g.shape[:-3], g.shape[-3] * g.shape[-2], g.shape[-1])
-
-
 def decode_forward(params: dict, cfg: DecoderConfig, tokens, positions, tables, live,
-                   k_cache, v_cache):
-    """One step for every slot, over the paged cache.
+                   k_cache, v_cache, kernel: str = "xla", interpret: bool = False):
+    """One step for a batch of rows, over the paged cache.
 
-    tokens, positions: [S] int32; tables: [S, NW] int32 (each slot's first NW blocks);
-    live: [S] bool; k_cache, v_cache: L x [NB, KV, BLOCK, D]
-    -> logits: [S, V] float32, and both caches with each live slot's new K/V written at
-    its position. A slot that is not live writes into the scratch block, never into a
+    tokens, positions: [S] int32; tables: [S, NW] int32 (each row's first NW blocks);
+    live: [S] bool; k_cache, v_cache: L x [KV, NB, BLOCK, D]; kernel: the paged
+    attention's implementation (engine/decoder/attention.py)
+    -> logits: [S, V] float32, and both caches with each live row's new K/V written at
+    its position. A row that is not live writes into the scratch block, never into a
     block its stale table may still name (that block may belong to someone else now).
 
     NW (static, from the table's shape) is the attention window in blocks: reading the
@@ -217,9 +203,9 @@ def decode_forward(params: dict, cfg: DecoderConfig, tokens, positions, tables, 
     new_k, new_v = [], []
     for lp, kc, vc in zip(params["layers"], k_cache, v_cache):
         q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freq)  # k, v: [S, KV, D]
-        kc, vc = _write(kc, blocks, offsets, k), _write(vc, blocks, offsets, v)
-        kw, vw = _gather(kc, tables), _gather(vc, tables)  # [S, KV, NW * BLOCK, D]
-        x = fam.attn_out(lp, cfg, x, cached_attention(q, kw, vw, positions, cfg))
+        kc, vc = write(kc, blocks, offsets, k), write(vc, blocks, offsets, v)
+        att = paged_decode(q, kc, vc, tables, positions, cfg, kernel, interpret)
+        x = fam.attn_out(lp, cfg, x, att)
         new_k.append(kc)
         new_v.append(vc)
     return fam.head(params, cfg, x), tuple(new_k), tuple(new_v)
@@ -232,7 +218,7 @@ def forward_chunk(params: dict, cfg: DecoderConfig, tokens, offset, length, tabl
     tokens: [T] int32 (padded), offset: [] int32 (tokens of this sequence already in
     the cache: a reused prefix, earlier chunks), length: [] int32 (true tokens in this
     chunk), table: [NC] int32 (the sequence's first NC blocks, NC * BLOCK >= offset +
-    length), k_cache, v_cache: L x [NB, KV, BLOCK, D]
+    length), k_cache, v_cache: L x [KV, NB, BLOCK, D]
     -> x: [T, E] (before the final norm), and both caches. Padding writes go to the
     scratch block; its queries are computed and ignored.
     """
@@ -246,8 +232,8 @@ def forward_chunk(params: dict, cfg: DecoderConfig, tokens, offset, length, tabl
     new_k, new_v = [], []
     for lp, kc, vc in zip(params["layers"], k_cache, v_cache):
         q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freq)  # k, v: [T, KV, D]
-        kc, vc = _write(kc, blocks, offsets, k), _write(vc, blocks, offsets, v)
-        kw, vw = _gather(kc, table), _gather(vc, table)  # [KV, NC * BLOCK, D]
+        kc, vc = write(kc, blocks, offsets, k), write(vc, blocks, offsets, v)
+        kw, vw = gather(kc, table), gather(vc, table)  # [KV, NC * BLOCK, D]
         x = fam.attn_out(lp, cfg, x, context_attention(q, kw, vw, positions, cfg))
         new_k.append(kc)
         new_v.append(vc)

@@ -8,10 +8,12 @@ driver jits them with the state donated.
     offset, length and slot are traced. Every chunk draws a token and claims the slot
     (tokens, position, key, sampling); only the last chunk's are kept, since a slot
     joins decode steps only once the host marks it live.
-- generate(params, state, tables, live) -> (state, tokens)
-    one decode step for every slot; positions are per slot and traced; the only
-    output that leaves the device is `tokens` [SLOTS] int32, one host copy per step.
-    The tables' width (blocks per slot, static) is the attention window.
+- generate(params, state, rows, tables, live) -> (state, tokens)
+    one decode step for the slots `rows` names (a batch bucket, static: the live
+    sequences compacted, padded with the dummy row); positions are per row and
+    traced; the only output that leaves the device is `tokens` [B] int32, one host
+    copy per step. The tables' width (blocks per row, static) is the attention
+    window, so a step costs its batch bucket x its window, not the slot count.
 """
 
 from __future__ import annotations
@@ -43,16 +45,21 @@ def prefill_chunk(
     return state, token
 
 
-def generate(params: dict, cfg: DecoderConfig, state: DecodeState, tables, live):
-    """tables: [SLOTS, NW] int32, live: [SLOTS] bool -> (state, tokens: [SLOTS] int32).
-    Slots that are not live compute too (their output is ignored, their writes go to
-    the scratch block); their cursor is clamped inside the model's positions."""
-    logits, k, v = decode_forward(
-        params, cfg, state.tokens, state.positions, tables, live, state.k, state.v
-    )
+def generate(params: dict, cfg: DecoderConfig, state: DecodeState, rows, tables, live,
+             kernel: str = "xla", interpret: bool = False):
+    """rows: [B] int32 (slots; padding names the dummy row), tables: [B, NW] int32,
+    live: [B] bool -> (state, tokens: [B] int32, row i's token for slot rows[i]).
+    Padding rows compute too (their output is ignored, their writes go to the
+    scratch block and to the dummy row); cursors are clamped inside the positions."""
+    fed, at = state.tokens[rows], state.positions[rows]  # [B]
+    logits, k, v = decode_forward(params, cfg, fed, at, tables, live, state.k, state.v, kernel,
+                                  interpret)
     # The drawn tokens sit one past the ones just fed.
     tokens = sample(
-        logits, state.keys, state.positions + 1, state.temperature, state.top_k, state.top_p
-    )
-    positions = jnp.minimum(state.positions + 1, cfg.max_positions - 1)
-    return state._replace(k=k, v=v, tokens=tokens, positions=positions), tokens
+        logits, state.keys[rows], at + 1, state.temperature[rows], state.top_k[rows],
+        state.top_p[rows],
+    )  # fmt: skip
+    positions = jnp.minimum(at + 1, cfg.max_positions - 1)
+    state = state._replace(k=k, v=v, tokens=state.tokens.at[rows].set(tokens),
+                           positions=state.positions.at[rows].set(positions))  # fmt: skip
+    return state, tokens

@@ -66,9 +66,10 @@ def test_decode_logits_match_transformers_for_mixed_lengths(pair):
     ref, engine = pair
     slots = [0, 2, 3]
     firsts = [engine.prefill_insert(s, p, GREEDY, 0) for s, p in zip(slots, PROMPTS[1:])]
-    st = engine._state
+    st, n = engine._state, engine.slots  # the state's last row is the padding rows' dummy
     logits = jax.jit(lambda p, *a: decode_forward(p, engine.cfg, *a)[0])(
-        engine.params, st.tokens, st.positions, engine._tables, engine._active, st.k, st.v
+        engine.params, st.tokens[:n], st.positions[:n], engine._tables[:n], engine._active,
+        st.k, st.v,
     )
     for s, p, first in zip(slots, PROMPTS[1:], firsts):
         expected = _hf_logits(ref, p + [first])[-1]
@@ -251,10 +252,10 @@ def test_half_precision_tracks_float32_reference(tmp_path, dtype):
     assert np.abs(ours - expected).max() < 0.05 * scale
     assert (ours.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
     first = engine.prefill_insert(1, prompt, GREEDY, 0)
-    st = engine._state
+    st, n = engine._state, engine.slots
     assert st.k[0].dtype == jnp.dtype(dtype)
     step = jax.jit(lambda p, *a: decode_forward(p, engine.cfg, *a)[0])
-    got = np.asarray(step(engine.params, st.tokens, st.positions, engine._tables,
+    got = np.asarray(step(engine.params, st.tokens[:n], st.positions[:n], engine._tables[:n],
                           engine._active, st.k, st.v))[1]
     want = _hf_logits(ref, prompt + [first])[-1]
     assert np.abs(got - want).max() < 0.05 * scale

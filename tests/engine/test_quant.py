@@ -199,7 +199,7 @@ def test_fastest_form_per_bucket_is_measured_once_then_read_from_the_cache(tmp_p
     first = _demo(quant="int8", weight_budget=budget, forms_cache=path)
     assert first.form_candidates == ("float", "dequant", "w8a8")
     first.warmup(progress=False)
-    buckets = ["step 2", "prefill 16", "prefill 32"]
+    buckets = ["step 1", "step 2", "prefill 16", "prefill 32"]  # batch buckets 1 and 2
     assert first.forms_measured and set(first.compute_forms) == set(buckets)
     for bucket in buckets:
         ms = first.form_ms[bucket]

@@ -1,0 +1,79 @@
+"""Decode attention over the paged KV cache: each row reads its own blocks.
+
+The pool of one layer is [KV, NUM_BLOCKS, BLOCK, D] (KV heads first: the layout a
+paged-attention kernel reads, one head's pages contiguous). A decode step's rows
+each name their blocks in a table [B, NW]; NW (static) is the step's window, the
+smallest compiled one that holds the longest live row (engine/decoder/engine.py),
+so a step costs its batch bucket x its window, never the slot count x the context.
+
+Two implementations of the same function:
+- "xla": the row's blocks gathered into one [B, KV, NW * BLOCK, D] window, then
+  masked attention (`layers.cached_attention`). Portable, and the reference.
+- "pallas": JAX's Pallas paged-attention kernel for GPUs
+  (`jax.experimental.pallas.ops.gpu.paged_attention`): it reads each row's pages in
+  place, up to that row's own length, split across the window for parallelism (a
+  flash-decoding reduction), with no gathered copy. `interpret=True` runs the same
+  kernel on the CPU, which is how the tests hold it equal to "xla".
+
+`pick("auto", platform)` is "pallas" on a GPU and "xla" elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from engine.decoder.config import DecoderConfig
+from engine.decoder.layers import cached_attention
+
+KERNELS = ("auto", "xla", "pallas")
+
+
+def pick(setting: str, platform: str) -> str:
+    if setting not in KERNELS:
+        raise ValueError(f"attention kernel {setting!r}: use one of {', '.join(KERNELS)}")
+    if setting == "auto":
+        return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
+    return setting
+
+
+def write(cache, blocks, offsets, new):
+    """cache: [KV, NB, BLOCK, D]; blocks, offsets: [N]; new: [N, KV, D] -> cache with
+    each new row at (block, offset). Donated buffers: XLA scatters in place."""
+    return cache.at[:, blocks, offsets].set(new.swapaxes(0, 1))
+
+
+def gather(cache, table):
+    """cache: [KV, NB, BLOCK, D], table: [..., NW] -> [..., KV, NW * BLOCK, D]: the
+    blocks a table names, laid end to end as one contiguous sequence."""
+    g = jnp.moveaxis(cache[:, table], 0, -4)  # [..., KV, NW, BLOCK, D]
+    return g.reshape(*g.shape[:-3], g.shape[-3] * g.shape[-2], g.shape[-1])
+
+
+def _largest_divisor(n: int, most: int) -> int:
+    return max(d for d in range(1, min(n, most) + 1) if n % d == 0)
+
+
+def paged_decode(q, k_cache, v_cache, tables, positions, cfg: DecoderConfig,
+                 kernel: str = "xla", interpret: bool = False):
+    """One query per row against that row's blocks.
+
+    q: [B, H, D]; k_cache, v_cache: [KV, NB, BLOCK, D]; tables: [B, NW] int32;
+    positions: [B] int32 (the row's newest position, its K/V already written)
+    -> [B, H * D]. Cache entries past a row's position are never attended to.
+    """
+    if kernel == "xla":
+        return cached_attention(q, gather(k_cache, tables), gather(v_cache, tables),
+                                positions, cfg)  # fmt: skip
+    from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    b, nw = tables.shape
+    splits = _largest_divisor(nw, 16)  # partitions of the window, reduced at the end
+    per_block = _largest_divisor(nw // splits, 8)
+    scaled = (q.astype(jnp.float32) / math.sqrt(cfg.head_dim)).astype(q.dtype)
+    out = paged_attention(
+        scaled, k_cache, v_cache, tables, (positions + 1).astype(jnp.int32),
+        k_splits=splits, pages_per_compute_block=per_block, interpret=interpret,
+    )  # fmt: skip  # out: [B, H, D]
+    return out.astype(q.dtype).reshape(b, cfg.heads * cfg.head_dim)

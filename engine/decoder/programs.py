@@ -1,0 +1,121 @@
+"""The decoder's compiled programs, by shape: what the first request needs first.
+
+A decoder serves many shapes (decode steps per batch bucket and attention window,
+prefill chunks per length bucket and context), far too many to compile before the
+model may answer: SmolLM2 at 64 slots and an 8k context has ~70. So:
+
+  1. `warmup` compiles a small first set (batch bucket 1 and the smallest window,
+     the prefill buckets at the smallest context): the model is ready then.
+  2. `start_background(jobs)` compiles the rest on a thread of its own, smallest
+     first; a program joins the moment it is compiled (`has` says so), and the
+     engine picks among the compiled ones (a larger bucket serves a smaller load).
+  3. A shape nobody compiled yet and no compiled one can stand in for is compiled
+     where it is asked for (`get`), once: a caller that asks for a shape the
+     background thread is compiling waits for that compile, not a second one.
+
+Compiling goes through JAX's persistent cache (engine/jaxrt.py), so a restarted
+worker reads its programs instead of compiling them. Compiled executables are
+called directly (donation is kept); XLA's compile runs outside the GIL, so the
+background thread costs the serving thread cores, not the interpreter.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Hashable
+
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class Programs:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._done: dict[Hashable, object] = {}
+        self._busy: dict[Hashable, threading.Event] = {}  # being compiled -> set when done
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.total = 0  # programs this engine will have once the background is done
+        self.compile_seconds = 0.0
+
+    def has(self, key: Hashable) -> bool:
+        return key in self._done
+
+    @property
+    def compiled(self) -> int:
+        return len(self._done)
+
+    def keys(self) -> list[Hashable]:
+        return list(self._done)
+
+    def get(self, key: Hashable, lower: Callable[[], object]):
+        """The executable for `key`, compiled now (from `lower()`) if nobody has."""
+        exe = self._done.get(key)
+        if exe is not None:
+            return exe
+        with self._lock:
+            exe = self._done.get(key)
+            if exe is not None:
+                return exe
+            event = self._busy.get(key)
+            mine = event is None
+            if mine:
+                event = self._busy[key] = threading.Event()
+        if not mine:
+            event.wait()
+            exe = self._done.get(key)
+            if exe is not None:
+                return exe
+            return self.get(key, lower)  # its compile failed there: try here
+        try:
+            from engine import jaxrt
+
+            t0 = time.perf_counter()
+            exe = jaxrt.compile_lowered(lower())
+            self.compile_seconds += time.perf_counter() - t0
+            self._done[key] = exe
+            return exe
+        finally:
+            with self._lock:
+                self._busy.pop(key, None)
+            event.set()
+
+    def start_background(self, jobs: list[tuple[Hashable, Callable[[], object]]]) -> None:
+        """Compile `jobs` (in order) on a daemon thread; each joins when done."""
+        todo = [(k, f) for k, f in jobs if k not in self._done]
+        self.total = len(self._done) + len(todo)
+        if not todo or self._thread is not None:
+            return
+
+        def work() -> None:
+            t0 = time.perf_counter()
+            for key, lower in todo:
+                if self._stop.is_set():
+                    return
+                try:
+                    self.get(key, lower)
+                except LookupError:
+                    return  # its engine was dropped
+                except Exception as exc:  # noqa: BLE001 - a shape that will not compile
+                    # is compiled (and fails) where it is needed instead; log it here.
+                    log.warning("background_compile_failed", model=self.name,
+                                program=str(key), error=repr(exc))  # fmt: skip
+            log.info("decoder_compiled_all", model=self.name, programs=self.compiled,
+                     seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+
+        self._thread = threading.Thread(target=work, name=f"compile-{self.name}", daemon=True)
+        self._thread.start()
+
+    def wait_background(self, timeout: float | None = None) -> bool:
+        """Block until the background compiles are done (tests, benchmarks)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def stop(self) -> None:
+        """Compile nothing more in the background (the engine is being dropped)."""
+        self._stop.set()
