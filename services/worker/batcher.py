@@ -11,7 +11,9 @@
      longer than a recent batch took to compute: it exists to save a whole batch for
      the stragglers, so with an engine whose batch costs 0.1 ms, waiting 5 ms would
      spend fifty times what it saves (docs/decisions/0016).
-  3. Expired requests are answered 504 and never computed.
+  3. Expired requests are answered 504 and never computed; a request cancelled while
+     it waits leaves the inbox at once (never computed) and is reported done to its
+     scheduler. One already computing finishes: it is a single engine call.
   4. The batch runs on the single engine thread, on the engine `LoadedModels` holds
      for its version at that moment; the event loop stays free.
   5. Each request's EmbedResult (naming the version that computed it) goes to its
@@ -98,6 +100,7 @@ class EncoderRunner:
         self._batch_s: float | None = None  # recent batches' compute time (moving average)
         self.computing: str | None = None  # version of the batch on the engine thread
         self._batch_done = asyncio.Condition()
+        self._tasks: set[asyncio.Task] = set()  # the loop keeps only weak references
 
     @property
     def queue_depth(self) -> int:
@@ -115,7 +118,18 @@ class EncoderRunner:
         self._wake.set()
 
     def cancel(self, request_id: str) -> None:
-        """Nothing to stop: a request is one engine call (expired work is dropped)."""
+        """Drop `request_id` if it still waits (its gateway wants no answer); its
+        scheduler hears it is done, as for any finished request."""
+        p = next((p for p in self.inbox if p.work.request_id == request_id), None)
+        if p is None:
+            return  # unknown, answered, or in the batch computing now
+        self.inbox.remove(p)
+        self._waiting -= len(p.work.inputs)
+        task = asyncio.get_running_loop().create_task(
+            self.outbox.done({p.work.sched_id: [request_id]}))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._wake.set()  # a batch waiting to fill looks again
 
     async def drain(self) -> None:
         self.close()

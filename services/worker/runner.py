@@ -57,7 +57,8 @@ class Runner(Protocol):
         """Queue one request; its answer goes out through the outbox."""
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request early (a no-op where a request is one engine call)."""
+        """Stop a request early: one still queued is never computed; either way its
+        scheduler hears it is done (an encoder batch already computing finishes)."""
 
     @property
     def queue_depth(self) -> int: ...

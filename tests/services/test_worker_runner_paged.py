@@ -5,6 +5,7 @@ steps; every stream's text still equals transformers' greedy output."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -39,22 +40,32 @@ def _expected(engine, ref, prompt: list[int], n: int) -> str:
 
 
 class Trace:
-    """Wraps an engine; records each prefill chunk's tokens and each step's live slots."""
+    """Wraps an engine; records each prefill chunk (its tokens, and how many streams
+    were decoding meanwhile, waiting on it) and each step's live slots. With
+    `hold_at`, the engine thread stops before that decode step until `go` is set, so
+    a test places an arrival between two counted steps, not wherever the machine's
+    load lets a poll land."""
 
-    def __init__(self, engine: DecoderEngine) -> None:
+    def __init__(self, engine: DecoderEngine, hold_at: int = 0) -> None:
         self.engine = engine
         self.events: list[tuple[str, object]] = []
+        self.hold_at = hold_at
+        self.held, self.go = threading.Event(), threading.Event()
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def prefill_step(self, slot: int, budget: int = 0):
-        before = self.engine.prefilling(slot)
+        before, decoding = self.engine.prefilling(slot), self.engine.active_slots
         first = self.engine.prefill_step(slot, budget)
-        self.events.append(("prefill", before - self.engine.prefilling(slot)))
+        self.events.append(("prefill", (before - self.engine.prefilling(slot), decoding)))
         return first
 
     def step_async(self):
+        steps = sum(kind == "step" for kind, _ in self.events)
+        if steps + 1 == self.hold_at:
+            self.held.set()
+            self.go.wait(60)
         self.events.append(("step", frozenset(self.engine._active.nonzero()[0].tolist())))
         return self.engine.step_async()
 
@@ -97,34 +108,49 @@ async def test_a_small_pool_makes_requests_wait_and_preempts_without_changing_te
 
 
 async def test_a_long_prompt_is_chunked_and_running_streams_miss_no_step(tiny):
-    """Eight streams decode; a 90-token prompt arrives. It is computed CHUNK tokens
-    per iteration, and every decode step between its chunks still includes all eight
-    streams: no stream waits more than one chunk for its next token."""
+    """Eight streams decode; a 90-token prompt arrives at their 4th step. It is
+    computed CHUNK tokens per iteration, and every decode step between its chunks
+    still includes all eight streams: no stream waits more than one chunk for its
+    next token. Counted on the engine's own calls, so a busy machine changes nothing."""
     path, ref = tiny
     engine = DecoderEngine(path, "tiny", slots=9, max_context=128, prefill_buckets=(16,),
                            decode_windows=(32, 64), prefill_chunk=CHUNK)  # fmt: skip
     engine.warmup(progress=False)
-    trace = Trace(engine)
+    trace = Trace(engine, hold_at=4)
     short = [[5 + i, 17, 30 + i, 42] for i in range(8)]
     long = list(range(2, 92))
-    works = [(0, _work(f"s{i}", p, 30)) for i, p in enumerate(short)]
-    works.append((4, _work("long", long, 8)))
-    out, runner, _ = await _serve(trace, works, chunk=CHUNK)
+    runner = DecoderRunner(LoadedModels(trace, "1", kind="decoder"), out := Recorder(),
+                           ThreadPoolExecutor(1), prefill_per_step=8, prefill_chunk=CHUNK)
+    task = asyncio.create_task(runner.run())
+    try:
+        for i, p in enumerate(short):
+            runner.submit(_work(f"s{i}", p, 30))
+        # The long prompt arrives while step 4 is held: 26 tokens of every short stream
+        # are still to come, more than the iterations its prompt takes.
+        assert await asyncio.to_thread(trace.held.wait, 60)
+        runner.submit(_work("long", long, 8))
+        trace.go.set()
+        await wait_until(lambda: len(out.finished) == 9, timeout=300)
+    finally:
+        trace.go.set()
+        task.cancel()
     assert out.errors == []
     for i, p in enumerate(short):
         assert out.texts(f"s{i}")[0][0] == _expected(engine, ref, p, 30), i
     assert out.texts("long")[0][0] == _expected(engine, ref, long, 8)
-    # Between two decode steps, at most one chunk of prompt was computed...
+    # Between two decode steps, at most one chunk of prompt was computed while streams
+    # were decoding (a prompt with no stream waiting on it may take every chunk)...
     between, chunks = 0, 0
     steps = [e for e in trace.events if e[0] == "step"]
     for kind, what in trace.events:
         if kind == "prefill":
-            between += what
-            chunks += what > 0
+            tokens, decoding = what
+            between += tokens if decoding else 0
+            chunks += tokens > 0 and decoding > 0
         else:
             assert between <= CHUNK
             between = 0
-    assert chunks >= 90 // CHUNK  # ...and the long prompt took several
+    assert chunks >= 90 // CHUNK  # ...and the long prompt took several, all among them
     # ...and each short stream was in every step from its first to its last.
     for slot in range(8):
         live = [slot in s for _, s in steps]

@@ -1,0 +1,143 @@
+"""The decoder's output processor: tokens in, what to tell the gateway out.
+
+  1. `add()` opens a request's record when it is submitted (its arrival time).
+  2. `accept()` takes one new token of one sequence: it is detokenized (never
+     splitting a UTF-8 character; `engine.detok.Detokenizer`, one per choice, made
+     on its first token) and checked against EOS, stop strings, `max_tokens` and the
+     context, which sets the sequence's `finish`. The gap since the sequence's last
+     token is counted for the request's inter-token latency.
+  3. A streaming choice gets a GenChunk for each token that made text (or ended
+     it); a non-streaming one gets one chunk with its whole text when it ends.
+     Every chunk names the version whose engine produced it.
+  4. `close()` ends a request: a 504 first when it expired before any token, then
+     the GenDone with usage and Timing (queue, compute, ttft, mean ITL, ITL counts).
+
+It calls no engine and awaits nothing: each call returns the messages to send
+(`Say`), and the runner's loop publishes them, a step's together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.worker.decode.scheduler import Request, Sequence
+from shared.errors import ServiceError, deadline_exceeded
+from shared.messages import GenChunk, GenDone, GenerateWork, Timing
+from shared.telemetry import itl_bucket, itl_counts
+
+
+@dataclass(frozen=True)
+class Say:
+    """One message for the requester of `work`: a ServiceError goes out as its error."""
+
+    work: GenerateWork
+    message: GenChunk | GenDone | ServiceError
+
+
+@dataclass(eq=False)
+class Stream:
+    """One choice's output so far."""
+
+    detok: object  # engine.detok.Detokenizer
+    last_at: float = 0.0  # perf_counter of its latest token
+    generated: int = 0
+    unsent: int = 0  # tokens generated since its last chunk
+    text: list[str] = field(default_factory=list)  # unsent text (non-streaming)
+
+
+@dataclass(eq=False)
+class RequestOutput:
+    arrived: float  # perf_counter
+    completion_tokens: int = 0
+    first_at: float = 0.0  # perf_counter of its first token (0: none yet)
+    admitted: float = 0.0  # when the choice that made the first token was admitted
+    itl_sum: float = 0.0
+    itl_n: int = 0
+    itl_counts: list[int] = field(default_factory=itl_counts)  # per-token gaps, bucketed
+    streams: dict[int, Stream] = field(default_factory=dict)  # choice index -> stream
+
+
+class OutputProcessor:
+    def __init__(self, worker_id: str, model: str) -> None:
+        self.worker_id = worker_id
+        self.model = model
+        self.requests: dict[str, RequestOutput] = {}
+
+    def add(self, work: GenerateWork, arrived: float) -> None:
+        self.requests[work.request_id] = RequestOutput(arrived)
+
+    def accept(self, seq: Sequence, tok: int, now: float) -> list[Say]:
+        """One token of `seq` (on its lane), read at `now` (perf_counter)."""
+        st = self.requests[seq.work.request_id]
+        stream = st.streams.get(seq.index)
+        if stream is None:
+            stream = st.streams[seq.index] = Stream(_detokenizer(seq.lane.engine, seq.work))
+        if stream.generated == 0:
+            if not st.first_at:
+                st.first_at, st.admitted = now, seq.admitted
+        else:
+            gap = now - stream.last_at
+            st.itl_sum += gap
+            st.itl_n += 1
+            st.itl_counts[itl_bucket(gap)] += 1
+        stream.last_at = now
+        stream.generated += 1
+        stream.unsent += 1
+        seq.tokens.append(tok)
+        st.completion_tokens += 1
+        text = self._check(seq, stream, tok)
+        if seq.work.stream:
+            return [self._chunk(seq, stream, text)] if text or seq.finish else []
+        stream.text.append(text)
+        return [self._chunk(seq, stream, "".join(stream.text))] if seq.finish else []
+
+    @staticmethod
+    def _check(seq: Sequence, stream: Stream, tok: int) -> str:
+        """Its new text; sets `seq.finish` when this token ends it."""
+        detok = stream.detok
+        if tok in seq.lane.eos and not seq.work.ignore_eos:
+            seq.finish = "stop"
+            return detok.flush()
+        text = detok.feed(tok)
+        in_context = len(seq.work.prompt) + stream.generated  # the slot may be preempted
+        if not detok.stopped and (stream.generated >= seq.work.max_tokens
+                                  or seq.lane.max_context <= in_context):
+            seq.finish = "length"
+            text += detok.flush()  # may still complete a stop string
+        if detok.stopped:
+            seq.finish = "stop"
+        return text
+
+    @staticmethod
+    def _chunk(seq: Sequence, stream: Stream, text: str) -> Say:
+        w = seq.work
+        chunk = GenChunk(w.request_id, seq.index, text, stream.unsent, seq.finish,
+                         w.attempt, seq.lane.version)
+        stream.unsent = 0
+        return Say(w, chunk)
+
+    def close(self, req: Request, version: str, running: int, now_wall: float,
+              now: float) -> list[Say]:
+        """Its last choice ended (`running` sequences still hold slots): an error
+        first when it expired unanswered, then its GenDone."""
+        w = req.work
+        st = self.requests.pop(w.request_id, None) or RequestOutput(req.arrived)
+        says = []
+        if not req.cancelled and w.deadline <= now_wall and not st.first_at:
+            says.append(Say(w, deadline_exceeded()))
+        timing = Timing(
+            queue=(st.admitted or now) - st.arrived,
+            compute=now - (st.admitted or now),
+            ttft=(st.first_at - st.arrived) if st.first_at else 0.0,
+            itl_mean=st.itl_sum / st.itl_n if st.itl_n else 0.0,
+            batch_size=running + 1,
+            itl_counts=st.itl_counts if st.itl_n else [])
+        says.append(Say(w, GenDone(w.request_id, self.worker_id, self.model, version,
+                                   len(w.prompt), st.completion_tokens, timing, w.attempt)))
+        return says
+
+
+def _detokenizer(engine, work: GenerateWork):
+    from engine.detok import Detokenizer
+
+    return Detokenizer(engine.tokenizer, prompt_ids=work.prompt, stop=work.stop)

@@ -1,0 +1,330 @@
+"""The decoder's step scheduler: which sequences are in the next engine call. Host only.
+
+  1. `add()` turns a GenerateWork with `n` choices into `n` sequences waiting FIFO.
+  2. `retiring()` names the slots to free before the next step: sequences that
+     finished, were cancelled or expired; `retire()` forgets them once the engine
+     freed those slots, and returns the requests whose last choice just ended.
+  3. `schedule()` admits at most `per_step` waiting sequences, FIFO per lane, each
+     into a free slot of its lane when the engine's KV pool has room for its prompt
+     (`can_admit`; otherwise it and the rest of its lane wait: the pool, not the slot
+     count, bounds concurrency). A request's version is fixed when its first choice
+     is admitted: the pinned one, else prod at that moment; every choice and every
+     token of it then come from that engine. Waiting work that was cancelled or
+     expired is dropped there, never computed. The plan it returns is one engine
+     call: prompt chunks of the admitted sequences, oldest first, at most `chunk`
+     tokens in all, then a decode step for every busy lane.
+  4. `update()` reads what the engine call did: a sequence whose prompt is done
+     joins the step after the one in flight (`joined`), each lane's step count
+     moves on, and the tokens of the step read are matched to the sequences that
+     were in it (a sequence's extra ride after its end, or a step before it
+     joined, yields nothing).
+  5. `requeue()` puts sequences the engine preempted back at the front of the queue,
+     oldest first; they re-run their prompt plus their tokens so far.
+
+No asyncio and no clocks: the caller passes the times, so the rules are tested as
+pure functions over a mock engine (tests/services/test_decode_scheduler.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shared.errors import ServiceError
+from shared.messages import GenerateWork
+
+
+@dataclass(eq=False)
+class Lane:
+    """One loaded version's engine and the sequences in its KV slots."""
+
+    version: str
+    engine: object
+    eos: frozenset[int]
+    max_context: int  # tokens per slot, prompt and generated together
+    active: dict[int, "Sequence"] = field(default_factory=dict)  # slot -> sequence
+    pending: object = None  # the dispatched decode step (a PendingStep), not yet read
+    dispatched: int = 0  # decode steps dispatched so far (the pending one's number)
+    seen: tuple[int, int] = (0, 0)  # the engine's prefix-cache queries and hits, counted
+
+    @classmethod
+    def of(cls, version: str, engine) -> "Lane":
+        return cls(version, engine, frozenset(engine.eos_token_ids), engine.max_context)
+
+    def free_slot(self) -> int | None:
+        return next((s for s in range(self.engine.slots) if s not in self.active), None)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active) or self.pending is not None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of a request, as the scheduler sees it."""
+
+    work: GenerateWork
+    index: int  # choice index within the request
+    seed: int
+    arrived: float  # perf_counter
+    lane: Lane | None = None
+    slot: int = -1
+    admitted: float = 0.0  # perf_counter of its first admission (0: never admitted)
+    joined: int = 0  # number of the first decode step that includes it
+    live: bool = False  # its prompt is computed: it is in decode steps
+    tokens: list[int] = field(default_factory=list)  # generated so far (a re-run needs them)
+    finish: str | None = None  # set by the output processor (or "cancelled" here)
+
+
+@dataclass(eq=False)
+class Request:
+    work: GenerateWork
+    arrived: float
+    remaining: int  # choices not yet retired
+    version: str = ""  # fixed when its first choice is admitted
+    cancelled: bool = False
+
+
+@dataclass
+class Admission:
+    """What `schedule()` decided besides the plan: work answered without a step."""
+
+    admitted: list[Sequence] = field(default_factory=list)
+    refused: list[tuple[GenerateWork, ServiceError]] = field(default_factory=list)
+    closed: list[Request] = field(default_factory=list)  # last choice dropped unstarted
+
+
+@dataclass
+class StepPlan:
+    """One engine call: prompt chunks, then a decode step per lane."""
+
+    prefill: list[tuple[Sequence, int]]  # (sequence, prompt tokens to compute now)
+    lanes: list[Lane]  # busy lanes: make room, dispatch the next step, read the last
+
+
+@dataclass
+class LaneStep:
+    """What the engine thread did for one lane."""
+
+    lane: Lane
+    dispatched: object  # the new PendingStep, or None when no slot was live
+    tokens: object  # [slots] int32 of the step read (the one before), or None
+    preempted: list[int]  # slots the engine took back to make room
+
+
+@dataclass
+class StepResult:
+    firsts: list[tuple[Sequence, object]]  # (sequence, first token | the exception)
+    lanes: list[LaneStep]
+
+
+class StepScheduler:
+    def __init__(self, resolve: Callable[[str], str], per_step: int, chunk: int) -> None:
+        self.resolve = resolve  # a work's version -> the loaded one it runs on now
+        self.per_step = max(1, per_step)  # admissions per step
+        self.chunk = max(1, chunk)  # prompt tokens per step, over all sequences
+        self.lanes: dict[str, Lane] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # holding a slot, prompt not done, oldest first
+        self.requests: dict[str, Request] = {}
+        self.counters = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
+
+    # ------------------------------------------------------------- versions
+    def follow(self, engines: dict[str, object]) -> None:
+        """A lane per loaded engine; none for one dropped. A busy lane keeps its
+        engine until idle (its sequences finish where they started)."""
+        for version, engine in engines.items():
+            lane = self.lanes.get(version)
+            if lane is None or (lane.engine is not engine and not lane.busy):
+                self.lanes[version] = Lane.of(version, engine)
+        for version in [v for v in self.lanes if v not in engines]:
+            del self.lanes[version]  # dropped only once `uses` said it is idle
+
+    def uses(self, version: str) -> bool:
+        lane = self.lanes.get(version)
+        if lane is not None and lane.busy:
+            return True
+        return any(self._version_of(s) == version for s in self.waiting)
+
+    def _version_of(self, seq: Sequence) -> str:
+        """The version a waiting sequence is bound to; "" while it may take any prod."""
+        st = self.requests.get(seq.work.request_id)
+        return (st.version if st is not None else "") or seq.work.version
+
+    @property
+    def running(self) -> int:
+        return sum(len(lane.active) for lane in self.lanes.values())
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(lane.busy for lane in self.lanes.values())
+
+    # ------------------------------------------------------------- requests
+    def add(self, work: GenerateWork, now: float, seed: int) -> None:
+        """`seed`: the first choice's; choice i draws from seed + i."""
+        self.requests[work.request_id] = Request(work, now, work.n)
+        for i in range(work.n):
+            self.waiting.append(Sequence(work, i, (seed + i) % 2**32, now))
+
+    def cancel(self, request_id: str) -> bool:
+        st = self.requests.get(request_id)
+        if st is None:
+            return False
+        st.cancelled = True
+        return True
+
+    def fail(self, seq: Sequence) -> bool:
+        """Its prompt failed: it ends, and so do its request's other choices. Whether
+        the request is newly failed (its error is still to send)."""
+        seq.finish = "error"
+        st = self.requests.get(seq.work.request_id)
+        if st is None or st.cancelled:
+            return False
+        st.cancelled = True
+        return True
+
+    # ------------------------------------------------------------- admission
+    def schedule(self, now_wall: float, now: float) -> tuple[StepPlan, Admission]:
+        adm = self._admit(now_wall, now)
+        left, prefill = self.chunk, []
+        for seq in self.prefilling:
+            if left <= 0:
+                break
+            n = min(left, seq.lane.engine.prefilling(seq.slot))
+            left -= n
+            prefill.append((seq, n))
+        return StepPlan(prefill, [lane for lane in self.lanes.values() if lane.busy]), adm
+
+    def _admit(self, now_wall: float, now: float) -> Admission:
+        adm = Admission()
+        kept: list[Sequence] = []
+        full: set[Lane] = set()
+        while self.waiting and len(adm.admitted) < self.per_step:
+            seq = self.waiting.popleft()
+            st = self.requests.get(seq.work.request_id)
+            if st is None or st.cancelled or seq.work.deadline <= now_wall:
+                self._drop(seq, st, adm)
+                continue
+            version = st.version or self.resolve(seq.work.version)
+            lane = self.lanes.get(version)
+            if lane is None:  # pinned to a version dropped meanwhile: cannot happen, but
+                self._refuse(seq, st, adm, ServiceError(  # answer, never wait forever
+                    503, f"version {version} is not loaded on this worker; retry shortly",
+                    code="version_unavailable", retry_after=1.0))
+                continue
+            slot = lane.free_slot() if lane not in full else None
+            if slot is not None and not st.version:
+                try:
+                    lane.engine.check_prompt(seq.work.prompt)  # prod may have changed
+                except ValueError as exc:
+                    self._refuse(seq, st, adm, ServiceError(400, str(exc)))
+                    continue
+            prompt = seq.work.prompt + seq.tokens  # a preempted one re-runs its tokens too
+            if slot is None or not lane.engine.can_admit(prompt):
+                full.add(lane)  # FIFO per lane: nobody overtakes a sequence that waits
+                kept.append(seq)  # work for other lanes may still go
+                if all(ln in full or ln.free_slot() is None for ln in self.lanes.values()):
+                    break
+                continue
+            st.version = version
+            # Host bookkeeping only (no device work), and no engine call runs now.
+            lane.engine.begin(slot, prompt, seq.work.sampling, seq.seed)
+            seq.lane, seq.slot = lane, slot
+            seq.admitted = seq.admitted or now
+            lane.active[slot] = seq
+            self.prefilling.append(seq)
+            adm.admitted.append(seq)
+        self.waiting.extendleft(reversed(kept))
+        return adm
+
+    def _drop(self, seq: Sequence, st: Request | None, adm: Admission) -> None:
+        seq.finish = "cancelled"
+        if st is not None:
+            st.remaining -= 1
+            if st.remaining == 0:
+                self.requests.pop(st.work.request_id, None)
+                adm.closed.append(st)
+
+    def _refuse(self, seq: Sequence, st: Request, adm: Admission, err: ServiceError) -> None:
+        """The error first, then (once its last choice is dropped) the request closes."""
+        st.cancelled = True  # its other choices are dropped at their turn
+        adm.refused.append((seq.work, err))
+        self._drop(seq, st, adm)
+
+    # ------------------------------------------------------------- after a step
+    def update(self, result: StepResult) -> list[tuple[Sequence, object]]:
+        """(sequence, token or prefill exception) in the order to process them:
+        first tokens, oldest prompt first, then each lane's step by slot."""
+        out: list[tuple[Sequence, object]] = []
+        for seq, first in result.firsts:
+            if isinstance(first, BaseException):
+                out.append((seq, first))
+                continue
+            # Queued behind the step in flight: it joins the next one dispatched.
+            seq.joined = seq.lane.dispatched + 1
+            seq.live = True
+            self.prefilling.remove(seq)
+            out.append((seq, int(first)))
+        for ls in result.lanes:
+            lane, step_no = ls.lane, ls.lane.dispatched  # the read step's number
+            lane.pending = ls.dispatched
+            if ls.dispatched is not None:
+                lane.dispatched += 1
+            if ls.tokens is None:
+                continue
+            for slot, seq in lane.active.items():
+                if seq.finish is None and seq.live and seq.joined <= step_no:
+                    out.append((seq, int(ls.tokens[slot])))  # tokens: [slots] int32
+        return out
+
+    def requeue(self, result: StepResult) -> None:
+        """Preempted sequences (their cache already freed) wait again, at the front,
+        oldest first; one that finished on its last token is retired as usual."""
+        back = []
+        for ls in result.lanes:
+            for slot in ls.preempted:
+                seq = ls.lane.active.get(slot)
+                if seq is None:
+                    continue
+                self.counters["preemptions"] += 1
+                if seq in self.prefilling:
+                    self.prefilling.remove(seq)
+                if seq.finish is not None:
+                    continue  # `retiring` frees the slot (a no-op in the engine)
+                del ls.lane.active[slot]
+                seq.live, seq.slot = False, -1
+                back.append(seq)
+        back.sort(key=lambda q: q.admitted)
+        self.waiting.extendleft(reversed(back))
+
+    # ------------------------------------------------------------- retiring
+    def retiring(self, now_wall: float) -> list[tuple[Lane, int, Sequence]]:
+        """Slots to free: finished sequences, and those cancelled or expired (marked
+        "cancelled" now). The engine frees them; then `retire`."""
+        freed = []
+        for lane in self.lanes.values():
+            for slot, seq in lane.active.items():
+                st = self.requests.get(seq.work.request_id)
+                if seq.finish is None and st is not None and (
+                        st.cancelled or seq.work.deadline <= now_wall):
+                    seq.finish = "cancelled"
+                if seq.finish is not None:
+                    freed.append((lane, slot, seq))
+        return freed
+
+    def retire(self, freed: list[tuple[Lane, int, Sequence]]) -> list[tuple[Request, int]]:
+        """Forget freed slots; (request, sequences still running) for each request
+        whose last choice this was."""
+        closed = []
+        for lane, slot, seq in freed:
+            del lane.active[slot]
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
+            st = self.requests.get(seq.work.request_id)
+            if st is not None:
+                st.remaining -= 1
+                if st.remaining == 0:
+                    self.requests.pop(st.work.request_id, None)
+                    closed.append((st, self.running))
+        return closed
