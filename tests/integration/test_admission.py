@@ -124,7 +124,7 @@ async def test_two_schedulers_share_one_bound(nats_server):
             both = (st.scheduler, second)
             # The gateway refuses early from its own count of what it sent; with it off,
             # what is admitted is the schedulers' doing alone.
-            st.gateway.front.shed_by_work = lambda model, deadline, *size: None
+            st.gateway.front.admission.shed_by_work = lambda model, deadline, *size: None
             for _ in range(60):  # both have timed the model (directly or from the other)
                 await call(st.client)
                 if all(s.costs.per_token(MODEL) for s in both):
@@ -235,7 +235,7 @@ async def test_large_requests_are_refused_while_those_ahead_still_tokenize(nats_
         await st.add_worker(engine, "enc-tokenizing")
         await measured(st)
         front = st.gateway.front
-        await wait_until(lambda: any(r.cost.per_token for _, r in front.loads.others(
+        await wait_until(lambda: any(r.cost.per_token for _, r in front.admission.loads.others(
             MODEL, time.monotonic())))  # the gateway has heard the scheduler's estimate
         entry = await front.models.get(MODEL)
         gate, tokenized = threading.Event(), []
@@ -289,7 +289,7 @@ async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server)
             await measured(st)
             fronts = (st.gateway.front, second.front)
             await wait_until(lambda: all(f.fleet.ready(MODEL) and any(
-                r.cost.per_token for _, r in f.loads.others(MODEL, time.monotonic()))
+                r.cost.per_token for _, r in f.admission.loads.others(MODEL, time.monotonic()))
                 for f in fronts))  # both have heard the worker and the scheduler's estimate
             for f in fronts:
                 tok = (await f.models.get(MODEL)).tokenizer
