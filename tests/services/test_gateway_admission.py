@@ -108,7 +108,8 @@ def test_a_model_not_served_or_failed_is_a_503_with_the_reason():
     assert err.status == 503 and f"{M}=0:0" in err.message and err.retry_after is None
     adm = gateway()
     adm.check_served(M)
-    adm.observe_status(FleetStatus("o", [ModelStatus(M, "failed", 0, 1, "unknown engine 'x'")], 0.0))
+    failed = ModelStatus(M, "failed", 0, 1, "unknown engine 'x'")
+    adm.observe_status(FleetStatus("o", [failed], 0.0))
     err = refused(adm.check_served, M)
     assert err.status == 503 and "unknown engine 'x'" in err.message
     adm.observe_status(FleetStatus("o", [ModelStatus(M, "ready", 1, 1)], 0.0))
