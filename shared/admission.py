@@ -8,7 +8,9 @@ tokenizing when the queue is already full without the request). The flow:
   1. Cost: every finished encoder batch reports its engine seconds and its tokens
      (`WorkDone.compute_s`, `.tokens`); `CostBook` fits, per model, seconds = per
      batch + per token x tokens over moving averages of recent batches, so work is
-     tokens x cost per token plus the batches they fill x cost per batch.
+     tokens x cost per token plus the batches they fill x cost per batch. Until the
+     first batch finishes, the estimate starts from the workers' warm-up (two
+     batches timed; `Heartbeat.cost_per_token`, `.cost_per_batch`).
   2. Load: every scheduler publishes what it has dispatched and not seen finish, per
      model, every heartbeat interval and within 20 ms of a change (`SchedLoad` on
      `tensorbus.v1.sched.load`, with its cost estimate); `LoadBoard` keeps the latest
@@ -146,7 +148,8 @@ class CostBook:
         return m[2] / m[1] if m else None
 
     def learn(self, model: str, cost: Cost) -> None:
-        """Another scheduler's estimate, for a model this one has not timed yet."""
+        """An estimate from elsewhere (another scheduler's report, a worker's warm-up),
+        for a model not timed here yet."""
         if model in self._m or (cost.per_batch <= 0 and cost.per_token <= 0):
             return
         t = 64.0  # a synthetic pair of batches that the fit turns back into `cost`

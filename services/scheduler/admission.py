@@ -35,6 +35,7 @@ from shared.admission import Cost, CostBook, LoadBoard, Tally
 from shared.config import Config
 from shared.errors import deadline_exceeded, unavailable
 from shared.messages import EmbedWork, Reserve, SchedLoad, WorkDone, WorkRequest
+from shared.telemetry import Heartbeat
 
 RESERVATION_S = 5.0  # a reservation whose work never came (its gateway gone) is dropped
 
@@ -166,6 +167,12 @@ class Admission:
         """A finished batch's engine time and tokens: the model's cost."""
         if done.tokens:
             self.costs.observe(model, done.compute_s, done.tokens)
+
+    def observe_heartbeat(self, hb: Heartbeat) -> None:
+        """A worker's heartbeat: a model not timed here yet starts from the cost its
+        warm-up showed."""
+        if hb.cost_per_token or hb.cost_per_batch:
+            self.costs.learn(hb.model, Cost(hb.cost_per_batch, hb.cost_per_token))
 
     def observe_load(self, load: SchedLoad, now: float) -> None:
         """Another scheduler's report: its work counts here; a model this scheduler

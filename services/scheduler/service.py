@@ -333,6 +333,7 @@ class Scheduler(Lifecycle):
         if self.aliases is not None:
             self.aliases.track(hb.model)
         self.catalogue.note(hb.model, hb.kind)
+        self.admission.observe_heartbeat(hb)  # before it counts as ready: its cost is known
         view = self.fleet.observe(hb)
         if view.ready and self.holds.count(hb.model) and self.fleet.available(hb.model):
             await self._release_held(hb.model)

@@ -7,6 +7,7 @@ per batch (bench.nomath), a real nats-server, the services in one event loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 
@@ -41,6 +42,41 @@ async def measured(st, model: str = MODEL, sizes: tuple[int, ...] = (1,)) -> flo
         assert (await call(st.client, model, inputs)).status == 200
     await wait_until(lambda: st.scheduler.admission.costs.per_token(model))
     return st.scheduler.admission.costs.per_token(model)
+
+
+class Held:
+    """Wraps a real engine; `gate` holds its batches (the warm-up's timing runs first)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def embed(self, inputs):
+        self.gate.wait()
+        return self.inner.embed(inputs)
+
+
+async def test_the_first_burst_after_a_start_is_served_whole(nats_server, minilm):
+    """Both workers timed the engine at warm-up, so the scheduler knows the model's
+    cost before any request: a burst that arrives before any batch has finished is
+    admitted by its work (all of it fits), not refused by a count of batches (two of
+    64 inputs per worker: 144 of these 400 were refused so)."""
+    engine = Held(minilm)
+    async with running_stack(nats_server.url) as st:
+        for wid in ("enc-fresh-1", "enc-fresh-2"):
+            await st.add_worker(engine, wid, time_warmup=True)
+        assert st.scheduler.admission.costs.cost(MODEL) is not None  # before any request
+        engine.gate.clear()  # no batch finishes until every request is admitted or refused
+        tasks = [asyncio.create_task(call(st.client)) for _ in range(400)]
+        await wait_until(lambda: sum(t.done() for t in tasks) + len(st.scheduler.outstanding)
+                         == len(tasks))
+        engine.gate.set()
+        outcomes = await asyncio.gather(*tasks)
+        assert Counter(o.status for o in outcomes) == {200: 400}
 
 
 async def test_a_burst_far_above_capacity_is_answered_with_no_504(nats_server):

@@ -202,3 +202,17 @@ def test_the_load_report_carries_work_out_held_work_and_the_cost():
     # the model whose cost is known.
     assert {m.model: m.requests for m in reports.report().models} == {M: 0, "other": 0}
     assert [m.model for m in reports.report().models] == [M]
+
+
+def test_a_workers_warmup_cost_admits_the_first_burst_by_its_work():
+    adm, _ = scheduler(timed=False)
+    hb = heartbeat("w0")
+    hb.cost_per_token, hb.cost_per_batch = PER_TOKEN, 0.0  # timed at its warm-up
+    adm.observe_heartbeat(hb)
+    for i in range(200):  # far past two batches of inputs, before any batch finished
+        adm.dispatched(embed(f"r{i}", tokens=4))
+    assert adm.admit(embed("next", tokens=4))  # 0.8 s of work: admitted
+    # A measured batch then counts as usual; the heartbeat does not reset it.
+    adm.observe_done(WorkDone("w0", [], compute_s=8 * PER_TOKEN * 100, tokens=100), M)
+    adm.observe_heartbeat(hb)
+    assert adm.costs.cost(M).seconds(1, 100, 32) > 100 * PER_TOKEN
