@@ -2,10 +2,11 @@
 
   1. Heartbeats start at once (state `starting`, then `warming` while every shape
      bucket compiles, then `ready`), so the scheduler can hold requests during a
-     cold start instead of refusing them. An encoder's warm-up ends by timing two
-     full batches (`time_encoder`); every heartbeat from `ready` on carries the cost
-     they show, so schedulers admit the first burst by its work, not by a count. Each carries the runner's load and the
+     cold start instead of refusing them. Each carries the runner's load and the
      worker's memory (device memory where the backend reports it, else host RSS).
+     An encoder's warm-up ends by timing two full batches (`time_encoder`); every
+     heartbeat from then on carries the cost they showed, so schedulers admit a
+     first burst by its work, not by a count of batches.
      With a model source the versions come from the registry (`versions.HotSwap`):
      prod and canary are fetched and verified while the state is `starting`, and the
      aliases are followed afterwards (hot swap without dropping requests, encoders
@@ -61,11 +62,12 @@ PROBE_TOKENS = (16, 64)  # tokens per input of the two batches timed at warm-up:
 
 
 def time_encoder(engine, max_batch: int) -> Cost | None:
-    """An encoder's engine time (`shared.admission.Cost`), from two full batches timed
-    after its warm-up, as `WorkDone` reports a batch; None if it failed. Before it,
-    a fresh scheduler knew no cost until the first batches finished, and refused
-    a first burst by a count of batches (short requests: 144 of 400 at two workers)."""
-    batch = max(1, min(max_batch, getattr(engine, "max_batch", max_batch)))
+    """An encoder's engine time (`shared.admission.Cost`), from two full batches of
+    the runner (`max_batch` inputs, one engine call each, as `WorkDone` reports a
+    batch) timed after its warm-up; None if it failed. Before it, a fresh scheduler
+    knew no cost until the first batches finished, and refused a first burst by a
+    count of batches (short requests: 144 of 400 at two workers)."""
+    batch = max(1, max_batch)
     book = CostBook()
     try:
         engine.embed([[1] * PROBE_TOKENS[0]])  # untimed: whatever a first call costs
