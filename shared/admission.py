@@ -8,14 +8,18 @@ tokenizing when the queue is already full without the request). The flow:
   1. Cost: every finished encoder batch reports its engine seconds and its tokens
      (`WorkDone.compute_s`, `.tokens`); `CostBook` fits, per model, seconds = per
      batch + per token x tokens over moving averages of recent batches, so work is
-     tokens x cost per token plus the batches they fill x cost per batch.
+     tokens x cost per token plus the batches they fill x cost per batch. Until the
+     first batch finishes, the estimate starts from the workers' warm-up (two
+     batches timed; `Heartbeat.cost_per_token`, `.cost_per_batch`).
   2. Load: every scheduler publishes what it has dispatched and not seen finish, per
      model, every heartbeat interval and within 20 ms of a change (`SchedLoad` on
      `tensorbus.v1.sched.load`, with its cost estimate); `LoadBoard` keeps the latest
      report of each live scheduler. A scheduler adds the others' reports to its own
      tally, so several schedulers share one bound, exceeded by at most the arrivals
      of one report's delay.
-  3. `check()` refuses with 429 and a Retry-After, in this order:
+  3. `check_served()` comes first, on both sides: a model that will never get a
+     worker (`MODEL=0:0`, or `failed`) is a 503 with the reason, never a 429.
+  4. `check()` refuses with 429 and a Retry-After, in this order:
      a. the count bound (`max_queue_per_worker` x ready workers): state stays bounded
         whatever the cost;
      b. no batch of the model timed yet: at most two batches of inputs per ready
@@ -26,6 +30,9 @@ tokenizing when the queue is already full without the request). The flow:
         request has left. Admitted, it would end in a 504 having taken queue space;
         Retry-After = when the work ahead will have drained enough for it to fit.
   At zero ready workers none of this applies: the cold-start hold rule does.
+
+Who calls it: the gateway (`services.gateway.admission`, before tokenizing, from the
+reports) and the scheduler (`services.scheduler.admission`, the exact decision).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.errors import overloaded
+from shared.errors import overloaded, unavailable
 
 DEADLINE_HEADROOM = 0.5  # admit only what the estimate finishes in half the time left:
 # the estimate counts engine time only (not the host work between batches) and a
@@ -46,6 +53,7 @@ OUTLIER = 1.5  # a batch counts as at most this many times (at least this fracti
 # A lasting change still moves it, by up to 10 % a batch.
 SETTLED = 3  # batches timed before the fit judges one against its prediction
 UNMEASURED_BATCHES = 2  # batches of inputs per ready worker before any batch was timed
+FAILED = "its worker exited on an invalid configuration"  # a failed model with no reason given
 
 
 @dataclass
@@ -140,7 +148,8 @@ class CostBook:
         return m[2] / m[1] if m else None
 
     def learn(self, model: str, cost: Cost) -> None:
-        """Another scheduler's estimate, for a model this one has not timed yet."""
+        """An estimate from elsewhere (another scheduler's report, a worker's warm-up),
+        for a model not timed here yet."""
         if model in self._m or (cost.per_batch <= 0 and cost.per_token <= 0):
             return
         t = 64.0  # a synthetic pair of batches that the fit turns back into `cost`
@@ -186,6 +195,30 @@ class LoadBoard:
         return out
 
 
+def check_served(model: str, max_workers: int, failed: str | None) -> None:
+    """503 at once for a model that will not get a worker: not served (`max_workers`
+    0, `TENSORBUS_FLEET MODEL=0:0`) or failed (`failed`: why, from `failed_models`;
+    None = not failed)."""
+    if max_workers == 0:
+        raise unavailable(f"model '{model}' is not served here (TENSORBUS_FLEET "
+                          f"{model}=0:0)", retry_after=None)
+    if failed is not None:
+        raise unavailable(f"model '{model}' cannot start: {failed or FAILED}", retry_after=None)
+
+
+def failed_models(status) -> dict[str, str]:
+    """model -> why, for each model a `shared.messages.FleetStatus` says is `failed`."""
+    return {m.model: m.reason or FAILED for m in status.models if m.state == "failed"}
+
+
+def check_count(model: str, queued: int, n_ready: int, max_queue_per_worker: int) -> None:
+    """The count bound: 429 when `queued` requests already fill
+    `max_queue_per_worker` x the ready workers (at least one)."""
+    if queued + 1 > max_queue_per_worker * max(n_ready, 1):
+        raise overloaded(f"model '{model}' is at capacity ({queued} requests queued); "
+                         "retry after the hinted delay", retry_after=1.0)
+
+
 def check(model: str, ahead: Tally, inputs: int, tokens: int, n_ready: int, max_batch: int,
           cost: Cost | None, left_s: float, max_queue_per_worker: int,
           max_queue_s: float, by_work: bool = True, size_unknown: bool = False) -> None:
@@ -195,9 +228,7 @@ def check(model: str, ahead: Tally, inputs: int, tokens: int, n_ready: int, max_
     gateway, before tokenizing, passing 0 and 0): the decision counts no work of its
     own, and Retry-After assumes it is the size of an average request ahead."""
     n = max(n_ready, 1)
-    if ahead.requests + 1 > max_queue_per_worker * n:
-        raise overloaded(f"model '{model}' is at capacity ({ahead.requests} requests queued); "
-                         "retry after the hinted delay", retry_after=1.0)
+    check_count(model, ahead.requests, n, max_queue_per_worker)
     if not by_work:
         return
     if cost is None:

@@ -92,6 +92,10 @@ class Heartbeat(_Rec, tag="heartbeat"):
     prefix_block: int = 0
     prefix_keys: list[int] = []
     devices: list[str] = []  # devices the prod engine spans, e.g. ["cpu:0", "cpu:1"] (tensor parallel)
+    # Encoders: engine seconds per token and per batch, timed at warm-up (0 = not timed);
+    # schedulers start their cost estimate from it (shared.admission.CostBook.learn).
+    cost_per_token: float = 0.0
+    cost_per_batch: float = 0.0
 
 
 class ScaleDecision(_Rec, tag="scale"):

@@ -89,7 +89,7 @@ class Call:
 
     async def cancel(self, reason: str) -> None:
         """Tell the scheduler and worker to drop the request (held, queued or running)."""
-        await self.front.cancel(self.wire, reason)
+        await self.front.inbox.cancel(self.wire, reason)
 
     def detach(self) -> None:
         self.detached = True

@@ -3,7 +3,7 @@
   1. prepare: decode the body, resolve an encoder model, refuse early (503 for a
      model not served, 429 when its queue or the work ahead is full), tokenize. A
      large body, tokenized in a thread, is first admitted by a scheduler by its
-     estimated size (`Frontend.reserve`) and submitted to that scheduler.
+     estimated size (`GatewayAdmission.reserve`) and submitted to that scheduler.
   2. whole: submit one EmbedWork (counted in the gateway's own tally of work out),
      wait for its EmbedResult, check `dimensions`.
   3. Render the vectors as float lists or base64 float32 (`encoding_format`).
@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 from services.gateway import codec
 from services.gateway.frontend import INLINE_TOKENIZE, Frontend, user_key
 from services.gateway.models import ModelEntry, split_name
-from shared import admission
 from shared.api import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
 from shared.config import Config
 from shared.errors import bad_request, internal
@@ -46,7 +45,7 @@ class Embeddings:
         self.config = front.config
 
     async def prepare(self, body: bytes, call: Call) -> EmbedPrepared:
-        front, out = self.front, call.out
+        front, adm, out = self.front, self.front.admission, call.out
         front.check_size(body)
         req = codec.decode(body, EmbeddingRequest, call.msgpack)
         name, version = split_name(req.model)
@@ -58,18 +57,18 @@ class Embeddings:
             ids = tokenize_inputs(req, entry, self.config)
         else:  # in a thread: the requests read meanwhile see it ahead of them
             inputs, texts, tokens = size
-            with front.preparing(name, inputs, tokens):
+            with adm.preparing(name, inputs, tokens):
                 # admitted by the scheduler before the wait, so never refused after it
-                reserved = await front.reserve(call.wire, name, version, inputs, tokens,
-                                               call.deadline)
+                reserved = await adm.reserve(call.wire, name, version, inputs, tokens,
+                                             call.deadline)
                 try:
                     ids = await front.tokenize(tokenize_inputs, req, entry, self.config)
                 except BaseException:
                     if reserved:
-                        front.unreserve(call.wire)
+                        adm.unreserve(call.wire)
                     raise
             if texts:
-                front.learn_tokens(name, texts, sum(len(x) for x in ids))
+                adm.tokens.learn(name, texts, sum(len(x) for x in ids))
         out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "",
                          user=user_key(req.user, call.user), reserved=reserved)
@@ -80,31 +79,27 @@ class Embeddings:
         INLINE_TOKENIZE is tokenized in a thread, behind others: its estimated size
         counts in its own check (refused now, not after the wait) and is returned
         (inputs, texts to learn from, tokens) to be counted while it waits."""
-        front, name = self.front, entry.info.name
+        adm, name = self.front.admission, entry.info.name
         if entry.info.kind != "encoder":
             raise bad_request(f"model '{name}' generates text; use the completions endpoints")
-        front.check_served(name)
+        adm.check_served(name)
         if len(body) <= INLINE_TOKENIZE:
-            front.shed(name, deadline)
+            adm.shed(name, deadline)
             return None
         limit = entry.info.max_tokens
         inputs, texts, id_tokens = sizes(req, limit)
         check_count(inputs, self.config)  # the 400 comes first, as on the inline path
-        tokens = id_tokens + front.estimate_tokens(name, texts, limit)
-        front.shed(name, deadline, inputs, tokens)
+        tokens = id_tokens + adm.tokens.estimate(name, texts, limit)
+        adm.shed(name, deadline, inputs, tokens)
         return inputs, (texts if not id_tokens else []), tokens
 
     async def whole(self, prep: EmbedPrepared, call: Call) -> EmbeddingResponse:
         work, out = prep.work, call.out
-        sent = self.front.sent_work.setdefault(work.model, admission.Tally())
-        sent.add(len(work.inputs), out.prompt_tokens)
-        try:
+        with self.front.admission.sent(work.model, len(work.inputs), out.prompt_tokens):
             res = await self.front.call(work, call.deadline, out)
-        finally:
-            sent.add(len(work.inputs), out.prompt_tokens, sign=-1)
         if not isinstance(res, EmbedResult):
             raise internal()
-        self.front.computed(work.model, len(work.inputs), out.prompt_tokens)
+        self.front.admission.computed(work.model, len(work.inputs), out.prompt_tokens)
         out.version, out.worker_id, out.timing = res.version, res.worker_id, res.timing
         check_dimensions(prep.req, res.dim)
         return build_response(prep.req, res)

@@ -87,8 +87,8 @@ class Generation:
         entry = await self.front.models.get(name)
         if entry.info.kind != "decoder":
             raise bad_request(f"model '{name}' is an embedding model; use the embeddings endpoint")
-        self.front.check_served(name)
-        self.front.shed(name)
+        self.front.admission.check_served(name)
+        self.front.admission.shed(name)
         if not chat and req.echo:
             raise bad_request("'echo' is not supported; send the prompt back yourself")
         if req.n > self.config.max_n:
@@ -99,16 +99,16 @@ class Generation:
         if len(body) <= INLINE_TOKENIZE:
             prompt = self._fits(render(req, entry), name, limit)
         else:  # in a thread: counted as waiting meanwhile (the count bound)
-            with self.front.preparing(name, 1, 0):
+            with self.front.admission.preparing(name, 1, 0):
                 # admitted by a scheduler before the wait, so never refused after it
-                reserved = await self.front.reserve(rid, name, version, req.n, 0, deadline,
-                                                    generate=True)
+                reserved = await self.front.admission.reserve(rid, name, version, req.n, 0,
+                                                              deadline, generate=True)
                 try:
                     prompt = self._fits(await self.front.tokenize(render, req, entry), name,
                                         limit)
                 except BaseException:
                     if reserved:
-                        self.front.unreserve(rid)
+                        self.front.admission.unreserve(rid)
                     raise
         max_tokens = (req.max_completion_tokens if chat else None) or req.max_tokens
         max_tokens = min(max_tokens or limit, limit - len(prompt))
@@ -178,12 +178,13 @@ class Generation:
         together (one decode step's, or several when this reader fell behind);
         `out.version` is set from the first."""
         rid, out = prep.work.request_id, call.out
+        inbox = self.front.inbox
         with self.front.dispatched(prep.work) as (reply, q):
             await self.front.submit(prep.work, reply)
             attempt = None  # the first dispatch attempt heard from owns the stream
             while True:
-                first = await self.front.next_result(q, rid, out)
-                ready, err = self.front.ready_results(q, out) if not q.empty() else ((), None)
+                first = await inbox.next_result(q, rid, out)
+                ready, err = inbox.ready_results(q, out) if not q.empty() else ((), None)
                 batch = []
                 for ev in (first, *ready):
                     if not isinstance(ev, (GenChunk, GenDone)):

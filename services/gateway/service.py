@@ -64,8 +64,8 @@ class Gateway(Lifecycle):
         self._subs.append(await self.nc.subscribe(subjects.TELEMETRY_SCALE, cb=self._on_scale))
         # On the control connection: in a burst a report read behind the main
         # connection's backlog of requests would come after the refusals it decides.
-        self._subs.append(await self.front.control.subscribe(subjects.SCHED_LOAD,
-                                                             cb=self._on_sched_load))
+        self._subs.append(await self.front.admission.control.subscribe(
+            subjects.SCHED_LOAD, cb=self._on_sched_load))
         self._subs.append(await self.nc.subscribe(subjects.ORCHESTRATOR_STATUS,
                                                   cb=self._on_fleet_status))
         self.micro = await add_service(
@@ -126,7 +126,7 @@ class Gateway(Lifecycle):
 
     async def _on_sched_load(self, msg: Msg) -> None:
         try:
-            self.front.observe_load(sched_load_decoder.decode(msg.data))
+            self.front.admission.observe_load(sched_load_decoder.decode(msg.data))
         except msgspec.DecodeError:
             return
 
@@ -135,7 +135,7 @@ class Gateway(Lifecycle):
             status = fleet_status_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        self.front.statuses = {m.model: m for m in status.models}
+        self.front.observe_status(status)
 
     async def _on_models(self, msg: Msg) -> bool:
         self.front.fleet.expire()

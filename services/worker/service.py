@@ -4,6 +4,9 @@
      bucket compiles, then `ready`), so the scheduler can hold requests during a
      cold start instead of refusing them. Each carries the runner's load and the
      worker's memory (device memory where the backend reports it, else host RSS).
+     An encoder's warm-up ends by timing two full batches (`time_encoder`); every
+     heartbeat from then on carries the cost they showed, so schedulers admit a
+     first burst by its work, not by a count of batches.
      With a model source the versions come from the registry (`versions.HotSwap`):
      prod and canary are fetched and verified while the state is `starting`, and the
      aliases are followed afterwards (hot swap without dropping requests, encoders
@@ -44,6 +47,7 @@ from services.worker.priority import lower_threads
 from services.worker.runner import Gauges, Outbox, Runner
 from services.worker.versions import EngineFactory, HotSwap, LoadedModels
 from shared import VERSION, subjects
+from shared.admission import Cost, CostBook
 from shared.config import Config
 from shared.errors import ServiceError
 from shared.logging import get_logger
@@ -52,6 +56,30 @@ from shared.telemetry import Heartbeat
 from shared.telemetry import encode as encode_record
 
 log = get_logger("worker")
+
+PROBE_TOKENS = (16, 64)  # tokens per input of the two batches timed at warm-up: two
+# sizes, so the fit tells a batch's fixed cost from its cost per token
+
+
+def time_encoder(engine, max_batch: int) -> Cost | None:
+    """An encoder's engine time (`shared.admission.Cost`), from two full batches of
+    the runner (`max_batch` inputs, one engine call each, as `WorkDone` reports a
+    batch) timed after its warm-up; None if it failed. Before it, a fresh scheduler
+    knew no cost until the first batches finished, and refused a first burst by a
+    count of batches (short requests: 144 of 400 at two workers)."""
+    batch = max(1, max_batch)
+    book = CostBook()
+    try:
+        engine.embed([[1] * PROBE_TOKENS[0]])  # untimed: whatever a first call costs
+        for n in PROBE_TOKENS:
+            n = min(n, engine.max_tokens)
+            t0 = time.perf_counter()
+            engine.embed([[1] * n for _ in range(batch)])
+            book.observe("probe", time.perf_counter() - t0, batch * n)
+    except Exception as exc:  # noqa: BLE001 - a broken engine fails its requests, not its start
+        log.warning("warmup_timing_failed", error=f"{type(exc).__name__}: {exc}")
+        return None
+    return book.cost("probe")
 
 
 def default_worker_id() -> str:
@@ -70,7 +98,7 @@ class Worker(Lifecycle):
     def __init__(self, nc: Client, config: Config, engine=None, *, kind: str = "",
                  worker_id: str | None = None, version: str = LOCAL, model: str = "",
                  source: ModelSource | None = None,
-                 engine_factory: EngineFactory | None = None) -> None:
+                 engine_factory: EngineFactory | None = None, time_warmup: bool = True) -> None:
         self.nc = nc
         self.config = config
         self.id = worker_id or config.worker_id or default_worker_id()
@@ -94,6 +122,8 @@ class Worker(Lifecycle):
         self._subs: list = []
         self._stop = asyncio.Event()
         self._hb_now = asyncio.Event()
+        self.time_warmup = time_warmup  # time the encoder at warm-up (its cost, in heartbeats)
+        self.warm_cost: Cost | None = None
 
     @property
     def kind(self) -> str:
@@ -123,7 +153,14 @@ class Worker(Lifecycle):
         n = 0
         for engine in list(self.models.engines.values()):
             n += await loop.run_in_executor(self.executor, engine.warmup, True) or 0
-        log.info("warm", buckets=n, seconds=round(time.perf_counter() - t0, 2))
+        engine = self.models.prod_engine
+        if self.time_warmup and self.kind == "encoder" and engine is not None:
+            self.warm_cost = await loop.run_in_executor(
+                self.executor, time_encoder, engine, self.config.max_batch)
+        cost = self.warm_cost
+        log.info("warm", buckets=n, seconds=round(time.perf_counter() - t0, 2),
+                 cost_per_token=cost.per_token if cost else None,
+                 cost_per_batch=cost.per_batch if cost else None)
         # The engine's threads exist now (the executor's, the runtime's intra-op pool).
         lower_threads(self.config.engine_nice)
 
@@ -254,7 +291,9 @@ class Worker(Lifecycle):
             kv_blocks_used=load.kv_blocks_used, prefix_cache_queries=load.prefix_cache_queries,
             prefix_cache_hits=load.prefix_cache_hits, preemptions=load.preemptions,
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
-            devices=list(getattr(engine, "devices", None) or ([device] if engine else [])))
+            devices=list(getattr(engine, "devices", None) or ([device] if engine else [])),
+            cost_per_token=self.warm_cost.per_token if self.warm_cost else 0.0,
+            cost_per_batch=self.warm_cost.per_batch if self.warm_cost else 0.0)
 
     async def _publish_heartbeat(self) -> None:
         await self.nc.publish(subjects.TELEMETRY_WORKERS, encode_record(self.heartbeat()))

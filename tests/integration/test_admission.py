@@ -7,6 +7,7 @@ per batch (bench.nomath), a real nats-server, the services in one event loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 
@@ -39,8 +40,43 @@ async def measured(st, model: str = MODEL, sizes: tuple[int, ...] = (1,)) -> flo
     size once; its mean cost per token."""
     for inputs in sizes * 2:
         assert (await call(st.client, model, inputs)).status == 200
-    await wait_until(lambda: st.scheduler.costs.per_token(model))
-    return st.scheduler.costs.per_token(model)
+    await wait_until(lambda: st.scheduler.admission.costs.per_token(model))
+    return st.scheduler.admission.costs.per_token(model)
+
+
+class Held:
+    """Wraps a real engine; `gate` holds its batches (the warm-up's timing runs first)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def embed(self, inputs):
+        self.gate.wait()
+        return self.inner.embed(inputs)
+
+
+async def test_the_first_burst_after_a_start_is_served_whole(nats_server, minilm):
+    """Both workers timed the engine at warm-up, so the scheduler knows the model's
+    cost before any request: a burst that arrives before any batch has finished is
+    admitted by its work (all of it fits), not refused by a count of batches (two of
+    64 inputs per worker: 144 of these 400 were refused so)."""
+    engine = Held(minilm)
+    async with running_stack(nats_server.url) as st:
+        for wid in ("enc-fresh-1", "enc-fresh-2"):
+            await st.add_worker(engine, wid, time_warmup=True)
+        assert st.scheduler.admission.costs.cost(MODEL) is not None  # before any request
+        engine.gate.clear()  # no batch finishes until every request is admitted or refused
+        tasks = [asyncio.create_task(call(st.client)) for _ in range(400)]
+        await wait_until(lambda: sum(t.done() for t in tasks) + len(st.scheduler.outstanding)
+                         == len(tasks))
+        engine.gate.set()
+        outcomes = await asyncio.gather(*tasks)
+        assert Counter(o.status for o in outcomes) == {200: 400}
 
 
 async def test_a_burst_far_above_capacity_is_answered_with_no_504(nats_server):
@@ -124,10 +160,10 @@ async def test_two_schedulers_share_one_bound(nats_server):
             both = (st.scheduler, second)
             # The gateway refuses early from its own count of what it sent; with it off,
             # what is admitted is the schedulers' doing alone.
-            st.gateway.front.shed_by_work = lambda model, deadline, *size: None
+            st.gateway.front.admission.shed_by_work = lambda model, deadline, *size: None
             for _ in range(60):  # both have timed the model (directly or from the other)
                 await call(st.client)
-                if all(s.costs.per_token(MODEL) for s in both):
+                if all(s.admission.costs.per_token(MODEL) for s in both):
                     break
             engine.gate.clear()
             # 300 requests at 200/s: one load interval (heartbeat_s = 0.1) is 20 arrivals.
@@ -139,7 +175,7 @@ async def test_two_schedulers_share_one_bound(nats_server):
             await wait_until(lambda: sum(t.done() for t in tasks)
                              + sum(len(s.outstanding) for s in both) == n)
             admitted = [len(s.outstanding) for s in both]
-            bound = max(0.2 / (4 * s.costs.per_token(MODEL)) for s in both)
+            bound = max(0.2 / (4 * s.admission.costs.per_token(MODEL)) for s in both)
             one_interval = rate * st.config.heartbeat_s
             assert all(admitted), admitted  # both took traffic
             # One bound for both, not two: exceeded by at most one interval's arrivals.
@@ -235,7 +271,7 @@ async def test_large_requests_are_refused_while_those_ahead_still_tokenize(nats_
         await st.add_worker(engine, "enc-tokenizing")
         await measured(st)
         front = st.gateway.front
-        await wait_until(lambda: any(r.cost.per_token for _, r in front.loads.others(
+        await wait_until(lambda: any(r.cost.per_token for _, r in front.admission.loads.others(
             MODEL, time.monotonic())))  # the gateway has heard the scheduler's estimate
         entry = await front.models.get(MODEL)
         gate, tokenized = threading.Event(), []
@@ -289,7 +325,7 @@ async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server)
             await measured(st)
             fronts = (st.gateway.front, second.front)
             await wait_until(lambda: all(f.fleet.ready(MODEL) and any(
-                r.cost.per_token for _, r in f.loads.others(MODEL, time.monotonic()))
+                r.cost.per_token for _, r in f.admission.loads.others(MODEL, time.monotonic()))
                 for f in fronts))  # both have heard the worker and the scheduler's estimate
             for f in fronts:
                 tok = (await f.models.get(MODEL)).tokenizer
@@ -306,13 +342,13 @@ async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server)
                      for i in range(120)]
             sched = st.scheduler
             # Every request refused or given room while no tokenizer has run.
-            await wait_until(lambda: sum(t.done() for t in tasks) + len(sched.reservations)
-                             == len(tasks))
+            await wait_until(lambda: sum(t.done() for t in tasks)
+                             + len(sched.admission.reservations) == len(tasks))
             assert not tokenized
             early = Counter(t.result().status for t in tasks if t.done())
             assert set(early) == {429}, early
-            reserved = len(sched.reservations)
-            per_request = sched.costs.cost(MODEL).seconds(4, 4 * 120, 32)
+            reserved = len(sched.admission.reservations)
+            per_request = sched.admission.costs.cost(MODEL).seconds(4, 4 * 120, 32)
             assert 1 <= reserved <= 0.5 / per_request + 2, (reserved, per_request)
         finally:
             gate.set()
@@ -322,7 +358,7 @@ async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server)
             codes = Counter(o.status for o in await asyncio.gather(*tasks))
             # What was given room was answered: none refused after its tokenizing.
             assert codes[200] == reserved and set(codes) == {200, 429}, codes
-            assert not sched.reservations  # each became its work
+            assert not sched.admission.reservations  # each became its work
         finally:
             second.stop()
             await asyncio.gather(task, return_exceptions=True)
@@ -340,12 +376,12 @@ async def test_a_reserved_request_that_fails_to_tokenize_gives_its_room_back(nat
         await st.add_worker(engine, "enc-unreserve")
         await measured(st)
         await wait_until(lambda: st.gateway.front.fleet.ready(MODEL))
-        made, reserve = [], st.scheduler.reserve
-        st.scheduler.reserve = lambda req: made.append(reserve(req)) or made[-1]
+        made, reserve = [], st.scheduler.admission.reserve
+        st.scheduler.admission.reserve = lambda req: made.append(reserve(req)) or made[-1]
         out = await one(st.client, subjects.EMBEDDINGS, bad, 10)
         assert out.status == 400 and made == [st.scheduler.id]  # room taken, then...
-        await wait_until(lambda: not st.scheduler.reservations)  # ...given back at once
-        assert st.scheduler.tally[MODEL].requests == 0
+        await wait_until(lambda: not st.scheduler.admission.reservations)  # ...given back at once
+        assert st.scheduler.admission.tally[MODEL].requests == 0
         assert (await call(st.client)).status == 200
 
 
@@ -376,21 +412,21 @@ async def test_a_reserved_request_is_not_refused_when_the_estimate_moves(nats_se
         tok.encode_batch = held
         try:
             first = asyncio.create_task(one(st.client, subjects.EMBEDDINGS, big[0], 30))
-            await wait_until(lambda: len(sched.reservations) == 1)  # admitted, tokenizing
+            await wait_until(lambda: len(sched.admission.reservations) == 1)  # admitted, tokenizing
             # The estimate moves a thousandfold: ~500 s of work for a request of 30 s.
-            sched.costs = CostBook()
-            sched.costs.learn(MODEL, Cost(0.0, 1.0))
+            sched.admission.costs = CostBook()
+            sched.admission.costs.learn(MODEL, Cost(0.0, 1.0))
         finally:
             gate.set()
             del tok.encode_batch
         assert (await first).status == 200
         later = await one(st.client, subjects.EMBEDDINGS, big[1], 30)
         assert later.status == 429, later
-        assert not sched.reservations
+        assert not sched.admission.reservations
 
 
 async def test_a_reservation_whose_work_never_comes_expires(nats_server):
-    from services.scheduler.service import RESERVATION_S
+    from services.scheduler.admission import RESERVATION_S
     from shared.messages import Reserve
 
     engine = NoMathEncoder(per_token_s=0.0002)
@@ -398,14 +434,14 @@ async def test_a_reservation_whose_work_never_comes_expires(nats_server):
         await st.add_worker(engine, "enc-expiry")
         await measured(st)
         sched = st.scheduler
-        before = sched.ahead(MODEL).tokens
-        rid = sched.reserve(Reserve("gone-gateway", MODEL, "", 4, 400, time.time() + 30))
-        assert rid == sched.id and sched.ahead(MODEL).tokens == before + 400
-        held = sched.reservations["gone-gateway"]
+        before = sched.admission.ahead(MODEL).tokens
+        rid = sched.admission.reserve(Reserve("gone-gateway", MODEL, "", 4, 400, time.time() + 30))
+        assert rid == sched.id and sched.admission.ahead(MODEL).tokens == before + 400
+        held = sched.admission.reservations["gone-gateway"]
         assert held.expires - time.monotonic() == pytest.approx(RESERVATION_S, abs=1.0)
-        sched.reservations["gone-gateway"] = held._replace(expires=time.monotonic())
-        await wait_until(lambda: not sched.reservations)  # housekeeping drops it
-        assert sched.ahead(MODEL).tokens == before
+        sched.admission.reservations["gone-gateway"] = held._replace(expires=time.monotonic())
+        await wait_until(lambda: not sched.admission.reservations)  # housekeeping drops it
+        assert sched.admission.ahead(MODEL).tokens == before
 
 
 async def test_work_whose_reservation_lapsed_is_checked_on_arrival(nats_server):
@@ -419,15 +455,14 @@ async def test_work_whose_reservation_lapsed_is_checked_on_arrival(nats_server):
     async with running_stack(nats_server.url) as st:
         await st.add_worker(engine, "enc-lapsed")
         await measured(st)
-        sched = st.scheduler
+        sched, adm = st.scheduler, st.scheduler.admission
         for rid in ("kept", "lapsed"):
-            assert sched.reserve(Reserve(rid, MODEL, "", 1, 3, time.time() + 30)) == sched.id
-        sched.reservations["lapsed"] = sched.reservations["lapsed"]._replace(
-            expires=time.monotonic())
-        await wait_until(lambda: "lapsed" not in sched.reservations)  # housekeeping
+            assert adm.reserve(Reserve(rid, MODEL, "", 1, 3, time.time() + 30)) == sched.id
+        adm.reservations["lapsed"] = adm.reservations["lapsed"]._replace(expires=time.monotonic())
+        await wait_until(lambda: "lapsed" not in adm.reservations)  # housekeeping
         # From now on any work is far beyond its deadline: ~1,000 s a token.
-        sched.costs = CostBook()
-        sched.costs.learn(MODEL, Cost(0.0, 1000.0))
+        sched.admission.costs = CostBook()
+        sched.admission.costs.learn(MODEL, Cost(0.0, 1000.0))
         answers: dict[str, object] = {}
 
         async def answer(msg):
@@ -497,12 +532,12 @@ async def test_two_gateways_bursts_of_long_prompts_meet_one_count_bound_before_t
                      for _ in range(24)]
             sched = st.scheduler
             # Every request refused or given room while no prompt has been rendered.
-            await wait_until(lambda: sum(t.done() for t in tasks) + len(sched.reservations)
-                             == len(tasks))
+            await wait_until(lambda: sum(t.done() for t in tasks)
+                             + len(sched.admission.reservations) == len(tasks))
             assert not rendered
             early = Counter(t.result().status for t in tasks if t.done())
             assert set(early) == {429}, early
-            reserved = len(sched.reservations)
+            reserved = len(sched.admission.reservations)
             assert 1 <= reserved <= bound, reserved  # one bound, not one per gateway
         finally:
             gate.set()
@@ -512,16 +547,16 @@ async def test_two_gateways_bursts_of_long_prompts_meet_one_count_bound_before_t
             codes = Counter(o.status for o in await asyncio.gather(*tasks))
             # What was given room was answered: none refused after its tokenizing.
             assert codes[200] == reserved and set(codes) == {200, 429}, codes
-            assert not sched.reservations  # each became its work
+            assert not sched.admission.reservations  # each became its work
             # A prompt longer than the context is found so after its tokenizing: a 400,
             # and the room it was given goes back at once.
-            made, reserve = [], sched.reserve
-            sched.reserve = lambda req: made.append(reserve(req)) or made[-1]
+            made, reserve = [], sched.admission.reserve
+            sched.admission.reserve = lambda req: made.append(reserve(req)) or made[-1]
             too_long = msgspec.json.encode({"model": engine.name, "max_tokens": 2,
                                             "prompt": [100 + i % 200 for i in range(1100)]})
             out = await one(st.client, subjects.COMPLETIONS, too_long, 30)
             assert out.status == 400 and made == [sched.id]
-            await wait_until(lambda: not sched.reservations)
+            await wait_until(lambda: not sched.admission.reservations)
         finally:
             second.stop()
             await asyncio.gather(task, return_exceptions=True)

@@ -98,7 +98,7 @@ async def test_eight_concurrent_held_requests_are_all_answered(nats_server):
         reqs = await Records(RequestRecord).start(st.client, subjects.TELEMETRY_REQUESTS)
         pending = [asyncio.create_task(ask(st.client, body(input=[f"q {i}"]), timeout=20))
                    for i in range(8)]
-        await wait_until(lambda: len(st.scheduler.held.get(MODEL, ())) == 8, timeout=5)
+        await wait_until(lambda: len(st.scheduler.holds.by_model.get(MODEL, ())) == 8, timeout=5)
         await st.add_worker(MockEncoder(), "late-w8")
         assert [c for c, _ in await asyncio.gather(*pending)] == [200] * 8
         await wait_until(lambda: len(reqs.of(MODEL)) == 8, timeout=5)
@@ -111,7 +111,7 @@ async def test_held_requests_count_against_the_bound_of_one_worker(nats_server):
     async with running_stack(nats_server.url, max_queue_per_worker=4, **ZERO) as st:
         pending = [asyncio.create_task(ask(st.client, body(input=[f"h {i}"]), timeout=20))
                    for i in range(4)]
-        await wait_until(lambda: len(st.scheduler.held.get(MODEL, ())) == 4, timeout=5)
+        await wait_until(lambda: len(st.scheduler.holds.by_model.get(MODEL, ())) == 4, timeout=5)
         code, resp = await ask(st.client, timeout=2)
         assert code == 429 and resp["error"]["code"] == "overloaded"
         await st.add_worker(MockEncoder(), "bound-w1")
@@ -128,7 +128,7 @@ async def test_a_held_request_whose_deadline_passes_gets_504(nats_server):
         assert resp["error"]["code"] == "deadline_exceeded"
         await wait_until(lambda: reqs.of(MODEL), timeout=5)
         assert reqs.of(MODEL)[0].status == 504 and reqs.of(MODEL)[0].hold_s >= 0.4
-        await wait_until(lambda: not st.scheduler.held, timeout=5)  # nothing left behind
+        await wait_until(lambda: not st.scheduler.holds.by_model, timeout=5)  # nothing left behind
 
 
 async def test_a_model_that_is_not_served_is_503_at_once(nats_server):
@@ -145,7 +145,7 @@ async def test_a_failed_model_is_503_with_the_reason_and_its_card_says_failed(na
     why = "TENSORBUS_ENGINE: unknown engine 'tpu'"
     async with running_stack(nats_server.url, **ZERO) as st:
         held = asyncio.create_task(ask(st.client, timeout=10))
-        await wait_until(lambda: st.scheduler.held.get(MODEL), timeout=5)
+        await wait_until(lambda: st.scheduler.holds.by_model.get(MODEL), timeout=5)
         status = FleetStatus("orch-1", [ModelStatus(MODEL, "failed", 0, 1, why)], time.time())
         await st.client.publish(subjects.ORCHESTRATOR_STATUS, encode(status))
         code, resp = await held  # the held one is refused as soon as the model fails
@@ -177,7 +177,7 @@ async def test_a_worker_above_memory_high_gets_no_new_work_until_it_falls_back(n
         results = await asyncio.gather(*(ask(st.client, body(input=[f"x{i}"])) for i in range(40)))
         assert [c for c, _ in results] == [200] * 40
         assert sum(full.batches) == 0 and sum(roomy.batches) == 40
-        d = st.scheduler.decide(MODEL)
+        d = st.scheduler.scaling.decide(MODEL)
         assert d.pressured == 1 and "memory" in d.reason
         hot.fraction = 0.5
         await wait_until(lambda: not st.scheduler.fleet.pressured(

@@ -158,10 +158,10 @@ async def test_a_stream_starts_with_its_first_chunk_and_a_client_may_leave_befor
                 "model": model, "prompt": "the", "max_tokens": 4, "stream": True}))
             # Submitted and waiting (held by whichever scheduler took it: this module's
             # other stack may be running on the same server).
-            await wait_until(lambda: st.gateway.front.waiting[model] == 1, timeout=10)
+            await wait_until(lambda: st.gateway.front.admission.waiting[model] == 1, timeout=10)
             assert not call.done()  # nothing sent yet: no status, no headers
             call.cancel()  # the client hangs up while its request waits for a worker
         await wait_until(lambda: records, timeout=5)
         await sub.unsubscribe()
         assert (records[0].status, records[0].error_code) == (499, "client_closed")
-        assert st.gateway.front.inbox.open_count == 0 and st.gateway.front.waiting[model] == 0
+        assert st.gateway.front.inbox.open_count == 0 and st.gateway.front.admission.waiting[model] == 0

@@ -95,7 +95,7 @@ async def test_ttft_includes_a_cold_start_and_itl_counts_every_token(nats_server
         body = {"model": MODEL, "prompt": [5, 17, 42], "max_tokens": 12, "ignore_eos": True,
                 "temperature": 0}
         request = asyncio.create_task(first_chunk_and_rest(st.client, body))
-        await wait_until(lambda: st.scheduler.held.get(MODEL))
+        await wait_until(lambda: st.scheduler.holds.by_model.get(MODEL))
         await st.add_worker(engine, "dec-metrics", kind="decoder")
         client_ttft, msgs = await request
         assert msgs[-1] == b"[DONE]" and len(msgs) > 2

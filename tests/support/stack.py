@@ -65,10 +65,14 @@ class Stack:
                     gate.set()
 
     async def add_worker(self, engine, worker_id: str, kind: str = "encoder",
-                         wait_ready: bool = True, worker_cls=Worker) -> Worker:
+                         wait_ready: bool = True, worker_cls=Worker,
+                         time_warmup: bool = False) -> Worker:
+        """`time_warmup`: time the engine at warm-up as a worker process does (off by
+        default: test doubles count their engine calls, and the timing would be some)."""
         nc = await nats.connect(self.config.nats_url, name=worker_id)
         self._exit.push_async_callback(close, nc)
-        w = worker_cls(nc, self.config, engine, kind=kind, worker_id=worker_id)
+        w = worker_cls(nc, self.config, engine, kind=kind, worker_id=worker_id,
+                       time_warmup=time_warmup)
         self._engines.append(weakref.ref(engine))
         return await self._start(w, wait_ready)
 
@@ -86,7 +90,7 @@ class Stack:
             return engine
 
         w = Worker(nc, self.config, model=model, worker_id=worker_id, source=source,
-                   engine_factory=made)
+                   engine_factory=made, time_warmup=False)
         return await self._start(w, wait_ready)
 
     async def _start(self, w: Worker, wait_ready: bool) -> Worker:
