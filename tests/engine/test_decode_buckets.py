@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,9 +98,11 @@ def test_pallas_paged_kernel_equals_the_xla_path(dtype):
     q = jnp.asarray(rng.standard_normal((4, 9, d)), dtype)
     tables = jnp.asarray(rng.permutation(np.arange(1, blocks))[:32].reshape(4, 8), jnp.int32)
     positions = jnp.asarray([0, 17, 60, 127], jnp.int32)  # first, mid-block, a full window
+    cpu = jax.devices()[0].platform == "cpu"  # elsewhere the kernel itself runs
     xla = paged_decode(q, k, v, tables, positions, cfg, "xla")
-    pallas = paged_decode(q, k, v, tables, positions, cfg, "pallas", interpret=True)
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    pallas = paged_decode(q, k, v, tables, positions, cfg, "pallas", interpret=cpu)
+    # A GPU's float32 dots in the kernel run as TF32 (10-bit mantissas).
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5 if cpu else 2e-3
     np.testing.assert_allclose(np.asarray(pallas, np.float32), np.asarray(xla, np.float32),
                                atol=tol, rtol=tol)  # fmt: skip
     assert pick("auto", "cpu") == "xla" and pick("auto", "gpu") == "pallas"
