@@ -102,7 +102,7 @@ async def load(url: str, model: str, concurrency: int, seconds: float, max_token
 
 
 # ------------------------------------------------------------------ servers
-def _stack_env(data: Path, fleet: str) -> tuple[dict, str]:
+def _stack_env(data: Path, fleet: str, extra: dict[str, str]) -> tuple[dict, str]:
     port, http = free_port(), free_port()
     env = dict(os.environ, TENSORBUS_DATA_DIR=str(data), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                TENSORBUS_NATS_URL=f"nats://127.0.0.1:{port}", TENSORBUS_NATS_PORT=str(port),
@@ -110,11 +110,13 @@ def _stack_env(data: Path, fleet: str) -> tuple[dict, str]:
                TENSORBUS_METRICS_PORT=str(free_port()), TENSORBUS_LOG_FORMAT="json")  # fmt: skip
     if fleet:
         env["TENSORBUS_FLEET"] = fleet
+    env.update(extra)
     return env, f"http://127.0.0.1:{http}"
 
 
-def start_stack(data: Path, fleet: str, log: Path) -> tuple[subprocess.Popen, str, float]:
-    env, url = _stack_env(data, fleet)
+def start_stack(data: Path, fleet: str, log: Path,
+                extra: dict[str, str]) -> tuple[subprocess.Popen, str, float]:
+    env, url = _stack_env(data, fleet, extra)
     t0 = time.perf_counter()
     proc = subprocess.Popen([str(ROOT / ".venv/bin/honcho"), "start"], cwd=ROOT, env=env,
                             stdout=log.open("ab"), stderr=subprocess.STDOUT,
@@ -193,12 +195,14 @@ async def main_async(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         data, log = Path(tmp) / "data", out_dir / "vs_llamacpp_stack.log"
-        proc, url, t0 = start_stack(data, args.fleet, log)
+        extra = dict(kv.split("=", 1) for kv in args.env)
+        doc["env"] = extra
+        proc, url, t0 = start_stack(data, args.fleet, log, extra)
         try:
             doc["start_cold_s"] = await first_token_after(url, t0, MODEL)
         finally:
             stop(proc)
-        proc, url, t0 = start_stack(data, args.fleet, log)
+        proc, url, t0 = start_stack(data, args.fleet, log, extra)
         try:
             doc["start_warm_s"] = await first_token_after(url, t0, MODEL)
             print(json.dumps({"start_cold_s": doc["start_cold_s"],
@@ -236,6 +240,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--fleet", default="", help="TENSORBUS_FLEET for the stack (default: up.sh's)")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting for the stack, e.g. TENSORBUS_WORKER_THREADS=shared")
     ap.add_argument("--out", default="bench/out/vs_llamacpp.json")
     args = ap.parse_args(argv)
     if not args.fleet:
