@@ -24,10 +24,11 @@ def _nats(args: argparse.Namespace, config: Config) -> int:
 
 def _embed(args: argparse.Namespace, config: Config) -> int:
     import msgspec
-    import nats
+
+    from shared.bus import open_client
 
     async def go() -> int:
-        nc = await nats.connect(config.nats_url)
+        nc = await open_client(config.nats_url, config)
         try:
             body = msgspec.json.encode({"model": args.model, "input": args.text})
             msg = await nc.request("inference.v1.embeddings", body, timeout=args.timeout)
@@ -40,10 +41,10 @@ def _embed(args: argparse.Namespace, config: Config) -> int:
 
 
 def _telemetry(args: argparse.Namespace, config: Config) -> int:
-    import nats
     from nats.js.errors import NotFoundError
 
     from services.telemetry import consumer
+    from shared.bus import open_client
 
     try:
         flt = consumer.Filter(consumer.parse_kinds(args.kind), args.model or "")
@@ -57,9 +58,9 @@ def _telemetry(args: argparse.Namespace, config: Config) -> int:
 
     async def go() -> int:
         try:
-            nc = await nats.connect(config.nats_url, name="tensorbus-telemetry-cli",
-                                    connect_timeout=2, max_reconnect_attempts=1,
-                                    allow_reconnect=False, error_cb=quiet)
+            nc = await open_client(config.nats_url, config, name="tensorbus-telemetry-cli",
+                                   connect_timeout=2, max_reconnect_attempts=1,
+                                   allow_reconnect=False, error_cb=quiet)
         except Exception as exc:  # noqa: BLE001 - any failure to connect ends the command
             print(f"tensorbus telemetry: cannot reach NATS at {config.nats_url}: "
                   f"{exc or type(exc).__name__}", file=sys.stderr)
