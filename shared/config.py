@@ -21,6 +21,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     nats_port: int = 4222  # port of the embedded nats-server (`tensorbus nats`)
     data_dir: str = ".data"  # JetStream store, compilation cache, seeded models
     nats_stop_grace_s: float = 4.0  # `tensorbus nats` on SIGTERM: serve connected clients this long at most, so they drain
+    js_replicas: int = 0  # JetStream replicas of the registry buckets and the TELEMETRY stream when created; 0 = 3 on a cluster of 3 or more servers, else 1
     nats_creds: str = ""  # creds file (user JWT + nkey seed, from `nsc`) every connection logs in with; empty = none
     nats_nkey_seed: str = ""  # file holding this role's nkey seed (`SU...`, deploy/nats/make_nkeys.py); empty = none; ignored with a creds file
     nats_tls_ca: str = ""  # CA file that signed the server's certificate (tls.conf); empty = the system's CAs (SSL_CERT_FILE)

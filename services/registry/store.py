@@ -55,6 +55,7 @@ from services.registry.errors import (
 )
 from services.registry.watch import AliasWatch, alias_change, decode_aliases
 from shared import catalog, gguf, subjects
+from shared.jetstream import replicas
 from shared.logging import get_logger
 from shared.registry import (NAME_RE, PENDING, READY, Aliases, AliasChange, CanaryGuard,
                              ModelVersion)
@@ -130,7 +131,7 @@ class Registry:
         except BucketNotFoundError:
             kv = await js.create_key_value(
                 bucket=subjects.REGISTRY_META, history=KV_HISTORY,
-                description="tensorbus model metadata and aliases",
+                description="tensorbus model metadata and aliases", replicas=replicas(nc),
             )
         else:
             kept = (await kv.status()).history
@@ -142,6 +143,7 @@ class Registry:
         except BucketNotFoundError:
             obj = await js.create_object_store(
                 subjects.REGISTRY_OBJECTS, description="tensorbus model files",
+                replicas=replicas(nc),
             )
         return cls(js, kv, obj, actor, nc=nc)
 
