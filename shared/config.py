@@ -33,7 +33,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     api_keys: str = ""  # comma-separated bearer keys; empty = no auth
     request_timeout_s: float = 30.0  # default deadline of a request
     max_inputs: int = 256  # embedding inputs per request
-    max_payload: int = 1_048_576  # largest request body accepted (bytes)
+    max_payload: int = 1_048_576  # largest request body accepted (bytes); the bus's own max_payload instead when that is smaller
     max_n: int = 4  # generation choices per request
     max_header_bytes: int = 16_384  # HTTP header bytes accepted
     # --- scheduler
