@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 
 import msgspec
 import pytest
@@ -120,6 +121,16 @@ async def test_every_service_logs_in_as_its_role_and_serves(tmp_path, keys, mode
             assert proc.alive(), f"{name} exited:\n{proc.log_path.read_text()[-3000:]}"
             log = proc.log_path.read_text().lower()
             assert "authorization violation" not in log, f"{name}:\n{log[-3000:]}"
+
+        # docs/security.md: under the secured roles telemetry has no registry rights,
+        # says so, and serves on without the automatic canary rollback.
+        telemetry = sup.procs["telemetry"].log_path
+        end = time.monotonic() + 20
+        while "registry_unavailable" not in telemetry.read_text():
+            assert time.monotonic() < end, telemetry.read_text()[-3000:]
+            await asyncio.sleep(0.1)  # polling the log file for the line to land
+        assert "no automatic canary rollback" in telemetry.read_text()
+        assert sup.procs["telemetry"].alive()
 
 
 def test_a_seed_that_is_not_one_exits_78(tmp_path):
