@@ -51,11 +51,13 @@ def login_options(config: Config) -> dict:
     A file that cannot be read or used exits 78 (bad configuration), naming it."""
     opts: dict = {}
     try:
+        # Read and used once now (openssl included), so a bad file or a missing
+        # openssl stops the process at start rather than failing every reconnect.
         if config.nats_creds:
-            nkeys.read_creds_file(config.nats_creds)  # fail now, not at every reconnect
+            nkeys.public_key(nkeys.read_creds_file(config.nats_creds)[1])
             opts["user_credentials"] = config.nats_creds
         elif config.nats_nkey_seed:
-            nkeys.read_seed_file(config.nats_nkey_seed)
+            nkeys.public_key(nkeys.read_seed_file(config.nats_nkey_seed))
             opts["nkeys_seed"] = config.nats_nkey_seed
         if config.nats_tls_ca or config.nats_tls_cert:
             ctx = ssl.create_default_context(cafile=config.nats_tls_ca or None)

@@ -72,3 +72,10 @@ def test_unusable_credentials_exit_78_naming_the_problem(tmp_path, capsys):
 
 def test_no_settings_no_options():
     assert login_options(Config()) == {}
+
+
+def test_without_openssl_an_nkey_login_stops_at_start(seed_file, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(SystemExit) as exc:
+        login_options(Config(nats_nkey_seed=str(seed_file)))
+    assert exc.value.code == 78 and "openssl" in capsys.readouterr().err
