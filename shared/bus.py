@@ -28,9 +28,20 @@ log = get_logger("bus")
 
 
 class _Client(Client):
-    """nats-py's client, signing nkey and creds logins with shared.nkeys (openssl)
-    instead of the `nkeys` package: nats-py calls this hook when `nkeys_seed` or
-    `user_credentials` is set, and sends `nkey` (or `jwt`) with the signature."""
+    """nats-py's client, keeping the cluster's current members (`cluster_urls`, for
+    shared.jetstream) and signing nkey and creds logins with shared.nkeys (openssl)
+    instead of the `nkeys` package: nats-py calls `_setup_nkeys_connect` when
+    `nkeys_seed` or `user_credentials` is set, and sends `nkey` (or `jwt`) with the
+    signature."""
+
+    cluster_urls: frozenset[str] = frozenset()  # immutable default; set per INFO
+
+    async def _process_info(self, info: dict, initial_connection: bool = False) -> None:
+        # Keep the server's latest list of cluster members (nats-py keeps only the
+        # first INFO's): a cluster still forming announces its late members here.
+        if info.get("connect_urls"):
+            self.cluster_urls = frozenset(info["connect_urls"])
+        await super()._process_info(info, initial_connection)
 
     def _setup_nkeys_connect(self) -> None:
         if self._user_credentials is not None:

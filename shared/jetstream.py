@@ -24,10 +24,14 @@ STREAMS = (f"KV_{subjects.REGISTRY_META}", f"OBJ_{subjects.REGISTRY_OBJECTS}",
 
 
 def cluster_size(nc: Client) -> int:
-    """Servers in the cluster the connection is on, as its server announces them
-    (1 for a lone server, or one started with `--no_advertise`)."""
-    info = getattr(nc, "_server_info", None) or {}  # nats-py keeps the last INFO here
-    return max(1, len(set(info.get("connect_urls") or ())))
+    """Servers in the cluster the connection is on, as its server last announced them
+    (1 for a lone server, or one started with `--no_advertise`). A connection from
+    shared.bus follows the announcements; another knows its handshake's only."""
+    urls = getattr(nc, "cluster_urls", None)
+    if not urls:
+        info = getattr(nc, "_server_info", None) or {}  # nats-py keeps the first INFO here
+        urls = info.get("connect_urls") or ()
+    return max(1, len(set(urls)))
 
 
 def replicas(nc: Client, setting: int | None = None) -> int:
