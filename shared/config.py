@@ -21,13 +21,19 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     nats_port: int = 4222  # port of the embedded nats-server (`tensorbus nats`)
     data_dir: str = ".data"  # JetStream store, compilation cache, seeded models
     nats_stop_grace_s: float = 4.0  # `tensorbus nats` on SIGTERM: serve connected clients this long at most, so they drain
+    js_replicas: int = 0  # JetStream replicas of the registry buckets and the TELEMETRY stream when created; 0 = 3 on a cluster of 3 or more servers, else 1
+    nats_creds: str = ""  # creds file (user JWT + nkey seed, from `nsc`) every connection logs in with; empty = none
+    nats_nkey_seed: str = ""  # file holding this role's nkey seed (`SU...`, deploy/nats/make_nkeys.py); empty = none; ignored with a creds file
+    nats_tls_ca: str = ""  # CA file that signed the server's certificate (tls.conf); empty = the system's CAs (SSL_CERT_FILE)
+    nats_tls_cert: str = ""  # client certificate file for mutual TLS (tls-mtls.conf); empty = none
+    nats_tls_key: str = ""  # its private key file; empty = inside the certificate file
     # --- gateway
     http_host: str = "127.0.0.1"  # HTTP bind address; 0.0.0.0 only on purpose
     http_port: int = 8000  # OpenAI-compatible HTTP API
     api_keys: str = ""  # comma-separated bearer keys; empty = no auth
     request_timeout_s: float = 30.0  # default deadline of a request
     max_inputs: int = 256  # embedding inputs per request
-    max_payload: int = 1_048_576  # largest request body accepted (bytes)
+    max_payload: int = 1_048_576  # largest request body accepted (bytes); the bus's own max_payload instead when that is smaller
     max_n: int = 4  # generation choices per request
     max_header_bytes: int = 16_384  # HTTP header bytes accepted
     # --- scheduler

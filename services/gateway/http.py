@@ -75,15 +75,27 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
             raise ServiceError(431, f"the request headers take {size} bytes; the limit is "
                                f"{config.max_header_bytes}", code="headers_too_large")
 
+    def body_limit() -> tuple[int, str]:
+        """(bytes, name) of the largest body taken: TENSORBUS_MAX_PAYLOAD, or the bus's
+        own max_payload when smaller (what the connected nats-server announced, read
+        per request: a reconnect may land on another server). A NATS client cannot
+        send more than that either, so both transports meet one limit, as a 413."""
+        bus = front.nc.max_payload
+        if 0 < bus < config.max_payload:
+            return bus, "the message bus's max_payload"
+        return config.max_payload, "TENSORBUS_MAX_PAYLOAD"
+
     async def read_body(request: Request) -> bytes:
+        limit, name = body_limit()
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > config.max_payload:
-            raise too_large(f"the request body is {declared} bytes; the limit is {config.max_payload}")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise too_large(f"the request body is {declared} bytes; the limit is {limit} bytes "
+                            f"({name})")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > config.max_payload:
-                raise too_large(f"the request body exceeds the limit of {config.max_payload} bytes")
+            if size > limit:
+                raise too_large(f"the request body exceeds the limit of {limit} bytes ({name})")
             chunks.append(chunk)
         return b"".join(chunks)
 

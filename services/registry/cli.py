@@ -16,6 +16,7 @@ import nats
 
 from services.registry.errors import RegistryError
 from services.registry.store import Registry
+from shared.bus import open_client
 from shared.config import Config
 from shared.logging import configure_logging
 from shared.registry import Aliases, CanaryGuard, ModelVersion
@@ -27,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", default=None,
                    help="NATS server(s), comma-separated (default: $TENSORBUS_NATS_URL)")
     p.add_argument("--creds", default=None, metavar="FILE",
-                   help="NATS credentials file (user JWT + nkey), when the server wants one")
+                   help="NATS credentials file (user JWT + nkey), when the server wants one "
+                        "(default: $TENSORBUS_NATS_CREDS; see also TENSORBUS_NATS_NKEY_SEED)")
     p.add_argument("-v", "--verbose", action="store_true", help="log registry operations")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -105,10 +107,10 @@ def main(argv: list[str] | None = None, *, setup_logging: bool = True) -> int:
 
 async def _run(args: argparse.Namespace, url: str) -> int:
     # Unlike a service, a command fails fast when the bus is down (a few retries).
-    nc = await nats.connect(servers=[u.strip() for u in url.split(",")],
-                            name="tensorbus-registry-cli", connect_timeout=2,
-                            max_reconnect_attempts=2, reconnect_time_wait=0.25,
-                            allow_reconnect=True, user_credentials=args.creds)
+    creds = {"user_credentials": args.creds} if args.creds else {}
+    nc = await open_client(url, name="tensorbus-registry-cli", connect_timeout=2,
+                           max_reconnect_attempts=2, reconnect_time_wait=0.25,
+                           allow_reconnect=True, **creds)
     try:
         reg = await Registry.open(nc)
         return await _COMMANDS[args.command](reg, args)
