@@ -8,6 +8,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from engine.encoder_spec import UnsupportedEncoder, pooled_dim, read_spec
+
+# The transformer's MLP activations both engines compute (config.json `hidden_act`).
+ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
+
 # Accepted spellings of the three compute dtypes, mapped to the canonical name.
 DTYPE_ALIASES = {
     "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32",
@@ -25,21 +30,45 @@ def canonical_dtype(name: str) -> str:
 
 
 class BertConfig:
-    """The config.json fields the math needs, plus the sentence-transformers limit."""
+    """The config.json fields the math needs, the family's position numbering, the
+    sentence-transformers limit, and how the model pools (engine/encoder_spec.py).
+    Raises `UnsupportedEncoder` (a ValueError) for a model the engines do not serve."""
 
     def __init__(self, model_dir: str | Path) -> None:
         d = Path(model_dir)
         cfg = json.loads((d / "config.json").read_text())
+        self.spec = read_spec(d)  # refuses an unserved family or module first
+        self.family = self.spec.family
         self.hidden = int(cfg["hidden_size"])
         self.heads = int(cfg["num_attention_heads"])
         self.intermediate = int(cfg.get("intermediate_size", 4 * self.hidden))
         self.layers = int(cfg["num_hidden_layers"])
         self.eps = float(cfg.get("layer_norm_eps", 1e-12))
         self.act = str(cfg.get("hidden_act", "gelu"))
+        if self.act not in ACTIVATIONS:
+            raise UnsupportedEncoder(f"hidden_act {self.act!r} is not one of {', '.join(ACTIVATIONS)}")
+        position_type = cfg.get("position_embedding_type", "absolute")
+        if position_type != "absolute":
+            raise UnsupportedEncoder(f"position_embedding_type {position_type!r}: the encoder "
+                                     f"engines add learned absolute positions only")  # fmt: skip
         self.pad_id = int(cfg.get("pad_token_id") or 0)
         self.max_positions = int(cfg.get("max_position_embeddings", 512))
-        # sentence-transformers truncates at max_seq_length (256 for MiniLM), not at
-        # the tokenizer file's 128 nor the 512 positions: that is the input limit.
-        st = d / "sentence_bert_config.json"
-        limit = json.loads(st.read_text()).get("max_seq_length") if st.exists() else None
-        self.max_tokens = min(int(limit or self.max_positions), self.max_positions)
+        # RoBERTa / XLM-R number real tokens from padding_idx + 1 (right padding, so
+        # token i sits at position offset + i); BERT from 0.
+        self.position_offset = self.pad_id + 1 if self.family == "roberta" else 0
+        self.dim = pooled_dim(self.spec, self.hidden)  # width of the served vectors
+        # sentence-transformers truncates at max_seq_length (256 for MiniLM; newer
+        # releases keep it as the tokenizer's model_max_length), not at the tokenizer
+        # file's 128 nor the 512 positions: that is the input limit.
+        usable = self.max_positions - self.position_offset
+        self.max_tokens = min(_seq_limit(d) or usable, usable)
+
+
+def _seq_limit(d: Path) -> int | None:
+    st = d / "sentence_bert_config.json"
+    limit = json.loads(st.read_text()).get("max_seq_length") if st.exists() else None
+    if limit is None and (d / "modules.json").exists() and (d / "tokenizer_config.json").exists():
+        limit = json.loads((d / "tokenizer_config.json").read_text()).get("model_max_length")
+    if limit is None or int(limit) > 1_000_000:  # transformers' "no limit" sentinel
+        return None
+    return int(limit)

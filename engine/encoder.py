@@ -10,9 +10,12 @@ Dataflow of one `JaxEncoder.embed` call:
      into their input order.
 
 `forward` = embeddings -> L x (fused-QKV attention, GELU MLP, post-LayerNorm) ->
-mean pooling over the mask -> L2 normalisation, i.e. sentence-transformers'
-Transformer + Pooling(mean) + Normalize. Matmuls run in the model dtype; LayerNorm,
-softmax and pooling statistics in float32.
+the model's own sentence-transformers head (engine/encoder_spec.py): pooling over
+the mask (CLS, mean, max, mean/sqrt(len), weighted mean, last token, concatenated in
+sentence-transformers' order), its Dense layers, and L2 normalisation when it has a
+Normalize module. BERT and RoBERTa / XLM-RoBERTa differ only in where positions
+start (engine/bert_config.py). Matmuls run in the model dtype; LayerNorm, softmax,
+pooling and the head in float32.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from engine.quant import cast_tree as quant_tree
 from engine.quant import matmul as qmatmul
 from engine.sharding import shard_major
 from engine.bert_config import BertConfig
+from engine.encoder_spec import dense_weights
 from engine.weights import load_weights, strip_prefix
 
 Params = dict[str, Any]
@@ -59,6 +63,7 @@ def load_params(
     cfg = BertConfig(model_dir)
     w = strip_prefix(load_weights(model_dir))
     dt = jaxrt.parse_dtype(dtype)
+    start = cfg.position_offset  # first position a token takes (RoBERTa: pad_id + 1)
 
     def f32(name: str) -> np.ndarray:
         return np.asarray(w[name], dtype=np.float32)
@@ -89,12 +94,16 @@ def load_params(
     type0 = f32("embeddings.token_type_embeddings.weight")[0]  # [D]
     tree = {
         "word": f32("embeddings.word_embeddings.weight"),  # [V, D]
-        "pos": f32("embeddings.position_embeddings.weight") + type0,  # [P, D]
+        "pos": f32("embeddings.position_embeddings.weight")[start:] + type0,  # [P - start, D]
         "emb_ln_g": f32("embeddings.LayerNorm.weight"),
         "emb_ln_b": f32("embeddings.LayerNorm.bias"),
         "layers": layers,
+        # sentence-transformers Dense layers after pooling: [IN, OUT], [OUT], [IN, OUT]?
+        "head": [{"head_w": h["w"], "head_b": h["b"]} | ({} if h["r"] is None else {"head_r": h["r"]})
+                 for h in dense_weights(model_dir, cfg.spec)],
     }
-    keep_f32 = frozenset({"emb_ln_g", "emb_ln_b", "ln1_g", "ln1_b", "ln2_g", "ln2_b"})
+    keep_f32 = frozenset({"emb_ln_g", "emb_ln_b", "ln1_g", "ln1_b", "ln2_g", "ln2_b",
+                          "head_w", "head_b", "head_r"})
     tree = quant_tree(quantize_tree(tree, quant, QUANT_AXES), dt, keep_f32)
     return tree if mesh is None else sharding.place(tree, mesh)
 
@@ -159,8 +168,46 @@ def _layer(x, bias, p: Params, cfg: BertConfig, tp: int = 1):
     return _layer_norm(y + x, p["ln2_g"], p["ln2_b"], cfg.eps)
 
 
+def _pool(x32, m, mode: str):
+    """x32: [B, S, D] float32, m: [B, S] float32 0/1 (right padding) -> [B, D],
+    as sentence-transformers' Pooling computes `mode`."""
+    if mode == "cls":
+        return x32[:, 0]  # right padding: the first token is always real
+    if mode == "lasttoken":
+        last = jnp.maximum(jnp.sum(m, axis=1).astype(jnp.int32) - 1, 0)  # [B]
+        return jnp.take_along_axis(x32, last[:, None, None], axis=1)[:, 0]
+    if mode == "max":
+        return jnp.max(jnp.where(m[:, :, None] > 0, x32, -jnp.inf), axis=1)
+    if mode == "weightedmean":
+        m = m * jnp.arange(1, m.shape[1] + 1, dtype=jnp.float32)[None, :]  # weight i + 1
+    summed = jnp.einsum("bsd,bs->bd", x32, m)  # [B, D]
+    count = jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1e-9)  # [B, 1]
+    return summed / (jnp.sqrt(count) if mode == "mean_sqrt_len_tokens" else count)
+
+
+_HEAD_ACTS = {
+    "identity": lambda x: x, "tanh": jnp.tanh, "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False), "sigmoid": jax.nn.sigmoid,
+    "silu": jax.nn.silu,
+}  # fmt: skip
+
+
+def head(params: Params, x32, m, cfg: BertConfig):
+    """x32: [B, S, D] float32 token states -> [B, dim] float32: the model's pooling,
+    Dense layers and (when it has one) Normalize."""
+    spec = cfg.spec
+    y = jnp.concatenate([_pool(x32, m, mode) for mode in spec.pooling], axis=-1)  # [B, P]
+    for layer, p in zip(spec.dense, params["head"]):
+        out = _HEAD_ACTS[layer.activation](y @ p["head_w"] + p["head_b"])  # [B, OUT]
+        y = out + y @ p["head_r"] if "head_r" in p else out
+    if spec.normalize:
+        norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=1, keepdims=True))  # [B, 1]
+        y = y / jnp.maximum(norm, 1e-12)
+    return y
+
+
 def forward(params: Params, ids, mask, cfg: BertConfig, tp: int = 1):
-    """ids, mask: [B, S] int32 -> [B, D] float32 unit vectors (mean over mask).
+    """ids, mask: [B, S] int32 -> [B, dim] float32 sentence embeddings (`head`).
     `tp`: devices the heads are split over (the layout of the fused QKV columns)."""
     s = ids.shape[1]
     word, pos = params["word"], params["pos"]  # pos: [P, D] in the model dtype
@@ -172,12 +219,7 @@ def forward(params: Params, ids, mask, cfg: BertConfig, tp: int = 1):
     bias = ((m - 1.0) * 1e9)[:, None, None, :]  # [B, 1, 1, S]
     for p in params["layers"]:
         x = _layer(x, bias, p, cfg, tp)
-    x32 = x.astype(jnp.float32)  # [B, S, D]
-    summed = jnp.einsum("bsd,bs->bd", x32, m)  # [B, D]
-    count = jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1e-9)  # [B, 1]
-    pooled = summed / count  # [B, D]
-    norm = jnp.sqrt(jnp.sum(jnp.square(pooled), axis=1, keepdims=True))  # [B, 1]
-    return pooled / jnp.maximum(norm, 1e-12)  # [B, D]
+    return head(params, x.astype(jnp.float32), m, cfg)  # [B, dim]
 
 
 # --- the engine
@@ -219,7 +261,9 @@ class JaxEncoder:
         self.token_budget = token_budget  # padded tokens per executed group (buckets.plan)
         self.dtype = jaxrt.dtype_name(dtype)
         self.device = jaxrt.device_name()
-        self.dim = self.cfg.hidden
+        self.dim = self.cfg.dim
+        self.prompts = dict(self.cfg.spec.prompts)  # name -> prefix text, for the gateway
+        self.default_prompt_name = self.cfg.spec.default_prompt_name
         self.max_tokens = self.cfg.max_tokens
         self.batch_buckets = bk.parse(batch_buckets)
         seqs = tuple(s for s in bk.parse(seq_buckets) if s < self.max_tokens)

@@ -19,10 +19,14 @@ if TYPE_CHECKING:
 
 
 class Encoder(Protocol):
-    """Sentence embeddings: token ids in, L2-normalised float32 vectors out."""
+    """Sentence embeddings: token ids in, float32 vectors out, pooled (and projected,
+    and L2-normalised) as the model's sentence-transformers modules say
+    (engine/encoder_spec.py)."""
 
     name: str
-    dim: int
+    dim: int  # width of the vectors: the last Dense layer's, else pooled hidden size
+    prompts: dict[str, str]  # prompt name -> prefix text the tokenizer must prepend
+    default_prompt_name: str | None  # applied when a request names no prompt
     max_tokens: int  # longest accepted input, special tokens included
     dtype: str
     device: str  # e.g. "cpu", "cuda:0"
