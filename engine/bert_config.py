@@ -1,6 +1,7 @@
 """BERT encoder settings read from a model directory, shared by both encoder engines.
 
-Pure Python on purpose: the torch engine imports it without pulling in jax.
+Pure Python on purpose: the torch engine and the worker's checks import it without
+pulling in jax.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 from pathlib import Path
 
 from engine.encoder_spec import UnsupportedEncoder, pooled_dim, read_spec
+from shared.catalog import encoder_limit
 
 # The transformer's MLP activations both engines compute (config.json `hidden_act`).
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
@@ -57,18 +59,6 @@ class BertConfig:
         # token i sits at position offset + i); BERT from 0.
         self.position_offset = self.pad_id + 1 if self.family == "roberta" else 0
         self.dim = pooled_dim(self.spec, self.hidden)  # width of the served vectors
-        # sentence-transformers truncates at max_seq_length (256 for MiniLM; newer
-        # releases keep it as the tokenizer's model_max_length), not at the tokenizer
-        # file's 128 nor the 512 positions: that is the input limit.
-        usable = self.max_positions - self.position_offset
-        self.max_tokens = min(_seq_limit(d) or usable, usable)
-
-
-def _seq_limit(d: Path) -> int | None:
-    st = d / "sentence_bert_config.json"
-    limit = json.loads(st.read_text()).get("max_seq_length") if st.exists() else None
-    if limit is None and (d / "modules.json").exists() and (d / "tokenizer_config.json").exists():
-        limit = json.loads((d / "tokenizer_config.json").read_text()).get("model_max_length")
-    if limit is None or int(limit) > 1_000_000:  # transformers' "no limit" sentinel
-        return None
-    return int(limit)
+        # sentence-transformers truncates at max_seq_length (256 for MiniLM), not at
+        # the tokenizer file's 128 nor the 512 positions: that is the input limit.
+        self.max_tokens = encoder_limit(d, cfg)
