@@ -102,10 +102,26 @@ def load_params(
         "head": [{"head_w": h["w"], "head_b": h["b"]} | ({} if h["r"] is None else {"head_r": h["r"]})
                  for h in dense_weights(model_dir, cfg.spec)],
     }
+    if cfg.spec.task == "score":
+        tree["types"] = f32("embeddings.token_type_embeddings.weight") - type0  # [T, D]
+        tree["classifier"] = _classifier(w, cfg.family)
     keep_f32 = frozenset({"emb_ln_g", "emb_ln_b", "ln1_g", "ln1_b", "ln2_g", "ln2_b",
-                          "head_w", "head_b", "head_r"})
+                          "head_w", "head_b", "head_r", "cls_w", "cls_b", "out_w", "out_b"})
     tree = quant_tree(quantize_tree(tree, quant, QUANT_AXES), dt, keep_f32)
     return tree if mesh is None else sharding.place(tree, mesh)
+
+
+def _classifier(w, family: str) -> Params:
+    """A *ForSequenceClassification head as two [in, out] matmuls: BERT's pooler
+    then `classifier`; RoBERTa's `classifier.dense` then `classifier.out_proj`."""
+    inner, outer = (("pooler.dense", "classifier") if family == "bert"
+                    else ("classifier.dense", "classifier.out_proj"))  # fmt: skip
+
+    def f32(name: str) -> np.ndarray:
+        return np.asarray(w[name], dtype=np.float32)
+
+    return {"cls_w": f32(inner + ".weight").T, "cls_b": f32(inner + ".bias"),  # [D, D], [D]
+            "out_w": f32(outer + ".weight").T, "out_b": f32(outer + ".bias")}  # [D, L], [L]
 
 
 # --- the math (pure functions; shapes: B batch, S seq, D hidden, H heads, K head dim)
@@ -206,12 +222,15 @@ def head(params: Params, x32, m, cfg: BertConfig):
     return y
 
 
-def forward(params: Params, ids, mask, cfg: BertConfig, tp: int = 1):
-    """ids, mask: [B, S] int32 -> [B, dim] float32 sentence embeddings (`head`).
-    `tp`: devices the heads are split over (the layout of the fused QKV columns)."""
+def encode(params: Params, ids, mask, cfg: BertConfig, tp: int = 1, types=None):
+    """ids, mask (and a pair's token types): [B, S] int32 -> (token states [B, S, D]
+    in the model dtype, mask [B, S] float32). `tp`: devices the heads are split over
+    (the layout of the fused QKV columns)."""
     s = ids.shape[1]
     word, pos = params["word"], params["pos"]  # pos: [P, D] in the model dtype
     x = take_rows(word, ids, jnp.float32).astype(jnp.float32) + pos[:s].astype(jnp.float32)
+    if types is not None:  # type 0 is already in `pos`; the table holds the differences
+        x = x + params["types"][types].astype(jnp.float32)
     x = _layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps).astype(pos.dtype)
     m = mask.astype(jnp.float32)  # [B, S]
     # Padding keys get a large negative logit (not -inf: an all-padding row of a
@@ -219,7 +238,23 @@ def forward(params: Params, ids, mask, cfg: BertConfig, tp: int = 1):
     bias = ((m - 1.0) * 1e9)[:, None, None, :]  # [B, 1, 1, S]
     for p in params["layers"]:
         x = _layer(x, bias, p, cfg, tp)
+    return x, m
+
+
+def forward(params: Params, ids, mask, cfg: BertConfig, tp: int = 1):
+    """ids, mask: [B, S] int32 -> [B, dim] float32 sentence embeddings (`head`)."""
+    x, m = encode(params, ids, mask, cfg, tp)
     return head(params, x.astype(jnp.float32), m, cfg)  # [B, dim]
+
+
+def score_forward(params: Params, ids, mask, types, cfg: BertConfig, tp: int = 1):
+    """A cross-encoder: ids, mask, token types of text pairs: [B, S] int32 -> [B, L]
+    float32 scores. CLS state -> dense, tanh (BERT's pooler; RoBERTa's classifier
+    head has the same shape) -> L logits -> the model's activation."""
+    x, _ = encode(params, ids, mask, cfg, tp, types)
+    c = params["classifier"]
+    h = jnp.tanh(x[:, 0].astype(jnp.float32) @ c["cls_w"] + c["cls_b"])  # [B, D]
+    return _HEAD_ACTS[cfg.spec.score_activation](h @ c["out_w"] + c["out_b"])  # [B, L]
 
 
 # --- the engine
@@ -272,13 +307,18 @@ class JaxEncoder:
         self.params = load_params(model_dir, self.dtype, self.quant, self._mesh)
         self.weight_bytes = tree_bytes(self.params)  # integers and scales when quantized
         self.traces = 0  # times `forward` was traced: one per bucket, at compile
-        self._jitted = jax.jit(self._trace)
+        self.task = self.cfg.spec.task  # "embed", or "score" for a cross-encoder
+        self._jitted = jax.jit(self._trace if self.task == "embed" else self._trace_score)
         self._executables: dict[tuple[int, int], Any] = {}  # (B, S) -> compiled
         self._lock = threading.Lock()
 
     def _trace(self, params: Params, ids, mask):
         self.traces += 1  # runs at trace time only, never per call
         return forward(params, ids, mask, self.cfg, self.tp)
+
+    def _trace_score(self, params: Params, ids, mask, types):
+        self.traces += 1
+        return score_forward(params, ids, mask, types, self.cfg, self.tp)
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -299,7 +339,8 @@ class JaxEncoder:
             # ids and mask: [B, S], replicated over the devices when split.
             rep = None if self._mesh is None else sharding.replicated(self._mesh)
             spec = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rep)
-            lowered = self._jitted.lower(self.params, spec, spec)
+            args = (spec, spec) if self.task == "embed" else (spec, spec, spec)  # + types
+            lowered = self._jitted.lower(self.params, *args)
             exe = self._executables[(b, s)] = jaxrt.compile_lowered(lowered)
         return exe
 
@@ -315,6 +356,23 @@ class JaxEncoder:
         return len(shapes)
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
+        if self.task != "embed":
+            raise ValueError(f"{self.name} is a cross-encoder: it scores text pairs, it "
+                             f"does not embed")  # fmt: skip
+        return self._run(inputs, None)
+
+    def score(self, inputs: list[list[int]], token_types: list[list[int]]) -> np.ndarray:
+        """A cross-encoder's scores: [len(inputs), num_labels] float32, after the
+        model's activation (CrossEncoder.predict's). Each input is one text pair as
+        its tokenizer encodes it (`[CLS] a [SEP] b [SEP]`, `<s> a </s></s> b </s>`),
+        with the pair's token type ids (all 0 for RoBERTa-style models)."""
+        if self.task != "score":
+            raise ValueError(f"{self.name} embeds texts; scoring pairs needs a cross-encoder")
+        if [len(x) for x in inputs] != [len(t) for t in token_types]:
+            raise ValueError("each input needs one token type per token")
+        return self._run(inputs, token_types)
+
+    def _run(self, inputs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
         out = np.empty((len(inputs), self.dim), dtype=np.float32)  # [N, D]
         if not inputs:
             return out
@@ -326,7 +384,10 @@ class JaxEncoder:
         with self._lock:  # one caller at a time keeps device memory bounded
             for rows, b, s in groups:
                 ids, mask = bk.pad([inputs[r] for r in rows], b, s, self.cfg.pad_id)
-                pending.append(self._executable(b, s)(self.params, ids, mask))  # [b, D]
+                args = (ids, mask)
+                if types is not None:
+                    args += (bk.pad([types[r] for r in rows], b, s, 0)[0],)  # [b, s]
+                pending.append(self._executable(b, s)(self.params, *args))  # [b, D]
             results = jax.device_get(pending)  # one transfer for the whole call
         for (rows, _, _), res in zip(groups, results):
             out[rows] = res[: len(rows)]

@@ -67,6 +67,11 @@ DENSE_ACTIVATIONS = {
 }  # fmt: skip
 
 
+# What a cross-encoder applies to its logits (sentence-transformers' CrossEncoder
+# `activation_fn`, by torch class name) -> ours.
+SCORE_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity", "Tanh": "tanh"}
+
+
 class UnsupportedEncoder(ValueError):
     """The encoder engines cannot serve this model as it was trained to be used.
     The message names what (architecture, module, pooling) and why, in one line."""
@@ -91,6 +96,12 @@ class EncoderSpec:
     prompts: dict[str, str] = field(default_factory=dict)  # name -> prefix text
     default_prompt_name: str | None = None
     sentence_transformers: bool = True  # False: no modules.json, ST's own fallback
+    # "embed": sentence embeddings; "score": a cross-encoder (reranker) whose
+    # *ForSequenceClassification head turns the CLS state of a text pair into
+    # `num_labels` logits, then `score_activation` (CrossEncoder.predict's default).
+    task: str = "embed"
+    num_labels: int = 0
+    score_activation: str = "identity"
 
 
 def _read_json(path: Path) -> Any:
@@ -193,11 +204,49 @@ def _prompts(d: Path) -> tuple[dict[str, str], str | None]:
     return prompts, default
 
 
+def _cross_encoder(d: Path, cfg: dict, fam: str) -> EncoderSpec:
+    """A *ForSequenceClassification directory: labels and the activation that
+    sentence-transformers' CrossEncoder.predict applies (its own config, else the
+    older places it kept it, else sigmoid for one label and none for several)."""
+    archs = [str(a) for a in cfg.get("architectures") or []]
+    if not any(a.endswith("ForSequenceClassification") for a in archs):
+        raise UnsupportedEncoder(f"a CrossEncoder without a sequence-classification head "
+                                 f"({', '.join(archs) or 'no architectures'})")  # fmt: skip
+    if (d / "modules.json").exists() and len(_read_json(d / "modules.json")) != 1:
+        raise UnsupportedEncoder("a cross-encoder whose modules.json holds more than its "
+                                 "Transformer is not served")  # fmt: skip
+    labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
+    st_path = d / "config_sentence_transformers.json"
+    st = _read_json(st_path) if st_path.exists() else {}
+    act_path = (st.get("activation_fn") or (cfg.get("sentence_transformers") or {}).get("activation_fn")
+                or cfg.get("sbert_ce_default_activation_function"))  # fmt: skip
+    if act_path is None:
+        act = "sigmoid" if labels == 1 else "identity"
+    else:
+        name = str(act_path).rsplit(".", 1)[-1]
+        if name not in SCORE_ACTIVATIONS:
+            raise UnsupportedEncoder(f"cross-encoder activation {act_path!r} is not one of "
+                                     f"{', '.join(SCORE_ACTIVATIONS)}")  # fmt: skip
+        act = SCORE_ACTIVATIONS[name]
+    return EncoderSpec(family=fam, pooling=(), task="score", num_labels=labels,
+                       score_activation=act)
+
+
+def _is_cross_encoder(d: Path, cfg: dict) -> bool:
+    if any(str(a).endswith("ForSequenceClassification") for a in cfg.get("architectures") or []):
+        return True
+    st = d / "config_sentence_transformers.json"
+    return st.exists() and _read_json(st).get("model_type") == "CrossEncoder"
+
+
 def read_spec(model_dir: str | Path) -> EncoderSpec:
     """The whole spec of an encoder directory, from its config files alone (no
     weights read); UnsupportedEncoder, in one line, for what cannot be served."""
     d = Path(model_dir)
-    fam = family(_read_json(d / "config.json"))
+    cfg = _read_json(d / "config.json")
+    fam = family(cfg)
+    if _is_cross_encoder(d, cfg):
+        return _cross_encoder(d, cfg, fam)
     prompts, default = _prompts(d)
     if not (d / "modules.json").exists():
         return EncoderSpec(family=fam, pooling=("mean",), prompts=prompts,
@@ -208,7 +257,10 @@ def read_spec(model_dir: str | Path) -> EncoderSpec:
 
 
 def pooled_dim(spec: EncoderSpec, hidden: int) -> int:
-    """Width of the vectors the spec gives for a `hidden`-wide transformer."""
+    """Width of the vectors the spec gives for a `hidden`-wide transformer (a
+    cross-encoder: its number of labels)."""
+    if spec.task == "score":
+        return spec.num_labels
     dim = hidden * len(spec.pooling)
     for layer in spec.dense:
         if layer.in_features != dim:

@@ -42,6 +42,23 @@ class Encoder(Protocol):
         """
 
 
+class Reranker(Protocol):
+    """A cross-encoder: token ids of text pairs in, one score per label out. The JAX
+    encoder engine implements it for *ForSequenceClassification models (BERT,
+    RoBERTa, XLM-RoBERTa); no worker serves it yet (docs/decisions/0035)."""
+
+    name: str
+    dim: int  # labels per pair (1 for ms-marco / bge-reranker style models)
+    max_tokens: int  # longest pair, special tokens included
+
+    def warmup(self, progress: bool = True) -> int: ...
+
+    def score(self, inputs: list[list[int]], token_types: list[list[int]]) -> np.ndarray:
+        """[len(inputs), dim] float32 after the model's activation (sentence-
+        transformers' CrossEncoder.predict: sigmoid for one label unless the model
+        says otherwise). Inputs come from `Tokenizer.encode_pairs`."""
+
+
 class PendingStep(Protocol):
     """A dispatched decode step."""
 

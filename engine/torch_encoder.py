@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from engine import buckets as bk
 from engine.bert_config import BertConfig, canonical_dtype
-from engine.encoder_spec import dense_weights
+from engine.encoder_spec import UnsupportedEncoder, dense_weights
 from engine.weights import load_weights, strip_prefix
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -76,6 +76,9 @@ class TorchEncoder:
         max_batch: int = 64,
     ) -> None:
         self.cfg = BertConfig(model_dir)
+        if self.cfg.spec.task != "embed":
+            raise UnsupportedEncoder("cross-encoders (rerankers) are scored by the JAX "
+                                     "engine only")  # fmt: skip
         self.name = name
         self.dtype = canonical_dtype(dtype)
         self.device = "cpu"

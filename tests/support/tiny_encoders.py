@@ -41,23 +41,27 @@ def _roberta_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def _hf_model(family: str, out: Path, seed: int):
-    """A tiny `family` ("bert" | "roberta" | "xlm-roberta") model saved to `out`."""
+def _hf_model(family: str, out: Path, seed: int, num_labels: int = 0):
+    """A tiny `family` ("bert" | "roberta" | "xlm-roberta") model saved to `out`;
+    with `num_labels`, its *ForSequenceClassification (a cross-encoder)."""
     import torch
-    from transformers import (BertConfig, BertModel, BertTokenizerFast, RobertaConfig,
-                              RobertaModel, XLMRobertaConfig, XLMRobertaModel)
+    import transformers as tf
+    from transformers import BertConfig, BertTokenizerFast, RobertaConfig, XLMRobertaConfig
 
     from shared.catalog import ENCODER, bundled_dir
 
     torch.manual_seed(seed)
     shape = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=64, initializer_range=0.2)
+    if num_labels:
+        shape["num_labels"] = num_labels
+    prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}[family]
+    cls_model = getattr(tf, prefix + ("ForSequenceClassification" if num_labels else "Model"))
     if family == "bert":
-        model = BertModel(BertConfig(vocab_size=30522, max_position_embeddings=64, **shape))
+        model = cls_model(BertConfig(vocab_size=30522, max_position_embeddings=64, **shape))
         BertTokenizerFast.from_pretrained(str(bundled_dir(ENCODER))).save_pretrained(str(out))
     else:
-        cls_cfg, cls_model = ((RobertaConfig, RobertaModel) if family == "roberta"
-                              else (XLMRobertaConfig, XLMRobertaModel))  # fmt: skip
+        cls_cfg = RobertaConfig if family == "roberta" else XLMRobertaConfig
         cfg = cls_cfg(vocab_size=400, max_position_embeddings=64 + 2, pad_token_id=1,
                       bos_token_id=0, eos_token_id=2, type_vocab_size=1, **shape)
         model = cls_model(cfg)
@@ -88,3 +92,14 @@ def build(out_dir: Path, family: str = "bert", pooling: str | tuple[str, ...] = 
         modules.append(models.Normalize())
     SentenceTransformer(modules=modules, prompts=prompts or {}, device="cpu").save(str(st_dir))
     return SentenceTransformer(str(st_dir), device="cpu")
+
+
+def build_cross_encoder(out_dir: Path, family: str = "bert", num_labels: int = 1, seed: int = 0):
+    """Save a tiny cross-encoder (reranker) to `out_dir/ce` with sentence-transformers'
+    CrossEncoder; return it loaded back from disk, the reference for `score`."""
+    from sentence_transformers import CrossEncoder
+
+    hf, ce_dir = out_dir / "hf", out_dir / "ce"
+    _hf_model(family, hf, seed, num_labels=num_labels)
+    CrossEncoder(str(hf), max_length=MAX_SEQ, device="cpu").save(str(ce_dir))
+    return CrossEncoder(str(ce_dir), device="cpu")
