@@ -88,9 +88,12 @@ def check_encoder(info: catalog.ModelInfo) -> None:
     from engine.encoder_spec import UnsupportedEncoder
 
     try:
-        BertConfig(info.path)
+        task = BertConfig(info.path).spec.task
     except UnsupportedEncoder as exc:
         raise bad_config(f"{info.name}: {exc}") from None
+    if task == "score":  # the engine scores pairs; no endpoint sends it any yet
+        raise bad_config(f"{info.name}: a cross-encoder (reranker); workers do not serve "
+                         f"/v1/rerank or /v1/score yet, and would not embed with it")  # fmt: skip
 
 
 def check_split(config: Config, info: catalog.ModelInfo) -> None:
