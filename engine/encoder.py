@@ -34,9 +34,9 @@ from engine.quant import QWeight, check_mode, quantize_tree, take_rows, tree_byt
 from engine.quant import cast_tree as quant_tree
 from engine.quant import matmul as qmatmul
 from engine.sharding import shard_major
-from engine.bert_config import BertConfig
+from engine.bert_config import BertConfig, relative_buckets
 from engine.encoder_spec import dense_weights
-from engine.weights import load_weights, strip_prefix
+from engine.weights import COMMON_PREFIXES, load_weights, strip_prefix
 
 Params = dict[str, Any]
 
@@ -57,11 +57,13 @@ def load_params(
     Done once at load so that the jitted step does no layout work: dense weights are
     transposed to [in, out]; Q, K and V are concatenated into one [D, 3D] matmul
     (shard-major when split: device i's columns are [q_i | k_i | v_i]); the position
-    and (always zero) token-type embeddings are summed into one table. LayerNorm
+    and (always zero) token-type embeddings are summed into one table, starting at
+    the family's first position; MPNet's relative position bias table comes along
+    ([buckets, H], float32). LayerNorm
     parameters stay float32; matmul weights take `dtype`, or `quant` (int8 | int4,
     engine/quant.py) for the dense weights and the word embeddings."""
     cfg = BertConfig(model_dir)
-    w = strip_prefix(load_weights(model_dir))
+    w = strip_prefix(load_weights(model_dir), COMMON_PREFIXES + ("mpnet.",))
     dt = jaxrt.parse_dtype(dtype)
     start = cfg.position_offset  # first position a token takes (RoBERTa: pad_id + 1)
 
@@ -74,24 +76,26 @@ def load_params(
     layers = []
     tp = 1 if mesh is None else mesh.devices.size
     d = cfg.hidden
+    names = cfg.names  # role -> the family's name for it (engine/bert_config.py)
     for i in range(cfg.layers):
         p = f"encoder.layer.{i}."
-        q, k, v = (dense(p + "attention.self." + n) for n in ("query", "key", "value"))
-        wo, bo = dense(p + "attention.output.dense")
-        wi, bi = dense(p + "intermediate.dense")
-        wf, bf = dense(p + "output.dense")
+        q, k, v = (dense(p + names[n]) for n in ("q", "k", "v"))
+        wo, bo = dense(p + names["o"])
+        wi, bi = dense(p + names["i"])
+        wf, bf = dense(p + names["f"])
         layers.append({
             "qkv_w": shard_major(np.concatenate([q[0], k[0], v[0]], axis=1), (d, d, d), tp),  # [D, 3D]
             "qkv_b": shard_major(np.concatenate([q[1], k[1], v[1]]), (d, d, d), tp),  # [3D]
             "o_w": wo, "o_b": bo,  # [D, D], [D]
-            "ln1_g": f32(p + "attention.output.LayerNorm.weight"),
-            "ln1_b": f32(p + "attention.output.LayerNorm.bias"),
+            "ln1_g": f32(p + names["ln1"] + ".weight"),
+            "ln1_b": f32(p + names["ln1"] + ".bias"),
             "i_w": wi, "i_b": bi,  # [D, F], [F]
             "f_w": wf, "f_b": bf,  # [F, D], [D]
-            "ln2_g": f32(p + "output.LayerNorm.weight"),
-            "ln2_b": f32(p + "output.LayerNorm.bias"),
+            "ln2_g": f32(p + names["ln2"] + ".weight"),
+            "ln2_b": f32(p + names["ln2"] + ".bias"),
         })  # fmt: skip
-    type0 = f32("embeddings.token_type_embeddings.weight")[0]  # [D]
+    types = "embeddings.token_type_embeddings.weight"  # MPNet has none
+    type0 = f32(types)[0] if types in w else np.zeros(d, np.float32)  # [D]
     tree = {
         "word": f32("embeddings.word_embeddings.weight"),  # [V, D]
         "pos": f32("embeddings.position_embeddings.weight")[start:] + type0,  # [P - start, D]
@@ -102,11 +106,14 @@ def load_params(
         "head": [{"head_w": h["w"], "head_b": h["b"]} | ({} if h["r"] is None else {"head_r": h["r"]})
                  for h in dense_weights(model_dir, cfg.spec)],
     }
+    if cfg.family == "mpnet":
+        tree["rel_bias"] = f32("encoder.relative_attention_bias.weight")  # [NB, H]
     if cfg.spec.task == "score":
-        tree["types"] = f32("embeddings.token_type_embeddings.weight") - type0  # [T, D]
+        tree["types"] = f32(types) - type0  # [T, D]
         tree["classifier"] = _classifier(w, cfg.family)
     keep_f32 = frozenset({"emb_ln_g", "emb_ln_b", "ln1_g", "ln1_b", "ln2_g", "ln2_b",
-                          "head_w", "head_b", "head_r", "cls_w", "cls_b", "out_w", "out_b"})
+                          "head_w", "head_b", "head_r", "cls_w", "cls_b", "out_w", "out_b",
+                          "rel_bias"})
     tree = quant_tree(quantize_tree(tree, quant, QUANT_AXES), dt, keep_f32)
     return tree if mesh is None else sharding.place(tree, mesh)
 
@@ -145,7 +152,8 @@ def _gelu(x, act: str):
 
 
 def _attention(qkv, bias, heads: int, tp: int = 1):
-    """qkv: [B, S, 3D]; bias: [B, 1, 1, S] float32 (0 or a large negative) -> [B, S, D].
+    """qkv: [B, S, 3D]; bias: [B, 1, 1, S] float32 (0 or a large negative), or [B, H, S, S]
+    with a relative position bias added (MPNet) -> [B, S, D].
 
     One explicit transpose to head-major [3, B, H, S, K] up front: XLA's CPU batched
     dot then runs on contiguous [S, K] tiles; letting einsum pick the layout from
@@ -236,6 +244,10 @@ def encode(params: Params, ids, mask, cfg: BertConfig, tp: int = 1, types=None):
     # Padding keys get a large negative logit (not -inf: an all-padding row of a
     # padded batch must stay finite, its output is discarded anyway).
     bias = ((m - 1.0) * 1e9)[:, None, None, :]  # [B, 1, 1, S]
+    if "rel_bias" in params:  # MPNet: the same relative position bias in every layer
+        buckets = relative_buckets(s)  # [S, S], static: S is the bucket's length
+        rel = params["rel_bias"][buckets].transpose(2, 0, 1)  # [H, S, S]
+        bias = bias + rel[None]  # [B, H, S, S]
     for p in params["layers"]:
         x = _layer(x, bias, p, cfg, tp)
     return x, m

@@ -8,8 +8,8 @@ refused here with `UnsupportedEncoder`, naming what and why; nothing is served w
 a guessed pooling.
 
 Read, in order:
-  1. config.json: `model_type` picks the family (bert, roberta, xlm-roberta); other
-     encoder families are refused with the reason.
+  1. config.json: `model_type` picks the family (bert, roberta, xlm-roberta, mpnet);
+     other encoder families are refused with the reason.
   2. modules.json: Transformer, then Pooling, Dense and Normalize modules in their
      order; any other module is refused. A directory without modules.json is what
      `SentenceTransformer(dir)` itself builds for it: mean pooling, no Normalize.
@@ -27,14 +27,14 @@ from typing import Any
 
 # Families whose math both encoder engines implement: post-LayerNorm BERT blocks,
 # learned absolute positions. RoBERTa and XLM-RoBERTa number positions from
-# padding_idx + 1 (fairseq's convention), BERT from 0.
-FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
+# padding_idx + 1 (fairseq's convention), BERT from 0; MPNet numbers them as RoBERTa
+# and adds a bucketed relative position bias to every layer's attention scores.
+FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "mpnet": "mpnet"}
+SERVED = "bert, roberta, xlm-roberta, mpnet"
 
 # Encoder families seen in the wild that are not served, and why (the worker's
 # exit-78 line and the push warning quote this).
 REFUSED_FAMILIES = {
-    "mpnet": "MPNet adds a relative position bias to every attention layer, which the "
-             "encoder engines do not compute",
     "modernbert": "ModernBERT (rotary positions, alternating local attention, GeGLU) is "
                   "not implemented by the encoder engines",
     "nomic-bert": "nomic-bert (rotary positions, SwiGLU) is not implemented by the encoder "
@@ -89,7 +89,7 @@ class DenseSpec:
 
 @dataclass(frozen=True)
 class EncoderSpec:
-    family: str  # "bert" | "roberta" (XLM-RoBERTa included)
+    family: str  # "bert" | "roberta" (XLM-RoBERTa included) | "mpnet"
     pooling: tuple[str, ...]  # POOLING_MODES, concatenated in this order
     dense: tuple[DenseSpec, ...] = ()
     normalize: bool = False
@@ -112,17 +112,16 @@ def _read_json(path: Path) -> Any:
 
 
 def family(cfg: dict) -> str:
-    """config.json -> "bert" | "roberta"; UnsupportedEncoder for anything else."""
+    """config.json -> "bert" | "roberta" | "mpnet"; UnsupportedEncoder for anything else."""
     model_type = str(cfg.get("model_type") or "").lower().replace("_", "-")
     if model_type in FAMILIES:
         return FAMILIES[model_type]
     if model_type in REFUSED_FAMILIES:
         raise UnsupportedEncoder(f"architecture {model_type!r}: {REFUSED_FAMILIES[model_type]}; "
-                                 f"served families: bert, roberta, xlm-roberta")  # fmt: skip
+                                 f"served families: {SERVED}")  # fmt: skip
     archs = ", ".join(cfg.get("architectures") or []) or "none listed"
     raise UnsupportedEncoder(f"architecture {model_type or 'unknown'!r} ({archs}) is not an "
-                             f"encoder family the encoder engines serve (bert, roberta, "
-                             f"xlm-roberta)")  # fmt: skip
+                             f"encoder family the encoder engines serve ({SERVED})")  # fmt: skip
 
 
 def _pooling(cfg: dict, where: str) -> tuple[str, ...]:
@@ -220,6 +219,8 @@ def _cross_encoder(d: Path, cfg: dict, fam: str) -> EncoderSpec:
     st = _read_json(st_path) if st_path.exists() else {}
     act_path = (st.get("activation_fn") or (cfg.get("sentence_transformers") or {}).get("activation_fn")
                 or cfg.get("sbert_ce_default_activation_function"))  # fmt: skip
+    if fam == "mpnet":
+        raise UnsupportedEncoder("MPNet cross-encoders are not served (MPNet embedders are)")
     if act_path is None:
         act = "sigmoid" if labels == 1 else "identity"
     else:

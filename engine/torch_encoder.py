@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import buckets as bk
-from engine.bert_config import BertConfig, canonical_dtype
+from engine.bert_config import BertConfig, canonical_dtype, relative_buckets
 from engine.encoder_spec import UnsupportedEncoder, dense_weights
-from engine.weights import load_weights, strip_prefix
+from engine.weights import COMMON_PREFIXES, load_weights, strip_prefix
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,23 +32,20 @@ def _tensor(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _Layer:
-    def __init__(self, w: dict, i: int, dtype: torch.dtype) -> None:
+    def __init__(self, w: dict, i: int, dtype: torch.dtype, names: dict[str, str]) -> None:
         p = f"encoder.layer.{i}."
 
-        def t(name: str, dt: torch.dtype = dtype) -> torch.Tensor:
-            return _tensor(w[p + name], dt)
+        def t(role: str, part: str, dt: torch.dtype = dtype) -> torch.Tensor:
+            return _tensor(w[p + names[role] + "." + part], dt)
 
-        att = "attention.self."
         # Q, K, V as one [3D, D] weight: one matmul instead of three.
-        self.qkv_w = torch.cat([t(att + n + ".weight") for n in ("query", "key", "value")])
-        self.qkv_b = torch.cat([t(att + n + ".bias") for n in ("query", "key", "value")])
-        self.o_w, self.o_b = t("attention.output.dense.weight"), t("attention.output.dense.bias")
-        self.ln1 = (t("attention.output.LayerNorm.weight", torch.float32),
-                    t("attention.output.LayerNorm.bias", torch.float32))  # fmt: skip
-        self.i_w, self.i_b = t("intermediate.dense.weight"), t("intermediate.dense.bias")
-        self.f_w, self.f_b = t("output.dense.weight"), t("output.dense.bias")
-        self.ln2 = (t("output.LayerNorm.weight", torch.float32),
-                    t("output.LayerNorm.bias", torch.float32))  # fmt: skip
+        self.qkv_w = torch.cat([t(n, "weight") for n in ("q", "k", "v")])
+        self.qkv_b = torch.cat([t(n, "bias") for n in ("q", "k", "v")])
+        self.o_w, self.o_b = t("o", "weight"), t("o", "bias")
+        self.ln1 = (t("ln1", "weight", torch.float32), t("ln1", "bias", torch.float32))
+        self.i_w, self.i_b = t("i", "weight"), t("i", "bias")
+        self.f_w, self.f_b = t("f", "weight"), t("f", "bias")
+        self.ln2 = (t("ln2", "weight", torch.float32), t("ln2", "bias", torch.float32))
 
 
 def _layer_norm(x: torch.Tensor, gb: tuple[torch.Tensor, torch.Tensor], eps: float):
@@ -91,14 +88,17 @@ class TorchEncoder:
         self.seq_buckets = seqs + (self.max_tokens,)
         self.max_batch = min(int(max_batch), self.batch_buckets[-1])
         self._dt = _TORCH_DTYPES[self.dtype]
-        w = strip_prefix(load_weights(model_dir))
-        type0 = _tensor(w["embeddings.token_type_embeddings.weight"], self._dt)[0]
+        w = strip_prefix(load_weights(model_dir), COMMON_PREFIXES + ("mpnet.",))
+        types = "embeddings.token_type_embeddings.weight"  # MPNet has none
+        type0 = _tensor(w[types], self._dt)[0] if types in w else 0.0
         self.word = _tensor(w["embeddings.word_embeddings.weight"], self._dt)  # [V, D]
         start = self.cfg.position_offset  # RoBERTa: pad_id + 1
         self.pos = _tensor(w["embeddings.position_embeddings.weight"][start:], self._dt) + type0
         self.emb_ln = (_tensor(w["embeddings.LayerNorm.weight"], torch.float32),
                        _tensor(w["embeddings.LayerNorm.bias"], torch.float32))  # fmt: skip
-        self.layers = [_Layer(w, i, self._dt) for i in range(self.cfg.layers)]
+        self.layers = [_Layer(w, i, self._dt, self.cfg.names) for i in range(self.cfg.layers)]
+        rel = "encoder.relative_attention_bias.weight"  # MPNet: [buckets, H]
+        self.rel_bias = _tensor(w[rel], torch.float32) if rel in w else None
         # Dense layers after pooling, float32, as [OUT, IN] for F.linear.
         self.head = [{k: None if v is None else torch.from_numpy(v.T.copy()) for k, v in h.items()}
                      for h in dense_weights(model_dir, self.cfg.spec)]  # fmt: skip
@@ -107,7 +107,8 @@ class TorchEncoder:
     # --- the math
 
     def _attention(self, qkv: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """qkv: [B, S, 3D]; keep: [B, 1, 1, S] bool -> [B, S, D]."""
+        """qkv: [B, S, 3D]; keep: [B, 1, 1, S] bool, or [B, H, S, S] float in the compute
+        dtype (a relative position bias, -inf on padding keys) -> [B, S, D]."""
         b, s, _ = qkv.shape
         h = self.cfg.heads
         q, k, v = qkv.view(b, s, 3, h, -1).permute(2, 0, 3, 1, 4)  # each [B, H, S, K]
@@ -151,6 +152,11 @@ class TorchEncoder:
         x = self.word[ids] + self.pos[: ids.shape[1]]  # [B, S, D]
         x = _layer_norm(x, self.emb_ln, eps)
         keep = mask.bool()[:, None, None, :]  # [B, 1, 1, S]
+        if self.rel_bias is not None:  # MPNet: the same relative position bias in every layer
+            buckets = torch.from_numpy(relative_buckets(ids.shape[1])).long()  # [S, S]
+            rel = self.rel_bias[buckets].permute(2, 0, 1)[None]  # [1, H, S, S]
+            pad = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))  # [B, 1, 1, S]
+            keep = (rel + pad).to(self._dt)  # [B, H, S, S]
         for p in self.layers:
             attn = F.linear(self._attention(F.linear(x, p.qkv_w, p.qkv_b), keep), p.o_w, p.o_b)
             x = _layer_norm(attn + x, p.ln1, eps)

@@ -87,11 +87,13 @@ def is_encoder(path: Path, cfg: dict) -> bool:
 def encoder_limit(path: Path, cfg: dict) -> int:
     """Longest encoder input, in tokens: sentence-transformers' max_seq_length (in
     sentence_bert_config.json; its 6.x releases keep it as the tokenizer's
-    model_max_length), capped by the positions the model has. RoBERTa and XLM-R
-    number positions from padding_idx + 1, so they have that many fewer."""
+    model_max_length), capped by the positions the model has. RoBERTa, XLM-R and
+    MPNet number positions from padding_idx + 1, so they have that many fewer."""
     positions = int(cfg.get("max_position_embeddings", 512))
     if str(cfg.get("model_type", "")) in ("roberta", "xlm-roberta", "camembert"):
         positions -= int(cfg.get("pad_token_id") or 0) + 1
+    elif cfg.get("model_type") == "mpnet":
+        positions -= 2  # its padding_idx is fixed at 1
     st, tok = path / "sentence_bert_config.json", path / "tokenizer_config.json"
     limit = json.loads(st.read_text()).get("max_seq_length") if st.exists() else None
     if limit is None and (path / "modules.json").exists() and tok.exists():

@@ -52,6 +52,8 @@ CASES = {
     # bge-m3: XLM-RoBERTa, CLS pooling.
     "xlm-roberta-cls": dict(family="xlm-roberta", pooling="cls"),
     "roberta-mean": dict(family="roberta", pooling="mean", normalize=False),
+    # all-mpnet-base-v2: MPNet (relative position bias), mean pooling, Normalize.
+    "mpnet-mean": dict(family="mpnet", pooling="mean"),
     # The other pooling modes sentence-transformers offers, and a concatenation.
     "bert-max": dict(family="bert", pooling="max"),
     "bert-weightedmean": dict(family="bert", pooling="weightedmean"),
@@ -118,12 +120,36 @@ def test_spec_reads_what_each_family_declares(case):
     want = CASES[name]
     pooling = want["pooling"]
     assert spec.pooling == ((pooling,) if isinstance(pooling, str) else pooling)
-    assert spec.family == ("bert" if want["family"] == "bert" else "roberta")
+    assert spec.family == {"xlm-roberta": "roberta"}.get(want["family"], want["family"])
     assert spec.normalize == want.get("normalize", True)
     assert [d.out_features for d in spec.dense] == list(want.get("dense", ()))
     assert {k: v for k, v in spec.prompts.items() if v} == want.get("prompts", {})
     cfg = BertConfig(model_dir)
     assert cfg.position_offset == (0 if want["family"] == "bert" else 2)
+
+
+def test_mpnet_relative_buckets_equal_transformers():
+    """Computed in float32 like Hugging Face, so distances 16, 32 and 64 (exact
+    bucket boundaries) land where they do there, at every length served."""
+    import torch
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    from engine.bert_config import relative_buckets
+
+    for s in (1, 2, 17, 48, 129, 512):
+        pos = torch.arange(s)
+        ref = MPNetEncoder.relative_position_bucket(pos[None, :] - pos[:, None])
+        np.testing.assert_array_equal(relative_buckets(s), ref.numpy())
+
+
+def test_mpnet_relative_position_bias_is_what_makes_it_agree(tmp_path):
+    st = tiny_encoders.build(tmp_path, family="mpnet", pooling="mean")
+    enc = JaxEncoder(tmp_path / "st", **KW)
+    ids = _ids(tmp_path / "st", st, TEXTS)
+    reference = st.encode(TEXTS, convert_to_numpy=True)
+    _check(enc.embed(ids), reference)
+    enc.params["rel_bias"] = enc.params["rel_bias"] * 0.0
+    assert _cosine(enc.embed(ids), reference).min() < 0.9995
 
 
 def test_roberta_positions_start_after_padding_idx(tmp_path, monkeypatch):
@@ -163,7 +189,7 @@ MODULES = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.mo
 @pytest.mark.parametrize("config, reason", [
     ({"model_type": "t5", "architectures": ["T5EncoderModel"]}, "T5 encoders"),
     ({"model_type": "electra", "architectures": ["ElectraModel"]}, "ELECTRA"),
-    ({"model_type": "mpnet", "architectures": ["MPNetForMaskedLM"]}, "relative position bias"),
+    ({"model_type": "nomic_bert", "architectures": ["NomicBertModel"]}, "rotary positions"),
     ({"model_type": "modernbert", "architectures": ["ModernBertModel"]}, "ModernBERT"),
     ({"model_type": "qwen3", "architectures": ["Qwen3Model"]}, "'qwen3' (Qwen3Model)"),
     ({**BERT_CFG, "position_embedding_type": "relative_key"}, "absolute positions only"),

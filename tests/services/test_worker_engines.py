@@ -121,8 +121,8 @@ def _unserved_encoder(d: Path, config: dict, st_modules: bool = True) -> Path:
 @pytest.mark.parametrize("config, st_modules, says", [
     ({"model_type": "electra", "architectures": ["ElectraModel"]}, True, "ELECTRA"),
     ({"model_type": "t5", "architectures": ["T5EncoderModel"]}, False, "T5 encoders"),
-    ({"model_type": "mpnet", "architectures": ["MPNetForMaskedLM"]}, True,
-     "relative position bias"),
+    ({"model_type": "deberta-v2", "architectures": ["DebertaV2Model"]}, True,
+     "disentangled attention"),
     ({"model_type": "bert", "architectures": ["BertForSequenceClassification"],
       "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1, "num_labels": 1},
      False, "a cross-encoder (reranker); workers do not serve /v1/rerank"),

@@ -3,8 +3,8 @@ saved by sentence-transformers itself in its module layout: the Hugging Face mod
 the root, then 1_Pooling/, optional Dense and Normalize folders, prompts in
 config_sentence_transformers.json.
 
-BERT-family models reuse the bundled MiniLM's WordPiece tokenizer; RoBERTa and
-XLM-RoBERTa get a small byte-level BPE one with fairseq's special-token order
+BERT-family models reuse the bundled MiniLM's WordPiece tokenizer; RoBERTa,
+XLM-RoBERTa and MPNet get a small byte-level BPE one with fairseq's special-token order
 (<s>=0, <pad>=1, </s>=2), so that padding_idx + 1 numbering is exercised as in the
 real checkpoints.
 """
@@ -42,7 +42,7 @@ def _roberta_tokenizer(out: Path) -> None:
 
 
 def _hf_model(family: str, out: Path, seed: int, num_labels: int = 0):
-    """A tiny `family` ("bert" | "roberta" | "xlm-roberta") model saved to `out`;
+    """A tiny `family` ("bert" | "roberta" | "xlm-roberta" | "mpnet") model saved to `out`;
     with `num_labels`, its *ForSequenceClassification (a cross-encoder)."""
     import torch
     import transformers as tf
@@ -55,11 +55,17 @@ def _hf_model(family: str, out: Path, seed: int, num_labels: int = 0):
                  intermediate_size=64, initializer_range=0.2)
     if num_labels:
         shape["num_labels"] = num_labels
-    prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta"}[family]
+    prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta",
+              "mpnet": "MPNet"}[family]
     cls_model = getattr(tf, prefix + ("ForSequenceClassification" if num_labels else "Model"))
     if family == "bert":
         model = cls_model(BertConfig(vocab_size=30522, max_position_embeddings=64, **shape))
         BertTokenizerFast.from_pretrained(str(bundled_dir(ENCODER))).save_pretrained(str(out))
+    elif family == "mpnet":  # its own vocabulary does not matter: fairseq's special ids do
+        cfg = tf.MPNetConfig(vocab_size=400, max_position_embeddings=64 + 2, pad_token_id=1,
+                             bos_token_id=0, eos_token_id=2, **shape)
+        model = cls_model(cfg)
+        _roberta_tokenizer(out)
     else:
         cls_cfg = RobertaConfig if family == "roberta" else XLMRobertaConfig
         cfg = cls_cfg(vocab_size=400, max_position_embeddings=64 + 2, pad_token_id=1,
