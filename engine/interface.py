@@ -19,10 +19,14 @@ if TYPE_CHECKING:
 
 
 class Encoder(Protocol):
-    """Sentence embeddings: token ids in, L2-normalised float32 vectors out."""
+    """Sentence embeddings: token ids in, float32 vectors out, pooled (and projected,
+    and L2-normalised) as the model's sentence-transformers modules say
+    (engine/encoder_spec.py)."""
 
     name: str
-    dim: int
+    dim: int  # width of the vectors: the last Dense layer's, else pooled hidden size
+    prompts: dict[str, str]  # prompt name -> prefix text the tokenizer must prepend
+    default_prompt_name: str | None  # applied when a request names no prompt
     max_tokens: int  # longest accepted input, special tokens included
     dtype: str
     device: str  # e.g. "cpu", "cuda:0"
@@ -36,6 +40,23 @@ class Encoder(Protocol):
 
         Any len(inputs) is accepted: larger than max_batch is split internally.
         """
+
+
+class Reranker(Protocol):
+    """A cross-encoder: token ids of text pairs in, one score per label out. The JAX
+    encoder engine implements it for *ForSequenceClassification models (BERT,
+    RoBERTa, XLM-RoBERTa); no worker serves it yet (docs/decisions/0035)."""
+
+    name: str
+    dim: int  # labels per pair (1 for ms-marco / bge-reranker style models)
+    max_tokens: int  # longest pair, special tokens included
+
+    def warmup(self, progress: bool = True) -> int: ...
+
+    def score(self, inputs: list[list[int]], token_types: list[list[int]]) -> np.ndarray:
+        """[len(inputs), dim] float32 after the model's activation (sentence-
+        transformers' CrossEncoder.predict: sigmoid for one label unless the model
+        says otherwise). Inputs come from `Tokenizer.encode_pairs`."""
 
 
 class PendingStep(Protocol):

@@ -10,12 +10,14 @@ import argparse
 import asyncio
 import sys
 from datetime import datetime
+from pathlib import Path
 
 import msgspec
 import nats
 
 from services.registry.errors import RegistryError
 from services.registry.store import Registry
+from shared import catalog
 from shared.bus import open_client
 from shared.config import Config
 from shared.logging import configure_logging
@@ -118,7 +120,32 @@ async def _run(args: argparse.Namespace, url: str) -> int:
         await nc.drain()
 
 
+def serving_warning(model_dir: str | Path) -> str | None:
+    """Why no worker would serve this directory, read from its config files alone
+    (the encoder engines' refusals, engine/encoder_spec.py); None when none is known.
+    A push still goes ahead: the registry stores what it is given."""
+    path = Path(model_dir)
+    if not (path / "config.json").exists():
+        return None  # the push itself says what is missing
+    info = catalog.describe(path.name, path)
+    if info.kind != "encoder":
+        return None
+    from engine.bert_config import BertConfig
+    from engine.encoder_spec import UnsupportedEncoder
+
+    try:
+        BertConfig(path)
+    except UnsupportedEncoder as exc:
+        return str(exc)
+    except KeyError as exc:
+        return f"config.json has no {exc} field"
+    return None
+
+
 async def _push(reg: Registry, args) -> int:
+    warning = serving_warning(args.dir)
+    if warning:
+        print(f"warning: workers will refuse this model (exit 78): {warning}", file=sys.stderr)
     mv = await reg.push(args.dir, args.name, version=args.version,
                         lineage=_pairs(args.lineage), progress=not args.no_progress)
     return _pushed(mv, args)
