@@ -102,8 +102,13 @@ def measure(model_dir: Path, args, kernel: str) -> dict:
     slots = max(s for s, _ in cases)
     blocks = sum(-(-(c + args.steps + 2) // 16) for s, c in cases for _ in range(s)) + 2
     eng = DecoderEngine(model_dir, "bench", dtype=args.dtype, slots=slots, max_context=top,
-                        kv_blocks=max(blocks, 64), attention=kernel, prefix_cache=False)
+                        kv_blocks=max(blocks, 64), attention=kernel, prefix_cache=False,
+                        quant=args.quant, weight_budget=args.weight_budget_mb << 20,
+                        forms_cache=None)  # fmt: skip
+    if args.quant != "none":
+        eng.select_forms()  # the fastest form per batch bucket, measured here
     out = {"kernel": kernel, "device": eng.device, "dtype": eng.dtype, "slots": slots,
+           "quant": args.quant, "forms": dict(eng.compute_forms),
            "batches": list(eng.batches), "windows": list(eng.windows), "cases": []}
     for streams, context in cases:
         _start(eng, streams, max(1, context - args.steps - 1))
@@ -137,6 +142,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--kernels", default="xla", help="comma-separated: xla, pallas")
     ap.add_argument("--cases", default="1x128,16x128", help="STREAMSxCONTEXT, comma-separated")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--quant", default="none", help="stored weights (engine/quant.py)")
+    ap.add_argument("--weight-budget-mb", type=int, default=0,
+                    help="MB every held weight form may take (0: the float32 size)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     from engine import jaxrt
