@@ -23,13 +23,14 @@ a CPU: the suite runs it (tests/bench/test_engine_check.py) to keep this path wo
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from bench import harness
 
 MINILM = dict(model_type="bert", hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
               intermediate_size=1536, vocab_size=30522, max_position_embeddings=512,
@@ -160,7 +161,7 @@ def bench_decoder(model_dir: Path, dtype: str, quant: str, streams: int, steps: 
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--dry", action="store_true", help="tiny shapes: seconds on a CPU")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quants", default="none,int8,int4,fp8",

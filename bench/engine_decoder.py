@@ -27,11 +27,12 @@ A GGUF model (SmolLM2) is read by transformers from the same file
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import time
+
+from bench import harness
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -168,7 +169,7 @@ def run(max_new: int = 64, hf_requests: int = 3, slots: int = 16, max_context: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="decoder engine vs transformers generate")
+    ap = harness.parser(__doc__)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--hf-requests", type=int, default=3)
     ap.add_argument("--slots", type=int, default=16)

@@ -26,7 +26,6 @@ the services run unchanged. HTTP is left out: the lent machine has no `wrk`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -37,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import harness
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.txt", "modules.json", "sentence_bert_config.json",
@@ -74,7 +74,7 @@ def engine_figures(model: Path, dtype: str, seconds: float, data_dir: Path) -> d
     """bench.embeddings' raw figures (the worker's buckets, batch limit 64 and token
     budget), and batch 256 with no budget: what the device carries in one step."""
     from bench.embeddings import engine_figures as raw, sentences_per_s
-    from bench.workload import short_inputs
+    from tests.support.workload import short_inputs
     from engine.encoder import JaxEncoder
     from engine.tokenizer import Tokenizer
 
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     from bench import embeddings
     from shared import catalog
 
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--concurrency", default="1,64,256")
