@@ -32,7 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -92,11 +91,9 @@ async def at_once(nc, subject: str, data: list[bytes], timeout: float):
 async def run(n: int, inputs: int, timeout: float, workdir: Path, engine_nice: int = 0,
               gateways: int = 1) -> dict:
     data_dir = workdir / "data"
-    # compiled buckets of earlier runs, if any (the test suite's cache by default)
-    cache = Path(os.environ.get("TENSORBUS_TEST_CACHE", REPO / ".data" / "test-jax-cache"))
-    if cache.is_dir():
-        shutil.copytree(cache, data_dir / "jax-cache")
-    with Supervisor(workdir, env=harness.service_env(**ENV, TENSORBUS_DATA_DIR=str(data_dir))) as sup:
+    harness.seed_jax_cache(data_dir)
+    env = harness.service_env(**ENV, TENSORBUS_DATA_DIR=str(data_dir))
+    with Supervisor(workdir, env=env) as sup:
         nice = {"TENSORBUS_ENGINE_NICE": str(engine_nice)} if engine_nice else {}
         harness.start_stack(sup, gateways=gateways, telemetry=False, workers={"w1": nice})
         rec_path = workdir / "records.msgpack"
@@ -136,7 +133,8 @@ async def run(n: int, inputs: int, timeout: float, workdir: Path, engine_nice: i
     gw_start = [r.finished_at - r.total_s - burst_wall for r in records if r.status == 429]
     return {
         **harness.run_info(f"python -m bench.burst --requests {n} --inputs {inputs} "
-                           f"--timeout {timeout:g} --engine-nice {engine_nice} --gateways {gateways}"),
+                           f"--timeout {timeout:g} --engine-nice {engine_nice} "
+                           f"--gateways {gateways}"),
         "burst": {"sent": n, "answered_200": codes.get("200", 0), "refused_429": codes.get("429", 0),
                   "deadline_504": codes.get("504", 0), "other": {k: v for k, v in codes.items()
                                                                 if k not in ("200", "429", "504")},

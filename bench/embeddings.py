@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import sys
 import statistics
 import tempfile
@@ -355,7 +354,9 @@ def figure_rows(res: dict) -> str:
         rows.append(harness.figure_row(f"raw engine, {kind}, batch 64 (before / after the stack)",
                                        f"{e[key]:.1f}{after} sentences/s", cmd, date))
         for r in res["stack"].get(kind, []):
-            share = f"{r['rps'] / e[key]:.0%}" + (f" / {r['rps'] / ea[key]:.0%}" if key in ea else "")
+            share = f"{r['rps'] / e[key]:.0%}"
+            if key in ea:
+                share += f" / {r['rps'] / ea[key]:.0%}"
             rows.append(harness.figure_row(
                 f"served, {kind}, concurrency {r['concurrency']}, NATS: share of the raw engine",
                 f"{r['rps']:.1f} sentences/s, {share}; p50 / p99 {r['p50_ms']:.2f} / "
@@ -378,9 +379,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     kinds = args.kinds.split(",")
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    cache = Path(os.environ.get("TENSORBUS_TEST_CACHE", REPO / ".data" / "test-jax-cache"))
-    if not (args.data_dir / "jax-cache").is_dir() and cache.is_dir():
-        shutil.copytree(cache, args.data_dir / "jax-cache")  # compiled buckets, if any
+    harness.seed_jax_cache(args.data_dir)
     args.data_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {**harness.run_info("python -m bench.embeddings " + " ".join(sys.argv[1:])),
                  "seconds": args.seconds, "event_loop": args.loop}

@@ -9,6 +9,7 @@ repeat lives here:
      gateways, scheduler, telemetry and workers as processes (services/supervisor.py,
      which ties each one to this process); `running(...)` does the same as an async
      context that also connects a client and waits for the workers to be ready;
+     `seed_jax_cache` copies the suite's compiled buckets into a fresh data dir;
   3. measuring: `pct_ms` and `percentiles` (milliseconds from seconds), the CPU
      seconds of a process (`cpu_s`) and of a whole stack (`cpu_all`, `per_request`),
      resident memory (`rss_mb`, `memory`), `run_info()` (date, machine, load
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import shutil
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -40,8 +42,9 @@ REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "out"
 
 __all__ = ["REPO", "OUT", "parser", "csv_ints", "csv_floats", "csv_strs", "service_env",
-           "start_stack", "running", "pct_ms", "percentiles", "cpu_s", "cpu_all",
-           "per_request", "rss_mb", "memory", "run_info", "write_json", "figure_row"]
+           "start_stack", "seed_jax_cache", "running", "pct_ms", "percentiles", "cpu_s",
+           "cpu_all", "per_request", "rss_mb", "memory", "run_info", "write_json",
+           "figure_row"]
 
 
 # ---------------------------------------------------------------- 1. arguments
@@ -99,6 +102,16 @@ def start_stack(sup, *, nats: bool = True, gateways: int = 1, scheduler: bool = 
         sup.start("telemetry", "services.telemetry", **env)
     for name, wenv in (workers or {}).items():
         sup.start(name, worker_module, **{"TENSORBUS_WORKER_ID": name, **env, **wenv})
+
+
+def seed_jax_cache(data_dir: Path) -> None:
+    """Give a fresh data dir the buckets compiled by earlier runs, if there are any: a
+    copy of the test suite's compilation cache (`TENSORBUS_TEST_CACHE`)."""
+    from tests.support.orchestration import default_cache
+
+    cache, dest = default_cache(), data_dir / "jax-cache"
+    if cache.is_dir() and not dest.is_dir():
+        shutil.copytree(cache, dest)
 
 
 @asynccontextmanager
