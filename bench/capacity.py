@@ -106,9 +106,10 @@ async def run(seconds: float, clients: int, http: bool, workdir: Path, gateways:
     port = free_port()
     env = harness.service_env(MODEL, http_port=port, TENSORBUS_EVENT_LOOP=loop)
     # the worker serves tests/support's mock encoder (bench.nomath), no engine time
+    worker = {"worker": {"TENSORBUS_WORKER_ID": "nomath-1"}}
     async with harness.running(workdir, MODEL, sup_env=env, ready_timeout=120,
                                gateways=gateways, worker_module="bench.nomath",
-                               workers={"nomath-1": {}}) as (sup, nc):
+                               workers=worker) as (sup, nc):
         res = {"nats": await nats_phase(sup, nc, clients, seconds)}
         if http:
             res["http"] = await asyncio.to_thread(wrk_phase, sup, port, clients, seconds, workdir)
