@@ -176,7 +176,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 async def run_all(args, workdir: Path) -> list[dict]:
-    return [await one_fleet(name, workdir / name, args) for name in args.fleets.split(",")]
+    return [await one_fleet(name, workdir / name, args) for name in harness.csv_strs(args.fleets)]
 
 
 def main() -> None:

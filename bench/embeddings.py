@@ -102,8 +102,8 @@ def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("sh
     path = path or catalog.bundled_dir(MODEL)
     tok = Tokenizer.from_dir(path)
     enc = JaxEncoder(path, name=MODEL, dtype=dtype,
-                     batch_buckets=tuple(map(int, BATCH_BUCKETS.split(","))),
-                     seq_buckets=tuple(map(int, SEQ_BUCKETS.split(","))), max_batch=64)
+                     batch_buckets=tuple(harness.csv_ints(BATCH_BUCKETS)),
+                     seq_buckets=tuple(harness.csv_ints(SEQ_BUCKETS)), max_batch=64)
     enc.warmup(progress=True)
     out = {}
     for kind in kinds:
@@ -377,8 +377,8 @@ def main() -> None:
                     help="TENSORBUS_EVENT_LOOP of every service process")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    kinds = args.kinds.split(",")
-    concurrency = [int(c) for c in args.concurrency.split(",")]
+    kinds = harness.csv_strs(args.kinds)
+    concurrency = harness.csv_ints(args.concurrency)
     harness.seed_jax_cache(args.data_dir)
     args.data_dir.mkdir(parents=True, exist_ok=True)
     res: dict = {**harness.run_info("python -m bench.embeddings " + " ".join(sys.argv[1:])),

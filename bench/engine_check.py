@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
         enc_cfg |= DRY | {"num_attention_heads": 4}
         dec_cfg |= DRY | {"num_attention_heads": 4, "num_key_value_heads": 2}
         a.batch, a.seq, a.streams, a.steps, a.context, a.repeats = 4, 16, 4, 4, 32, 2
-    quants = [q for q in a.quants.split(",") if q]
+    quants = harness.csv_strs(a.quants)
     dev = jax.devices()[0]
     result = {"jax": jax.__version__, "platform": dev.platform, "device": dev.device_kind,
               "devices": jax.device_count(), "dry": a.dry, "dtype": a.dtype,
@@ -196,7 +196,7 @@ def main(argv=None) -> dict:
             row = bench_encoder(enc_dir, a.dtype, q, a.batch, a.seq, a.repeats)
             result["encoder"].append(row)
             print("encoder", json.dumps(row), flush=True)
-        for item in [d for d in a.decoder_forms.split(",") if d]:
+        for item in harness.csv_strs(a.decoder_forms):
             q, _, form = item.partition(":")
             row = bench_decoder(dec_dir, a.dtype, q, a.streams, a.steps, a.context, a.repeats,
                                 form or "auto")  # fmt: skip

@@ -185,10 +185,10 @@ def main() -> None:
     ap.add_argument("--out", default="",
                     help="also write the JSON here (e.g. bench/out/engine_decoder.json)")
     args = ap.parse_args()
-    streams = tuple(int(x) for x in args.streams.split(",") if x) or None
+    streams = tuple(harness.csv_ints(args.streams)) or None
     out = run(args.max_new, args.hf_requests, args.slots, args.max_context, args.torch_threads,
-              tuple(args.engines.split(",")), streams, args.engine_threads, args.model,
-              tuple(int(x) for x in args.prefill_buckets.split(",") if x) or None)
+              tuple(harness.csv_strs(args.engines)), streams, args.engine_threads, args.model,
+              tuple(harness.csv_ints(args.prefill_buckets)) or None)
     out["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = json.dumps(out, indent=2)
     if args.out:

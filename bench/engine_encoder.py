@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="short,long")
     ap.add_argument("--cache-dir", default=".data/jax-cache")
     args = ap.parse_args()
-    out = {k: run(args.batch, k, args.seconds, args.cache_dir) for k in args.kinds.split(",")}
+    out = {k: run(args.batch, k, args.seconds, args.cache_dir) for k in harness.csv_strs(args.kinds)}
     print(json.dumps(out, indent=2))
 
 

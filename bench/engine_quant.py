@@ -149,9 +149,9 @@ def main(argv=None) -> dict:
     jaxrt.setup(None)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     model_dir = bundled_dir(a.model)
-    streams = [int(s) for s in a.streams.split(",") if s]
+    streams = harness.csv_ints(a.streams)
     rows, split = [], []
-    for form in [f for f in a.forms.split(",") if f]:
+    for form in harness.csv_strs(a.forms):
         dtype, quant, compute, budget = FORMS[form]
         row = {"form": form}
         for n in streams:
@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
         import torch
 
         torch.set_num_threads(a.torch_threads)
-    for kind in [k for k in a.torch.split(",") if k]:
+    for kind in harness.csv_strs(a.torch):
         row = {"engine": "torch", "form": kind}
         for n in streams:
             sec, rate, nbytes = torch_rate(model_dir, a.model, n, a.steps, a.repeats,
@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
         row["weight_bytes"] = nbytes
         torch_rows.append(row)
         print(json.dumps(row), flush=True)
-    for tp in [int(t) for t in a.tp.split(",") if t]:
+    for tp in harness.csv_ints(a.tp):
         for n in streams:
             sec, rate, _ = decode_rate(model_dir, a.model, "float32", "none", n, a.steps,
                                        a.repeats, tp)  # fmt: skip

@@ -75,7 +75,7 @@ async def run(args) -> None:
 
 async def _guidellm(args, port: int) -> None:
     """GuideLLM against the running stack: its scenario file, then its own process."""
-    streams = [int(s) for s in args.streams.split(",")]
+    streams = harness.csv_ints(args.streams)
     spec = scenario(f"http://127.0.0.1:{port}", streams, args.seconds,
                     args.prompt_tokens, args.output_tokens)
     path = harness.write_json("guidellm-scenario.json", spec)

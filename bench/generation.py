@@ -220,7 +220,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.engine_threads:  # before JAX starts here; the worker inherits it
         os.environ["NPROC"] = str(args.engine_threads)
-    streams = tuple(int(x) for x in args.concurrency.split(",") if x)
+    streams = tuple(harness.csv_ints(args.concurrency))
     if args.stack_only:
         with tempfile.TemporaryDirectory() as d:
             rows = asyncio.run(stack_figures(args.seconds, args.max_tokens, Path(d), args.model,
@@ -236,7 +236,7 @@ def main() -> None:
                  "max_tokens": args.max_tokens, "max_context": args.max_context,
                  "temperature": args.temperature, "engine_threads": args.engine_threads or "all",
                  "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
-    buckets = tuple(int(x) for x in args.prefill_buckets.split(",") if x) or None
+    buckets = tuple(harness.csv_ints(args.prefill_buckets)) or None
     res["engine"] = engine_run(max_new=args.max_tokens, hf_requests=args.hf_requests,
                                max_context=args.max_context, model=args.model,
                                prefill_buckets=buckets)

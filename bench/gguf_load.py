@@ -63,7 +63,7 @@ def main() -> None:
     from engine.decoder import DecoderEngine
     from engine.decoder.engine import GREEDY
 
-    slot_counts = [int(s) for s in args.slots.split(",")]
+    slot_counts = harness.csv_ints(args.slots)
     t0 = time.perf_counter()
     engine = DecoderEngine(d, catalog.SMOLLM2, dtype=args.dtype, slots=max(slot_counts),
                            max_context=args.max_context, prefill_buckets=(32,),

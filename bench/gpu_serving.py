@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
     if a.dry:
         a.seconds, a.concurrency, a.gateways = 1.0, "1,16", "1"
     tok_dir = a.tokenizer_dir or catalog.bundled_dir(catalog.ENCODER)
-    concurrency = [int(c) for c in a.concurrency.split(",")]
+    concurrency = harness.csv_ints(a.concurrency)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "host": platform.node(), "cpus": os.cpu_count(), "dry": a.dry}
     with tempfile.TemporaryDirectory(prefix="tb-gpu-serving-") as tmp:
@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
         data_dir = work / "data"
         res["engine"] = engine_figures(model, a.dtype, a.seconds, data_dir)
         res["stack"] = {}
-        for g in (int(x) for x in a.gateways.split(",")):
+        for g in harness.csv_ints(a.gateways):
             env = {"TENSORBUS_DTYPE": a.dtype}
             r = asyncio.run(embeddings.stack_figures(
                 a.seconds, work / f"stack{g}", data_dir, ["short"], concurrency, http=False,

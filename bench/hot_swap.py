@@ -282,7 +282,7 @@ async def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="tensorbus-bench-swap-"))
     data_dir = work / "data"
     env = dict(TENSORBUS_BATCH_BUCKETS=args.batch_buckets, TENSORBUS_SEQ_BUCKETS=args.seq_buckets,
-               TENSORBUS_MAX_BATCH=str(max(int(b) for b in args.batch_buckets.split(","))),
+               TENSORBUS_MAX_BATCH=str(max(harness.csv_ints(args.batch_buckets))),
                TENSORBUS_DATA_DIR=str(data_dir), TENSORBUS_LOG_LEVEL="warning",
                TENSORBUS_MODEL=MODEL)
     try:

@@ -109,7 +109,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as d:
         results = asyncio.run(run_all(args.requests, args.clients, Path(d),
-                                      args.scenarios.split(",")))
+                                      harness.csv_strs(args.scenarios)))
     command = "python -m bench.orchestrator " + " ".join(sys.argv[1:])
     harness.write_json("orchestrator.json", {**harness.run_info(command), "scenarios": results})
 
