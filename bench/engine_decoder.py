@@ -27,11 +27,12 @@ A GGUF model (SmolLM2) is read by transformers from the same file
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import time
+
+from bench import harness
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -168,7 +169,7 @@ def run(max_new: int = 64, hf_requests: int = 3, slots: int = 16, max_context: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="decoder engine vs transformers generate")
+    ap = harness.parser(__doc__)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--hf-requests", type=int, default=3)
     ap.add_argument("--slots", type=int, default=16)
@@ -184,10 +185,10 @@ def main() -> None:
     ap.add_argument("--out", default="",
                     help="also write the JSON here (e.g. bench/out/engine_decoder.json)")
     args = ap.parse_args()
-    streams = tuple(int(x) for x in args.streams.split(",") if x) or None
+    streams = tuple(harness.csv_ints(args.streams)) or None
     out = run(args.max_new, args.hf_requests, args.slots, args.max_context, args.torch_threads,
-              tuple(args.engines.split(",")), streams, args.engine_threads, args.model,
-              tuple(int(x) for x in args.prefill_buckets.split(",") if x) or None)
+              tuple(harness.csv_strs(args.engines)), streams, args.engine_threads, args.model,
+              tuple(harness.csv_ints(args.prefill_buckets)) or None)
     out["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = json.dumps(out, indent=2)
     if args.out:

@@ -7,11 +7,12 @@ model's own: the high-water mark (`ru_maxrss`) and what stays resident after loa
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import time
+
+from bench import harness
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,7 +27,7 @@ def _peak_mb() -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = harness.parser(__doc__)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--slots", default="1,16")
     p.add_argument("--steps", type=int, default=32)
@@ -62,7 +63,7 @@ def main() -> None:
     from engine.decoder import DecoderEngine
     from engine.decoder.engine import GREEDY
 
-    slot_counts = [int(s) for s in args.slots.split(",")]
+    slot_counts = harness.csv_ints(args.slots)
     t0 = time.perf_counter()
     engine = DecoderEngine(d, catalog.SMOLLM2, dtype=args.dtype, slots=max(slot_counts),
                            max_context=args.max_context, prefill_buckets=(32,),

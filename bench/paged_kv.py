@@ -25,15 +25,19 @@
     .venv/bin/python -m bench.paged_kv --scenario concurrency
     .venv/bin/python -m bench.paged_kv --scenario prefix --requests 12
     .venv/bin/python -m bench.paged_kv --scenario chunked
+
+Prints the result and writes it to bench/out/paged_kv-<scenario>.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
+import sys
 import time
+
+from bench import harness
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -240,15 +244,14 @@ def chunked(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--scenario", choices=("concurrency", "prefix", "chunked"), required=True)
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--prompt", type=int, default=40)
     ap.add_argument("--new", type=int, default=None)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--budget-tokens", type=int, default=8192)
-    ap.add_argument("--paged-slots", type=lambda v: [int(x) for x in v.split(",")],
-                    default=[64, 128])
+    ap.add_argument("--paged-slots", type=harness.csv_ints, default=[64, 128])
     ap.add_argument("--system", type=int, default=480)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--streams", type=int, default=8)
@@ -260,6 +263,8 @@ def main() -> None:
         args.new = 48 if args.scenario == "chunked" else 64
     result = {"concurrency": concurrency, "prefix": prefix, "chunked": chunked}[args.scenario](args)
     print(json.dumps(result, indent=2))
+    harness.write_json(f"paged_kv-{args.scenario}.json", {
+        **harness.run_info("python -m bench.paged_kv " + " ".join(sys.argv[1:])), **result})
 
 
 if __name__ == "__main__":

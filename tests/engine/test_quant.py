@@ -1,6 +1,6 @@
 """Quantized weights (engine/quant.py): the storage format, then accuracy against
 independent references: MiniLM embeddings against sentence-transformers, the demo
-model's perplexity on the fixed text set (bench/texts.py) against its float32 weights."""
+model's perplexity on the fixed text set (tests/support/texts.py) against its float32 weights."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.texts import PERPLEXITY_TEXTS, perplexity
 from engine import quant
 from engine.decoder import DecoderEngine
 from engine.encoder import JaxEncoder
 from engine.tokenizer import Tokenizer
 from shared.catalog import DEMO_LM, bundled_dir
 from tests.engine.minilm_inputs import mixed_texts, model_dir
+from tests.support.texts import PERPLEXITY_TEXTS, perplexity
 
 
 @pytest.mark.parametrize("mode, axis, shape, group, worst", [
