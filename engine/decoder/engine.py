@@ -67,7 +67,7 @@ from shared.messages import Sampling
 
 log = get_logger(__name__)
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
-COMPILE_AHEAD = ("all", "first")
+COMPILE_AHEAD = ("all", "first", "lazy")
 GREEDY = Sampling(temperature=0.0)
 
 
@@ -165,7 +165,7 @@ class DecoderEngine:
         quant_form: str = "auto",
         weight_budget: int = 0,
         forms_cache: str | Path | None = "",
-        compile_ahead: str = "all",
+        compile_ahead: str = "lazy",
         attention: str = "auto",
     ) -> None:
         """kv_blocks: pool size (0: enough for every slot to hold a full context, the
@@ -175,7 +175,9 @@ class DecoderEngine:
         forms' weights may take (0: the float32 size of the weights); forms_cache:
         the choice's file ("": beside the compilation cache; None: not kept).
         compile_ahead: what `warmup` compiles before it returns: "all" shapes, or the
-        "first" a request needs (the rest on a background thread). attention: the
+        first a request needs, the rest on a background thread ("first") or each
+        where it is first needed ("lazy": tests and benchmarks compile only what they
+        run). attention: the
         decode step's paged attention (engine/decoder/attention.py: auto, xla,
         pallas)."""
         from engine import forms, sharding
@@ -424,18 +426,15 @@ class DecoderEngine:
         return [("step", 1, self.windows[0])] + [
             ("prefill", b, c0) for b in self.buckets if b <= c0]
 
-    def warmup(self, progress: bool = True, background: bool | None = None) -> int:
-        """Compile what a first request needs (every shape unless `background`, which
-        compiles the rest on a thread of its own, engine/decoder/programs.py) and run
-        it once; return how many programs were compiled here. `background` defaults
-        to the engine's `compile_ahead` ("first": True)."""
+    def warmup(self, progress: bool = True) -> int:
+        """Compile what `compile_ahead` says (engine/decoder/programs.py) and run it
+        once; return how many programs were compiled here."""
         from tqdm import tqdm
 
-        if background is None:
-            background = self.compile_ahead == "first"
+        background = self.compile_ahead == "first"
         if self.quant != "none":
             self.select_forms()
-        jobs = self.first_compiles() if background else self.compiles
+        jobs = self.compiles if self.compile_ahead == "all" else self.first_compiles()
         bar = tqdm(jobs, desc=f"compile {self.name}", file=sys.stderr, disable=not progress)
         t0 = time.perf_counter()
         for kind, size, other in bar:

@@ -41,7 +41,8 @@ def pair(request, tmp_path_factory):
     ref = _build(request.param, out)
     # Two attention windows, so sequences cross from one step compile to the other.
     engine = DecoderEngine(out, request.param, slots=4, max_context=CONTEXT,
-                           prefill_buckets=(16, 32), decode_windows=(32, 64))  # fmt: skip
+                           prefill_buckets=(16, 32), decode_windows=(32, 64),
+                           compile_ahead="all")  # fmt: skip
     assert engine.warmup(progress=False) == len(engine.compiles)
     return ref, engine
 
