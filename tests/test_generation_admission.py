@@ -5,7 +5,9 @@ a client would get."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -13,11 +15,16 @@ from services.fleet import Fleet
 from services.scheduler.admission import Admission
 from services.scheduler.holds import Holds
 from services.scheduler.loads import LoadReports
+from services.worker.generation import DecoderRunner
+from services.worker.versions import LoadedModels
 from shared.admission import Cost, GenCost, GenCostBook, LoadBoard
 from shared.config import Config
 from shared.errors import ServiceError
 from shared.messages import GenerateWork, Sampling
 from shared.telemetry import Heartbeat
+from tests.services.test_worker_runner import Recorder
+from tests.services.test_worker_warmup import TimedDecoder
+from tests.support.stack import wait_until
 
 M = "lm"
 SLOTS = 4
@@ -159,3 +166,21 @@ def test_decode_seconds_are_shared_by_the_sequences_of_a_step():
     assert cost.decode_s(100, 4) == pytest.approx(100 * 0.08 / 4)  # four share each
     assert cost.prefill_s(1, 1000, 512) == pytest.approx(2 * 0.01 + 1.0)  # two chunks
 
+
+async def test_the_worker_refits_the_cost_from_its_own_steps():
+    """Its warm-up said a step costs twice what its steps then take (20 ms): the cost
+    its heartbeats carry follows the steps."""
+    engine = TimedDecoder()
+    out = Recorder()
+    runner = DecoderRunner(LoadedModels(engine, "1", kind="decoder"), out, ThreadPoolExecutor(1),
+                           prefill_per_step=4)
+    runner.costs.learn(GenCost(Cost(0.005, 1e-3), Cost(0.04, 0.0)))
+    task = asyncio.create_task(runner.run())
+    try:
+        for rid in ("a", "b"):
+            runner.submit(GenerateWork(rid, "mock-lm", "", [3] * 8, 40, Sampling(temperature=0),
+                                       [], 1, False, time.time() + 30, f"reply.{rid}", "sched"))
+        await wait_until(lambda: {"a", "b"} <= set(out.finished), timeout=20)
+    finally:
+        task.cancel()
+    assert runner.costs.cost().step_s(2) == pytest.approx(0.02, rel=0.5)
