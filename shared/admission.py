@@ -37,7 +37,9 @@ tokenizing when the queue is already full without the request). The flow:
      sequences it advances), timed by each decoder worker at warm-up and refitted
      from its iterations (`GenCostBook`), carried in its heartbeats (`gen_cost`).
      The prompts ahead not computed yet, the decode steps between their chunks, and
-     a slot's wait when all are taken (`prompt_wait`), plus its own prompt, must fit
+     a slot's wait when all are taken (the sequences ahead generating their
+     max_tokens x the share of it recent ones used: `prompt_wait`), plus its own
+     prompt, must fit
      in `max_queue_s` and in DEADLINE_HEADROOM of the time it has left; Retry-After
      is the excess, in seconds. What it generates afterwards is not bounded here.
 
@@ -63,6 +65,8 @@ OUTLIER = 1.5  # a batch counts as at most this many times (at least this fracti
 # A lasting change still moves it, by up to 10 % a batch.
 SETTLED = 3  # batches timed before the fit judges one against its prediction
 UNMEASURED_BATCHES = 2  # batches of inputs per ready worker before any batch was timed
+LENGTH_WEIGHT = 0.05  # weight of the newest finished sequence in a decoder's generated share
+MIN_LENGTH = 0.01  # the share is never taken as less (a run of cancelled sequences)
 FAILED = "its worker exited on an invalid configuration"  # a failed model with no reason given
 
 
@@ -175,10 +179,13 @@ class CostBook:
 class GenCost:
     """A decoder's engine time. `prefill`: per prompt chunk (an engine call) + per
     prompt token; `decode`: per decode step (`per_batch`) + per sequence in it
-    (`per_token`), so one step's time is shared by the sequences it advances."""
+    (`per_token`), so one step's time is shared by the sequences it advances.
+    `length`: tokens a sequence generates per token of its max_tokens, as the
+    recent ones did (1 until any finished: max_tokens is the upper bound)."""
 
     prefill: Cost
     decode: Cost
+    length: float = 1.0
 
     def prefill_s(self, prompts: float, tokens: float, chunk: int) -> float:
         """Engine time of `prompts` prompts holding `tokens`, in chunks of `chunk`."""
@@ -207,6 +214,7 @@ class GenCostBook:
     def __init__(self) -> None:
         self._prefill = CostBook()  # per chunk + per prompt token
         self._decode = CostBook()  # per step + per sequence stepped
+        self._generated = self._budget = 0.0  # decaying sums over finished sequences
 
     def learn(self, cost: GenCost) -> None:
         """A cost from warm-up: counts until iterations are timed."""
@@ -226,20 +234,30 @@ class GenCostBook:
         if seconds > 0 and chunks:
             self._prefill.observe(self.KEY, seconds / chunks, prompt_tokens / chunks)
 
+    def finished(self, generated: int, max_tokens: int) -> None:
+        """A sequence left its slot (at its end, a stop, or cancelled) having
+        generated `generated` of its `max_tokens`."""
+        if max_tokens > 0:
+            keep = 1 - LENGTH_WEIGHT
+            self._generated = keep * self._generated + min(generated, max_tokens)
+            self._budget = keep * self._budget + max_tokens
+
     def cost(self) -> GenCost | None:
         prefill, decode = self._prefill.cost(self.KEY), self._decode.cost(self.KEY)
-        return GenCost(prefill, decode) if prefill and decode else None
+        length = self._generated / self._budget if self._budget else 1.0
+        return GenCost(prefill, decode, max(length, MIN_LENGTH)) if prefill and decode else None
 
 
 def gen_cost(heartbeats) -> GenCost | None:
     """The mean `GenCost` the decoder workers' heartbeats (`shared.telemetry.Heartbeat`)
     carry; None when none carries one (not timed: the count bound alone applies)."""
-    costs = [(hb.prefill_per_chunk, hb.prefill_per_token, hb.decode_per_step, hb.decode_per_row)
+    costs = [(hb.prefill_per_chunk, hb.prefill_per_token, hb.decode_per_step, hb.decode_per_row,
+              hb.decode_length or 1.0)
              for hb in heartbeats if hb.decode_per_step > 0 or hb.decode_per_row > 0]
     if not costs:
         return None
-    a, b, c, d = (sum(x) / len(costs) for x in zip(*costs))
-    return GenCost(Cost(a, b), Cost(c, d))
+    a, b, c, d, e = (sum(x) / len(costs) for x in zip(*costs))
+    return GenCost(Cost(a, b), Cost(c, d), e)
 
 
 @dataclass
@@ -347,8 +365,8 @@ def prompt_wait(ahead: Tally, n: int, n_ready: int, slots: int, running: int, co
     choices) starts computing behind `ahead`: the prompts ahead not computed yet (the
     sequences beyond the `running` ones the workers' heartbeats report), the decode
     steps run between their chunks, and, when every one of the `slots` per worker is
-    taken, the waves of sequences ahead that generate to their end (their max_tokens:
-    an upper bound) before a slot frees."""
+    taken, the waves of sequences ahead that generate to their end (their max_tokens
+    x the share of it recent sequences generated) before a slot frees."""
     seqs = ahead.inputs
     if seqs <= 0:
         return 0.0
@@ -360,7 +378,7 @@ def prompt_wait(ahead: Tally, n: int, n_ready: int, slots: int, running: int, co
     over = seqs + n - slots * w  # sequences beyond the slots, its own last
     if over > 0:
         waves = math.ceil(over / (slots * w))
-        wait += waves * (ahead.decode / seqs) * cost.step_s(slots)
+        wait += waves * (ahead.decode * cost.length / seqs) * cost.step_s(slots)
     return wait
 
 

@@ -103,6 +103,7 @@ class Heartbeat(_Rec, tag="heartbeat"):
     prefill_per_chunk: float = 0.0
     decode_per_step: float = 0.0
     decode_per_row: float = 0.0
+    decode_length: float = 0.0  # tokens generated per token of max_tokens, recently (0 = none finished)
 
 
 class ScaleDecision(_Rec, tag="scale"):

@@ -33,7 +33,8 @@ STEP_S = 0.05  # engine seconds of one decode step, whatever it holds (memory-bo
 COST = GenCost(Cost(0.0, PREFILL_PER_TOKEN), Cost(STEP_S, 0.0))
 
 
-def heartbeat(worker_id: str = "w0", cost: GenCost | None = COST, running: int = 0) -> Heartbeat:
+def heartbeat(worker_id: str = "w0", cost: GenCost | None = COST, running: int = 0,
+              length: float = 0.0) -> Heartbeat:
     hb = Heartbeat(worker_id=worker_id, model=M, kind="decoder", state="ready", versions=["1"],
                    queue_depth=0, in_flight=running, max_batch=SLOTS, batch_occupancy=0.0,
                    steps=1, rss_bytes=0, device="cpu", sent_at=time.time(),
@@ -41,6 +42,7 @@ def heartbeat(worker_id: str = "w0", cost: GenCost | None = COST, running: int =
     if cost is not None:
         hb.prefill_per_chunk, hb.prefill_per_token = cost.prefill.per_batch, cost.prefill.per_token
         hb.decode_per_step, hb.decode_per_row = cost.decode.per_batch, cost.decode.per_token
+        hb.decode_length = length
     return hb
 
 
@@ -87,6 +89,22 @@ def test_a_burst_of_long_generations_is_refused_beyond_the_bound_with_seconds_to
     assert err.retry_after == pytest.approx(25 + 0.1 + 0.05 - 5, abs=0.1)
     adm.finished(admitted[0])  # one finishes: a slot is free, nothing to wait for
     assert adm.admit(gen("now"))
+
+
+def test_generations_that_stop_early_shorten_the_wait_for_a_slot():
+    """The same burst, but the worker's recent sequences generated a tenth of their
+    max_tokens: a wave is 2.5 s, and the fifth fits the 5 s bound."""
+    adm = scheduler()
+    adm.fleet.observe(heartbeat(length=0.1))
+    for i in range(SLOTS):
+        adm.dispatched(gen(f"g{i}"))
+    assert adm.admit(gen("fifth"))
+    book = GenCostBook()
+    book.learn(COST)
+    assert book.cost().length == 1.0  # none finished: max_tokens, the upper bound
+    for _ in range(100):
+        book.finished(50, 500)
+    assert book.cost().length == pytest.approx(0.1)
 
 
 def test_short_generations_beyond_the_slots_wait_their_turn_within_the_bound():

@@ -224,6 +224,8 @@ class DecoderRunner:
         freed = self.sched.retiring(time.time())
         if not freed:
             return
+        for _, _, seq in freed:  # how much of max_tokens sequences use: admission's estimate
+            self.costs.finished(len(seq.tokens), seq.work.max_tokens)
         await asyncio.get_running_loop().run_in_executor(
             self.executor, _free_slots, [(lane.engine, slot) for lane, slot, _ in freed])
         done: dict[str, list[str]] = {}

@@ -355,7 +355,8 @@ class Worker(Lifecycle):
             return {"prefill_per_token": cost.prefill.per_token,
                     "prefill_per_chunk": cost.prefill.per_batch,
                     "decode_per_step": cost.decode.per_batch,
-                    "decode_per_row": cost.decode.per_token}
+                    "decode_per_row": cost.decode.per_token,
+                    "decode_length": cost.length}
         return {}
 
     async def _publish_heartbeat(self) -> None:
