@@ -29,8 +29,6 @@ tokenizing when the queue is already full without the request). The flow:
      d. the deadline: that same finish time above `DEADLINE_HEADROOM` of the time the
         request has left. Admitted, it would end in a 504 having taken queue space;
         Retry-After = when the work ahead will have drained enough for it to fit.
-  At zero ready workers none of this applies: the cold-start hold rule does.
-
   5. Generation (`check_generation`) is bounded by the same count, then by the work
      ahead of its prompt: a decoder's cost (`GenCost`) is prefill (per chunk + per
      prompt token) and decode (per step + per sequence in it, one step shared by the
@@ -39,9 +37,10 @@ tokenizing when the queue is already full without the request). The flow:
      The prompts ahead not computed yet, the decode steps between their chunks, and
      a slot's wait when all are taken (the sequences ahead generating their
      max_tokens x the share of it recent ones used: `prompt_wait`), plus its own
-     prompt, must fit
-     in `max_queue_s` and in DEADLINE_HEADROOM of the time it has left; Retry-After
-     is the excess, in seconds. What it generates afterwards is not bounded here.
+     prompt, must fit in `max_queue_s` and in DEADLINE_HEADROOM of the time it has
+     left; Retry-After is the excess, in seconds. What it generates afterwards is
+     not bounded here. No worker's cost known: the count bound alone.
+  At zero ready workers none of this applies: the cold-start hold rule does.
 
 Who calls it: the gateway (`services.gateway.admission`, before tokenizing, from the
 reports) and the scheduler (`services.scheduler.admission`, the exact decision).
@@ -378,7 +377,8 @@ def prompt_wait(ahead: Tally, n: int, n_ready: int, slots: int, running: int, co
     over = seqs + n - slots * w  # sequences beyond the slots, its own last
     if over > 0:
         waves = math.ceil(over / (slots * w))
-        wait += waves * (ahead.decode * cost.length / seqs) * cost.step_s(slots)
+        per_seq = ahead.decode * cost.length / seqs  # tokens a sequence ahead will generate
+        wait += waves * cost.decode_s(per_seq * slots, slots)  # a wave: every slot's, to its end
     return wait
 
 
