@@ -175,6 +175,7 @@ class ModelLoad(msgspec.Struct, array_like=True, gc=False):
     tokens: int
     cost_per_token: float = 0.0  # its estimate: seconds per token ...
     cost_per_batch: float = 0.0  # ... plus seconds per engine call (both 0 = not measured)
+    decode: int = 0  # generation: tokens its sequences may still generate (max_tokens x n)
 
 
 class SchedLoad(_Msg, tag="sched_load"):

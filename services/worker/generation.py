@@ -41,6 +41,7 @@ from services.worker.decode.scheduler import (
     Lane, LaneStep, Request, StepPlan, StepResult, StepScheduler)
 from services.worker.runner import Gauges, Outbox
 from services.worker.versions import LoadedModels
+from shared.admission import GenCostBook
 from shared.errors import ServiceError, internal
 from shared.logging import get_logger
 from shared.messages import GenerateWork
@@ -61,6 +62,7 @@ class DecoderRunner:
         self.sched = StepScheduler(models.resolve, prefill_per_step, prefill_chunk)
         self.output = OutputProcessor(outbox.worker_id, outbox.model)
         self.counters = self.sched.counters  # prefix-cache counts and preemptions, since start
+        self.costs = GenCostBook()  # prefill and step costs, for the heartbeat (admission)
         self.steps = 0
         self._occ_sum = 0
         self._occ_n = 0
@@ -184,7 +186,9 @@ class DecoderRunner:
                 self._spawn(self.outbox.error(work, err))
             for req in adm.closed:
                 self._spawn(self._close_now(req))
+            t0 = time.perf_counter()
             result = await loop.run_in_executor(self.executor, _execute, plan)
+            self.costs.observe(time.perf_counter() - t0, *_measured(plan, result))
             self.steps += 1
             self._occ_sum += self.in_flight
             self._occ_n += 1
@@ -220,6 +224,8 @@ class DecoderRunner:
         freed = self.sched.retiring(time.time())
         if not freed:
             return
+        for _, _, seq in freed:  # how much of max_tokens sequences use: admission's estimate
+            self.costs.finished(len(seq.tokens), seq.work.max_tokens)
         await asyncio.get_running_loop().run_in_executor(
             self.executor, _free_slots, [(lane.engine, slot) for lane, slot, _ in freed])
         done: dict[str, list[str]] = {}
@@ -268,6 +274,14 @@ def _execute(plan: StepPlan) -> StepResult:
         tokens = lane.pending.result() if lane.pending is not None else None  # [slots]
         lanes.append(LaneStep(lane, pending, tokens, preempted))
     return StepResult(firsts, lanes)
+
+
+def _measured(plan: StepPlan, result: StepResult) -> tuple[int, int, int]:
+    """What one iteration computed, for its cost: (prompt tokens, prompt chunks,
+    sequences in the decode steps it read; 0 when it read none)."""
+    rows = sum(sum(s.live for s in ls.lane.active.values())
+               for ls in result.lanes if ls.tokens is not None)
+    return sum(n for _, n in plan.prefill), len(plan.prefill), rows
 
 
 def _free_slots(slots: list[tuple[object, int]]) -> None:

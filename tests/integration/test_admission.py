@@ -561,3 +561,34 @@ async def test_two_gateways_bursts_of_long_prompts_meet_one_count_bound_before_t
             second.stop()
             await asyncio.gather(task, return_exceptions=True)
             await nc.close()
+
+
+async def test_a_completions_burst_to_a_fresh_decoder_is_admitted_by_its_work(
+        nats_server, tmp_path, jax_cache_dir, monkeypatch):
+    """A decoder worker times a prompt and a decode step at warm-up and its heartbeats
+    carry the cost: the first burst of completions, sent the moment it is ready, is
+    decided by its work (every decision had a cost to go by), and all of it fits (a
+    tiny model's prompts take microseconds), so all of it is served."""
+    from shared import admission
+    from tests.support.tiny_models import serve_tiny
+
+    _, engine = serve_tiny("gpt2", tmp_path, "tiny-fresh", 1024, jax_cache_dir)
+    decided = []
+    check = admission.check_generation
+
+    def noted(*args, **kw):
+        decided.append(kw["cost"])
+        return check(*args, **kw)
+
+    monkeypatch.setattr(admission, "check_generation", noted)
+    async with running_stack(nats_server.url, models={engine.name: str(tmp_path)},
+                             max_context=1024, decode_slots=4) as st:
+        await st.add_worker(engine, "dec-fresh", kind="decoder", time_warmup=True)
+        (view,) = st.scheduler.fleet.ready(engine.name)
+        assert view.hb.decode_per_step > 0 and view.hb.prefill_per_token > 0  # before any request
+        body = msgspec.json.encode({"model": engine.name, "prompt": list(range(100, 140)),
+                                    "max_tokens": 4, "temperature": 0})
+        outcomes = await asyncio.gather(*(one(st.client, subjects.COMPLETIONS, body, 60)
+                                          for _ in range(24)))
+        assert Counter(o.status for o in outcomes) == {200: 24}
+        assert len(decided) == 24 and all(c is not None for c in decided)

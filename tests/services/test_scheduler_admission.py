@@ -124,7 +124,7 @@ def test_no_ready_worker_means_hold_unless_a_pinned_version_is_missing():
     assert err.status == 503 and "version 7" in err.message
 
 
-def test_generation_is_bounded_by_count_alone():
+def test_generation_that_no_worker_has_timed_is_bounded_by_count_alone():
     adm, _ = scheduler(max_queue_per_worker=2)
     gen = [GenerateWork(f"g{i}", M, "", [1] * 10_000, 16, Sampling(), [], 1, False,
                         time.time() + 0.1, "inbox") for i in range(3)]
