@@ -8,6 +8,8 @@
      the time it was held (its `Accepted`).
   3. One whose deadline passes first ends with a 504 that says it was held
      (`expire`); a model the orchestrator says `failed` ends them with a 503 (`fail`).
+  4. One its gateway cancels (its client left, or its time ran out there first) is
+     dropped (`drop`): never dispatched, never generated.
 """
 
 from __future__ import annotations
@@ -48,6 +50,17 @@ class Holds:
     def take(self, model: str) -> deque[HeldWork]:
         """Everything held for `model`, oldest first, no longer held."""
         return self.by_model.pop(model, deque())
+
+    def drop(self, request_id: str) -> WorkRequest | None:
+        """The held request `request_id`, no longer held (None: not held here)."""
+        for model, held in self.by_model.items():
+            for h in held:
+                if h.work.request_id == request_id:
+                    held.remove(h)
+                    if not held:
+                        del self.by_model[model]
+                    return h.work
+        return None
 
     def count(self, model: str) -> int:
         held = self.by_model.get(model)

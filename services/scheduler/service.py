@@ -15,7 +15,8 @@ Dataflow of one request:
      model: the request is held, the gateway is told (`Held`), and a ScaleDecision
      goes out at once. The first worker that becomes ready gets it (with an
      `Accepted` carrying the time held); its own deadline passing first ends it with
-     a 504 that says so.
+     a 504 that says so; a Cancel (broadcast on `tensorbus.v1.cancel`, which every
+     scheduler hears) drops it.
   4. Routing: the least-loaded ready worker below the memory threshold serving the
      model (and the version the request pins or the canary draw picks) gets the
      WorkRequest on its work subject; for a prompt, the one whose heartbeat says it
@@ -232,14 +233,20 @@ class Scheduler(Lifecycle):
         self.loads.changed()
 
     async def _on_cancel(self, msg: Msg) -> None:
-        """A gateway that reserved and will not submit (its request failed to
-        tokenize, or its client left) gives the room back."""
-        if not self.admission.reservations:
+        """A request its gateway gave up on (its client left, its time ran out): held
+        for a cold start, it is dropped, so the worker that starts never generates
+        it; reserved and not submitted (it failed to tokenize), its room comes back."""
+        if not self.admission.reservations and not self.holds.by_model:
             return
         try:
-            self.admission.release(cancel_decoder.decode(msg.data).request_id)
+            rid = cancel_decoder.decode(msg.data).request_id
         except msgspec.DecodeError:
             return
+        if self.admission.reservations:
+            self.admission.release(rid)
+        if self.holds.by_model and self.holds.drop(rid) is not None:
+            log.debug("held_request_cancelled", request_id=rid)
+            self.loads.changed()
 
     # ------------------------------------------------------------------ dispatch
     async def _dispatch(self, work: WorkRequest, ready: list[WorkerView],
