@@ -147,6 +147,8 @@ class Held(_Msg, tag="held"):
 
     request_id: str
     model: str
+    until: float = 0.0  # UNIX seconds it is held until: past its deadline when the model's
+    # measured cold start needs longer and its end_by allows (0 = its deadline)
 
 
 WorkResult = EmbedResult | GenChunk | GenDone | WorkError | Accepted | Held

@@ -96,6 +96,7 @@ class Heartbeat(_Rec, tag="heartbeat"):
     # schedulers start their cost estimate from it (shared.admission.CostBook.learn).
     cost_per_token: float = 0.0
     cost_per_batch: float = 0.0
+    start_s: float = 0.0  # seconds from the worker's start to ready (loading, warm-up; 0 = not ready yet)
 
 
 class ScaleDecision(_Rec, tag="scale"):

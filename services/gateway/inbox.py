@@ -13,10 +13,11 @@ has in flight, and each request's answers read off its own queue.
      request's time is up an `Expired` joins its queue (one timer per request, not
      one per wait: a stream waits once per token). Its time is its deadline until
      its first token; from its first GenChunk on (noted as it arrives, whatever
-     the reader's pace: a float written, no timer moved) its time is up when no
-     chunk came for its stall timeout, or at its `end_by` (docs/protocol.md,
-     "Deadlines"). The timer, when it fires early, sets itself again for the time
-     now due.
+     the reader's pace) its time is up when no chunk came for its stall timeout,
+     or at its `end_by` (docs/protocol.md, "Deadlines"). A `Held` may move the
+     deadline later (`until`: the model's measured cold start). The first chunk sets the
+     timer again; a later one only writes its time, and the timer, when it rings
+     early, sets itself again for the time now due.
   4. A request reads its queue (`next_result`, `ready_results`): hold notices are
      noted in its `Outcome` in passing (`Held` starts the cold-start clock,
      `Accepted` sets `hold_s`), a WorkError is raised as the client's error, and at
@@ -220,6 +221,9 @@ class ReplyInbox:
             item = _decoded(msg)
             if isinstance(item, GenChunk):
                 self._token(self._clocks[rid], time.time())
+            elif isinstance(item, Held) and item.until > self._clocks[rid].deadline:
+                # held through a cold start that needs longer: the timer sees it
+                self._clocks[rid].deadline = item.until
             q.put_nowait(item)
 
     def _demux(self, data: bytes) -> None:

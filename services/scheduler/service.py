@@ -209,7 +209,7 @@ class Scheduler(Lifecycle):
                                  len(self.fleet.available(model)))
         self.catalogue.note(model)
         if since is None and work.reply:
-            await self.nc.publish(work.reply, encode(Held(work.request_id, model)))
+            await self.nc.publish(work.reply, encode(Held(work.request_id, model, work.deadline)))
         await self.scaling.held(model, n_held)
 
     def _queued(self, model: str) -> int:
@@ -341,6 +341,8 @@ class Scheduler(Lifecycle):
             self.aliases.track(hb.model)
         self.catalogue.note(hb.model, hb.kind)
         self.admission.observe_heartbeat(hb)  # before it counts as ready: its cost is known
+        if hb.start_s:
+            self.holds.observe_start(hb.model, hb.start_s)
         view = self.fleet.observe(hb)
         if view.ready and self.holds.count(hb.model) and self.fleet.available(hb.model):
             await self._release_held(hb.model)

@@ -124,6 +124,8 @@ class Worker(Lifecycle):
         self._hb_now = asyncio.Event()
         self.time_warmup = time_warmup  # time the encoder at warm-up (its cost, in heartbeats)
         self.warm_cost: Cost | None = None
+        self._born = time.perf_counter()
+        self.start_s = 0.0  # seconds from construction to ready: its cold start, measured
 
     @property
     def kind(self) -> str:
@@ -197,6 +199,7 @@ class Worker(Lifecycle):
             ]
             await self.nc.flush()
             self.state = "ready"
+            self.start_s = time.perf_counter() - self._born
             self.health.ready = True
             self.health.details = {"instance": self.id, "model": self.model, "versions": self.versions}
             self._hb_now.set()
@@ -293,7 +296,8 @@ class Worker(Lifecycle):
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
             devices=list(getattr(engine, "devices", None) or ([device] if engine else [])),
             cost_per_token=self.warm_cost.per_token if self.warm_cost else 0.0,
-            cost_per_batch=self.warm_cost.per_batch if self.warm_cost else 0.0)
+            cost_per_batch=self.warm_cost.per_batch if self.warm_cost else 0.0,
+            start_s=self.start_s)
 
     async def _publish_heartbeat(self) -> None:
         await self.nc.publish(subjects.TELEMETRY_WORKERS, encode_record(self.heartbeat()))

@@ -4,7 +4,8 @@ mock decoder (each decode step takes a permit the test hands out).
 The default deadline bounds the wait for the first token; a generation producing
 tokens runs to its end past it, and one that stops producing ends with a 504 that
 says it stalled. Steps are counted, not timed: the only waits are for the clock to
-pass a bound the request itself carries.
+pass a bound the request itself carries. A generation held for a cold start waits
+out the start the scheduler measured, past the default deadline.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import httpx
 import pytest
 
+from services.worker.service import Worker
 from tests.support.mock_engine import MockDecoder
 from tests.support.stack import running_stack, wait_until
 
@@ -142,3 +144,37 @@ async def test_a_stalled_generation_ends_with_a_504_that_says_so(nats_server, st
         assert worker.runner.generated < MAX_TOKENS
     finally:
         await close(cm, engine)
+
+
+async def test_a_held_generation_waits_out_the_models_measured_cold_start(nats_server):
+    """A model whose worker took 5 s to start: a generation held for it waits that
+    out (within its maximum time), past a default deadline of 1 s."""
+    async with running_stack(nats_server.url, request_timeout_s=1.0, min_workers=0,
+                             idle_to_zero_s=30.0) as st:
+        warm = asyncio.Event()
+
+        class SlowStart(Worker):
+            async def warmup(self) -> None:
+                await warm.wait()
+                await super().warmup()
+
+        t0 = time.monotonic()
+        starting = asyncio.create_task(st.add_worker(
+            MockDecoder(name=MODEL), "slow", kind="decoder", worker_cls=SlowStart))
+        await wait_until(lambda: time.monotonic() - t0 > 5.0, timeout=20)
+        warm.set()
+        await starting
+        await wait_until(lambda: st.scheduler.holds.start_s.get(MODEL, 0.0) >= 5.0, timeout=5)
+        st.kill_worker("slow")  # the model is at zero again
+        await wait_until(lambda: not st.scheduler.fleet.available(MODEL), timeout=10)
+
+        async with httpx.AsyncClient(base_url=st.http_url, timeout=60) as h:
+            sent = time.monotonic()
+            call = asyncio.create_task(h.post("/v1/completions", json=BODY))
+            await wait_until(lambda: st.scheduler.holds.count(MODEL) == 1, timeout=10)
+            await wait_until(lambda: time.monotonic() - sent > 2.5, timeout=10)
+            assert not call.done()  # 1.5 s past its default deadline, still held
+            await st.add_worker(MockDecoder(name=MODEL), "fast", kind="decoder")
+            r = await call
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
