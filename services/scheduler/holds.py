@@ -11,7 +11,8 @@
      that cold start has passed with some margin, if its `end_by` (the client's own
      timeout, else TENSORBUS_MAX_GENERATION_S) allows: its deadline moves there and
      the gateway is told (`Held.until`). One whose deadline passes first ends with a
-     504 that says it was held (`expire`); a model the orchestrator says `failed` ends them with a 503 (`fail`).
+     504 that says it was held (`expire`); a model the orchestrator says `failed`
+     ends them with a 503 (`fail`).
   4. One its gateway cancels (its client left, or its time ran out there first) is
      dropped (`drop`): never dispatched, never generated.
 """

@@ -12,7 +12,8 @@ owns the asyncio side: the engine thread, the outbox, the events.
      cancelled or ran out of time (on the engine thread; a request's deadline
      bounds the wait for its first token, then its stall timeout and `end_by` do),
      then asks the scheduler for a plan: the sequences admitted now, their prompt
-     chunks within the token budget, the lanes to step. Work dropped or refused while it waited is answered at once.
+     chunks within the token budget, the lanes to step. Work dropped or refused
+     while it waited is answered at once.
   3. One call on the engine thread runs the plan: the prompt chunks, then per lane
      room in the cache for the next step (`make_room`: the newest sequences may be
      preempted), the next step dispatched (`step_async`), and only then the tokens
