@@ -18,7 +18,7 @@
      when it has arrived.
   4. A client that goes away (HTTP) or a deadline that passes sends a Cancel, which
      frees the worker's slot within one step. The deadline bounds the wait for the
-     first token; every batch with a token restarts the stall timeout, and the
+     first token; every chunk that arrives restarts the stall timeout, and the
      request's `end_by` bounds the rest (the inbox's clock; docs/protocol.md).
 """
 

@@ -240,8 +240,7 @@ class DecoderRunner:
 
     async def _close(self, req: Request, running: int) -> None:
         version = req.version or self.models.resolve(req.work.version)
-        await self._say(self.output.close(req, version, running, time.time(),
-                                          time.perf_counter()))
+        await self._say(self.output.close(req, version, running, time.perf_counter()))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

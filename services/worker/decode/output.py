@@ -134,8 +134,7 @@ class OutputProcessor:
         stream.unsent = 0
         return Say(w, chunk)
 
-    def close(self, req: Request, version: str, running: int, now_wall: float,
-              now: float) -> list[Say]:
+    def close(self, req: Request, version: str, running: int, now: float) -> list[Say]:
         """Its last choice ended (`running` sequences still hold slots): an error
         first when it ran out of time, then its GenDone."""
         w = req.work
