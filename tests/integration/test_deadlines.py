@@ -146,6 +146,23 @@ async def test_a_stalled_generation_ends_with_a_504_that_says_so(nats_server, st
         await close(cm, engine)
 
 
+async def test_a_generation_ends_at_the_operators_maximum_time_with_a_504_that_says_so(nats_server):
+    cm, st, engine, worker = await metered_stack(nats_server.url, request_timeout_s=1.0,
+                                                 stall_timeout_s=30.0, max_generation_s=2.0)
+    try:
+        engine.permits.release(1)
+        async with httpx.AsyncClient(base_url=st.http_url, timeout=60) as h:
+            r = await h.post("/v1/completions", json=BODY)  # a first token, then no more
+        assert r.status_code == 504, r.text
+        error = r.json()["error"]
+        assert error["code"] == "deadline_exceeded" and "maximum time" in error["message"]
+        engine.permits.release(10 * MAX_TOKENS)
+        await wait_until(lambda: worker.runner.in_flight == 0 and not worker.runner.requests,
+                         timeout=10)
+    finally:
+        await close(cm, engine)
+
+
 async def test_a_held_generation_waits_out_the_models_measured_cold_start(nats_server):
     """A model whose worker took 5 s to start: a generation held for it waits that
     out (within its maximum time), past a default deadline of 1 s."""
