@@ -31,7 +31,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     http_host: str = "127.0.0.1"  # HTTP bind address; 0.0.0.0 only on purpose
     http_port: int = 8000  # OpenAI-compatible HTTP API
     api_keys: str = ""  # comma-separated bearer keys; empty = no auth
-    request_timeout_s: float = 30.0  # default deadline of a request
+    request_timeout_s: float = 30.0  # default deadline of a request: its wait (queue, cold-start hold) up to its first token
+    stall_timeout_s: float = 30.0  # a generation that has started ends (504) when no token comes for this long
+    max_generation_s: float = 600.0  # longest a request may take in all, and the most a client may ask for (Tensorbus-Timeout)
     max_inputs: int = 256  # embedding inputs per request
     max_payload: int = 1_048_576  # largest request body accepted (bytes); the bus's own max_payload instead when that is smaller
     max_n: int = 4  # generation choices per request

@@ -104,6 +104,7 @@ class Heartbeat(_Rec, tag="heartbeat"):
     decode_per_step: float = 0.0
     decode_per_row: float = 0.0
     decode_length: float = 0.0  # tokens generated per token of max_tokens, recently (0 = none finished)
+    start_s: float = 0.0  # seconds from the worker's start to ready (loading, warm-up; 0 = not ready yet)
 
 
 class ScaleDecision(_Rec, tag="scale"):

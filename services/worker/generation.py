@@ -9,9 +9,11 @@ owns the asyncio side: the engine thread, the outbox, the events.
   1. `submit()` checks the prompt against prod's engine (a 400 at once if it cannot
      fit) and queues its `n` choices with the scheduler.
   2. Each iteration first frees the slots of sequences that finished, were
-     cancelled or expired (on the engine thread), then asks the scheduler for a
-     plan: the sequences admitted now, their prompt chunks within the token budget,
-     the lanes to step. Work dropped or refused while it waited is answered at once.
+     cancelled or ran out of time (on the engine thread; a request's deadline
+     bounds the wait for its first token, then its stall timeout and `end_by` do),
+     then asks the scheduler for a plan: the sequences admitted now, their prompt
+     chunks within the token budget, the lanes to step. Work dropped or refused
+     while it waited is answered at once.
   3. One call on the engine thread runs the plan: the prompt chunks, then per lane
      room in the cache for the next step (`make_room`: the newest sequences may be
      preempted), the next step dispatched (`step_async`), and only then the tokens
@@ -64,6 +66,7 @@ class DecoderRunner:
         self.counters = self.sched.counters  # prefix-cache counts and preemptions, since start
         self.costs = GenCostBook()  # prefill and step costs, for the heartbeat (admission)
         self.steps = 0
+        self.generated = 0  # tokens generated since start, over every request
         self._occ_sum = 0
         self._occ_n = 0
         self._wake = asyncio.Event()
@@ -204,12 +207,13 @@ class DecoderRunner:
             self._stepped.notify_all()
 
     async def _advance(self, result: StepResult, now: float) -> None:
-        for seq, tok in self.sched.update(result):
+        for seq, tok in self.sched.update(result, time.time()):
             if isinstance(tok, BaseException):
                 log.error("prefill_failed", request_id=seq.work.request_id, error=repr(tok))
                 if self.sched.fail(seq):  # its other choices stop too
                     await self.outbox.error(seq.work, internal("the model failed on this prompt"))
                 continue
+            self.generated += 1
             await self._say(self.output.accept(seq, tok, now))
 
     async def _say(self, says: list[Say]) -> None:
@@ -242,8 +246,7 @@ class DecoderRunner:
 
     async def _close(self, req: Request, running: int) -> None:
         version = req.version or self.models.resolve(req.work.version)
-        await self._say(self.output.close(req, version, running, time.time(),
-                                          time.perf_counter()))
+        await self._say(self.output.close(req, version, running, time.perf_counter()))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

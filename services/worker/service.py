@@ -169,6 +169,8 @@ class Worker(Lifecycle):
         self._hb_now = asyncio.Event()
         self.time_warmup = time_warmup  # time the encoder at warm-up (its cost, in heartbeats)
         self.warm_cost: Cost | GenCost | None = None  # an encoder's, or a decoder's
+        self._born = time.perf_counter()
+        self.start_s = 0.0  # seconds from construction to ready: its cold start, measured
 
     @property
     def kind(self) -> str:
@@ -245,6 +247,7 @@ class Worker(Lifecycle):
             ]
             await self.nc.flush()
             self.state = "ready"
+            self.start_s = time.perf_counter() - self._born
             self.health.ready = True
             self.health.details = {"instance": self.id, "model": self.model, "versions": self.versions}
             self._hb_now.set()
@@ -340,7 +343,7 @@ class Worker(Lifecycle):
             prefix_cache_hits=load.prefix_cache_hits, preemptions=load.preemptions,
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
             devices=list(getattr(engine, "devices", None) or ([device] if engine else [])),
-            **self._cost_fields())
+            start_s=self.start_s, **self._cost_fields())
 
     def _cost_fields(self) -> dict[str, float]:
         """The heartbeat's cost: an encoder's from warm-up; a decoder's as its runner
