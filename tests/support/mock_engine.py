@@ -89,7 +89,7 @@ class MockDecoder(WholePrompt):
         if not prompt or len(prompt) > self.max_context - 1:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit")
 
-    def prefill_insert(self, slot: int, prompt: list[int], sampling, seed: int) -> int:
+    def prefill_whole(self, slot: int, prompt: list[int], sampling, seed: int) -> int:
         self._active[slot], self._lengths[slot] = True, len(prompt) + 1
         return self.tag
 
