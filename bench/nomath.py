@@ -33,6 +33,7 @@ class NoMathEncoder:
         self.max_tokens = 256
         self.dtype = "float32"
         self.device = "none"
+        self.devices = [self.device]
         self.max_batch = max_batch
         self.per_batch_s = per_batch_s
         self.per_token_s = per_token_s

@@ -26,6 +26,7 @@ class Encoder(Protocol):
     max_tokens: int  # longest accepted input, special tokens included
     dtype: str
     device: str  # e.g. "cpu", "cuda:0"
+    devices: list[str]  # every device it computes on, e.g. ["cpu:0", "cpu:1"]
     max_batch: int
 
     def warmup(self, progress: bool = True) -> int:
@@ -71,6 +72,7 @@ class Decoder(Protocol):
 
     name: str
     device: str  # e.g. "cpu", "cuda:0"
+    devices: list[str]  # every device it computes on, e.g. ["cpu:0", "cpu:1"]
     tokenizer: "Tokenizer | None"  # the model's own, for detokenizing on the worker
 
     @property

@@ -70,6 +70,7 @@ class TorchEncoder:
         self.name = name
         self.dtype = canonical_dtype(dtype)
         self.device = "cpu"
+        self.devices = [self.device]
         self.dim = self.cfg.hidden
         self.max_tokens = self.cfg.max_tokens
         self.batch_buckets = bk.parse(batch_buckets)

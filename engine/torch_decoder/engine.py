@@ -80,6 +80,7 @@ class TorchDecoder(DecoderHost, WholePrompt):
             raise ValueError(f"dtype {dtype!r}: use one of {', '.join(M.TORCH_DTYPES)}")
         super().__init__(model_dir, name, load_config(model_dir), dtype, slots, max_context)
         self.device = _device(device)
+        self.devices = [self.device]
         tdt = M.TORCH_DTYPES[dtype]
         self.params = M.load_params(model_dir, self.cfg, tdt, self.device, self._max_context)
         shape = (self._slots, self.cfg.kv_heads, self._max_context, self.cfg.head_dim)

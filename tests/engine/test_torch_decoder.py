@@ -316,7 +316,7 @@ def _members(protocol) -> set[str]:
 def test_both_engines_have_every_decoder_member(trio):
     _, jax_engine, engine = trio
     members = _members(Decoder)
-    assert {"begin", "prefill_step", "step_async", "kv_usage", "tokenizer",
+    assert {"begin", "prefill_step", "step_async", "kv_usage", "tokenizer", "devices",
             "prefix_block"} <= members
     assert not {"prefill_insert", "generate_static"} & members  # tests' and bench's only
     for e in (jax_engine, engine):

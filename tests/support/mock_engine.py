@@ -24,6 +24,7 @@ class MockEncoder:
         self.max_tokens = 256
         self.dtype = "float32"
         self.device = "mock"
+        self.devices = ["mock"]
         self.max_batch = max_batch
         self.fail_on = fail_on  # a token id that makes the engine raise
         self.gate = threading.Event()
@@ -74,6 +75,7 @@ class MockDecoder(WholePrompt):
         self.max_context = max_context
         self.dtype = "float32"
         self.device = "mock"
+        self.devices = ["mock"]
         self.eos_token_ids: tuple[int, ...] = ()
         self.tokenizer = LetterTokenizer()
         self.gate = threading.Event()
