@@ -3,10 +3,10 @@
 tokenizer, the context capped to what the model can attend to, the prompt checks,
 and per slot its length and whether it is live.
 
-A subclass computes; this base only says what a slot holds. It sets `_lengths`
-(tokens in context per slot) and `_active` (live: part of decode steps); the
-subclass grows them in `step_async` (`_advance`) and clears them in `free`
-(`_clear`).
+A subclass computes; this base only says what a slot holds: `_lengths` (tokens in
+context per slot) and `_active` (live: part of decode steps), which the subclass
+sets when a prompt's last piece is computed (`_start`), grows in `step_async`
+(`_advance`) and clears in `free` (`_clear`).
 """
 
 from __future__ import annotations
