@@ -121,10 +121,10 @@ def bench_encoder(model_dir: Path, dtype: str, quant: str, batch: int, seq: int,
 
 def start_streams(eng, streams: int, prompt: list[int]) -> None:
     """Slots 0..streams-1 each prefilled with `prompt` (greedy), ready to decode."""
-    from engine.decoder.engine import GREEDY
+    from engine.decoder.static import GREEDY, prefill_insert
 
     for s in range(streams):
-        eng.prefill_insert(s, prompt, GREEDY, 0)
+        prefill_insert(eng, s, prompt, GREEDY, 0)
 
 
 def decode_steps(eng, steps: int) -> None:

@@ -1,7 +1,7 @@
 """Decoder engine throughput (the demo model, or `--model`), against sequential transformers.
 
 - engine: a static batch of `slots` copies of one prompt, greedy, decoding in
-  lock-step (`DecoderEngine.generate_static`); decode tokens/s counts the tokens the
+  lock-step (`static.generate_static`); decode tokens/s counts the tokens the
   decode steps produce over the time they take (prefill excluded), and end-to-end
   tokens/s counts every generated token over the whole call.
 - transformers: `generate(do_sample=False)` on the same weights, one request after
@@ -56,17 +56,17 @@ def _static_figures(engine, streams: int, max_new: int, prompt: list[int], min_s
     The decode-only figure is the median of repeated rounds of `max_new - 1` steps
     (at least three, and at least `min_s` seconds in all): one round of a small model
     is a fraction of a second, and on a shared machine a single one swung 2x."""
-    from engine.decoder.engine import GREEDY
+    from engine.decoder.static import GREEDY, generate_static, prefill_insert
 
-    engine.generate_static([prompt] * streams, 2)  # compile (JAX) or warm (torch)
+    generate_static(engine, [prompt] * streams, 2)  # compile (JAX) or warm (torch)
     t0 = time.perf_counter()
-    out = engine.generate_static([prompt] * streams, max_new)
+    out = generate_static(engine, [prompt] * streams, max_new)
     total = time.perf_counter() - t0
     # Decode alone: the same steps, timed without the prefills.
     rounds: list[float] = []
     while len(rounds) < 3 or sum(rounds) < min_s:
         for s in range(streams):
-            engine.prefill_insert(s, prompt, GREEDY, 0)
+            prefill_insert(engine, s, prompt, GREEDY, 0)
         t1 = time.perf_counter()
         for _ in range(max_new - 1):
             engine.step()

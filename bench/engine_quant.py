@@ -93,7 +93,7 @@ def torch_rate(model_dir, name, streams, steps, repeats, int8: bool):
     """(seconds per step, tokens/s, weight bytes) of the torch decoder engine."""
     import torch
 
-    from engine.decoder.engine import GREEDY
+    from engine.decoder.static import GREEDY, prefill_insert
     from engine.torch_decoder import TorchDecoder
 
     eng = TorchDecoder(model_dir, name, slots=streams, max_context=128)
@@ -117,7 +117,7 @@ def torch_rate(model_dir, name, streams, steps, repeats, int8: bool):
         for r in range(repeats + 1):
             for s in range(streams):
                 eng.free(s)
-                eng.prefill_insert(s, prompt, GREEDY, 0)
+                prefill_insert(eng, s, prompt, GREEDY, 0)
             t0 = time.perf_counter()
             for _ in range(steps):
                 eng.step()

@@ -61,7 +61,7 @@ def main() -> None:
     out["rss_before_engine_mb"] = round(before, 1)
 
     from engine.decoder import DecoderEngine
-    from engine.decoder.engine import GREEDY
+    from engine.decoder.static import GREEDY, prefill_insert
 
     slot_counts = harness.csv_ints(args.slots)
     t0 = time.perf_counter()
@@ -78,7 +78,7 @@ def main() -> None:
     prompt = tok.encode("The history of the Roman Empire")
     for n in slot_counts:
         for s in range(n):
-            engine.prefill_insert(s, prompt, GREEDY, 0)
+            prefill_insert(engine, s, prompt, GREEDY, 0)
         engine.step()  # the first step after inserts is not timed
         t0 = time.perf_counter()
         for _ in range(args.steps):

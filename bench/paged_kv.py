@@ -200,10 +200,12 @@ def _itl_run(eng, streams: list[list[int]], longs: list[list[int]], arrive: list
 
 def _piece_ms(eng, tokens: int, runs: int = 3) -> float:
     """Median time to prefill one piece of `tokens` tokens (alone, to the first token)."""
+    from engine.decoder.static import prefill_insert
+
     times = []
     for i in range(runs):
         t0 = time.perf_counter()
-        eng.prefill_insert(0, [5 + i] + list(range(4000, 4000 + tokens - 1)), _greedy(), 0)
+        prefill_insert(eng, 0, [5 + i] + list(range(4000, 4000 + tokens - 1)), _greedy(), 0)
         times.append(time.perf_counter() - t0)
         eng.free(0)
     return round(1000 * statistics.median(times), 1)

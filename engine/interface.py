@@ -30,6 +30,7 @@ class Encoder(Protocol):
     max_tokens: int  # longest accepted input, special tokens included
     dtype: str
     device: str  # e.g. "cpu", "cuda:0"
+    devices: list[str]  # every device it computes on, e.g. ["cpu:0", "cpu:1"]
     max_batch: int
 
     def warmup(self, progress: bool = True) -> int:
@@ -83,15 +84,16 @@ class Decoder(Protocol):
 
     The caller (the worker's continuous-batching loop) owns the slots: it starts a
     sequence with `begin` (when `can_admit` says the cache has room) and computes
-    its prompt with `prefill_step` (a chunk per call) or both at once with
-    `prefill_insert`; before each `step` for all slots at once it calls `make_room`
-    and re-runs the sequences it preempted; it decides when a sequence ends (EOS,
-    stop string, max tokens, `context_left(slot) == 0`) and calls `free`. Every
-    call comes from one thread.
+    its prompt with `prefill_step` (a chunk per call); before each `step` for all
+    slots at once it calls `make_room` and re-runs the sequences it preempted; it
+    decides when a sequence ends (EOS, stop string, max tokens, `context_left(slot)
+    == 0`) and calls `free`. Every call comes from one thread. (Whole prompts and
+    lock-step batches, for tests and benchmarks: engine/decoder/static.py.)
     """
 
     name: str
     device: str  # e.g. "cpu", "cuda:0"
+    devices: list[str]  # every device it computes on, e.g. ["cpu:0", "cpu:1"]
     tokenizer: "Tokenizer | None"  # the model's own, for detokenizing on the worker
 
     @property
@@ -126,15 +128,12 @@ class Decoder(Protocol):
     def check_prompt(self, prompt: list[int]) -> None:
         """ValueError, with a message for the user, if `prompt` cannot be served."""
 
-    def prefill_insert(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int) -> int:
-        """Run `prompt` into `slot` and return the sequence's first token. Sampling
-        draws come from `seed` alone, whatever the slot and the other sequences."""
-
     def can_admit(self, prompt: list[int]) -> bool:
         """Whether the cache has room to `begin` this prompt now."""
 
     def begin(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int) -> None:
-        """Reserve `slot` and the prompt's cache; `prefill_step` computes it."""
+        """Reserve `slot` and the prompt's cache; `prefill_step` computes it. Sampling
+        draws come from `seed` alone, whatever the slot and the other sequences."""
 
     def prefilling(self, slot: int) -> int:
         """Prompt tokens `slot` has still to compute (0 when none)."""
@@ -154,7 +153,9 @@ class Decoder(Protocol):
     def held_prefixes(self, limit: int) -> list[int]:
         """Short keys (shared.prefix) of the prompt prefixes cached, at most `limit`."""
 
-    block: int  # tokens per prefix key (0: no prefix cache)
+    @property
+    def prefix_block(self) -> int:
+        """Tokens per prefix key of `held_prefixes` (0: no prefix cache)."""
 
     def step(self) -> np.ndarray:
         """One decode step for every active slot -> [slots] int32 (ignore free slots)."""
@@ -169,9 +170,6 @@ class Decoder(Protocol):
     def context_left(self, slot: int) -> int:
         """Tokens `slot` may still generate before its context is full."""
 
-    def generate_static(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        """Greedy, `max_new` tokens for each prompt, decoding in lock-step (benchmarks)."""
-
 
 Engine = Encoder | Decoder
 """What a worker holds for one model version: which of the two follows the model's kind."""
@@ -180,7 +178,8 @@ Engine = Encoder | Decoder
 class WholePrompt:
     """`begin`/`prefill_step` for an engine that computes a prompt in one call into a
     cache with a row per slot (nothing to chunk, share or preempt): the torch engine
-    and test doubles. Needs `prefill_insert`, `slots` and `kv_usage`."""
+    and test doubles. Needs `check_prompt`, `prefill_whole(slot, prompt, sampling,
+    seed) -> first token`, `slots` and `kv_usage`."""
 
     def can_admit(self, prompt: list[int]) -> bool:
         return True
@@ -195,12 +194,12 @@ class WholePrompt:
 
     def prefill_step(self, slot: int, budget: int = 0) -> int | None:
         prompt, sampling, seed = self._begun.pop(slot)
-        return self.prefill_insert(slot, prompt, sampling, seed)
+        return self.prefill_whole(slot, prompt, sampling, seed)
 
     def make_room(self) -> list[int]:
         return []
 
-    block = 0
+    prefix_block = 0  # no prefix cache: nothing to route by
 
     def held_prefixes(self, limit: int) -> list[int]:
         return []

@@ -79,6 +79,7 @@ class TorchEncoder:
         self.name = name
         self.dtype = canonical_dtype(dtype)
         self.device = "cpu"
+        self.devices = [self.device]
         self.dim = self.cfg.dim
         self.prompts = dict(self.cfg.spec.prompts)  # name -> prefix text, for the gateway
         self.default_prompt_name = self.cfg.spec.default_prompt_name

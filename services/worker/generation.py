@@ -135,7 +135,7 @@ class DecoderRunner:
         from shared.prefix import SUMMARY_KEYS
 
         engine = serving[0].engine if serving else None
-        block = getattr(engine, "prefix_block", getattr(engine, "block", 0))  # 0: cache off
+        block = engine.prefix_block if engine is not None else 0  # 0: cache off
         if not block:
             return {}
         return {"prefix_block": block, "prefix_keys": engine.held_prefixes(SUMMARY_KEYS)}

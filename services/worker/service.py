@@ -327,7 +327,7 @@ class Worker(Lifecycle):
             load = Gauges(queue_depth=0, in_flight=0, capacity=self.config.max_batch,
                           occupancy=0.0, steps=0)
         engine = self.models.prod_engine  # None while starting
-        device = getattr(engine, "device", "cpu")
+        device = engine.device if engine is not None else "cpu"
         used, limit, source = self.memory.read(device)
         return Heartbeat(
             worker_id=self.id, model=self.model, kind=self.kind or "encoder", state=self.state,
@@ -336,13 +336,13 @@ class Worker(Lifecycle):
             batch_occupancy=load.occupancy, steps=load.steps, rss_bytes=rss_bytes(),
             device=device, sent_at=time.time(), slots_total=load.slots_total,
             slots_used=load.slots_used, kv_usage=load.kv_usage, last_error=self.models.error,
-            dtype=getattr(engine, "dtype", "float32"), mem_used_bytes=used,
+            dtype=engine.dtype if engine is not None else "float32", mem_used_bytes=used,
             mem_limit_bytes=limit, mem_source=source, running=load.running,
             waiting=load.waiting, kv_blocks_total=load.kv_blocks_total,
             kv_blocks_used=load.kv_blocks_used, prefix_cache_queries=load.prefix_cache_queries,
             prefix_cache_hits=load.prefix_cache_hits, preemptions=load.preemptions,
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
-            devices=list(getattr(engine, "devices", None) or ([device] if engine else [])),
+            devices=list(engine.devices) if engine is not None else [],
             start_s=self.start_s, **self._cost_fields())
 
     def _cost_fields(self) -> dict[str, float]:

@@ -20,6 +20,7 @@ import pytest
 
 from engine.decoder import DecoderEngine
 from engine.decoder.attention import paged_decode, pick
+from engine.decoder.static import prefill_insert
 from shared.messages import Sampling
 from tests.support.tiny_models import build, hf_greedy
 
@@ -51,7 +52,7 @@ def _serve(engine: DecoderEngine, plan: list[tuple[int, int, int]]) -> dict[int,
         for job, at, n in plan:
             if at == step:
                 slot = next(s for s in range(engine.slots) if s not in running)
-                got[job] = [engine.prefill_insert(slot, PROMPTS[job], GREEDY, 0)]
+                got[job] = [prefill_insert(engine, slot, PROMPTS[job], GREEDY, 0)]
                 running[slot] = (job, n)
         if running:
             tokens = engine.step()
@@ -68,7 +69,7 @@ def test_one_stream_steps_at_batch_bucket_one(llama):
     path, ref = llama
     engine = _engine(path)
     engine.warmup(progress=False)
-    first = engine.prefill_insert(3, PROMPTS[1], GREEDY, 0)  # any slot: rows are compacted
+    first = prefill_insert(engine, 3, PROMPTS[1], GREEDY, 0)  # any slot: rows are compacted
     tokens = [first] + [int(engine.step()[3]) for _ in range(11)]
     assert engine.step_counts == {1: 11}
     assert tokens == hf_greedy(ref, PROMPTS[1], 12)

@@ -32,6 +32,7 @@ class MockEncoder:
         self.max_tokens = 256
         self.dtype = "float32"
         self.device = "mock"
+        self.devices = ["mock"]
         self.max_batch = max_batch
         self.fail_on = fail_on  # a token id that makes the engine raise
         self.per_batch_s = per_batch_s
@@ -87,6 +88,7 @@ class MockDecoder(WholePrompt):
         self.max_context = max_context
         self.dtype = "float32"
         self.device = "mock"
+        self.devices = ["mock"]
         self.eos_token_ids: tuple[int, ...] = ()
         self.tokenizer = LetterTokenizer()
         self.gate = threading.Event()
@@ -102,7 +104,7 @@ class MockDecoder(WholePrompt):
         if not prompt or len(prompt) > self.max_context - 1:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit")
 
-    def prefill_insert(self, slot: int, prompt: list[int], sampling, seed: int) -> int:
+    def prefill_whole(self, slot: int, prompt: list[int], sampling, seed: int) -> int:
         self._active[slot], self._lengths[slot] = True, len(prompt) + 1
         return self.tag
 
