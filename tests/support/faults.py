@@ -44,6 +44,9 @@ ENV = {
     "TENSORBUS_DATA_DIR": str(REPO / ".data" / "test-data"),  # compiled buckets cached here
     "TENSORBUS_MODEL_DIR": str(catalog.bundled_dir(MODEL)),  # version "local", no download
     "TENSORBUS_LOG_LEVEL": "info",
+    # A decoder compiles the shapes a test does not run where first needed, not on a
+    # background thread that would share the cores with the test's own streams.
+    "TENSORBUS_COMPILE_AHEAD": "lazy",
 }
 
 
