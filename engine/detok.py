@@ -32,6 +32,15 @@ class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+def _raw(tokenizer) -> _HFTokenizer | None:
+    """The `tokenizers.Tokenizer` behind `tokenizer`, if it has one."""
+    from engine.tokenizer import Tokenizer
+
+    if isinstance(tokenizer, _HFTokenizer):
+        return tokenizer
+    return tokenizer.raw if isinstance(tokenizer, Tokenizer) else None
+
+
 class StopMatcher:
     """Stop-string search over a stream of text pieces."""
 
@@ -83,12 +92,13 @@ class Detokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tok = tokenizer
-        self._raw = tokenizer if isinstance(tokenizer, _HFTokenizer) else tokenizer.raw
+        self._raw = _raw(tokenizer)
         self._skip = skip_special_tokens
         # The prompt's last tokens give the first generated token its left context
         # (a sentencepiece decoder drops the leading space of a sequence's first piece).
         self._ids: list[int] = list(prompt_ids)[-CONTEXT_TOKENS:]
-        self._stream = DecodeStream(ids=list(self._ids), skip_special_tokens=skip_special_tokens)
+        self._stream = (DecodeStream(ids=list(self._ids), skip_special_tokens=skip_special_tokens)
+                        if self._raw is not None else None)
         self._prefix = 0  # ids[prefix:read] decode to text already emitted (for `flush`)
         self._read = len(self._ids)
         self._stops = StopMatcher(stop)
@@ -111,12 +121,24 @@ class Detokenizer:
             return ""
         self.tokens += 1
         self._ids.append(int(token_id))
+        if self._stream is None:
+            return self._stops.push(self._new_text())
         text = self._stream.step(self._raw, int(token_id))
         if not text:
             return ""  # nothing yet, or a character is still incomplete
         # What `flush` would decode again starts after the last emitted token.
         self._prefix, self._read = max(self._read - CONTEXT_TOKENS, 0), len(self._ids)
         return self._stops.push(text)
+
+    def _new_text(self) -> str:
+        """Any other decoder: the new tokens decoded with a few before them, and only
+        the difference is new (held while it ends in an incomplete character)."""
+        before = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
+        if len(full) <= len(before) or full.endswith(REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return full[len(before) :]
 
     def flush(self) -> str:
         """End of sequence: everything still held, incomplete characters included."""

@@ -152,6 +152,11 @@ class DecoderRunner:
     # -------------------------------------------------------------- requests
     def submit(self, work: GenerateWork) -> None:
         now = time.perf_counter()
+        if work.request_id in self.sched.requests:
+            # A scheduler re-sent work this worker still runs (it judged the worker
+            # stalled): the gateway keeps one answer per request, and this one goes on.
+            log.info("duplicate_work_ignored", request_id=work.request_id)
+            return
         engine = self.models.engines.get(self.models.resolve(work.version))
         try:
             engine.check_prompt(work.prompt)
