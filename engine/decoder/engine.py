@@ -236,7 +236,7 @@ class DecoderEngine(PagedSlots):
                 kind, size = bucket.split()
                 self.compute_forms = dict(saved, **{bucket: form})
                 if kind == "step":
-                    return self._run_step(int(size), self.windows[0])[0]
+                    return self._run_step(int(size), self.windows[0])[0][0]
                 ctx = self.context_for(int(size))
                 return self._run_chunk(self._slots, [0] * int(size), 0, int(size), ctx,
                                        slot_sampling(GREEDY), np.uint32(0))  # fmt: skip
@@ -303,7 +303,11 @@ class DecoderEngine(PagedSlots):
         if background:
             # The thread holds the engine weakly: a dropped version stops compiling.
             ref = weakref.ref(self)
-            rest = [k for k in self.compiles if k not in set(jobs)]
+            # One stream at every window first (any load runs on those, in parts),
+            # then the prompts' shapes, then the rest, cheapest first.
+            ones = [k for k in self.compiles if k[0] == "step" and k[1] == 1]
+            order = ones + [k for k in self.compiles if k not in set(ones)]
+            rest = [k for k in order if k not in set(jobs)]
             self.programs.start_background(
                 [(self._key(*k), functools.partial(_lower_weakly, ref, k)) for k in rest])
         log.info("decoder_warm", model=self.name, compiled=len(jobs), background=background,
@@ -383,19 +387,36 @@ class DecoderEngine(PagedSlots):
         return token
 
     # ------------------------------------------------------------------ decode
-    def _run_step(self, batch: int, window: int) -> tuple[jax.Array, np.ndarray]:
-        """One decode step of the live slots at (batch bucket, window) -> (tokens [B]
-        on device, rows [B]: the slot of each row, the dummy row for padding)."""
+    def _run_step(self, batch: int, window: int) -> tuple[list[jax.Array], np.ndarray]:
+        """One decode step of the live slots at (batch bucket, window), in as many
+        parts of `batch` rows as they need (rows are independent: parts compute the
+        same tokens as one larger bucket) -> (tokens [B] on device, one array per
+        part; rows [parts x B]: the slot of each row, the dummy row for padding)."""
         live = np.flatnonzero(self._active)
-        rows = np.full(batch, self._slots, np.int32)  # [B]
+        parts = max(1, -(-len(live) // batch))
+        rows = np.full(parts * batch, self._slots, np.int32)  # [parts x B]
         rows[: len(live)] = live
-        tables = self._tables[rows, : window // self.block]  # [B, NW] (a copy)
-        run = self._program("step", batch, window)
-        self._state, tokens = run(self._params_for(f"step {batch}"), self._state, rows, tables,
-                                  rows < self._slots)  # fmt: skip
+        params, run = self._params_for(f"step {batch}"), self._program("step", batch, window)
+        out = []
+        for part in rows.reshape(parts, batch):
+            tables = self._tables[part, : window // self.block]  # [B, NW] (a copy)
+            self._state, tokens = run(params, self._state, part, tables, part < self._slots)
+            out.append(tokens)
         if len(live):  # warm-up and measuring runs are not steps
-            self.step_counts[batch] = self.step_counts.get(batch, 0) + 1
-        return tokens, rows
+            self.step_counts[batch] = self.step_counts.get(batch, 0) + parts
+        return out, rows
+
+    def _step_shape(self, live: int, window: int) -> tuple[int, int]:
+        """(batch bucket, window) of the next step: the cheapest compiled shape that
+        holds it; else, while the background compiles, the largest compiled bucket at
+        a window that holds it, run in parts; else the exact shape, compiled now."""
+        batch, window = self._choose("step", self.batch_for(live), window)
+        if self.programs.has(self._key("step", batch, window)) or not self.programs.compiling:
+            return batch, window
+        parts = [(s, o) for k, s, o, form in self.programs.keys()
+                 if k == "step" and o >= window and s < batch
+                 and form == self.compute_forms[f"step {s}"]]  # fmt: skip
+        return max(parts, key=lambda p: (p[0], -p[1])) if parts else (batch, window)
 
     def batch_for(self, live: int) -> int:
         return next(b for b in self.batches if b >= live)
@@ -418,7 +439,7 @@ class DecoderEngine(PagedSlots):
         preempted = self.make_room()
         live = np.flatnonzero(self._active)
         began = self._order[live].copy()  # which sequence each live slot held
-        batch, window = self._choose("step", self.batch_for(len(live)), self.window_for())
+        batch, window = self._step_shape(len(live), self.window_for())
         tokens, rows = self._run_step(batch, window)
         pending = PendingStep(tokens, rows, self._slots, preempted,
                               lambda host: self._note(live, began, host))

@@ -34,21 +34,23 @@ class _Prefill:
 class PendingStep:
     """A dispatched decode step; its tokens leave the device on `result()`."""
 
-    def __init__(self, tokens: jax.Array, rows: np.ndarray, slots: int, preempted: list[int],
+    def __init__(self, tokens: list[jax.Array], rows: np.ndarray, slots: int,
+                 preempted: list[int],
                  on_result: Callable[[np.ndarray], None] | None = None) -> None:
-        self._tokens = tokens  # [B] int32, on device: row i is slot rows[i]'s token
-        self._rows = rows  # [B] int32 (padding rows name the dummy row, index SLOTS)
+        self._tokens = tokens  # parts x [B] int32, on device: row i is slot rows[i]'s token
+        self._rows = rows  # [parts x B] int32 (padding rows name the dummy row, index SLOTS)
         self._slots = slots
         self._host: np.ndarray | None = None
         self._on_result = on_result
         self.preempted = preempted  # slots freed to make room before it (not in it)
-        self.batch = len(rows)  # the batch bucket it ran at
+        self.batch = len(rows) // len(tokens)  # the batch bucket it ran at
 
     def result(self) -> np.ndarray:
         """[SLOTS] int32: each slot's token (slots not in the step: ignore)."""
         if self._host is None:
             out = np.zeros(self._slots + 1, np.int32)
-            out[self._rows] = np.asarray(self._tokens)  # the step's one host copy
+            # The step's one host copy (one per part when it ran in parts).
+            out[self._rows] = np.concatenate([np.asarray(t) for t in self._tokens])
             self._host = out[: self._slots]
             if self._on_result is not None:
                 self._on_result(self._host)
