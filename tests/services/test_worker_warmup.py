@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from bench.nomath import NoMathEncoder
+from tests.support.mock_engine import MockEncoder
 from services.worker.service import time_decoder, time_encoder
 from tests.support.mock_engine import MockDecoder
 
 
 def test_warmup_timing_finds_the_engines_cost_per_batch_and_per_token():
-    engine = NoMathEncoder(max_batch=64, per_batch_s=0.02, per_token_s=5e-5)
+    engine = MockEncoder(max_batch=64, per_batch_s=0.02, per_token_s=5e-5)
     cost = time_encoder(engine, max_batch=64)
     assert cost.per_token == pytest.approx(5e-5, rel=0.2)
     assert cost.per_batch == pytest.approx(0.02, abs=0.015)
@@ -22,7 +22,7 @@ def test_warmup_timing_finds_the_engines_cost_per_batch_and_per_token():
 
 
 def test_an_engine_that_fails_its_timing_still_starts_without_an_estimate():
-    class Broken(NoMathEncoder):
+    class Broken(MockEncoder):
         def embed(self, inputs):
             raise RuntimeError("broken release")
 
