@@ -73,9 +73,10 @@ Stop = Annotated[str, Meta(min_length=1, max_length=256)]
 class _Sampling(_Request, kw_only=True):
     model: Annotated[str, Meta(min_length=1, max_length=256)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1  # >= vocabulary = off
+    # None = the model's generation_config.json default, else OpenAI's (1, 1, off).
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None  # -1, 0 or >= vocabulary = off
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stop: Stop | Annotated[list[Stop], Meta(max_length=MAX_STOP)] | None = None
     stream: bool = False
@@ -93,9 +94,18 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool = False
 
 
+class ContentPart(msgspec.Struct, kw_only=True):
+    """One part of a message's `content` list. Only `text` parts are served; any
+    other type (image_url, input_audio, file, ...) is refused by name, so its own
+    fields are not checked here."""
+
+    type: Annotated[str, Meta(min_length=1, max_length=64)]
+    text: Text | None = None
+
+
 class ChatMessage(_Request, kw_only=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | None = None
+    content: Text | Annotated[list[ContentPart], Meta(max_length=MAX_LIST)] | None = None
     name: Annotated[str, Meta(max_length=256)] | None = None
 
 

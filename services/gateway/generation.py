@@ -22,8 +22,11 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator
 
 from services.gateway import codec
@@ -91,6 +94,8 @@ class Generation:
         self.front.admission.shed(name)
         if not chat and req.echo:
             raise bad_request("'echo' is not supported; send the prompt back yourself")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true")
         if req.n > self.config.max_n:
             raise bad_request(f"'n' is {req.n}; at most {self.config.max_n} choices per request")
         render = self._chat_prompt if chat else self._prompt
@@ -110,11 +115,9 @@ class Generation:
                     if reserved:
                         self.front.admission.unreserve(rid)
                     raise
-        max_tokens = (req.max_completion_tokens if chat else None) or req.max_tokens
-        max_tokens = min(max_tokens or limit, limit - len(prompt))
+        max_tokens = _max_tokens(req, chat, len(prompt), limit)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                            seed=req.seed)
+        sampling = _sampling(req, generation_defaults(entry.info.path))
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
                             req.stream, deadline, "", ignore_eos=req.ignore_eos,
@@ -166,7 +169,7 @@ class Generation:
         tmpl = self._templates.get(entry.info.path)
         if tmpl is None:
             tmpl = self._templates[entry.info.path] = ChatTemplate.from_dir(entry.info.path)
-        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+        messages = [{"role": m.role, "content": _content(m.content)} for m in req.messages]
         try:
             return tmpl.encode(entry.tokenizer, messages)
         except ValueError as exc:
@@ -291,6 +294,72 @@ def coalesced(batch: list[GenChunk | GenDone]) -> list[GenChunk | GenDone]:
         out[i] = GenChunk(ev.request_id, ev.index, have.text + ev.text, have.tokens + ev.tokens,
                           ev.finish_reason or have.finish_reason, ev.attempt, ev.version)
     return out
+
+
+def _content(content: str | list | None) -> str:
+    """A message's text: a string, or its text parts joined by newlines (as vLLM
+    joins them); any other part type is a 400 that names it."""
+    if not isinstance(content, list):
+        return content or ""
+    for part in content:
+        if part.type != "text":
+            raise bad_request(f"message content part type '{part.type}' is not supported; "
+                              f"only 'text' parts are")
+        if part.text is None:
+            raise bad_request("a message content part of type 'text' needs 'text'")
+    return "\n".join(part.text for part in content)
+
+
+def _max_tokens(req, chat: bool, prompt: int, limit: int) -> int:
+    """The request's token budget; when it asks for more than the context leaves,
+    a 400 naming both numbers (never a silent clamp). Unset: what the context leaves."""
+    field = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
+    asked = (req.max_completion_tokens if chat else None) or req.max_tokens
+    if asked is None:
+        return limit - prompt
+    if prompt + asked > limit:
+        raise bad_request(
+            f"'{field}' is {asked} and the prompt has {prompt} tokens: {prompt + asked} "
+            f"tokens in all, over the model's context of {limit} tokens (at most "
+            f"{limit - prompt} can be generated for this prompt)",
+            code="context_length_exceeded")
+    return asked
+
+
+# OpenAI's defaults, used when neither the request nor the model's
+# generation_config.json sets a field.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+
+
+@functools.lru_cache(maxsize=64)
+def generation_defaults(model_dir: str) -> dict[str, float]:
+    """The sampling defaults the model's authors ship in `generation_config.json`
+    (as vLLM applies them): those of SAMPLING_DEFAULTS it sets, with valid values."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, float] = {}
+    for key in SAMPLING_DEFAULTS:
+        value = cfg.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value
+    return out
+
+
+def _sampling(req, defaults: dict[str, float]) -> Sampling:
+    """The request's sampling fields; those it leaves unset from the model's
+    defaults, then OpenAI's."""
+    def pick(key: str):
+        value = getattr(req, key)
+        if value is None:
+            value = defaults.get(key, SAMPLING_DEFAULTS[key])
+        return value
+
+    return Sampling(temperature=max(0.0, float(pick("temperature"))),
+                    top_p=min(1.0, float(pick("top_p"))) or 1.0, top_k=int(pick("top_k")),
+                    seed=req.seed)
 
 
 def _reason(reason: str | None) -> str | None:

@@ -116,7 +116,7 @@ CATALOGUE = [
          msgpack=True),
     Case("msgpack top-level string", E, MP("hello"), 400, "object", msgpack=True),
     Case("bad encoding_format", E, J(emb(encoding_format="bytes")), 400, "encoding_format"),
-    Case("chat content parts", CH, J(chat(messages=[{"role": "user", "content": [{"type": "text"}]}])),
+    Case("chat content part without text", CH, J(chat(messages=[{"role": "user", "content": [{"type": "text"}]}])),
          400, "content"),
     Case("chat unknown role", CH, J(chat(messages=[{"role": "root", "content": "x"}])), 400, "role"),
     Case("chat without messages", CH, J(chat(messages=DROP)), 400, "messages"),

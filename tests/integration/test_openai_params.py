@@ -1,0 +1,110 @@
+"""OpenAI request fields beyond the basics, through the unchanged `openai` client over
+HTTP: message content as parts, the context limit, stream options, the model's own
+sampling defaults. The reference is transformers on the same tiny weights."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import pytest_asyncio
+
+from tests.support.stack import running_stack
+from tests.support.tiny_models import hf_greedy, serve_tiny
+
+CONTEXT = 128
+PROMPT = [5, 17, 300, 42, 9, 81]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, jax_cache_dir):
+    path = tmp_path_factory.mktemp("params")
+    model, engine = serve_tiny("gpt2", path, "tiny-params", CONTEXT, jax_cache_dir)
+    # The model's authors ask for top_k 1: any temperature then gives greedy tokens.
+    cfg = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**cfg, "top_k": 1}))
+    # References before any service runs (a torch call would stall the shared loop).
+    refs = {"greedy": hf_greedy(model, PROMPT, NEW)}
+    return model, engine, str(path), refs
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(nats_server, tiny):
+    _, engine, path, _ = tiny
+    async with running_stack(nats_server.url, models={engine.name: path}, max_context=CONTEXT,
+                             decode_slots=4) as st:
+        await st.add_worker(engine, "dec-params", kind="decoder")
+        yield st
+
+
+@pytest.fixture
+def client(stack):
+    return openai.AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="none", max_retries=0)
+
+
+def _ids(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def test_content_as_text_parts_is_the_joined_text(client, tiny):
+    _, engine, _, _ = tiny
+    parts = [{"type": "text", "text": "the quick"}, {"type": "text", "text": "brown fox"}]
+    a = await client.chat.completions.create(
+        model=engine.name, messages=[{"role": "user", "content": parts}], max_tokens=8,
+        temperature=0)
+    b = await client.chat.completions.create(
+        model=engine.name, messages=[{"role": "user", "content": "the quick\nbrown fox"}],
+        max_tokens=8, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+async def test_other_content_parts_are_refused_by_name(client, tiny):
+    _, engine, _, _ = tiny
+    parts = [{"type": "text", "text": "what is this"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        await client.chat.completions.create(
+            model=engine.name, messages=[{"role": "user", "content": parts}], max_tokens=4)
+
+
+async def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(client, tiny):
+    _, engine, _, _ = tiny
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model=engine.name, prompt=PROMPT, max_tokens=CONTEXT)
+    msg = str(err.value)
+    assert f"'max_tokens' is {CONTEXT}" in msg and f"prompt has {len(PROMPT)} tokens" in msg
+    assert f"context of {CONTEXT}" in msg
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens"):
+        await client.chat.completions.create(
+            model=engine.name, messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=CONTEXT)
+    # What the context leaves is allowed.
+    ok = await client.completions.create(model=engine.name, prompt=PROMPT,
+                                         max_tokens=CONTEXT - len(PROMPT), temperature=0,
+                                         stop=["the"])
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_stream_options_without_stream_is_a_400(client, tiny):
+    _, engine, _, _ = tiny
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        await client.completions.create(model=engine.name, prompt="x", max_tokens=2,
+                                        stream_options={"include_usage": True})
+
+
+async def test_generation_config_defaults_apply_when_the_request_is_silent(client, tiny):
+    """The model's generation_config.json says top_k 1: a hot request that leaves
+    top_k unset is greedy (transformers' greedy text); one that sets it is not."""
+    _, engine, _, refs = tiny
+    greedy = engine.tokenizer.decode(refs["greedy"])
+    silent = await client.completions.create(model=engine.name, prompt=PROMPT, max_tokens=NEW,
+                                             temperature=1.5, seed=3,
+                                             extra_body={"ignore_eos": True})
+    assert silent.choices[0].text == greedy
+    said = await client.completions.create(model=engine.name, prompt=PROMPT, max_tokens=NEW,
+                                           temperature=1.5, seed=3,
+                                           extra_body={"ignore_eos": True, "top_k": -1})
+    assert said.choices[0].text != greedy
