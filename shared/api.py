@@ -68,6 +68,10 @@ class StreamOptions(_Request, kw_only=True):
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Stop = Annotated[str, Meta(min_length=1, max_length=256)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows (engine.decoder.kvcache.MAX_BIAS)
+MAX_STOP_TOKENS = 64
 
 
 class _Sampling(_Request, kw_only=True):
@@ -84,8 +88,15 @@ class _Sampling(_Request, kw_only=True):
     n: Annotated[int, Meta(ge=1)] = 1
     user: Annotated[str, Meta(max_length=256)] | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
-    presence_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None
+    # Applied on the device inside the step (engine/decoder/sampling.py); None = off
+    # (repetition_penalty and min_p: the model's generation_config.json, else off).
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    # token id (a string key in JSON) -> bias added to its logit
+    logit_bias: Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKENS)] | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

@@ -25,6 +25,12 @@ class Sampling(msgspec.Struct, array_like=True, gc=False):
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = msgspec.field(default_factory=list)  # (token, bias)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)  # end a choice as EOS does
 
 
 class EmbedWork(_Msg, tag="embed"):

@@ -53,6 +53,7 @@ from engine.decoder import steps
 from engine.decoder.blocks import SCRATCH, BlockPool, prefix_keys
 from engine.decoder.config import DecoderConfig, load_config
 from engine.decoder.kvcache import (
+    MAX_BIAS,
     DecodeState,
     SlotSampling,
     block_bytes,
@@ -140,10 +141,8 @@ def _state_sharding(state: DecodeState, mesh) -> DecodeState:
     from engine import sharding
 
     kv, rep = sharding.kv_sharding(mesh), sharding.replicated(mesh)
-    return DecodeState(
-        k=tuple(kv for _ in state.k), v=tuple(kv for _ in state.v), tokens=rep,
-        positions=rep, keys=rep, temperature=rep, top_k=rep, top_p=rep,
-    )  # fmt: skip
+    return DecodeState(*(rep for _ in state))._replace(
+        k=tuple(kv for _ in state.k), v=tuple(kv for _ in state.v))
 
 
 class DecoderEngine:
@@ -324,7 +323,7 @@ class DecoderEngine:
                     return self._run_step(int(size), self.windows[0])[0]
                 ctx = self.context_for(int(size))
                 return self._run_chunk(self._slots, [0] * int(size), 0, int(size), ctx,
-                                       _slot_sampling(GREEDY), np.uint32(0))  # fmt: skip
+                                       _slot_sampling(GREEDY, self.cfg.vocab_size, []), np.uint32(0))  # fmt: skip
 
             cfg = self.cfg
             fields = dict(model=self.name, family=cfg.family, layers=cfg.layers,
@@ -443,7 +442,7 @@ class DecoderEngine:
             if kind == "prefill":
                 # The dummy row: its table is all scratch, its state row nobody's.
                 jax.block_until_ready(self._run_chunk(self._slots, [0] * size, 0, size, other,
-                                                      _slot_sampling(GREEDY), np.uint32(0)))
+                                                      _slot_sampling(GREEDY, self.cfg.vocab_size, []), np.uint32(0)))
             else:
                 jax.block_until_ready(self._run_step(size, other)[0])
         if background:
@@ -477,9 +476,10 @@ class DecoderEngine:
             nw = other // self.block
             args = (i32(size), i32(size, nw), jax.ShapeDtypeStruct((size,), np.bool_))
             return lambda: self._generate.lower(params, self._state_spec, *args)
-        f32, u32 = (jax.ShapeDtypeStruct((), t) for t in (np.float32, np.uint32))
+        u32 = jax.ShapeDtypeStruct((), np.uint32)
         args = (i32(size), i32(), i32(), i32(other // self.block), i32(),
-                SlotSampling(f32, i32(), f32), u32)  # fmt: skip
+                jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                             _slot_sampling(GREEDY, self.cfg.vocab_size, [])), u32)  # fmt: skip
         return lambda: self._prefill.lower(params, self._state_spec, *args)
 
     def _program(self, kind: str, size: int, other: int):
@@ -551,7 +551,8 @@ class DecoderEngine:
         self._began += 1
         self._order[slot] = self._began
         self._tokens[slot] = list(prompt)
-        self._jobs[slot] = _Prefill(list(prompt), reused * self.block, _slot_sampling(sampling),
+        self._jobs[slot] = _Prefill(list(prompt), reused * self.block,
+                                    _slot_sampling(sampling, self.cfg.vocab_size, prompt),
                                     np.uint32(seed % 2**32), prefix_keys(prompt, self.block))
 
     def prefilling(self, slot: int) -> int:
@@ -731,9 +732,24 @@ def _lower_weakly(ref: "weakref.ref[DecoderEngine]", shape: tuple[str, int, int]
     return engine._lowering(*shape)()
 
 
-def _slot_sampling(sampling: Sampling) -> SlotSampling:
+def _slot_sampling(sampling: Sampling, vocab: int, prompt: list[int]) -> SlotSampling:
+    """A request's sampling parameters as the prefill takes them; `seen` marks the
+    prompt's tokens only when a repetition penalty will read them."""
+    bias = [(t, b) for t, b in sampling.logit_bias if 0 <= t < vocab][:MAX_BIAS]
+    ids, vals = np.zeros(MAX_BIAS, np.int32), np.zeros(MAX_BIAS, np.float32)
+    if bias:
+        ids[: len(bias)], vals[: len(bias)] = zip(*bias)
+    seen = np.zeros(vocab, np.bool_)
+    if sampling.repetition_penalty != 1.0:
+        seen[np.asarray(prompt, np.int64)] = True
     return SlotSampling(
         temperature=np.float32(max(0.0, sampling.temperature)),
         top_k=np.int32(sampling.top_k if sampling.top_k > 0 else 0),
         top_p=np.float32(sampling.top_p if 0.0 < sampling.top_p < 1.0 else 1.0),
+        min_p=np.float32(min(max(sampling.min_p, 0.0), 1.0)),
+        presence=np.float32(sampling.presence_penalty),
+        frequency=np.float32(sampling.frequency_penalty),
+        repetition=np.float32(sampling.repetition_penalty if sampling.repetition_penalty > 0
+                              else 1.0),
+        bias_ids=ids, bias_vals=vals, seen=seen,
     )

@@ -39,6 +39,9 @@ from shared.messages import Sampling
 
 log = get_logger(__name__)
 GREEDY = Sampling(temperature=0.0)
+# Sampling fields this engine does not implement, with the value that means "off".
+UNSUPPORTED = (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+               ("repetition_penalty", 1.0), ("min_p", 0.0), ("logit_bias", []))
 
 
 class DoneStep:
@@ -170,6 +173,14 @@ class TorchDecoder(WholePrompt):
         return 0
 
     # -------------------------------------------------------------- requests
+    def check_sampling(self, sampling: Sampling) -> None:
+        """This engine samples with temperature, top-k and top-p only: a request that
+        asks for more is refused (a 400 naming the fields), never served without them."""
+        asked = [name for name, off in UNSUPPORTED if getattr(sampling, name) != off]
+        if asked:
+            raise ValueError(f"{', '.join(asked)}: not supported by the torch engine "
+                             f"serving {self.name}")
+
     def check_prompt(self, prompt: list[int]) -> None:
         if not prompt:
             raise ValueError("prompt is empty: at least one token is needed")

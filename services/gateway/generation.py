@@ -118,6 +118,7 @@ class Generation:
         max_tokens = _max_tokens(req, chat, len(prompt), limit)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         sampling = _sampling(req, generation_defaults(entry.info.path))
+        _check_tokens(sampling, entry.tokenizer.vocab_size)
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
                             req.stream, deadline, "", ignore_eos=req.ignore_eos,
@@ -328,7 +329,8 @@ def _max_tokens(req, chat: bool, prompt: int, limit: int) -> int:
 
 # OpenAI's defaults, used when neither the request nor the model's
 # generation_config.json sets a field.
-SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                     "repetition_penalty": 1.0}
 
 
 @functools.lru_cache(maxsize=64)
@@ -359,7 +361,22 @@ def _sampling(req, defaults: dict[str, float]) -> Sampling:
 
     return Sampling(temperature=max(0.0, float(pick("temperature"))),
                     top_p=min(1.0, float(pick("top_p"))) or 1.0, top_k=int(pick("top_k")),
-                    seed=req.seed)
+                    seed=req.seed, min_p=min(1.0, max(0.0, float(pick("min_p")))),
+                    presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
+                    repetition_penalty=float(pick("repetition_penalty")) or 1.0,
+                    logit_bias=sorted((req.logit_bias or {}).items()),
+                    stop_token_ids=list(req.stop_token_ids or []))
+
+
+def _check_tokens(sampling: Sampling, vocab: int) -> None:
+    """Token ids in `logit_bias` and `stop_token_ids` must name tokens of the model."""
+    for field, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
+                       ("stop_token_ids", sampling.stop_token_ids)):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"'{field}' names token id {bad}, outside the vocabulary of "
+                              f"{vocab} tokens")
 
 
 def _reason(reason: str | None) -> str | None:

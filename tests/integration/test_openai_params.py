@@ -4,18 +4,24 @@ sampling defaults. The reference is transformers on the same tiny weights."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
 import pytest
 import pytest_asyncio
 
+from shared.messages import Sampling
+from tests.support.sampling_refs import reference_greedy
 from tests.support.stack import running_stack
 from tests.support.tiny_models import hf_greedy, serve_tiny
 
 CONTEXT = 128
 PROMPT = [5, 17, 300, 42, 9, 81]
 NEW = 12
+BIAS = {300: 8.0, 42: -100.0}
+PENALISED = Sampling(temperature=0.0, frequency_penalty=1.2, presence_penalty=0.6,
+                     repetition_penalty=1.3, logit_bias=sorted(BIAS.items()))
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +32,8 @@ def tiny(tmp_path_factory, jax_cache_dir):
     cfg = json.loads((path / "generation_config.json").read_text())
     (path / "generation_config.json").write_text(json.dumps({**cfg, "top_k": 1}))
     # References before any service runs (a torch call would stall the shared loop).
-    refs = {"greedy": hf_greedy(model, PROMPT, NEW)}
+    refs = {"greedy": hf_greedy(model, PROMPT, NEW),
+            "penalised": reference_greedy(model, PROMPT, NEW, PENALISED)}
     return model, engine, str(path), refs
 
 
@@ -108,3 +115,47 @@ async def test_generation_config_defaults_apply_when_the_request_is_silent(clien
                                            temperature=1.5, seed=3,
                                            extra_body={"ignore_eos": True, "top_k": -1})
     assert said.choices[0].text != greedy
+
+
+async def test_penalties_and_logit_bias_match_the_reference(client, tiny):
+    _, engine, _, refs = tiny
+    assert refs["penalised"] != refs["greedy"]
+    body = dict(model=engine.name, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                frequency_penalty=PENALISED.frequency_penalty,
+                presence_penalty=PENALISED.presence_penalty,
+                logit_bias={str(t): b for t, b in BIAS.items()},
+                extra_body={"ignore_eos": True,
+                            "repetition_penalty": PENALISED.repetition_penalty})
+    whole, streamed = await asyncio.gather(
+        client.completions.create(**body),
+        client.completions.create(**body, stream=True))
+    assert whole.choices[0].text == engine.tokenizer.decode(refs["penalised"])
+    text = "".join([ch.choices[0].text async for ch in streamed if ch.choices])
+    assert text == whole.choices[0].text
+
+
+async def test_stop_token_ids_end_the_choice_without_their_text(client, tiny):
+    _, engine, _, refs = tiny
+    greedy = refs["greedy"]
+    at = next(i for i in range(2, NEW) if greedy[i] not in greedy[:i])
+    r = await client.completions.create(model=engine.name, prompt=PROMPT, max_tokens=NEW,
+                                        temperature=0,
+                                        extra_body={"ignore_eos": True,
+                                                    "stop_token_ids": [greedy[at]]})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == engine.tokenizer.decode(greedy[:at])
+    assert r.usage.completion_tokens == at + 1
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"logit_bias": {"99999": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"extra_body": {"min_p": 1.5}}, "min_p"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+])
+async def test_out_of_range_controls_are_400s_naming_the_field(client, tiny, body, needle):
+    _, engine, _, _ = tiny
+    with pytest.raises(openai.BadRequestError, match=needle):
+        await client.completions.create(model=engine.name, prompt="x", max_tokens=2, **body)

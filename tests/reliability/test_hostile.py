@@ -123,7 +123,7 @@ CATALOGUE = [
     Case("chat empty messages", CH, J(chat(messages=[])), 400, "messages"),
     Case("logprobs (unsupported)", C, J(comp(logprobs=5)), 400, "logprobs"),
     Case("echo (unsupported)", C, J(comp(echo=True)), 400, "echo"),
-    Case("presence_penalty (unsupported)", C, J(comp(presence_penalty=0.5)), 400, "presence_penalty"),
+    Case("presence_penalty out of range", C, J(comp(presence_penalty=2.5)), 400, "presence_penalty"),
     # ---- models
     Case("unknown model", E, J(emb(model="no-such-model")), 404, "no-such-model", "model_not_found"),
     Case("unknown model for completions", C, J(comp(model="gpt-17")), 404, "gpt-17", "model_not_found"),

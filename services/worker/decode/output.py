@@ -3,7 +3,8 @@
   1. `add()` opens a request's record when it is submitted (its arrival time).
   2. `accept()` takes one new token of one sequence: it is detokenized (never
      splitting a UTF-8 character; `engine.detok.Detokenizer`, one per choice, made
-     on its first token) and checked against EOS, stop strings, `max_tokens` and the
+     on its first token) and checked against EOS, `stop_token_ids` (both end the
+     choice without their text, as vLLM does), stop strings, `max_tokens` and the
      context, which sets the sequence's `finish`. The gap since the sequence's last
      token is counted for the request's inter-token latency.
   3. A streaming choice gets a GenChunk for each token that made text (or ended
@@ -95,7 +96,8 @@ class OutputProcessor:
     def _check(seq: Sequence, stream: Stream, tok: int) -> str:
         """Its new text; sets `seq.finish` when this token ends it."""
         detok = stream.detok
-        if tok in seq.lane.eos and not seq.work.ignore_eos:
+        w = seq.work
+        if (tok in seq.lane.eos and not w.ignore_eos) or tok in w.sampling.stop_token_ids:
             seq.finish = "stop"
             return detok.flush()
         text = detok.feed(tok)
