@@ -72,6 +72,7 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows (engine.decoder.kvcache.MAX_BIAS)
 MAX_STOP_TOKENS = 64
+MAX_TOP_LOGPROBS = 20  # as OpenAI allows (engine.decoder.sampling.MAX_LOGPROBS)
 
 
 class _Sampling(_Request, kw_only=True):
@@ -99,10 +100,14 @@ class _Sampling(_Request, kw_only=True):
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKENS)] | None = None
 
 
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+
+
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: Text | Annotated[list[Text | TokenId | TokenList], Meta(max_length=MAX_LIST * 4)] = ""
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     echo: bool = False
+    logprobs: TopLogprobs | None = None  # top logprobs per token (0: the sampled token's)
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -123,13 +128,40 @@ class ChatMessage(_Request, kw_only=True):
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=1024)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None  # needs `logprobs`
+
+
+# --------------------------------------------------------------- logprobs
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
 
 
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -151,7 +183,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: ResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -173,7 +205,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

@@ -62,6 +62,7 @@ from engine.decoder.kvcache import (
 )
 from engine.decoder.model import param_bytes
 from engine.decoder.programs import Programs
+from engine.decoder.sampling import MAX_LOGPROBS
 from engine.interface import CacheStats
 from shared.logging import get_logger
 from shared.messages import Sampling
@@ -117,8 +118,9 @@ class PendingStep:
     """A dispatched decode step; its tokens leave the device on `result()`."""
 
     def __init__(self, tokens: jax.Array, rows: np.ndarray, slots: int, preempted: list[int],
-                 on_result: Callable[[np.ndarray], None] | None = None) -> None:
-        self._tokens = tokens  # [B] int32, on device: row i is slot rows[i]'s token
+                 on_result: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
+        self._tokens = tokens  # [B, 2 + 2K] int32, on device: row i is slot rows[i]'s
+        # token, then its logprobs (engine.decoder.steps.pack)
         self._rows = rows  # [B] int32 (padding rows name the dummy row, index SLOTS)
         self._slots = slots
         self._host: np.ndarray | None = None
@@ -129,11 +131,12 @@ class PendingStep:
     def result(self) -> np.ndarray:
         """[SLOTS] int32: each slot's token (slots not in the step: ignore)."""
         if self._host is None:
-            out = np.zeros(self._slots + 1, np.int32)
-            out[self._rows] = np.asarray(self._tokens)  # the step's one host copy
-            self._host = out[: self._slots]
+            packed = np.asarray(self._tokens)  # the step's one host copy
+            out = np.zeros((self._slots + 1, packed.shape[1]), np.int32)
+            out[self._rows] = packed
+            self._host = np.ascontiguousarray(out[: self._slots, 0])
             if self._on_result is not None:
-                self._on_result(self._host)
+                self._on_result(self._host, out[: self._slots, 1:])
         return self._host
 
 
@@ -260,6 +263,10 @@ class DecoderEngine:
         self._tokens: list[list[int]] = [[] for _ in range(self._slots)]
         self._lengths = np.zeros(self._slots, np.int64)  # tokens in context per slot
         self._active = np.zeros(self._slots, bool)  # live: part of decode steps
+        self._top = np.full(self._slots, -1, np.int64)  # top logprobs wanted (-1: none)
+        # Each slot's last token's logprobs ([1 + 2K] int32 as steps.pack packs them),
+        # kept only for sequences that asked for them.
+        self._logprobs: list[np.ndarray | None] = [None] * self._slots
         log.info(
             "decoder_loaded", model=name, family=self.cfg.family, dtype=self._dtype,
             quant=self.quant, forms=list(self._forms), devices=self.devices,
@@ -551,6 +558,8 @@ class DecoderEngine:
         self._began += 1
         self._order[slot] = self._began
         self._tokens[slot] = list(prompt)
+        self._top[slot] = min(sampling.logprobs, MAX_LOGPROBS)
+        self._logprobs[slot] = None
         self._jobs[slot] = _Prefill(list(prompt), reused * self.block,
                                     _slot_sampling(sampling, self.cfg.vocab_size, prompt),
                                     np.uint32(seed % 2**32), prefix_keys(prompt, self.block))
@@ -568,18 +577,21 @@ class DecoderEngine:
         end = job.done + n
         bucket = self.bucket_for(n)
         bucket, ctx = self._choose("prefill", bucket, self.context_for(max(end, bucket)))
-        token = self._run_chunk(slot, job.prompt[job.done : end], job.done, bucket, ctx,
-                                job.sampling, job.seed)
+        packed = self._run_chunk(slot, job.prompt[job.done : end], job.done, bucket, ctx,
+                                 job.sampling, job.seed)
         job.done = end
         full = end // self.block
         self.pool.register(self._held[slot][:full], job.keys[:full])
         if end < len(job.prompt):
             return None
         del self._jobs[slot]
+        packed = np.asarray(packed)  # [2 + 2K]: the token, then its logprobs
+        token = int(packed[0])
         self._active[slot] = True
         self._lengths[slot] = len(job.prompt) + 1
-        self._tokens[slot].append(int(token))
-        return int(token)
+        self._tokens[slot].append(token)
+        self._logprobs[slot] = packed[1:] if self._top[slot] >= 0 else None
+        return token
 
     def prefill_insert(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> int:
         """Start a sequence in `slot`, its whole prompt at once; return its first token."""
@@ -590,15 +602,16 @@ class DecoderEngine:
 
     def _run_chunk(self, slot: int, piece: list[int], offset: int, bucket: int, ctx: int,
                    sampling: SlotSampling, seed) -> jax.Array:
+        """-> [2 + 2K] int32 on device: the drawn token, then its logprobs."""
         padded = np.zeros(bucket, np.int32)  # padded: [T]
         padded[: len(piece)] = piece
         table = np.array(self._tables[slot, : ctx // self.block])  # [NC]
         run = self._program("prefill", bucket, ctx)
-        self._state, token = run(
+        self._state, packed = run(
             self._params_for(f"prefill {bucket}"), self._state, padded, np.int32(offset),
             np.int32(len(piece)), table, np.int32(slot), sampling, seed,
         )  # fmt: skip
-        return token
+        return packed
 
     # ------------------------------------------------------------------ decode
     def make_room(self) -> list[int]:
@@ -625,8 +638,9 @@ class DecoderEngine:
         return preempted
 
     def _run_step(self, batch: int, window: int) -> tuple[jax.Array, np.ndarray]:
-        """One decode step of the live slots at (batch bucket, window) -> (tokens [B]
-        on device, rows [B]: the slot of each row, the dummy row for padding)."""
+        """One decode step of the live slots at (batch bucket, window) -> (packed
+        [B, 2 + 2K] on device: each row's token and logprobs, rows [B]: the slot of
+        each row, the dummy row for padding)."""
         live = np.flatnonzero(self._active)
         rows = np.full(batch, self._slots, np.int32)  # [B]
         rows[: len(live)] = live
@@ -666,18 +680,35 @@ class DecoderEngine:
         batch, window = self._choose("step", self.batch_for(len(live)), self.window_for())
         tokens, rows = self._run_step(batch, window)
         pending = PendingStep(tokens, rows, self._slots, preempted,
-                              lambda host: self._note(live, began, host))
+                              lambda host, lp: self._note(live, began, host, lp))
         self._lengths[self._active] = np.minimum(
             self._lengths[self._active] + 1, self._max_context
         )
         return pending
 
-    def _note(self, live: np.ndarray, began: np.ndarray, host: np.ndarray) -> None:
+    def _note(self, live: np.ndarray, began: np.ndarray, host: np.ndarray,
+              logprobs: np.ndarray) -> None:
         """A step's tokens reached the host: each goes on its sequence's record, unless
-        that sequence has ended (or another began in its slot) since the dispatch."""
+        that sequence has ended (or another began in its slot) since the dispatch;
+        its logprobs, when it asked for them, wait for `token_logprobs`."""
         for slot, order in zip(live.tolist(), began.tolist()):
             if self._held[slot] and self._order[slot] == order:
                 self._tokens[slot].append(int(host[slot]))
+                if self._top[slot] >= 0:
+                    self._logprobs[slot] = logprobs[slot]
+
+    def token_logprobs(self, slot: int) -> tuple[float, list[tuple[int, float]]] | None:
+        """The logprob of the token `slot` got last (from its last prefill chunk or
+        the last step read) and its request's top logprobs, as (logprob, [(token id,
+        logprob)]), best first; None when its request asked for none."""
+        row = self._logprobs[slot]
+        if row is None or self._top[slot] < 0:
+            return None
+        k = MAX_LOGPROBS
+        lp = row[: 1 + 2 * k].view(np.float32)  # float32 bits
+        ids, top = row[1 : 1 + k], lp[1 + k : 1 + 2 * k]
+        n = int(self._top[slot])
+        return float(lp[0]), [(int(i), float(v)) for i, v in zip(ids[:n], top[:n])]
 
     def _keep(self, slot: int) -> None:
         """Key the full blocks of the sequence in `slot` before it lets them go: its
@@ -752,4 +783,5 @@ def _slot_sampling(sampling: Sampling, vocab: int, prompt: list[int]) -> SlotSam
         repetition=np.float32(sampling.repetition_penalty if sampling.repetition_penalty > 0
                               else 1.0),
         bias_ids=ids, bias_vals=vals, seen=seen,
+        logprobs=np.int32(min(sampling.logprobs, MAX_LOGPROBS)),
     )

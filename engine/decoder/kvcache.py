@@ -40,6 +40,7 @@ class DecodeState(NamedTuple):
     # where some slot uses a penalty reads them (sampling.controlled).
     counts: jax.Array  # [SLOTS + 1, V] int32: times each token was generated
     seen: jax.Array  # [SLOTS + 1, V] bool: tokens of the prompt (repetition penalty)
+    logprobs: jax.Array  # [SLOTS + 1] int32: top logprobs wanted (-1 = none, 0 = the token's)
 
 
 MAX_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
@@ -58,6 +59,7 @@ class SlotSampling(NamedTuple):
     bias_ids: jax.Array  # [MAX_BIAS] int32
     bias_vals: jax.Array  # [MAX_BIAS] float32
     seen: jax.Array  # [V] bool: the prompt's tokens (all False without a repetition penalty)
+    logprobs: jax.Array  # [] int32
 
 
 def init_decode_state(
@@ -83,6 +85,7 @@ def init_decode_state(
         bias_vals=jnp.zeros((slots, MAX_BIAS), jnp.float32),
         counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32),
         seen=jnp.zeros((slots, cfg.vocab_size), jnp.bool_),
+        logprobs=jnp.full((slots,), -1, jnp.int32),
     )
 
 
@@ -105,6 +108,7 @@ def start_slot(state: DecodeState, slot, token, position, key, sampling: SlotSam
         bias_vals=state.bias_vals.at[slot].set(sampling.bias_vals),
         counts=state.counts.at[slot].set(first),
         seen=state.seen.at[slot].set(sampling.seen),
+        logprobs=state.logprobs.at[slot].set(sampling.logprobs),
     )
 
 

@@ -26,6 +26,28 @@ import jax
 import jax.numpy as jnp
 
 
+MAX_LOGPROBS = 20  # top logprobs a step computes for every row that wants any
+
+
+def token_logprobs(logits, tokens, want):
+    """logits: [S, V] float32 (the model's own: before bias, penalties and
+    temperature, as vLLM reports them), tokens: [S] int32, want: [S] int32 (-1 = none)
+    -> [S, 1 + 2 * MAX_LOGPROBS] int32: the token's logprob, the top ids, their
+    logprobs (float32 bits as int32, so the step's output is one int32 array).
+    Zeros when no row wants logprobs: the log-softmax and top-k are skipped then."""
+    rows, k = logits.shape[0], MAX_LOGPROBS
+
+    def computed():
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        top_lp, top_ids = jax.lax.top_k(logp, k)  # [S, K]
+        chosen = jnp.take_along_axis(logp, tokens[:, None], axis=-1)  # [S, 1]
+        bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32)  # noqa: E731
+        return jnp.concatenate([bits(chosen), top_ids.astype(jnp.int32), bits(top_lp)], -1)
+
+    return jax.lax.cond(jnp.any(want >= 0), computed,
+                        lambda: jnp.zeros((rows, 1 + 2 * k), jnp.int32))
+
+
 def seed_key(seed):
     """seed: uint32 scalar -> key: [2] uint32 (threefry, raw key data)."""
     return jax.random.PRNGKey(seed)

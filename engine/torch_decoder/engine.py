@@ -41,7 +41,8 @@ log = get_logger(__name__)
 GREEDY = Sampling(temperature=0.0)
 # Sampling fields this engine does not implement, with the value that means "off".
 UNSUPPORTED = (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-               ("repetition_penalty", 1.0), ("min_p", 0.0), ("logit_bias", []))
+               ("repetition_penalty", 1.0), ("min_p", 0.0), ("logit_bias", []),
+               ("logprobs", -1))
 
 
 class DoneStep:

@@ -39,15 +39,19 @@ from shared.api import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ResponseMessage,
+    TopLogprob,
     Usage,
 )
 from shared.errors import bad_request
-from shared.messages import GenChunk, GenDone, GenerateWork, Sampling
+from shared.messages import GenChunk, GenDone, GenerateWork, Sampling, TokenLogprob
 
 if TYPE_CHECKING:
     from services.gateway.call import Call
@@ -62,6 +66,11 @@ class Prepared:
     created: int
     include_usage: bool
     continuous_usage: bool = False  # usage so far on every chunk (vLLM's stream option)
+    tokenizer: object = None  # engine.tokenizer.Tokenizer: logprobs' token texts
+
+    @property
+    def logprobs(self) -> bool:
+        return self.work.sampling.logprobs >= 0
 
     @property
     def stream(self) -> bool:
@@ -94,6 +103,8 @@ class Generation:
         self.front.admission.shed(name)
         if not chat and req.echo:
             raise bad_request("'echo' is not supported; send the prompt back yourself")
+        if chat and req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true")
         if req.stream_options is not None and not req.stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true")
         if req.n > self.config.max_n:
@@ -117,7 +128,7 @@ class Generation:
                     raise
         max_tokens = _max_tokens(req, chat, len(prompt), limit)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        sampling = _sampling(req, generation_defaults(entry.info.path))
+        sampling = _sampling(req, generation_defaults(entry.info.path), _top_logprobs(req, chat))
         _check_tokens(sampling, entry.tokenizer.vocab_size)
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
@@ -125,7 +136,8 @@ class Generation:
                             user=user_key(req.user, call.user), reserved=reserved)
         opts = req.stream_options
         return Prepared(req, chat, work, req.model, int(time.time()),
-                        bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
+                        bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats),
+                        entry.tokenizer)
 
     @staticmethod
     def _fits(prompt: list[int], name: str, limit: int) -> list[int]:
@@ -213,23 +225,28 @@ class Generation:
     async def whole(self, prep: Prepared, call: Call):
         out = call.out
         texts = [[] for _ in range(prep.work.n)]
+        lps: list[list[TokenLogprob]] = [[] for _ in range(prep.work.n)]
         finish: list[str | None] = [None] * prep.work.n
         done = None
         async for batch in self.events(prep, call):
             for ev in batch:
                 if isinstance(ev, GenChunk):
                     texts[ev.index].append(ev.text)
+                    lps[ev.index] += ev.logprobs
                     finish[ev.index] = ev.finish_reason or finish[ev.index]
                 else:
                     done = ev
         self._account(out, done)
         usage = _usage(done)
+        render = _Logprobs(prep)
         if prep.chat:
-            choices = [ChatChoice(i, ResponseMessage("assistant", "".join(t)), _reason(finish[i]))
+            choices = [ChatChoice(i, ResponseMessage("assistant", "".join(t)), _reason(finish[i]),
+                                  render.chat(lps[i]))
                        for i, t in enumerate(texts)]
             return ChatCompletionResponse(id=f"chatcmpl-{prep.work.request_id}", created=prep.created,
                                           model=prep.model, choices=choices, usage=usage)
-        choices = [CompletionChoice(i, "".join(t), _reason(finish[i])) for i, t in enumerate(texts)]
+        choices = [CompletionChoice(i, "".join(t), _reason(finish[i]), render.completion(i, lps[i]))
+                   for i, t in enumerate(texts)]
         return CompletionResponse(id=f"cmpl-{prep.work.request_id}", created=prep.created,
                                   model=prep.model, choices=choices, usage=usage)
 
@@ -243,6 +260,7 @@ class Generation:
         cid = f"chatcmpl-{rid}" if prep.chat else f"cmpl-{rid}"
         started = False
         prompt, generated = len(prep.work.prompt), 0
+        render = _Logprobs(prep)
         async for batch in self.events(prep, call):
             ready: list[object] = []
             if prep.chat and not started:
@@ -263,11 +281,12 @@ class Generation:
                               total_tokens=prompt + generated) if prep.continuous_usage else None
                 if prep.chat:
                     delta = ChatDelta(content=ev.text) if ev.text else ChatDelta()
-                    ready.append(ChatCompletionChunk(
-                        cid, created, model, [ChatChunkChoice(ev.index, delta, reason)], usage=usage))
+                    choice = ChatChunkChoice(ev.index, delta, reason, render.chat(ev.logprobs))
+                    ready.append(ChatCompletionChunk(cid, created, model, [choice], usage=usage))
                 else:
-                    ready.append(CompletionChunk(
-                        cid, created, model, [CompletionChoice(ev.index, ev.text, reason)], usage=usage))
+                    choice = CompletionChoice(ev.index, ev.text, reason,
+                                              render.completion(ev.index, ev.logprobs))
+                    ready.append(CompletionChunk(cid, created, model, [choice], usage=usage))
             if ready:
                 yield ready
 
@@ -293,7 +312,8 @@ def coalesced(batch: list[GenChunk | GenDone]) -> list[GenChunk | GenDone]:
             continue
         have = out[i]
         out[i] = GenChunk(ev.request_id, ev.index, have.text + ev.text, have.tokens + ev.tokens,
-                          ev.finish_reason or have.finish_reason, ev.attempt, ev.version)
+                          ev.finish_reason or have.finish_reason, ev.attempt, ev.version,
+                          have.logprobs + ev.logprobs)
     return out
 
 
@@ -350,7 +370,65 @@ def generation_defaults(model_dir: str) -> dict[str, float]:
     return out
 
 
-def _sampling(req, defaults: dict[str, float]) -> Sampling:
+def _top_logprobs(req, chat: bool) -> int:
+    """Top logprobs per token the request wants: -1 none, 0 the sampled token's only."""
+    if chat:
+        return (req.top_logprobs or 0) if req.logprobs else -1
+    return -1 if req.logprobs is None else req.logprobs
+
+
+class _Logprobs:
+    """A request's TokenLogprobs in OpenAI's shapes: chat's `content` list, or the
+    completions' parallel lists (`text_offset` counted on across a stream's chunks).
+    Tokens are shown as their own decoded text, special tokens included."""
+
+    FLOOR = -9999.0  # what -inf becomes (JSON has no infinities), as OpenAI shows it
+
+    def __init__(self, prep: Prepared) -> None:
+        self.on = prep.logprobs
+        self.tokenizer = prep.tokenizer
+        self.offsets = [0] * prep.work.n
+        self._texts: dict[int, str] = {}
+
+    def _text(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
+    def _lp(self, value: float) -> float:
+        return value if value > self.FLOOR else self.FLOOR  # NaN too
+
+    def chat(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
+        if not self.on:
+            return None
+        content = []
+        for e in entries:
+            text = self._text(e.token)
+            top = [TopLogprob(t, self._lp(v), list(t.encode()))
+                   for t, v in ((self._text(i), v) for i, v in e.top)]
+            content.append(ChatTokenLogprob(text, self._lp(e.logprob), list(text.encode()), top))
+        return ChatLogprobs(content)
+
+    def completion(self, index: int, entries: list[TokenLogprob]) -> CompletionLogprobs | None:
+        if not self.on:
+            return None
+        out = CompletionLogprobs([], [], [], [])
+        for e in entries:
+            text = self._text(e.token)
+            out.tokens.append(text)
+            out.token_logprobs.append(self._lp(e.logprob))
+            top: dict[str, float] = {}
+            for i, v in e.top:  # best first: two tokens with one text keep the better
+                top.setdefault(self._text(i), self._lp(v))
+            top.setdefault(text, self._lp(e.logprob))  # the sampled token is always listed
+            out.top_logprobs.append(top)
+            out.text_offset.append(self.offsets[index])
+            self.offsets[index] += len(text)
+        return out
+
+
+def _sampling(req, defaults: dict[str, float], logprobs: int = -1) -> Sampling:
     """The request's sampling fields; those it leaves unset from the model's
     defaults, then OpenAI's."""
     def pick(key: str):
@@ -366,7 +444,7 @@ def _sampling(req, defaults: dict[str, float]) -> Sampling:
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=float(pick("repetition_penalty")) or 1.0,
                     logit_bias=sorted((req.logit_bias or {}).items()),
-                    stop_token_ids=list(req.stop_token_ids or []))
+                    stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs)
 
 
 def _check_tokens(sampling: Sampling, vocab: int) -> None:

@@ -147,3 +147,38 @@ def test_seed_reproduces_alone_and_in_a_full_batch(pair):
         (2, (list(range(20, 30)), Sampling(temperature=0.7, presence_penalty=1.0)))])
     assert alone == full
     assert alone != _run(engine, 1, hot, 12)
+
+
+# ------------------------------------------------------------- logprobs
+def _hf_logprobs(model, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1).numpy()
+
+
+@pytest.mark.parametrize("sampling", [
+    Sampling(temperature=0.0, logprobs=5),
+    # The model's own distribution, whatever the controls did to the draw.
+    Sampling(temperature=0.8, repetition_penalty=1.5, logit_bias=[(7, 3.0)], logprobs=20),
+    Sampling(temperature=0.0, logprobs=0),
+], ids=["greedy", "controls", "token-only"])
+def test_logprobs_are_transformers_log_softmax(pair, sampling):
+    ref, engine = pair
+    engine.prefill_insert(1, [5, 17, 300, 42], Sampling(temperature=1.0), 1)  # asks for none
+    got = [(engine.prefill_insert(0, PROMPT, sampling, 5), engine.token_logprobs(0))]
+    assert engine.token_logprobs(1) is None
+    for _ in range(NEW - 1):
+        tokens = engine.step()
+        got.append((int(tokens[0]), engine.token_logprobs(0)))
+        assert engine.token_logprobs(1) is None
+    for s in range(engine.slots):
+        engine.free(s)
+    ids = list(PROMPT)
+    for token, (lp, top) in got:
+        expected = _hf_logprobs(ref, ids)
+        assert abs(lp - expected[token]) < 1e-3
+        assert len(top) == sampling.logprobs
+        best = np.argsort(-expected)[: len(top)]
+        np.testing.assert_allclose([v for _, v in top], expected[best], atol=1e-3)
+        assert [i for i, _ in top] == best.tolist() or np.allclose(  # ties may swap
+            expected[[i for i, _ in top]], expected[best], atol=1e-5)
+        ids.append(token)

@@ -1,15 +1,20 @@
 """OpenAI request fields beyond the basics, through the unchanged `openai` client over
 HTTP: message content as parts, the context limit, stream options, the model's own
-sampling defaults. The reference is transformers on the same tiny weights."""
+sampling defaults, sampling controls, logprobs. The reference is transformers on the
+same tiny weights."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import numpy as np
 import openai
 import pytest
 import pytest_asyncio
+import torch
+
+from engine.chat import ChatTemplate
 
 from shared.messages import Sampling
 from tests.support.sampling_refs import reference_greedy
@@ -19,6 +24,7 @@ from tests.support.tiny_models import hf_greedy, serve_tiny
 CONTEXT = 128
 PROMPT = [5, 17, 300, 42, 9, 81]
 NEW = 12
+CHAT = [{"role": "user", "content": "the quick brown fox"}]
 BIAS = {300: 8.0, 42: -100.0}
 PENALISED = Sampling(temperature=0.0, frequency_penalty=1.2, presence_penalty=0.6,
                      repetition_penalty=1.3, logit_bias=sorted(BIAS.items()))
@@ -34,7 +40,18 @@ def tiny(tmp_path_factory, jax_cache_dir):
     # References before any service runs (a torch call would stall the shared loop).
     refs = {"greedy": hf_greedy(model, PROMPT, NEW),
             "penalised": reference_greedy(model, PROMPT, NEW, PENALISED)}
+    refs["logprobs"] = _hf_logprobs(model, PROMPT, refs["greedy"])
+    chat_ids = ChatTemplate.from_dir(path).encode(engine.tokenizer, CHAT)
+    refs["chat"] = hf_greedy(model, chat_ids, NEW)
+    refs["chat_logprobs"] = _hf_logprobs(model, chat_ids, refs["chat"])
     return model, engine, str(path), refs
+
+
+def _hf_logprobs(model, prompt: list[int], generated: list[int]) -> np.ndarray:
+    """[len(generated), V]: transformers' log_softmax before each generated token."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].numpy()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -159,3 +176,52 @@ async def test_out_of_range_controls_are_400s_naming_the_field(client, tiny, bod
     _, engine, _, _ = tiny
     with pytest.raises(openai.BadRequestError, match=needle):
         await client.completions.create(model=engine.name, prompt="x", max_tokens=2, **body)
+
+
+async def test_completion_logprobs_are_transformers_log_softmax(client, tiny):
+    _, engine, _, refs = tiny
+    greedy, ref = refs["greedy"], refs["logprobs"]
+    body = dict(model=engine.name, prompt=PROMPT, max_tokens=NEW, temperature=0, logprobs=5,
+                extra_body={"ignore_eos": True})
+    whole, streamed = await asyncio.gather(client.completions.create(**body),
+                                           client.completions.create(**body, stream=True))
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in greedy]
+    np.testing.assert_allclose(lp.token_logprobs, [ref[i, t] for i, t in enumerate(greedy)],
+                               atol=1e-3)
+    for i, top in enumerate(lp.top_logprobs):
+        assert 1 <= len(top) <= 6 and lp.tokens[i] in top
+        assert abs(max(top.values()) - ref[i].max()) < 1e-3
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(NEW)]
+    pieces = [ch.choices[0].logprobs async for ch in streamed if ch.choices]
+    assert sum((p.tokens for p in pieces), []) == lp.tokens
+    assert sum((p.text_offset for p in pieces), []) == lp.text_offset
+    np.testing.assert_allclose(sum((p.token_logprobs for p in pieces), []), lp.token_logprobs)
+
+
+async def test_chat_logprobs_whole_and_streamed(client, tiny):
+    _, engine, _, refs = tiny
+    greedy, ref = refs["chat"], refs["chat_logprobs"]
+    body = dict(model=engine.name, messages=CHAT, max_tokens=NEW, temperature=0,
+                logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    whole, streamed = await asyncio.gather(client.chat.completions.create(**body),
+                                           client.chat.completions.create(**body, stream=True))
+    content = whole.choices[0].logprobs.content
+    assert len(content) == NEW
+    for i, (item, t) in enumerate(zip(content, greedy)):
+        assert item.token == engine.tokenizer.decode([t], skip_special_tokens=False)
+        assert item.bytes == list(item.token.encode())
+        assert abs(item.logprob - ref[i, t]) < 1e-3
+        np.testing.assert_allclose([x.logprob for x in item.top_logprobs],
+                                   np.sort(ref[i])[::-1][:3], atol=1e-3)
+    chunks = [ch.choices[0].logprobs async for ch in streamed if ch.choices]
+    assert [c.token for p in chunks if p for c in p.content] == [c.token for c in content]
+    plain = await client.chat.completions.create(model=engine.name, messages=CHAT, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        await client.chat.completions.create(model=engine.name, messages=CHAT, max_tokens=2,
+                                             top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        await client.chat.completions.create(model=engine.name, messages=CHAT, max_tokens=2,
+                                             logprobs=True, top_logprobs=21)
+

@@ -9,6 +9,8 @@
      token is counted for the request's inter-token latency.
   3. A streaming choice gets a GenChunk for each token that made text (or ended
      it); a non-streaming one gets one chunk with its whole text when it ends.
+     When the request asked for logprobs, each token's (read from the engine,
+     which got them in the step's one host copy) rides in the chunk that follows it.
      Every chunk names the version whose engine produced it.
   4. `close()` ends a request: a 504 first when it expired before any token, then
      the GenDone with usage and Timing (queue, compute, ttft, mean ITL, ITL counts).
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 
 from services.worker.decode.scheduler import Request, Sequence
 from shared.errors import ServiceError, deadline_exceeded
-from shared.messages import GenChunk, GenDone, GenerateWork, Timing
+from shared.messages import GenChunk, GenDone, GenerateWork, Timing, TokenLogprob
 from shared.telemetry import itl_bucket, itl_counts
 
 
@@ -44,6 +46,7 @@ class Stream:
     generated: int = 0
     unsent: int = 0  # tokens generated since its last chunk
     text: list[str] = field(default_factory=list)  # unsent text (non-streaming)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # unsent, when asked for
 
 
 @dataclass(eq=False)
@@ -86,6 +89,10 @@ class OutputProcessor:
         stream.unsent += 1
         seq.tokens.append(tok)
         st.completion_tokens += 1
+        if seq.work.sampling.logprobs >= 0:
+            got = seq.lane.engine.token_logprobs(seq.slot)
+            if got is not None:
+                stream.logprobs.append(TokenLogprob(tok, got[0], got[1]))
         text = self._check(seq, stream, tok)
         if seq.work.stream:
             return [self._chunk(seq, stream, text)] if text or seq.finish else []
@@ -114,8 +121,9 @@ class OutputProcessor:
     def _chunk(seq: Sequence, stream: Stream, text: str) -> Say:
         w = seq.work
         chunk = GenChunk(w.request_id, seq.index, text, stream.unsent, seq.finish,
-                         w.attempt, seq.lane.version)
+                         w.attempt, seq.lane.version, stream.logprobs)
         stream.unsent = 0
+        stream.logprobs = []
         return Say(w, chunk)
 
     def close(self, req: Request, version: str, running: int, now_wall: float,
