@@ -226,6 +226,32 @@ class CompletionChunk(msgspec.Struct):
     object: str = "text_completion"
 
 
+# ------------------------------------------------------------------ tokenize
+class TokenizeRequest(_Request, kw_only=True):
+    """vLLM's shape: `prompt`, or `messages` rendered with the model's chat template."""
+
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=1024)] | None = None
+    add_special_tokens: bool = True  # prompt: the tokenizer's own (BOS ...)
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opening
+
+
+class TokenizeResponse(msgspec.Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request, kw_only=True):
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    tokens: TokenList
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
+
+
 # -------------------------------------------------------------------- models
 class ModelCard(msgspec.Struct):
     id: str

@@ -87,7 +87,6 @@ class Generation:
         self.chat = chat
         self.name = "chat.completions" if chat else "completions"
         self._request_type = ChatCompletionRequest if chat else CompletionRequest
-        self._templates: dict[str, object] = {}  # model dir -> engine.chat.ChatTemplate
 
     # ---------------------------------------------------------------- prepare
     async def prepare(self, body: bytes, call: Call) -> Prepared:
@@ -177,16 +176,7 @@ class Generation:
         return list(ids)
 
     def _chat_prompt(self, req: ChatCompletionRequest, entry: ModelEntry) -> list[int]:
-        from engine.chat import ChatTemplate
-
-        tmpl = self._templates.get(entry.info.path)
-        if tmpl is None:
-            tmpl = self._templates[entry.info.path] = ChatTemplate.from_dir(entry.info.path)
-        messages = [{"role": m.role, "content": _content(m.content)} for m in req.messages]
-        try:
-            return tmpl.encode(entry.tokenizer, messages)
-        except ValueError as exc:
-            raise bad_request(f"cannot render the chat: {exc}") from None
+        return chat_prompt(req.messages, entry)
 
     # ---------------------------------------------------------------- events
     async def events(self, prep: Prepared, call: Call) -> AsyncIterator[list[GenChunk | GenDone]]:
@@ -315,6 +305,24 @@ def coalesced(batch: list[GenChunk | GenDone]) -> list[GenChunk | GenDone]:
                           ev.finish_reason or have.finish_reason, ev.attempt, ev.version,
                           have.logprobs + ev.logprobs)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def chat_template(model_dir: str):
+    """The model's engine.chat.ChatTemplate, read once per directory."""
+    from engine.chat import ChatTemplate
+
+    return ChatTemplate.from_dir(model_dir)
+
+
+def chat_prompt(messages: list, entry: ModelEntry, add_generation_prompt: bool = True) -> list[int]:
+    """Chat messages (shared.api.ChatMessage) rendered with the model's chat template
+    and tokenized; a template that refuses them is a 400."""
+    plain = [{"role": m.role, "content": _content(m.content)} for m in messages]
+    try:
+        return chat_template(entry.info.path).encode(entry.tokenizer, plain, add_generation_prompt)
+    except ValueError as exc:
+        raise bad_request(f"cannot render the chat: {exc}") from None
 
 
 def _content(content: str | list | None) -> str:

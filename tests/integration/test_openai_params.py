@@ -1,13 +1,14 @@
 """OpenAI request fields beyond the basics, through the unchanged `openai` client over
 HTTP: message content as parts, the context limit, stream options, the model's own
-sampling defaults, sampling controls, logprobs. The reference is transformers on the
-same tiny weights."""
+sampling defaults, sampling controls, logprobs; and tokenize/detokenize over HTTP
+and NATS. The reference is transformers on the same tiny weights."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -15,6 +16,7 @@ import pytest_asyncio
 import torch
 
 from engine.chat import ChatTemplate
+from shared import subjects
 
 from shared.messages import Sampling
 from tests.support.sampling_refs import reference_greedy
@@ -225,3 +227,35 @@ async def test_chat_logprobs_whole_and_streamed(client, tiny):
         await client.chat.completions.create(model=engine.name, messages=CHAT, max_tokens=2,
                                              logprobs=True, top_logprobs=21)
 
+
+# ------------------------------------------------------------- tokenize
+async def test_tokenize_and_detokenize_over_http_and_nats(stack, tiny):
+    _, engine, path, _ = tiny
+    text = "the quick brown fox"
+    ids = engine.tokenizer.encode(text)
+    chat_ids = ChatTemplate.from_dir(path).encode(engine.tokenizer, CHAT)
+    bare = ChatTemplate.from_dir(path).encode(engine.tokenizer, CHAT, add_generation_prompt=False)
+    assert chat_ids != bare
+    cases = [
+        ("tokenize", {"model": engine.name, "prompt": text},
+         {"tokens": ids, "count": len(ids), "max_model_len": CONTEXT}),
+        ("tokenize", {"model": engine.name, "messages": CHAT},
+         {"tokens": chat_ids, "count": len(chat_ids), "max_model_len": CONTEXT}),
+        ("tokenize", {"model": engine.name, "messages": CHAT, "add_generation_prompt": False},
+         {"tokens": bare, "count": len(bare), "max_model_len": CONTEXT}),
+        ("detokenize", {"model": engine.name, "tokens": ids}, {"prompt": text}),
+    ]
+    async with httpx.AsyncClient(base_url=stack.http_url) as http:
+        for endpoint, body, expected in cases:
+            r = await http.post(f"/v1/{endpoint}", json=body)
+            assert r.status_code == 200 and r.json() == expected, (endpoint, body, r.text)
+            subject = subjects.TOKENIZE if endpoint == "tokenize" else subjects.DETOKENIZE
+            msg = await stack.client.request(subject, json.dumps(body).encode(), timeout=10)
+            assert json.loads(msg.data) == expected
+        bad = [("tokenize", {"model": engine.name}, 400, "prompt"),
+               ("tokenize", {"model": engine.name, "prompt": "x", "messages": CHAT}, 400, "prompt"),
+               ("detokenize", {"model": engine.name, "tokens": [10**6]}, 400, "vocabulary"),
+               ("tokenize", {"model": "nope", "prompt": "x"}, 404, "nope")]
+        for endpoint, body, status, needle in bad:
+            r = await http.post(f"/v1/{endpoint}", json=body)
+            assert r.status_code == status and needle in r.json()["error"]["message"], r.text
