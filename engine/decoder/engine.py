@@ -17,8 +17,9 @@ Dataflow of a served sequence:
      batch bucket that holds them (a slot is a place in the pool, not a row of
      every step: one stream pays for one row), each reading its own blocks through
      its table up to the smallest window that holds the longest; the state is
-     donated, so the pool is updated in place; one [B] int32 array comes back to
-     the host, spread back to a [SLOTS] array there.
+     donated, so the pool is updated in place; one [B, 2 + 2K] int32 array (each
+     row's token, then its logprobs when a sequence asked for them) comes back to
+     the host, spread back to [SLOTS] there.
   4. The caller decides when a sequence ends (EOS, stop string, max tokens,
      `context_left(slot) == 0`) and calls `free(slot)`: its blocks go back to the
      pool; its full blocks stay cached (LRU) for the next prompt that shares them,
@@ -227,6 +228,7 @@ class DecoderEngine:
         blocks = int(kv_blocks) or self._slots * self._max_blocks + 1
         self.pool = BlockPool(blocks, self.block, prefix_cache)
         self._state = init_decode_state(self.cfg, self._slots, blocks, self.block, self._jdtype)
+        self._warm_sampling = _slot_sampling(GREEDY, self.cfg.vocab_size, [])  # warm-up, lowering
         # Sharded: the state keeps its layout across calls (the KV pool split by KV
         # head, the rest replicated), so each step's output is the next step's input
         # as is.
@@ -330,7 +332,7 @@ class DecoderEngine:
                     return self._run_step(int(size), self.windows[0])[0]
                 ctx = self.context_for(int(size))
                 return self._run_chunk(self._slots, [0] * int(size), 0, int(size), ctx,
-                                       _slot_sampling(GREEDY, self.cfg.vocab_size, []), np.uint32(0))  # fmt: skip
+                                       self._warm_sampling, np.uint32(0))  # fmt: skip
 
             cfg = self.cfg
             fields = dict(model=self.name, family=cfg.family, layers=cfg.layers,
@@ -449,7 +451,7 @@ class DecoderEngine:
             if kind == "prefill":
                 # The dummy row: its table is all scratch, its state row nobody's.
                 jax.block_until_ready(self._run_chunk(self._slots, [0] * size, 0, size, other,
-                                                      _slot_sampling(GREEDY, self.cfg.vocab_size, []), np.uint32(0)))
+                                                      self._warm_sampling, np.uint32(0)))
             else:
                 jax.block_until_ready(self._run_step(size, other)[0])
         if background:
@@ -486,7 +488,7 @@ class DecoderEngine:
         u32 = jax.ShapeDtypeStruct((), np.uint32)
         args = (i32(size), i32(), i32(), i32(other // self.block), i32(),
                 jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                             _slot_sampling(GREEDY, self.cfg.vocab_size, [])), u32)  # fmt: skip
+                             self._warm_sampling), u32)  # fmt: skip
         return lambda: self._prefill.lower(params, self._state_spec, *args)
 
     def _program(self, kind: str, size: int, other: int):

@@ -135,8 +135,8 @@ class Generation:
                             user=user_key(req.user, call.user), reserved=reserved)
         opts = req.stream_options
         return Prepared(req, chat, work, req.model, int(time.time()),
-                        bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats),
-                        entry.tokenizer)
+                        bool(opts and opts.include_usage),
+                        bool(opts and opts.continuous_usage_stats), entry.tokenizer)
 
     @staticmethod
     def _fits(prompt: list[int], name: str, limit: int) -> list[int]:

@@ -33,7 +33,8 @@ def reference_greedy(model, prompt, n, sampling: Sampling) -> list[int]:
             logits[t] += b
         if sampling.repetition_penalty != 1.0:
             logits = hf_repetition(logits, ids, sampling.repetition_penalty)
-        logits = openai_penalties(logits, out, sampling.presence_penalty, sampling.frequency_penalty)
+        logits = openai_penalties(logits, out, sampling.presence_penalty,
+                                  sampling.frequency_penalty)
         out.append(int(np.argmax(logits)))
         ids.append(out[-1])
     return out
