@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from services.gateway import codec
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
+from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
 from shared.api import (
     ChatChoice,
@@ -39,15 +40,11 @@ from shared.api import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatLogprobs,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionChunk,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ResponseMessage,
-    TopLogprob,
     Usage,
 )
 from shared.errors import bad_request
@@ -228,7 +225,7 @@ class Generation:
                     done = ev
         self._account(out, done)
         usage = _usage(done)
-        render = _Logprobs(prep)
+        render = Logprobs(prep.tokenizer, prep.work.n, prep.logprobs)
         if prep.chat:
             choices = [ChatChoice(i, ResponseMessage("assistant", "".join(t)), _reason(finish[i]),
                                   render.chat(lps[i]))
@@ -250,7 +247,7 @@ class Generation:
         cid = f"chatcmpl-{rid}" if prep.chat else f"cmpl-{rid}"
         started = False
         prompt, generated = len(prep.work.prompt), 0
-        render = _Logprobs(prep)
+        render = Logprobs(prep.tokenizer, prep.work.n, prep.logprobs)
         async for batch in self.events(prep, call):
             ready: list[object] = []
             if prep.chat and not started:
@@ -383,57 +380,6 @@ def _top_logprobs(req, chat: bool) -> int:
     if chat:
         return (req.top_logprobs or 0) if req.logprobs else -1
     return -1 if req.logprobs is None else req.logprobs
-
-
-class _Logprobs:
-    """A request's TokenLogprobs in OpenAI's shapes: chat's `content` list, or the
-    completions' parallel lists (`text_offset` counted on across a stream's chunks).
-    Tokens are shown as their own decoded text, special tokens included."""
-
-    FLOOR = -9999.0  # what -inf becomes (JSON has no infinities), as OpenAI shows it
-
-    def __init__(self, prep: Prepared) -> None:
-        self.on = prep.logprobs
-        self.tokenizer = prep.tokenizer
-        self.offsets = [0] * prep.work.n
-        self._texts: dict[int, str] = {}
-
-    def _text(self, token: int) -> str:
-        text = self._texts.get(token)
-        if text is None:
-            text = self._texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
-        return text
-
-    def _lp(self, value: float) -> float:
-        return value if value > self.FLOOR else self.FLOOR  # NaN too
-
-    def chat(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
-        if not self.on:
-            return None
-        content = []
-        for e in entries:
-            text = self._text(e.token)
-            top = [TopLogprob(t, self._lp(v), list(t.encode()))
-                   for t, v in ((self._text(i), v) for i, v in e.top)]
-            content.append(ChatTokenLogprob(text, self._lp(e.logprob), list(text.encode()), top))
-        return ChatLogprobs(content)
-
-    def completion(self, index: int, entries: list[TokenLogprob]) -> CompletionLogprobs | None:
-        if not self.on:
-            return None
-        out = CompletionLogprobs([], [], [], [])
-        for e in entries:
-            text = self._text(e.token)
-            out.tokens.append(text)
-            out.token_logprobs.append(self._lp(e.logprob))
-            top: dict[str, float] = {}
-            for i, v in e.top:  # best first: two tokens with one text keep the better
-                top.setdefault(self._text(i), self._lp(v))
-            top.setdefault(text, self._lp(e.logprob))  # the sampled token is always listed
-            out.top_logprobs.append(top)
-            out.text_offset.append(self.offsets[index])
-            self.offsets[index] += len(text)
-        return out
 
 
 def _sampling(req, defaults: dict[str, float], logprobs: int = -1) -> Sampling:
