@@ -32,8 +32,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import shutil
 import signal
 import subprocess
 import sys
@@ -43,19 +41,17 @@ from collections import Counter
 from pathlib import Path
 
 import msgspec
-import numpy as np
 
-from bench.capacity import cpu_all, per_request
-from bench.load import one, summary
-from bench.overload import cpu_s
-from bench.workload import long_inputs
+from bench import harness
+from bench.harness import REPO, cpu_all, cpu_s, per_request
 from services.supervisor import Supervisor, die_with_parent, wait_ready
 from shared import catalog, subjects
 from shared.bus import connect
 from shared.errors import HEADER_CODE, HEADER_MESSAGE, HEADER_RETRY_AFTER
 from shared.telemetry import RequestRecord, record_decoder
+from tests.support.load import one, summary
+from tests.support.workload import long_inputs
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = catalog.ENCODER
 NOOP = "bench.noop"
 ENV = {
@@ -73,7 +69,7 @@ def bodies(n: int, inputs: int) -> list[bytes]:
 
 
 def pct(values: list[float], q: float) -> float:
-    return round(float(np.percentile(np.asarray(values) * 1000, q)), 1) if values else float("nan")
+    return harness.pct_ms(values, q, digits=1)
 
 
 async def one_at_a_time(nc, data: list[bytes], timeout: float) -> list[float]:
@@ -95,17 +91,11 @@ async def at_once(nc, subject: str, data: list[bytes], timeout: float):
 async def run(n: int, inputs: int, timeout: float, workdir: Path, engine_nice: int = 0,
               gateways: int = 1) -> dict:
     data_dir = workdir / "data"
-    # compiled buckets of earlier runs, if any (the test suite's cache by default)
-    cache = Path(os.environ.get("TENSORBUS_TEST_CACHE", REPO / ".data" / "test-jax-cache"))
-    if cache.is_dir():
-        shutil.copytree(cache, data_dir / "jax-cache")
-    with Supervisor(workdir, env={**ENV, "TENSORBUS_DATA_DIR": str(data_dir)}) as sup:
-        sup.start_nats()
-        for i in range(gateways):
-            sup.start("gateway" if i == 0 else f"gateway{i + 1}", "services.gateway")
-        sup.start("scheduler", "services.scheduler")
+    harness.seed_jax_cache(data_dir)
+    env = harness.service_env(**ENV, TENSORBUS_DATA_DIR=str(data_dir))
+    with Supervisor(workdir, env=env) as sup:
         nice = {"TENSORBUS_ENGINE_NICE": str(engine_nice)} if engine_nice else {}
-        sup.start("w1", "services.worker", TENSORBUS_WORKER_ID="w1", **nice)
+        harness.start_stack(sup, gateways=gateways, telemetry=False, workers={"w1": nice})
         rec_path = workdir / "records.msgpack"
         noop = subprocess.Popen([sys.executable, "-m", "bench.burst", "--noop", sup.nats_url,
                                  "--records", str(rec_path)], cwd=REPO, preexec_fn=die_with_parent)
@@ -142,11 +132,9 @@ async def run(n: int, inputs: int, timeout: float, workdir: Path, engine_nice: i
     gw_done = [r.finished_at - burst_wall for r in records if r.status == 429]
     gw_start = [r.finished_at - r.total_s - burst_wall for r in records if r.status == 429]
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
-        "load_average_1m": round(os.getloadavg()[0], 2),
-        "command": f"python -m bench.burst --requests {n} --inputs {inputs} --timeout {timeout:g}"
-                   f" --engine-nice {engine_nice} --gateways {gateways}",
+        **harness.run_info(f"python -m bench.burst --requests {n} --inputs {inputs} "
+                           f"--timeout {timeout:g} --engine-nice {engine_nice} "
+                           f"--gateways {gateways}"),
         "burst": {"sent": n, "answered_200": codes.get("200", 0), "refused_429": codes.get("429", 0),
                   "deadline_504": codes.get("504", 0), "other": {k: v for k, v in codes.items()
                                                                 if k not in ("200", "429", "504")},
@@ -200,7 +188,7 @@ async def noop_responder(url: str, records_path: str | None) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--inputs", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=30.0)
@@ -218,9 +206,7 @@ def main() -> None:
         res = asyncio.run(run(args.requests, args.inputs, args.timeout, Path(d), args.engine_nice,
                               args.gateways))
     print(json.dumps(res, indent=2))
-    out = REPO / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "burst.json").write_text(json.dumps(res, indent=2))
+    harness.write_json("burst.json", res)
 
 
 if __name__ == "__main__":

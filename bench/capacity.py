@@ -25,11 +25,9 @@ Prints one JSON object; bench/out/capacity.json keeps it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -37,45 +35,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.load import ClosedLoop, summary
-from bench.overload import cpu_s
-from bench.workload import embed_body, short_inputs
+from bench import harness
+from bench.harness import cpu_all, per_request
 from services.lifecycle import EVENT_LOOPS
-from services.supervisor import Supervisor, wait_ready
+from services.supervisor import Supervisor
 from shared import catalog, subjects
-from shared.bus import connect
+from shared.natsd import free_port
+from tests.support.load import ClosedLoop, summary
+from tests.support.workload import embed_body, short_inputs
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = catalog.ENCODER
-PROCS = ("gateway", "scheduler", "worker", "telemetry")
-
-
-def env(port: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-    return {"TENSORBUS_HTTP_PORT": str(port), "TENSORBUS_METRICS_PORT": "0",
-            "TENSORBUS_LOG_LEVEL": "warning", "TENSORBUS_MODEL": MODEL,
-            # the gateway tokenizes with the bundled model's own tokenizer
-            "TENSORBUS_MODEL_DIR": str(catalog.bundled_dir(MODEL)), **(extra or {})}
-
-
-def start_stack(sup: Supervisor, gateways: int = 1) -> None:
-    sup.start_nats()
-    for i in range(gateways):
-        sup.start("gateway" if i == 0 else f"gateway{i + 1}", "services.gateway")
-    for name in ("scheduler", "telemetry"):
-        sup.start(name, f"services.{name}")
-    sup.start("worker", "bench.nomath", TENSORBUS_WORKER_ID="nomath-1")
-
-
-def cpu_all(sup: Supervisor, client_pid: int | None = None) -> dict[str, float]:
-    out = {name: cpu_s(p.popen.pid) for name, p in sup.procs.items()}
-    out["nats-server"] = cpu_s(sup.nats.proc.pid)
-    out["client"] = cpu_s(os.getpid()) if client_pid is None else cpu_s(client_pid)
-    return out
-
-
-def per_request(before: dict, after: dict, n: int) -> dict[str, float]:
-    """CPU milliseconds per answered request, per process."""
-    return {k: round((after[k] - before[k]) * 1000 / max(n, 1), 3) for k in before}
 
 
 async def nats_phase(sup: Supervisor, nc, clients: int, seconds: float) -> dict:
@@ -135,34 +104,22 @@ def wrk_phase(sup: Supervisor, port: int, clients: int, seconds: float, workdir:
 async def run(seconds: float, clients: int, http: bool, workdir: Path, gateways: int = 1,
               loop: str = "auto") -> dict:
     port = free_port()
-    with Supervisor(workdir, env=env(port, {"TENSORBUS_EVENT_LOOP": loop})) as sup:
-        start_stack(sup, gateways=gateways)
-        nc = await connect(sup.nats_url, "bench-client")
-        try:
-            await wait_ready(nc, MODEL, 1, timeout=120)
-            res = {"nats": await nats_phase(sup, nc, clients, seconds)}
-            if http:
-                res["http"] = await asyncio.to_thread(wrk_phase, sup, port, clients, seconds, workdir)
-        finally:
-            await nc.close()
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
-            "load_average_1m": round(os.getloadavg()[0], 2),
-            "command": f"python -m bench.capacity --seconds {seconds:g} --clients {clients}"
-                       + (" --http" if http else "") + f" --gateways {gateways} --loop {loop}",
-            "event_loop": loop, **res}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    env = harness.service_env(MODEL, http_port=port, TENSORBUS_EVENT_LOOP=loop)
+    # the worker serves tests/support's mock encoder (bench.nomath), no engine time
+    worker = {"worker": {"TENSORBUS_WORKER_ID": "nomath-1"}}
+    async with harness.running(workdir, MODEL, sup_env=env, ready_timeout=120,
+                               gateways=gateways, worker_module="bench.nomath",
+                               workers=worker) as (sup, nc):
+        res = {"nats": await nats_phase(sup, nc, clients, seconds)}
+        if http:
+            res["http"] = await asyncio.to_thread(wrk_phase, sup, port, clients, seconds, workdir)
+    command = (f"python -m bench.capacity --seconds {seconds:g} --clients {clients}"
+               + (" --http" if http else "") + f" --gateways {gateways} --loop {loop}")
+    return {**harness.run_info(command), "event_loop": loop, **res}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--http", action="store_true", help="also load HTTP with wrk")
@@ -175,9 +132,7 @@ def main() -> None:
         res = asyncio.run(run(args.seconds, args.clients, args.http, Path(d), args.gateways,
                               args.loop))
     print(json.dumps(res, indent=2))
-    out = REPO / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "capacity.json").write_text(json.dumps(res, indent=2))
+    harness.write_json("capacity.json", res)
 
 
 if __name__ == "__main__":

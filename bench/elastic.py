@@ -4,7 +4,7 @@
                                       [--idle-to-zero-s 10] [--fleets static,elastic]
 
 Each fleet runs in its own stack (nats-server, gateway, scheduler and the local
-orchestrator as processes, services/supervisor.py; bench/orchestrator.py's settings:
+orchestrator as processes, services/supervisor.py; tests/support/orchestration.py's settings:
 the test buckets, fast heartbeats, the encoder's files from the wheel), one after the
 other in one run:
 
@@ -30,11 +30,9 @@ cache, as a long-running deployment's would.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -42,13 +40,14 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.load import ClosedLoop, summary
-from bench.orchestrator import MODEL, Watch, default_cache, stack_env, zero_stack
-from bench.workload import embed_body, short_inputs
+from bench import harness
+from bench.harness import REPO
 from services.supervisor import wait_ready
 from shared import subjects
+from tests.support.load import ClosedLoop, summary
+from tests.support.orchestration import MODEL, Watch, default_cache, stack_env, zero_stack
+from tests.support.workload import embed_body, short_inputs
 
-REPO = Path(__file__).resolve().parent.parent
 DEADLINE_S = 30.0
 FLEETS = "static,elastic"
 
@@ -98,14 +97,14 @@ async def burst_idle(nc, watch: Watch, clients: int, burst_s: float, idle_s: flo
     timeline = running_timeline(watch, t0, t1)
     ws = worker_seconds(timeline, span)
     every = [o for b in bursts for o in b]
-    ok = np.array([o.took for o in every if o.status == 200]) * 1000
+    ok = [o.took for o in every if o.status == 200]
 
-    def pct(a, q):
-        return round(float(np.percentile(a, q)), 1) if len(a) else None
+    def pct(lat_s, q):
+        return harness.pct_ms(lat_s, q, digits=1) if len(lat_s) else None
 
     per_burst = []
     for b, (_, s, e) in zip(bursts, phases[::2]):
-        lat = np.array([o.took for o in b if o.status == 200]) * 1000
+        lat = [o.took for o in b if o.status == 200]
         per_burst.append({"from_s": round(s, 1), "to_s": round(e, 1), **summary(b),
                           "p95_ms": pct(lat, 95), "first_reply_s":
                           round(min((o.sent + o.took for o in b if o.status == 200),
@@ -177,11 +176,11 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 async def run_all(args, workdir: Path) -> list[dict]:
-    return [await one_fleet(name, workdir / name, args) for name in args.fleets.split(",")]
+    return [await one_fleet(name, workdir / name, args) for name in harness.csv_strs(args.fleets)]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--burst-s", type=float, default=20.0)
     ap.add_argument("--idle-s", type=float, default=40.0)
@@ -193,12 +192,10 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     with tempfile.TemporaryDirectory() as d:
         results = asyncio.run(run_all(args, Path(d)))
-    report = {"date": started, "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "command": "python -m bench.elastic " + " ".join(sys.argv[1:]),
-              "loadavg_end": [round(x, 2) for x in os.getloadavg()], "fleets": results}
-    out = REPO / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "elastic.json").write_text(json.dumps(report, indent=2))
+    report = {**harness.run_info("python -m bench.elastic " + " ".join(sys.argv[1:])),
+              "date": started, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+              "fleets": results}
+    harness.write_json("elastic.json", report)
     plot(results, REPO / "docs" / "img" / "elastic.png")
 
 

@@ -24,12 +24,10 @@ One run measures, on this machine:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import platform
-import shutil
+import sys
 import statistics
 import tempfile
 import time
@@ -37,14 +35,49 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.workload import closed_loop, embed_body, long_inputs, short_inputs
+from bench import harness
+from bench.harness import REPO
 from services.lifecycle import EVENT_LOOPS
 from shared import catalog
+from tests.support.workload import embed_body, long_inputs, short_inputs
 
 MODEL = catalog.ENCODER
 BATCH_BUCKETS = "1,2,4,8,16,32,64"
 SEQ_BUCKETS = "16,32,64,128"
-REPO = Path(__file__).resolve().parent.parent
+
+
+async def closed_loop(nc, subject: str, bodies: list[bytes], concurrency: int,
+                      seconds: float, warmup_s: float = 1.0, timeout: float = 30.0) -> dict:
+    """`concurrency` clients, each sending its next request when the last returns."""
+    lat: list[float] = []
+    errors = 0
+    t_start = time.perf_counter()
+    t_measure = t_start + warmup_s
+    t_end = t_measure + seconds
+    counted = answered = 0
+
+    async def client(i: int) -> None:
+        nonlocal errors, counted, answered
+        k = i
+        while True:
+            t0 = time.perf_counter()
+            if t0 >= t_end:
+                return
+            msg = await nc.request(subject, bodies[k % len(bodies)], timeout=timeout)
+            t1 = time.perf_counter()
+            answered += 1
+            k += concurrency
+            if t0 >= t_measure and t1 <= t_end:
+                counted += 1
+                lat.append(t1 - t0)
+                if (msg.headers or {}).get("Nats-Service-Error-Code"):
+                    errors += 1
+
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    # answered / wall_s: every request of the call, warm-up included (CPU per request)
+    return {"concurrency": concurrency, "requests": counted, "errors": errors,
+            "rps": counted / seconds, "answered": answered,
+            "wall_s": time.perf_counter() - t_start, **harness.percentiles(lat)}
 
 
 def sentences_per_s(enc, rows: list, seconds: float) -> float:
@@ -69,8 +102,8 @@ def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("sh
     path = path or catalog.bundled_dir(MODEL)
     tok = Tokenizer.from_dir(path)
     enc = JaxEncoder(path, name=MODEL, dtype=dtype,
-                     batch_buckets=tuple(map(int, BATCH_BUCKETS.split(","))),
-                     seq_buckets=tuple(map(int, SEQ_BUCKETS.split(","))), max_batch=64)
+                     batch_buckets=tuple(harness.csv_ints(BATCH_BUCKETS)),
+                     seq_buckets=tuple(harness.csv_ints(SEQ_BUCKETS)), max_batch=64)
     enc.warmup(progress=True)
     out = {}
     for kind in kinds:
@@ -82,7 +115,7 @@ def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("sh
             t = time.perf_counter()
             enc.embed([ids[i % len(ids)]])
             lat.append(time.perf_counter() - t)
-        out[f"{kind}_batch1_p50_ms"] = float(np.percentile(np.array(lat) * 1000, 50))
+        out[f"{kind}_batch1_p50_ms"] = harness.pct_ms(lat, 50, digits=None)
         out[f"{kind}_tokens"] = float(np.mean([len(x) for x in batch]))
     return out
 
@@ -90,26 +123,24 @@ def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("sh
 async def stack_figures(seconds: float, workdir: Path, data_dir: Path, kinds: list[str],
                         concurrency: list[int], http: bool, loop: str = "auto",
                         extra_env: dict[str, str] | None = None, gateways: int = 1) -> dict:
-    from bench.capacity import cpu_all, free_port, per_request, wrk_phase
+    from bench.capacity import wrk_phase
+    from bench.harness import cpu_all, per_request
     from services.supervisor import Supervisor, wait_ready
     from shared import subjects
     from shared.bus import connect
+    from shared.natsd import free_port
     from shared.telemetry import RequestRecord, record_decoder
 
     results: dict = {}
     port = free_port()
     records: list[RequestRecord] = []
     with Supervisor(workdir) as sup:
-        sup.start_nats()
-        env = dict(TENSORBUS_BATCH_BUCKETS=BATCH_BUCKETS, TENSORBUS_SEQ_BUCKETS=SEQ_BUCKETS,
-                   TENSORBUS_MAX_BATCH="64", TENSORBUS_DATA_DIR=str(data_dir),
-                   TENSORBUS_HTTP_PORT=str(port), TENSORBUS_METRICS_PORT="0",
-                   TENSORBUS_LOG_LEVEL="warning", TENSORBUS_EVENT_LOOP=loop)
-        env.update(extra_env or {})
-        for name in ("gateway", "scheduler", "worker", "telemetry"):
-            sup.start(name, f"services.{name}", **env)
-        for i in range(2, gateways + 1):  # more gateways: same queue group, same HTTP port
-            sup.start(f"gateway{i}", "services.gateway", **env)
+        env = harness.service_env(
+            http_port=port, TENSORBUS_BATCH_BUCKETS=BATCH_BUCKETS,
+            TENSORBUS_SEQ_BUCKETS=SEQ_BUCKETS, TENSORBUS_MAX_BATCH="64",
+            TENSORBUS_DATA_DIR=str(data_dir), TENSORBUS_EVENT_LOOP=loop, **(extra_env or {}))
+        # more gateways: same queue group, same HTTP port
+        harness.start_stack(sup, gateways=gateways, workers={"worker": {}}, **env)
         nc = await connect(sup.nats_url, "bench-client")
 
         async def on_record(msg) -> None:
@@ -169,6 +200,7 @@ async def hops(url: str, nc, bodies: list[bytes], n: int = 200) -> dict:
     Each timestamp includes this process's own wake-up, the same for every leg."""
     from shared import subjects
     from shared.bus import connect
+    from shared.natsd import free_port
     from shared.telemetry import RequestRecord, record_decoder
 
     spy = await connect(url, "bench-spy")
@@ -310,8 +342,30 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def figure_rows(res: dict) -> str:
+    """The rows of docs/benchmarks.md's embeddings table that this run fills."""
+    e, ea, cmd, date = res["engine"], res.get("engine_after", {}), res["command"], res["date"]
+    rows = [harness.FIGURE_HEADER]
+    for kind in ("short", "long"):
+        key = f"{kind}_batch64_sps"
+        if key not in e:
+            continue
+        after = f" / {ea[key]:.1f}" if key in ea else ""
+        rows.append(harness.figure_row(f"raw engine, {kind}, batch 64 (before / after the stack)",
+                                       f"{e[key]:.1f}{after} sentences/s", cmd, date))
+        for r in res["stack"].get(kind, []):
+            share = f"{r['rps'] / e[key]:.0%}"
+            if key in ea:
+                share += f" / {r['rps'] / ea[key]:.0%}"
+            rows.append(harness.figure_row(
+                f"served, {kind}, concurrency {r['concurrency']}, NATS: share of the raw engine",
+                f"{r['rps']:.1f} sentences/s, {share}; p50 / p99 {r['p50_ms']:.2f} / "
+                f"{r['p99_ms']:.2f} ms", cmd, date))
+    return "\n".join(rows)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--http", action="store_true", help="also load /v1/embeddings with wrk")
@@ -323,14 +377,11 @@ def main() -> None:
                     help="TENSORBUS_EVENT_LOOP of every service process")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    kinds = args.kinds.split(",")
-    concurrency = [int(c) for c in args.concurrency.split(",")]
-    cache = Path(os.environ.get("TENSORBUS_TEST_CACHE", REPO / ".data" / "test-jax-cache"))
-    if not (args.data_dir / "jax-cache").is_dir() and cache.is_dir():
-        shutil.copytree(cache, args.data_dir / "jax-cache")  # compiled buckets, if any
+    kinds = harness.csv_strs(args.kinds)
+    concurrency = harness.csv_ints(args.concurrency)
+    harness.seed_jax_cache(args.data_dir)
     args.data_dir.mkdir(parents=True, exist_ok=True)
-    res: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    res: dict = {**harness.run_info("python -m bench.embeddings " + " ".join(sys.argv[1:])),
                  "seconds": args.seconds, "event_loop": args.loop}
     res["engine"] = engine_figures(args.seconds, args.data_dir)
     print("engine:", json.dumps(res["engine"]), flush=True)
@@ -348,12 +399,11 @@ def main() -> None:
     res["engine_after"] = engine_figures(args.seconds, args.data_dir, tuple(kinds))
     print("engine after:", json.dumps(res["engine_after"]), flush=True)
     res["load_average_1m"] = round(os.getloadavg()[0], 2)
-    out = REPO / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "embeddings.json").write_text(json.dumps(res, indent=2))
+    harness.write_json("embeddings.json", res)
     if "short" in kinds and "long" in kinds:
         plot(res, REPO / "docs" / "img" / "embeddings.png")
     print(table(res))
+    print(figure_rows(res))
 
 
 if __name__ == "__main__":

@@ -23,13 +23,14 @@ a CPU: the suite runs it (tests/bench/test_engine_check.py) to keep this path wo
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from bench import harness
 
 MINILM = dict(model_type="bert", hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
               intermediate_size=1536, vocab_size=30522, max_position_embeddings=512,
@@ -120,10 +121,10 @@ def bench_encoder(model_dir: Path, dtype: str, quant: str, batch: int, seq: int,
 
 def start_streams(eng, streams: int, prompt: list[int]) -> None:
     """Slots 0..streams-1 each prefilled with `prompt` (greedy), ready to decode."""
-    from engine.decoder.engine import GREEDY
+    from engine.decoder.static import GREEDY, prefill_insert
 
     for s in range(streams):
-        eng.prefill_insert(s, prompt, GREEDY, 0)
+        prefill_insert(eng, s, prompt, GREEDY, 0)
 
 
 def decode_steps(eng, steps: int) -> None:
@@ -160,7 +161,7 @@ def bench_decoder(model_dir: Path, dtype: str, quant: str, streams: int, steps: 
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--dry", action="store_true", help="tiny shapes: seconds on a CPU")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quants", default="none,int8,int4,fp8",
@@ -182,7 +183,7 @@ def main(argv=None) -> dict:
         enc_cfg |= DRY | {"num_attention_heads": 4}
         dec_cfg |= DRY | {"num_attention_heads": 4, "num_key_value_heads": 2}
         a.batch, a.seq, a.streams, a.steps, a.context, a.repeats = 4, 16, 4, 4, 32, 2
-    quants = [q for q in a.quants.split(",") if q]
+    quants = harness.csv_strs(a.quants)
     dev = jax.devices()[0]
     result = {"jax": jax.__version__, "platform": dev.platform, "device": dev.device_kind,
               "devices": jax.device_count(), "dry": a.dry, "dtype": a.dtype,
@@ -195,7 +196,7 @@ def main(argv=None) -> dict:
             row = bench_encoder(enc_dir, a.dtype, q, a.batch, a.seq, a.repeats)
             result["encoder"].append(row)
             print("encoder", json.dumps(row), flush=True)
-        for item in [d for d in a.decoder_forms.split(",") if d]:
+        for item in harness.csv_strs(a.decoder_forms):
             q, _, form = item.partition(":")
             row = bench_decoder(dec_dir, a.dtype, q, a.streams, a.steps, a.context, a.repeats,
                                 form or "auto")  # fmt: skip

@@ -1,7 +1,7 @@
 """Decoder engine throughput (the demo model, or `--model`), against sequential transformers.
 
 - engine: a static batch of `slots` copies of one prompt, greedy, decoding in
-  lock-step (`DecoderEngine.generate_static`); decode tokens/s counts the tokens the
+  lock-step (`static.generate_static`); decode tokens/s counts the tokens the
   decode steps produce over the time they take (prefill excluded), and end-to-end
   tokens/s counts every generated token over the whole call.
 - transformers: `generate(do_sample=False)` on the same weights, one request after
@@ -27,11 +27,12 @@ A GGUF model (SmolLM2) is read by transformers from the same file
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import time
+
+from bench import harness
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -55,17 +56,17 @@ def _static_figures(engine, streams: int, max_new: int, prompt: list[int], min_s
     The decode-only figure is the median of repeated rounds of `max_new - 1` steps
     (at least three, and at least `min_s` seconds in all): one round of a small model
     is a fraction of a second, and on a shared machine a single one swung 2x."""
-    from engine.decoder.engine import GREEDY
+    from engine.decoder.static import GREEDY, generate_static, prefill_insert
 
-    engine.generate_static([prompt] * streams, 2)  # compile (JAX) or warm (torch)
+    generate_static(engine, [prompt] * streams, 2)  # compile (JAX) or warm (torch)
     t0 = time.perf_counter()
-    out = engine.generate_static([prompt] * streams, max_new)
+    out = generate_static(engine, [prompt] * streams, max_new)
     total = time.perf_counter() - t0
     # Decode alone: the same steps, timed without the prefills.
     rounds: list[float] = []
     while len(rounds) < 3 or sum(rounds) < min_s:
         for s in range(streams):
-            engine.prefill_insert(s, prompt, GREEDY, 0)
+            prefill_insert(engine, s, prompt, GREEDY, 0)
         t1 = time.perf_counter()
         for _ in range(max_new - 1):
             engine.step()
@@ -168,7 +169,7 @@ def run(max_new: int = 64, hf_requests: int = 3, slots: int = 16, max_context: i
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="decoder engine vs transformers generate")
+    ap = harness.parser(__doc__)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--hf-requests", type=int, default=3)
     ap.add_argument("--slots", type=int, default=16)
@@ -184,10 +185,10 @@ def main() -> None:
     ap.add_argument("--out", default="",
                     help="also write the JSON here (e.g. bench/out/engine_decoder.json)")
     args = ap.parse_args()
-    streams = tuple(int(x) for x in args.streams.split(",") if x) or None
+    streams = tuple(harness.csv_ints(args.streams)) or None
     out = run(args.max_new, args.hf_requests, args.slots, args.max_context, args.torch_threads,
-              tuple(args.engines.split(",")), streams, args.engine_threads, args.model,
-              tuple(int(x) for x in args.prefill_buckets.split(",") if x) or None)
+              tuple(harness.csv_strs(args.engines)), streams, args.engine_threads, args.model,
+              tuple(harness.csv_ints(args.prefill_buckets)) or None)
     out["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     text = json.dumps(out, indent=2)
     if args.out:

@@ -17,7 +17,6 @@ counted on the padded shapes actually computed (the buckets), not the real token
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -26,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from bench import harness
 from shared import catalog
 
 MODEL = catalog.ENCODER
@@ -40,7 +40,7 @@ def _inputs(tok, kind: str, n: int) -> list[list[int]]:
     The long texts run a little past 128 tokens (some words split), and a batch that
     spills into the 256 bucket measures padding policy, not engine speed; they are cut
     to 128 ids ([SEP] kept) so JAX and torch compute the same shapes."""
-    from bench.workload import long_inputs, short_inputs
+    from tests.support.workload import long_inputs, short_inputs
 
     if kind == "short":
         return tok.encode_batch(short_inputs(n))
@@ -123,7 +123,7 @@ def _latency_ms(fn: Callable[[], None], seconds: float) -> float:
         t = time.perf_counter()
         fn()
         lat.append(time.perf_counter() - t)
-    return float(np.percentile(np.array(lat) * 1000, 50))
+    return harness.pct_ms(lat, 50, digits=None)
 
 
 def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
@@ -190,13 +190,13 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--seconds", type=float, default=4.0, help="per engine per kind")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--kinds", default="short,long")
     ap.add_argument("--cache-dir", default=".data/jax-cache")
     args = ap.parse_args()
-    out = {k: run(args.batch, k, args.seconds, args.cache_dir) for k in args.kinds.split(",")}
+    out = {k: run(args.batch, k, args.seconds, args.cache_dir) for k in harness.csv_strs(args.kinds)}
     print(json.dumps(out, indent=2))
 
 

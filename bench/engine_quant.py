@@ -5,7 +5,7 @@ int8 x int8 (w8a8), int4, fp8, a GGUF model's own blocks (`gguf`), and int8 with
 the compute form chosen per bucket, engine/forms.py: `int8-auto` within the
 default weight budget, `int8-auto+float` with room for a float copy):
   - weight bytes held (integers plus scales; every form an auto engine kept);
-  - perplexity on the fixed text set (bench/texts.py, each text cut to 64 tokens);
+  - perplexity on the fixed text set (tests/support/texts.py, each text cut to 64 tokens);
   - decode tokens/s at 1 and at 16 streams (a static batch of one 12-token prompt,
     decode steps only, median of `--repeats` runs of `--steps` steps).
 With `--torch` (default on), the torch decoder engine (engine/torch_decoder) in
@@ -22,13 +22,13 @@ starts), the float32 decode step time unsplit and split over N devices.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 
 import numpy as np
 
+from bench import harness
 from bench.engine_check import decode_steps, start_streams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -93,7 +93,7 @@ def torch_rate(model_dir, name, streams, steps, repeats, int8: bool):
     """(seconds per step, tokens/s, weight bytes) of the torch decoder engine."""
     import torch
 
-    from engine.decoder.engine import GREEDY
+    from engine.decoder.static import GREEDY, prefill_insert
     from engine.torch_decoder import TorchDecoder
 
     eng = TorchDecoder(model_dir, name, slots=streams, max_context=128)
@@ -117,7 +117,7 @@ def torch_rate(model_dir, name, streams, steps, repeats, int8: bool):
         for r in range(repeats + 1):
             for s in range(streams):
                 eng.free(s)
-                eng.prefill_insert(s, prompt, GREEDY, 0)
+                prefill_insert(eng, s, prompt, GREEDY, 0)
             t0 = time.perf_counter()
             for _ in range(steps):
                 eng.step()
@@ -128,7 +128,7 @@ def torch_rate(model_dir, name, streams, steps, repeats, int8: bool):
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--forms", default=",".join(FORMS))
     ap.add_argument("--streams", default="1,16")
@@ -142,16 +142,16 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     import jax
 
-    from bench.texts import PERPLEXITY_TEXTS, perplexity
+    from tests.support.texts import PERPLEXITY_TEXTS, perplexity
     from engine import jaxrt
     from shared.catalog import bundled_dir
 
     jaxrt.setup(None)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     model_dir = bundled_dir(a.model)
-    streams = [int(s) for s in a.streams.split(",") if s]
+    streams = harness.csv_ints(a.streams)
     rows, split = [], []
-    for form in [f for f in a.forms.split(",") if f]:
+    for form in harness.csv_strs(a.forms):
         dtype, quant, compute, budget = FORMS[form]
         row = {"form": form}
         for n in streams:
@@ -173,7 +173,7 @@ def main(argv=None) -> dict:
         import torch
 
         torch.set_num_threads(a.torch_threads)
-    for kind in [k for k in a.torch.split(",") if k]:
+    for kind in harness.csv_strs(a.torch):
         row = {"engine": "torch", "form": kind}
         for n in streams:
             sec, rate, nbytes = torch_rate(model_dir, a.model, n, a.steps, a.repeats,
@@ -183,7 +183,7 @@ def main(argv=None) -> dict:
         row["weight_bytes"] = nbytes
         torch_rows.append(row)
         print(json.dumps(row), flush=True)
-    for tp in [int(t) for t in a.tp.split(",") if t]:
+    for tp in harness.csv_ints(a.tp):
         for n in streams:
             sec, rate, _ = decode_rate(model_dir, a.model, "float32", "none", n, a.steps,
                                        a.repeats, tp)  # fmt: skip

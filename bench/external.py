@@ -24,7 +24,6 @@ virtualenv of its own, e.g. one that reuses this one's packages:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -33,11 +32,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from bench import harness
+from bench.harness import OUT, REPO
 from shared import catalog
 
 MODEL = catalog.DEMO_LM
-REPO = Path(__file__).resolve().parent.parent
-OUT = REPO / "bench" / "out"
 
 
 def scenario(target: str, streams: list[int], seconds: float, prompt_tokens: int,
@@ -61,40 +60,31 @@ def scenario(target: str, streams: list[int], seconds: float, prompt_tokens: int
 
 
 async def run(args) -> None:
-    import nats
-
-    from services.supervisor import Supervisor, wait_ready
     from shared.natsd import free_port
 
-    OUT.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="tensorbus-external-") as tmp, Supervisor(Path(tmp)) as sup:
-        sup.start_nats()
-        env = dict(TENSORBUS_DATA_DIR=str(REPO / ".data"), TENSORBUS_METRICS_PORT="0",
-                   TENSORBUS_LOG_LEVEL="warning", TENSORBUS_HTTP_PORT=str(port))
-        sup.start("gateway", "services.gateway", **env)
-        sup.start("scheduler", "services.scheduler", **env)
-        sup.start("telemetry", "services.telemetry", **env)
-        sup.start("worker", "services.worker", TENSORBUS_MODEL=MODEL,
-                  TENSORBUS_MODEL_DIR=str(catalog.bundled_dir(MODEL)),
-                  TENSORBUS_DECODE_SLOTS="16", **env)
-        nc = await nats.connect(sup.nats_url)
-        try:
-            await wait_ready(nc, MODEL, 1)
-        finally:
-            await nc.close()
-        streams = [int(s) for s in args.streams.split(",")]
-        spec = scenario(f"http://127.0.0.1:{port}", streams, args.seconds,
-                        args.prompt_tokens, args.output_tokens)
-        path = OUT / "guidellm-scenario.json"
-        path.write_text(json.dumps(spec, indent=2))
-        report = OUT / "guidellm.json"
-        cmd = [args.guidellm, "run", "--scenario", str(path), "--output",
-               f"kind=json,path={report}", "--disable-console-interactive"]
-        print("$", " ".join(cmd), flush=True)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        await asyncio.to_thread(subprocess.run, cmd, check=True, env=env)
-    print(table(json.loads(report.read_text())))
+    env = harness.service_env(http_port=port, TENSORBUS_DATA_DIR=str(REPO / ".data"))
+    worker = {"TENSORBUS_MODEL": MODEL, "TENSORBUS_MODEL_DIR": str(catalog.bundled_dir(MODEL)),
+              "TENSORBUS_DECODE_SLOTS": "16"}
+    with tempfile.TemporaryDirectory(prefix="tensorbus-external-") as tmp:
+        async with harness.running(Path(tmp), MODEL, ready_timeout=300,
+                                   workers={"worker": worker}, **env):
+            await _guidellm(args, port)
+    print(table(json.loads((OUT / "guidellm.json").read_text())))
+
+
+async def _guidellm(args, port: int) -> None:
+    """GuideLLM against the running stack: its scenario file, then its own process."""
+    streams = harness.csv_ints(args.streams)
+    spec = scenario(f"http://127.0.0.1:{port}", streams, args.seconds,
+                    args.prompt_tokens, args.output_tokens)
+    path = harness.write_json("guidellm-scenario.json", spec)
+    report = OUT / "guidellm.json"
+    cmd = [args.guidellm, "run", "--scenario", str(path), "--output",
+           f"kind=json,path={report}", "--disable-console-interactive"]
+    print("$", " ".join(cmd), flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    await asyncio.to_thread(subprocess.run, cmd, check=True, env=env)
 
 
 def table(report: dict) -> str:
@@ -117,7 +107,7 @@ def table(report: dict) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = harness.parser(__doc__)
     p.add_argument("--guidellm", default=shutil.which("guidellm") or "guidellm",
                    help="the guidellm executable (its own virtualenv)")
     p.add_argument("--seconds", type=float, default=15.0, help="per stream count")

@@ -37,10 +37,10 @@ One run measures, on this machine:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -48,11 +48,11 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from bench.capacity import cpu_all, per_request
+from bench import harness
+from bench.harness import REPO, cpu_all, per_request
 from shared import catalog
 
 MODEL = catalog.DEMO_LM
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["The module", "This function returns", "A list of", "The default value is",
            "When the file", "An exception is raised", "The following example", "In Python"]
 
@@ -110,7 +110,9 @@ async def load(nc, concurrency: int, seconds: float, max_tokens: int, model: str
     cpu = {}
     if before is not None:  # microseconds of CPU per delivered token, per process
         cpu = {k: round(v * 1000, 1) for k, v in per_request(before, cpu_all(sup), tokens).items()}
-    ms = lambda xs, q: float(np.percentile(np.array(xs) * 1000, q)) if xs else float("nan")
+    def ms(lat_s: list[float], q: float) -> float:
+        return harness.pct_ms(lat_s, q, digits=None)
+
     return {"concurrency": concurrency, "requests": done, "tokens": tokens,
             "tokens_per_s": tokens / wall,
             "ttft_p50_ms": ms(ttft, 50), "ttft_p99_ms": ms(ttft, 99),
@@ -127,15 +129,11 @@ async def stack_figures(seconds: float, max_tokens: int, workdir: Path, model: s
 
     rows = []
     with Supervisor(workdir) as sup:
-        sup.start_nats()
-        env = dict(TENSORBUS_DATA_DIR=str(REPO / ".data"), TENSORBUS_METRICS_PORT="0",
-                   TENSORBUS_LOG_LEVEL="warning", TENSORBUS_HTTP_PORT="-1")
-        sup.start("gateway", "services.gateway", **env)
-        sup.start("scheduler", "services.scheduler", **env)
-        sup.start("telemetry", "services.telemetry", **env)
+        worker = {"TENSORBUS_MODEL": model, "TENSORBUS_DECODE_SLOTS": "16"}
         if max_context:
-            env["TENSORBUS_MAX_CONTEXT"] = str(max_context)
-        sup.start("worker", "services.worker", TENSORBUS_MODEL=model, TENSORBUS_DECODE_SLOTS="16", **env)
+            worker["TENSORBUS_MAX_CONTEXT"] = str(max_context)
+        harness.start_stack(sup, workers={"worker": worker},
+                            **harness.service_env(TENSORBUS_DATA_DIR=str(REPO / ".data")))
         nc = await nats.connect(sup.nats_url)
         try:
             await wait_ready(nc, model, 1, timeout=600)
@@ -199,7 +197,7 @@ def table(res: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--model", default=MODEL, help="a bundled decoder (default: the demo LM)")
@@ -222,7 +220,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.engine_threads:  # before JAX starts here; the worker inherits it
         os.environ["NPROC"] = str(args.engine_threads)
-    streams = tuple(int(x) for x in args.concurrency.split(",") if x)
+    streams = tuple(harness.csv_ints(args.concurrency))
     if args.stack_only:
         with tempfile.TemporaryDirectory() as d:
             rows = asyncio.run(stack_figures(args.seconds, args.max_tokens, Path(d), args.model,
@@ -233,12 +231,12 @@ def main() -> None:
     from engine import jaxrt
 
     jaxrt.setup(str(REPO / ".data" / "jax-cache"))
-    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "machine": f"{os.cpu_count()} cores", "model": args.model,
+    res: dict = {**harness.run_info("python -m bench.generation " + " ".join(sys.argv[1:])),
+                 "model": args.model,
                  "max_tokens": args.max_tokens, "max_context": args.max_context,
                  "temperature": args.temperature, "engine_threads": args.engine_threads or "all",
                  "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
-    buckets = tuple(int(x) for x in args.prefill_buckets.split(",") if x) or None
+    buckets = tuple(harness.csv_ints(args.prefill_buckets)) or None
     res["engine"] = engine_run(max_new=args.max_tokens, hf_requests=args.hf_requests,
                                max_context=args.max_context, model=args.model,
                                prefill_buckets=buckets)
@@ -249,9 +247,7 @@ def main() -> None:
                                                  args.max_context, args.temperature, streams))
     res["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     name = "generation" if args.model == MODEL else f"generation-{args.model}"
-    out = REPO / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(res, indent=2))
+    harness.write_json(f"{name}.json", res)
     plot(res, REPO / "docs" / "img" / f"{name}.png")
     print(table(res))
 

@@ -7,11 +7,12 @@ model's own: the high-water mark (`ru_maxrss`) and what stays resident after loa
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import time
+
+from bench import harness
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,7 +27,7 @@ def _peak_mb() -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = harness.parser(__doc__)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--slots", default="1,16")
     p.add_argument("--steps", type=int, default=32)
@@ -60,9 +61,9 @@ def main() -> None:
     out["rss_before_engine_mb"] = round(before, 1)
 
     from engine.decoder import DecoderEngine
-    from engine.decoder.engine import GREEDY
+    from engine.decoder.static import GREEDY, prefill_insert
 
-    slot_counts = [int(s) for s in args.slots.split(",")]
+    slot_counts = harness.csv_ints(args.slots)
     t0 = time.perf_counter()
     engine = DecoderEngine(d, catalog.SMOLLM2, dtype=args.dtype, slots=max(slot_counts),
                            max_context=args.max_context, prefill_buckets=(32,),
@@ -77,7 +78,7 @@ def main() -> None:
     prompt = tok.encode("The history of the Roman Empire")
     for n in slot_counts:
         for s in range(n):
-            engine.prefill_insert(s, prompt, GREEDY, 0)
+            prefill_insert(engine, s, prompt, GREEDY, 0)
         engine.step()  # the first step after inserts is not timed
         t0 = time.perf_counter()
         for _ in range(args.steps):

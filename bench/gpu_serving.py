@@ -26,7 +26,6 @@ the services run unchanged. HTTP is left out: the lent machine has no `wrk`.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -37,6 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import harness
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.txt", "modules.json", "sentence_bert_config.json",
@@ -74,7 +74,7 @@ def engine_figures(model: Path, dtype: str, seconds: float, data_dir: Path) -> d
     """bench.embeddings' raw figures (the worker's buckets, batch limit 64 and token
     budget), and batch 256 with no budget: what the device carries in one step."""
     from bench.embeddings import engine_figures as raw, sentences_per_s
-    from bench.workload import short_inputs
+    from tests.support.workload import short_inputs
     from engine.encoder import JaxEncoder
     from engine.tokenizer import Tokenizer
 
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
     from bench import embeddings
     from shared import catalog
 
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--concurrency", default="1,64,256")
@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
     if a.dry:
         a.seconds, a.concurrency, a.gateways = 1.0, "1,16", "1"
     tok_dir = a.tokenizer_dir or catalog.bundled_dir(catalog.ENCODER)
-    concurrency = [int(c) for c in a.concurrency.split(",")]
+    concurrency = harness.csv_ints(a.concurrency)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                  "host": platform.node(), "cpus": os.cpu_count(), "dry": a.dry}
     with tempfile.TemporaryDirectory(prefix="tb-gpu-serving-") as tmp:
@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
         data_dir = work / "data"
         res["engine"] = engine_figures(model, a.dtype, a.seconds, data_dir)
         res["stack"] = {}
-        for g in (int(x) for x in a.gateways.split(",")):
+        for g in harness.csv_ints(a.gateways):
             env = {"TENSORBUS_DTYPE": a.dtype}
             r = asyncio.run(embeddings.stack_figures(
                 a.seconds, work / f"stack{g}", data_dir, ["short"], concurrency, http=False,

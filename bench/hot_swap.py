@@ -27,11 +27,9 @@ Prints one JSON document (and writes it to --out). Figures from a shared CPU are
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import tempfile
 import time
@@ -39,12 +37,12 @@ from pathlib import Path
 
 import msgspec
 
+from bench import harness
 from shared import catalog, subjects
 from shared.errors import HEADER_CODE
 
 MODEL = catalog.ENCODER
 VERSION_HEADER = "Tensorbus-Model-Version"
-REPO = Path(__file__).resolve().parent.parent
 
 
 async def push_versions(nc, model: str = MODEL) -> None:
@@ -152,9 +150,7 @@ async def swaps(sup, nc, env: dict, clients: int, settle_s: float = 3.0) -> dict
     from services.registry.store import Registry
     from services.supervisor import wait_ready
 
-    for name in ("gateway", "scheduler"):
-        sup.start(name, f"services.{name}", **env)
-    sup.start("swap-worker", "services.worker", TENSORBUS_WORKER_ID="swap-worker", **env)
+    harness.start_stack(sup, nats=False, telemetry=False, workers={"swap-worker": {}}, **env)
     await wait_ready(nc, MODEL, 1)
     reg = await Registry.open(nc)
     load = Load(nc, clients)
@@ -228,10 +224,8 @@ async def decoder_swaps(sup, nc, env: dict, streams: int, settle_s: float = 3.0)
     from services.supervisor import wait_ready
 
     model = catalog.DEMO_LM
-    for name in ("gateway", "scheduler"):
-        sup.start(name, f"services.{name}", **env)
-    sup.start("swap-worker", "services.worker", TENSORBUS_WORKER_ID="swap-worker",
-              **{**env, "TENSORBUS_MODEL": model})
+    harness.start_stack(sup, nats=False, telemetry=False,
+                        workers={"swap-worker": {"TENSORBUS_MODEL": model}}, **env)
     await wait_ready(nc, model, 1)
     reg = await Registry.open(nc)
     load = StreamLoad(nc, streams, model)
@@ -275,9 +269,8 @@ async def run_decoder(args) -> dict:
                 await nc.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": {"cpu": platform.processor() or platform.machine(),
-                        "cores": os.cpu_count(), "python": platform.python_version()},
+    return {**harness.run_info("python -m bench.hot_swap --decoder --streams "
+                               f"{args.streams}"),
             "model": catalog.DEMO_LM, "max_context": 128, "hot_swap": swap}
 
 
@@ -289,7 +282,7 @@ async def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="tensorbus-bench-swap-"))
     data_dir = work / "data"
     env = dict(TENSORBUS_BATCH_BUCKETS=args.batch_buckets, TENSORBUS_SEQ_BUCKETS=args.seq_buckets,
-               TENSORBUS_MAX_BATCH=str(max(int(b) for b in args.batch_buckets.split(","))),
+               TENSORBUS_MAX_BATCH=str(max(harness.csv_ints(args.batch_buckets))),
                TENSORBUS_DATA_DIR=str(data_dir), TENSORBUS_LOG_LEVEL="warning",
                TENSORBUS_MODEL=MODEL)
     try:
@@ -306,14 +299,14 @@ async def run(args) -> dict:
                 await nc.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"machine": {"cpu": platform.processor() or platform.machine(),
-                        "cores": os.cpu_count(), "python": platform.python_version()},
+    return {**harness.run_info(f"python -m bench.hot_swap --batch-buckets {args.batch_buckets} "
+                               f"--seq-buckets {args.seq_buckets} --clients {args.clients}"),
             "buckets": {"batch": args.batch_buckets, "seq": args.seq_buckets},
             "cold_start": cold, "hot_swap": swap}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = harness.parser(__doc__)
     p.add_argument("--batch-buckets", default="1,4")
     p.add_argument("--seq-buckets", default="16,64")
     p.add_argument("--clients", type=int, default=4)
@@ -322,12 +315,9 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=8, help="with --decoder: concurrent streams")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    args.out = args.out or str(REPO / "bench" / "out" /
-                               ("hot_swap_decoder.json" if args.decoder else "hot_swap.json"))
     res = asyncio.run(run_decoder(args) if args.decoder else run(args))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    harness.write_json(args.out or ("hot_swap_decoder.json" if args.decoder else "hot_swap.json"),
+                       res)
     print(json.dumps(res, indent=2))
 
 

@@ -16,53 +16,19 @@ Prints one JSON object; bench/out/overload.json keeps it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
 
-from bench.faults import MODEL, REPO, running
-from bench.load import ClosedLoop, open_loop, summary
-from bench.workload import embed_body, short_inputs
+from bench import harness
+from bench.harness import memory
 from shared import subjects
-
-
-def rss_mb(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-    except OSError:
-        pass
-    return float("nan")
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds a process has used."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except OSError:
-        return float("nan")
-
-
-def cpu(sup) -> dict[str, float]:
-    out = {name: cpu_s(p.popen.pid) for name, p in sup.procs.items()}
-    out["nats-server"] = cpu_s(sup.nats.proc.pid)
-    out["load-generator"] = cpu_s(os.getpid())
-    return out
-
-
-def memory(sup) -> dict[str, float]:
-    out = {name: rss_mb(p.popen.pid) for name, p in sup.procs.items()}
-    out["nats-server"] = rss_mb(sup.nats.proc.pid)
-    return out
+from tests.support.faults import MODEL, running
+from tests.support.load import ClosedLoop, open_loop, summary
+from tests.support.workload import embed_body, short_inputs
 
 
 async def closed(nc, bodies, clients: int, seconds: float) -> dict:
@@ -79,18 +45,17 @@ async def run(seconds: float, factor: float, queue: int, workdir: Path) -> dict:
         await closed(nc, bodies, 4, 2)  # warm the paths (first batches of each size)
         lone = await closed(nc, bodies, 1, 5)
         capacity = await closed(nc, bodies, 16, 5)
-        mem_before, cpu_before = memory(sup), cpu(sup)
+        mem_before, cpu_before = memory(sup), harness.cpu_all(sup)
         rate = factor * capacity["rps"]
         t0 = time.monotonic()
         outcomes = await open_loop(nc, subjects.EMBEDDINGS, bodies, rate, seconds, timeout=30)
         wall = time.monotonic() - t0
-        mem_after, cpu_after = memory(sup), cpu(sup)
+        mem_after, cpu_after = memory(sup), harness.cpu_all(sup)
         after = await closed(nc, bodies, 1, 5)
     over = summary(outcomes)
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
-        "command": f"python -m bench.overload --seconds {seconds:g} --factor {factor:g} --queue {queue}",
+        **harness.run_info(f"python -m bench.overload --seconds {seconds:g} --factor {factor:g} "
+                           f"--queue {queue}"),
         "queue_per_worker": queue,
         "unloaded_lone": lone, "capacity_c16": capacity,
         "offered_rps": round(rate, 1), "achieved_send_rps": round(len(outcomes) / wall, 1),
@@ -108,7 +73,7 @@ async def run(seconds: float, factor: float, queue: int, workdir: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--factor", type=float, default=10.0)
     ap.add_argument("--queue", type=int, default=16, help="TENSORBUS_MAX_QUEUE_PER_WORKER")
@@ -117,9 +82,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         res = asyncio.run(run(args.seconds, args.factor, args.queue, Path(d)))
     print(json.dumps(res, indent=2))
-    out = REPO / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "overload.json").write_text(json.dumps(res, indent=2))
+    harness.write_json("overload.json", res)
 
 
 if __name__ == "__main__":

@@ -25,15 +25,19 @@
     .venv/bin/python -m bench.paged_kv --scenario concurrency
     .venv/bin/python -m bench.paged_kv --scenario prefix --requests 12
     .venv/bin/python -m bench.paged_kv --scenario chunked
+
+Prints the result and writes it to bench/out/paged_kv-<scenario>.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
+import sys
 import time
+
+from bench import harness
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -196,10 +200,12 @@ def _itl_run(eng, streams: list[list[int]], longs: list[list[int]], arrive: list
 
 def _piece_ms(eng, tokens: int, runs: int = 3) -> float:
     """Median time to prefill one piece of `tokens` tokens (alone, to the first token)."""
+    from engine.decoder.static import prefill_insert
+
     times = []
     for i in range(runs):
         t0 = time.perf_counter()
-        eng.prefill_insert(0, [5 + i] + list(range(4000, 4000 + tokens - 1)), _greedy(), 0)
+        prefill_insert(eng, 0, [5 + i] + list(range(4000, 4000 + tokens - 1)), _greedy(), 0)
         times.append(time.perf_counter() - t0)
         eng.free(0)
     return round(1000 * statistics.median(times), 1)
@@ -240,15 +246,14 @@ def chunked(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--scenario", choices=("concurrency", "prefix", "chunked"), required=True)
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--prompt", type=int, default=40)
     ap.add_argument("--new", type=int, default=None)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--budget-tokens", type=int, default=8192)
-    ap.add_argument("--paged-slots", type=lambda v: [int(x) for x in v.split(",")],
-                    default=[64, 128])
+    ap.add_argument("--paged-slots", type=harness.csv_ints, default=[64, 128])
     ap.add_argument("--system", type=int, default=480)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--streams", type=int, default=8)
@@ -260,6 +265,8 @@ def main() -> None:
         args.new = 48 if args.scenario == "chunked" else 64
     result = {"concurrency": concurrency, "prefix": prefix, "chunked": chunked}[args.scenario](args)
     print(json.dumps(result, indent=2))
+    harness.write_json(f"paged_kv-{args.scenario}.json", {
+        **harness.run_info("python -m bench.paged_kv " + " ".join(sys.argv[1:])), **result})
 
 
 if __name__ == "__main__":

@@ -24,22 +24,23 @@ regime routing is for, where the fleet's cache is larger than one worker's. With
 pool that holds every system prompt, least-loaded routing also ends up with every
 prompt cached on both workers and only the first request of each prompt per worker
 misses.
+Prints the result and writes it to bench/out/prefix_routing.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import msgspec
-import numpy as np
 
+from bench import harness
 from shared import catalog, subjects
 
 MODEL = catalog.DEMO_LM
@@ -153,7 +154,10 @@ async def workload(nc, systems: list[str], questions: list[list[str]], args) -> 
 
     await asyncio.gather(*(client() for _ in range(args.clients)))
     wall = time.perf_counter() - t0
-    ms = lambda q: round(float(np.percentile(np.array(ttft) * 1000, q)), 1)
+
+    def ms(q: float) -> float:
+        return harness.pct_ms(ttft, q, digits=1)
+
     return {"requests": len(ttft), "ttft_p50_ms": ms(50), "ttft_p99_ms": ms(99),
             "tokens_per_s": round(tokens / wall, 1),
             "requests_per_s": round(len(ttft) / wall, 2), "wall_s": round(wall, 1)}
@@ -164,20 +168,15 @@ async def one_mode(name: str, imbalance: int, workdir: Path, args, systems, ques
 
     from services.supervisor import Supervisor, wait_ready
 
-    env = dict(TENSORBUS_DATA_DIR=str(workdir / "data"), TENSORBUS_METRICS_PORT="0",
-               TENSORBUS_LOG_LEVEL=os.environ.get("TENSORBUS_LOG_LEVEL", "warning"),
-               TENSORBUS_HTTP_PORT="-1",
-               TENSORBUS_PREFIX_ROUTE_IMBALANCE=str(imbalance),
-               TENSORBUS_REQUEST_TIMEOUT_S="120")
+    env = harness.service_env(log_level=os.environ.get("TENSORBUS_LOG_LEVEL", "warning"),
+                              TENSORBUS_DATA_DIR=str(workdir / "data"),
+                              TENSORBUS_PREFIX_ROUTE_IMBALANCE=str(imbalance),
+                              TENSORBUS_REQUEST_TIMEOUT_S="120")
     worker = dict(TENSORBUS_MODEL=MODEL, TENSORBUS_MAX_CONTEXT="512",
                   TENSORBUS_DECODE_SLOTS="8", TENSORBUS_KV_BLOCKS=str(args.kv_blocks + 1))
     with Supervisor(workdir / name) as sup:
-        sup.start_nats()
-        sup.start("gateway", "services.gateway", **env)
-        sup.start("scheduler", "services.scheduler", **env)
-        for w in ("a", "b"):
-            sup.start(f"worker-{w}", "services.worker", TENSORBUS_WORKER_ID=f"{name}-{w}",
-                      **worker, **env)
+        harness.start_stack(sup, telemetry=False, **env, workers={
+            f"worker-{w}": {"TENSORBUS_WORKER_ID": f"{name}-{w}", **worker} for w in ("a", "b")})
         nc = await nats.connect(sup.nats_url)
         try:
             counters = Counters()
@@ -221,7 +220,7 @@ async def run(args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--systems", type=int, default=6)
     ap.add_argument("--system", type=int, default=320, help="tokens per system prompt")
     ap.add_argument("--conversations", type=int, default=6, help="per system prompt")
@@ -233,7 +232,10 @@ def main() -> None:
     ap.add_argument("--modes", default="prefix,least-loaded")
     ap.add_argument("--keep", default="", help="keep the services' logs in this folder")
     args = ap.parse_args()
-    print(json.dumps(asyncio.run(run(args)), indent=2))
+    res = asyncio.run(run(args))
+    print(json.dumps(res, indent=2))
+    harness.write_json("prefix_routing.json", {**harness.run_info(
+        "python -m bench.prefix_routing " + " ".join(sys.argv[1:])), **res})
 
 
 if __name__ == "__main__":

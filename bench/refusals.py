@@ -17,11 +17,9 @@ Prints one JSON object; bench/out/refusals.json keeps it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -29,16 +27,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from bench import harness
 from bench.burst import MODEL, NOOP, at_once, bodies, pct
-from bench.capacity import cpu_all, per_request
+from bench.harness import REPO, cpu_all, per_request
 from services.supervisor import Supervisor, die_with_parent
 from shared import subjects
 from shared.bus import connect
 from shared.messages import ModelLoad, SchedLoad, encode
 from shared.telemetry import Heartbeat
 from shared.telemetry import encode as encode_record
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 async def play_fleet(nc, stop: asyncio.Event) -> None:
@@ -58,9 +55,9 @@ async def play_fleet(nc, stop: asyncio.Event) -> None:
 
 
 async def run(n: int, inputs: int, rounds: int, workdir: Path) -> dict:
-    with Supervisor(workdir, env={"TENSORBUS_HTTP_PORT": "-1", "TENSORBUS_LOG_LEVEL": "warning"}) as sup:
-        sup.start_nats()
-        sup.start("gateway", "services.gateway")
+    with Supervisor(workdir, env=harness.service_env()) as sup:
+        # the gateway alone: play_fleet below stands in for the scheduler and worker
+        harness.start_stack(sup, scheduler=False, telemetry=False)
         noop = subprocess.Popen([sys.executable, "-m", "bench.burst", "--noop", sup.nats_url],
                                 cwd=REPO, preexec_fn=die_with_parent)
         nc = await connect(sup.nats_url, "bench-client")
@@ -92,15 +89,12 @@ async def run(n: int, inputs: int, rounds: int, workdir: Path) -> dict:
             await nc.close()
             noop.terminate()
             noop.wait()
-    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
-            "load_average_1m": round(os.getloadavg()[0], 2),
-            "command": f"python -m bench.refusals --requests {n} --inputs {inputs} --rounds {rounds}",
-            "rounds": out}
+    return {**harness.run_info(f"python -m bench.refusals --requests {n} --inputs {inputs} "
+                               f"--rounds {rounds}"), "rounds": out}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--inputs", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
@@ -109,9 +103,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         res = asyncio.run(run(args.requests, args.inputs, args.rounds, Path(d)))
     print(json.dumps(res, indent=2))
-    out = REPO / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "refusals.json").write_text(json.dumps(res, indent=2))
+    harness.write_json("refusals.json", res)
 
 
 if __name__ == "__main__":

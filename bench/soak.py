@@ -13,20 +13,19 @@ Prints one JSON line per minute and a final JSON object (bench/out/soak.json).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
-import platform
 import tempfile
-import time
 from pathlib import Path
 
-from bench.faults import MODEL, REPO, running
-from bench.load import open_loop, summary
-from bench.overload import closed, memory
-from bench.workload import embed_body, short_inputs
+from bench import harness
+from bench.harness import memory
+from bench.overload import closed
 from shared import subjects
+from tests.support.faults import MODEL, running
+from tests.support.load import open_loop, summary
+from tests.support.workload import embed_body, short_inputs
 
 
 async def run(minutes: int, share: float, workdir: Path) -> dict:
@@ -53,9 +52,7 @@ async def run(minutes: int, share: float, workdir: Path) -> dict:
         for code, n in r["failed"].items():
             failed[code] = failed.get(code, 0) + n
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared)",
-        "command": f"python -m bench.soak --minutes {minutes} --share {share:g}",
+        **harness.run_info(f"python -m bench.soak --minutes {minutes} --share {share:g}"),
         "capacity": capacity, "rate_rps": round(rate, 1), **total, "failed": failed,
         "p99_ms_first_minute": per_minute[0].get("ok_p99_ms") if per_minute else None,
         "p99_ms_last_minute": per_minute[-1].get("ok_p99_ms") if per_minute else None,
@@ -64,7 +61,7 @@ async def run(minutes: int, share: float, workdir: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = harness.parser(__doc__)
     ap.add_argument("--minutes", type=int, default=10)
     ap.add_argument("--share", type=float, default=0.5, help="of the measured capacity")
     args = ap.parse_args()
@@ -72,9 +69,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         res = asyncio.run(run(args.minutes, args.share, Path(d)))
     print(json.dumps({k: v for k, v in res.items() if k != "minutes"}, indent=2))
-    out = REPO / "bench" / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.json").write_text(json.dumps(res, indent=2))
+    harness.write_json("soak.json", res)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,19 @@
 """BERT encoder settings read from a model directory, shared by both encoder engines.
 
-Pure Python on purpose: the torch engine imports it without pulling in jax.
+Pure Python on purpose: the torch engine and the worker's checks import it without
+pulling in jax.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from engine.encoder_spec import UnsupportedEncoder, pooled_dim, read_spec
+from shared.catalog import encoder_limit
+
+# The transformer's MLP activations both engines compute (config.json `hidden_act`).
+ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
 
 # Accepted spellings of the three compute dtypes, mapped to the canonical name.
 DTYPE_ALIASES = {
@@ -24,22 +31,70 @@ def canonical_dtype(name: str) -> str:
     return DTYPE_ALIASES[key]
 
 
+# Where each family keeps a layer's weights, under `encoder.layer.{i}.`: our role ->
+# its Hugging Face name (RoBERTa and XLM-R use BERT's).
+LAYER_NAMES = {
+    "bert": {"q": "attention.self.query", "k": "attention.self.key",
+             "v": "attention.self.value", "o": "attention.output.dense",
+             "ln1": "attention.output.LayerNorm", "i": "intermediate.dense",
+             "f": "output.dense", "ln2": "output.LayerNorm"},
+    "mpnet": {"q": "attention.attn.q", "k": "attention.attn.k", "v": "attention.attn.v",
+              "o": "attention.attn.o", "ln1": "attention.LayerNorm", "i": "intermediate.dense",
+              "f": "output.dense", "ln2": "output.LayerNorm"},
+}  # fmt: skip
+# MPNet's relative position bias: buckets and the distance past which they are shared
+# (fixed in Hugging Face's MPNetEncoder.compute_position_bias, whatever the config).
+MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128
+
+
+def relative_buckets(s: int) -> "np.ndarray":
+    """[S, S] int32: MPNet's (T5's bidirectional) bucket of key j for query i, computed
+    as Hugging Face computes it, in float32, so that the boundaries (distances 16,
+    32, 64) fall in the same bucket. numpy only: both engines call it."""
+    import numpy as np
+
+    n = np.arange(s)[:, None] - np.arange(s)[None, :]  # query - key
+    half = MPNET_BUCKETS // 2
+    out = (n < 0).astype(np.int64) * half
+    n = np.abs(n)
+    exact = half // 2
+    with np.errstate(divide="ignore"):
+        scaled = (np.log(n.astype(np.float32) / np.float32(exact))
+                  / np.float32(np.log(MPNET_MAX_DISTANCE / exact)) * np.float32(half - exact))
+    large = np.minimum(exact + np.where(n < exact, 0, scaled).astype(np.int64), half - 1)
+    return (out + np.where(n < exact, n, large)).astype(np.int32)
+
+
 class BertConfig:
-    """The config.json fields the math needs, plus the sentence-transformers limit."""
+    """The config.json fields the math needs, the family's position numbering, the
+    sentence-transformers limit, and how the model pools (engine/encoder_spec.py).
+    Raises `UnsupportedEncoder` (a ValueError) for a model the engines do not serve."""
 
     def __init__(self, model_dir: str | Path) -> None:
         d = Path(model_dir)
         cfg = json.loads((d / "config.json").read_text())
+        self.spec = read_spec(d)  # refuses an unserved family or module first
+        self.family = self.spec.family
         self.hidden = int(cfg["hidden_size"])
         self.heads = int(cfg["num_attention_heads"])
         self.intermediate = int(cfg.get("intermediate_size", 4 * self.hidden))
         self.layers = int(cfg["num_hidden_layers"])
         self.eps = float(cfg.get("layer_norm_eps", 1e-12))
         self.act = str(cfg.get("hidden_act", "gelu"))
+        if self.act not in ACTIVATIONS:
+            raise UnsupportedEncoder(f"hidden_act {self.act!r} is not one of {', '.join(ACTIVATIONS)}")
+        position_type = cfg.get("position_embedding_type", "absolute")
+        if position_type != "absolute":
+            raise UnsupportedEncoder(f"position_embedding_type {position_type!r}: the encoder "
+                                     f"engines add learned absolute positions only")  # fmt: skip
         self.pad_id = int(cfg.get("pad_token_id") or 0)
         self.max_positions = int(cfg.get("max_position_embeddings", 512))
+        # RoBERTa / XLM-R number real tokens from padding_idx + 1 (right padding, so
+        # token i sits at position offset + i); BERT from 0.
+        # MPNet: the same numbering, from its fixed padding_idx 1.
+        self.position_offset = {"roberta": self.pad_id + 1, "mpnet": 2}.get(self.family, 0)
+        self.names = LAYER_NAMES["mpnet" if self.family == "mpnet" else "bert"]
+        self.dim = pooled_dim(self.spec, self.hidden)  # width of the served vectors
         # sentence-transformers truncates at max_seq_length (256 for MiniLM), not at
         # the tokenizer file's 128 nor the 512 positions: that is the input limit.
-        st = d / "sentence_bert_config.json"
-        limit = json.loads(st.read_text()).get("max_seq_length") if st.exists() else None
-        self.max_tokens = min(int(limit or self.max_positions), self.max_positions)
+        self.max_tokens = encoder_limit(d, cfg)

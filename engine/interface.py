@@ -19,13 +19,18 @@ if TYPE_CHECKING:
 
 
 class Encoder(Protocol):
-    """Sentence embeddings: token ids in, L2-normalised float32 vectors out."""
+    """Sentence embeddings: token ids in, float32 vectors out, pooled (and projected,
+    and L2-normalised) as the model's sentence-transformers modules say
+    (engine/encoder_spec.py)."""
 
     name: str
-    dim: int
+    dim: int  # width of the vectors: the last Dense layer's, else pooled hidden size
+    prompts: dict[str, str]  # prompt name -> prefix text the tokenizer must prepend
+    default_prompt_name: str | None  # applied when a request names no prompt
     max_tokens: int  # longest accepted input, special tokens included
     dtype: str
     device: str  # e.g. "cpu", "cuda:0"
+    devices: list[str]  # every device it computes on, e.g. ["cpu:0", "cpu:1"]
     max_batch: int
 
     def warmup(self, progress: bool = True) -> int:
@@ -36,6 +41,23 @@ class Encoder(Protocol):
 
         Any len(inputs) is accepted: larger than max_batch is split internally.
         """
+
+
+class Reranker(Protocol):
+    """A cross-encoder: token ids of text pairs in, one score per label out. The JAX
+    encoder engine implements it for *ForSequenceClassification models (BERT,
+    RoBERTa, XLM-RoBERTa); no worker serves it yet (docs/decisions/0035)."""
+
+    name: str
+    dim: int  # labels per pair (1 for ms-marco / bge-reranker style models)
+    max_tokens: int  # longest pair, special tokens included
+
+    def warmup(self, progress: bool = True) -> int: ...
+
+    def score(self, inputs: list[list[int]], token_types: list[list[int]]) -> np.ndarray:
+        """[len(inputs), dim] float32 after the model's activation (sentence-
+        transformers' CrossEncoder.predict: sigmoid for one label unless the model
+        says otherwise). Inputs come from `Tokenizer.encode_pairs`."""
 
 
 class PendingStep(Protocol):
@@ -62,15 +84,16 @@ class Decoder(Protocol):
 
     The caller (the worker's continuous-batching loop) owns the slots: it starts a
     sequence with `begin` (when `can_admit` says the cache has room) and computes
-    its prompt with `prefill_step` (a chunk per call) or both at once with
-    `prefill_insert`; before each `step` for all slots at once it calls `make_room`
-    and re-runs the sequences it preempted; it decides when a sequence ends (EOS,
-    stop string, max tokens, `context_left(slot) == 0`) and calls `free`. Every
-    call comes from one thread.
+    its prompt with `prefill_step` (a chunk per call); before each `step` for all
+    slots at once it calls `make_room` and re-runs the sequences it preempted; it
+    decides when a sequence ends (EOS, stop string, max tokens, `context_left(slot)
+    == 0`) and calls `free`. Every call comes from one thread. (Whole prompts and
+    lock-step batches, for tests and benchmarks: engine/decoder/static.py.)
     """
 
     name: str
     device: str  # e.g. "cpu", "cuda:0"
+    devices: list[str]  # every device it computes on, e.g. ["cpu:0", "cpu:1"]
     tokenizer: "Tokenizer | None"  # the model's own, for detokenizing on the worker
 
     @property
@@ -105,15 +128,12 @@ class Decoder(Protocol):
     def check_prompt(self, prompt: list[int]) -> None:
         """ValueError, with a message for the user, if `prompt` cannot be served."""
 
-    def prefill_insert(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int) -> int:
-        """Run `prompt` into `slot` and return the sequence's first token. Sampling
-        draws come from `seed` alone, whatever the slot and the other sequences."""
-
     def can_admit(self, prompt: list[int]) -> bool:
         """Whether the cache has room to `begin` this prompt now."""
 
     def begin(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int) -> None:
-        """Reserve `slot` and the prompt's cache; `prefill_step` computes it."""
+        """Reserve `slot` and the prompt's cache; `prefill_step` computes it. Sampling
+        draws come from `seed` alone, whatever the slot and the other sequences."""
 
     def prefilling(self, slot: int) -> int:
         """Prompt tokens `slot` has still to compute (0 when none)."""
@@ -133,7 +153,9 @@ class Decoder(Protocol):
     def held_prefixes(self, limit: int) -> list[int]:
         """Short keys (shared.prefix) of the prompt prefixes cached, at most `limit`."""
 
-    block: int  # tokens per prefix key (0: no prefix cache)
+    @property
+    def prefix_block(self) -> int:
+        """Tokens per prefix key of `held_prefixes` (0: no prefix cache)."""
 
     def step(self) -> np.ndarray:
         """One decode step for every active slot -> [slots] int32 (ignore free slots)."""
@@ -148,9 +170,6 @@ class Decoder(Protocol):
     def context_left(self, slot: int) -> int:
         """Tokens `slot` may still generate before its context is full."""
 
-    def generate_static(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        """Greedy, `max_new` tokens for each prompt, decoding in lock-step (benchmarks)."""
-
 
 Engine = Encoder | Decoder
 """What a worker holds for one model version: which of the two follows the model's kind."""
@@ -159,7 +178,8 @@ Engine = Encoder | Decoder
 class WholePrompt:
     """`begin`/`prefill_step` for an engine that computes a prompt in one call into a
     cache with a row per slot (nothing to chunk, share or preempt): the torch engine
-    and test doubles. Needs `prefill_insert`, `slots` and `kv_usage`."""
+    and test doubles. Needs `check_prompt`, `prefill_whole(slot, prompt, sampling,
+    seed) -> first token`, `slots` and `kv_usage`."""
 
     def can_admit(self, prompt: list[int]) -> bool:
         return True
@@ -174,12 +194,12 @@ class WholePrompt:
 
     def prefill_step(self, slot: int, budget: int = 0) -> int | None:
         prompt, sampling, seed = self._begun.pop(slot)
-        return self.prefill_insert(slot, prompt, sampling, seed)
+        return self.prefill_whole(slot, prompt, sampling, seed)
 
     def make_room(self) -> list[int]:
         return []
 
-    block = 0
+    prefix_block = 0  # no prefix cache: nothing to route by
 
     def held_prefixes(self, limit: int) -> list[int]:
         return []

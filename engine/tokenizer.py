@@ -87,6 +87,11 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.pad_id = pad_id if pad_id is not None else (eos_token_ids or (0,))[0]
 
+    @property
+    def raw(self) -> _HFTokenizer:
+        """The `tokenizers.Tokenizer` underneath (incremental decoding reads it)."""
+        return self._tok
+
     # --- construction
 
     @classmethod
@@ -161,6 +166,14 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.encode_batch([text], add_special_tokens)[0]
+
+    def encode_pairs(self, pairs: list[tuple[str, str]]) -> tuple[list[list[int]], list[list[int]]]:
+        """Text pairs as a cross-encoder reads them, through the file's pair template
+        (`[CLS] a [SEP] b [SEP]`, `<s> a </s></s> b </s>`): (ids, token type ids)."""
+        if not pairs:
+            return [], []
+        encodings = self._encode([tuple(p) for p in pairs], add_special_tokens=True)
+        return [e.ids for e in encodings], [e.type_ids for e in encodings]
 
     def count(self, texts: list[str], add_special_tokens: bool = True) -> list[int]:
         return [len(ids) for ids in self.encode_batch(texts, add_special_tokens)]

@@ -1,6 +1,8 @@
 """The `tensorbus` command: the embedded nats-server, the registry, and checks.
 
     tensorbus nats                  run nats-server (JetStream under TENSORBUS_DATA_DIR)
+    tensorbus nats --cluster 3      three routed nats-servers (ports 4222-4224, routes 6222-6224)
+    tensorbus replicas [N]          raise the registry's buckets and TELEMETRY to N replicas
     tensorbus registry ...          push / list / show / promote / canary / rollback
     tensorbus embed TEXT...         one embeddings request over NATS (a smoke test)
     tensorbus telemetry tail        live telemetry records, one JSON line each
@@ -19,15 +21,44 @@ from shared.config import Config
 def _nats(args: argparse.Namespace, config: Config) -> int:
     from shared.natsd import main as run_nats
 
-    return run_nats(config.nats_port, config.data_dir, args.config, config.nats_stop_grace_s)
+    if args.cluster < 1:
+        print("tensorbus nats: --cluster needs 1 or more servers", file=sys.stderr)
+        return 2
+    return run_nats(config.nats_port, config.data_dir, args.config, config.nats_stop_grace_s,
+                    cluster=args.cluster)
+
+
+def _replicas(args: argparse.Namespace, config: Config) -> int:
+    from shared.bus import open_client
+    from shared.jetstream import raise_replicas, replicas
+
+    async def go() -> int:
+        try:
+            nc = await open_client(config.nats_url, config, name="tensorbus-replicas-cli",
+                                   connect_timeout=2, allow_reconnect=False)
+        except Exception as exc:  # noqa: BLE001 - any failure to connect ends the command
+            print(f"tensorbus replicas: cannot reach NATS at {config.nats_url}: "
+                  f"{exc or type(exc).__name__}", file=sys.stderr)
+            return 1
+        try:
+            want = args.n or replicas(nc, config.js_replicas)
+            outcome = await raise_replicas(nc, want)
+        finally:
+            await nc.close()
+        for stream, what in outcome.items():
+            print(f"{stream:24s} {what}")
+        return 1 if any(w.startswith("error") for w in outcome.values()) else 0
+
+    return asyncio.run(go())
 
 
 def _embed(args: argparse.Namespace, config: Config) -> int:
     import msgspec
-    import nats
+
+    from shared.bus import open_client
 
     async def go() -> int:
-        nc = await nats.connect(config.nats_url)
+        nc = await open_client(config.nats_url, config)
         try:
             body = msgspec.json.encode({"model": args.model, "input": args.text})
             msg = await nc.request("inference.v1.embeddings", body, timeout=args.timeout)
@@ -40,10 +71,10 @@ def _embed(args: argparse.Namespace, config: Config) -> int:
 
 
 def _telemetry(args: argparse.Namespace, config: Config) -> int:
-    import nats
     from nats.js.errors import NotFoundError
 
     from services.telemetry import consumer
+    from shared.bus import open_client
 
     try:
         flt = consumer.Filter(consumer.parse_kinds(args.kind), args.model or "")
@@ -57,9 +88,9 @@ def _telemetry(args: argparse.Namespace, config: Config) -> int:
 
     async def go() -> int:
         try:
-            nc = await nats.connect(config.nats_url, name="tensorbus-telemetry-cli",
-                                    connect_timeout=2, max_reconnect_attempts=1,
-                                    allow_reconnect=False, error_cb=quiet)
+            nc = await open_client(config.nats_url, config, name="tensorbus-telemetry-cli",
+                                   connect_timeout=2, max_reconnect_attempts=1,
+                                   allow_reconnect=False, error_cb=quiet)
         except Exception as exc:  # noqa: BLE001 - any failure to connect ends the command
             print(f"tensorbus telemetry: cannot reach NATS at {config.nats_url}: "
                   f"{exc or type(exc).__name__}", file=sys.stderr)
@@ -99,7 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("nats", help="run the embedded nats-server")
     p.add_argument("--config", help="a nats-server config file (default: generated)")
+    p.add_argument("--cluster", type=int, default=1, metavar="N",
+                   help="run N routed servers on TENSORBUS_NATS_PORT..+N-1 (routes: +2000)")
     p.set_defaults(fn=_nats)
+    p = sub.add_parser("replicas", help="set the replicas of the registry buckets and the "
+                                        "TELEMETRY stream (in place)")
+    p.add_argument("n", type=int, nargs="?", default=0,
+                   help="replicas (default: TENSORBUS_JS_REPLICAS, else 3 on a cluster of 3+)")
+    p.set_defaults(fn=_replicas)
     sub.add_parser("registry", help="model registry (see `tensorbus registry -h`)")
     p = sub.add_parser("embed", help="embed texts over NATS")
     p.add_argument("text", nargs="+")

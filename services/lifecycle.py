@@ -136,7 +136,7 @@ def run_loop(main: Coroutine[Any, Any, Any], setting: str = "auto") -> Any:
 async def run_service(config: Config, build: Build, client_name: str) -> int:
     """Steps 2-7; the exit code (0 after a signal, 1 after a failure)."""
     stop = stop_event()
-    async with connection(config.nats_url, client_name) as nc:
+    async with connection(config.nats_url, client_name, config) as nc:
         service, extras = await build(nc, config)
         try:
             async with service:

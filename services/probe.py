@@ -17,12 +17,11 @@ import msgspec
 
 
 async def probe(url: str, service: str, kind: str, instance: str, timeout: float = 3.0) -> bool:
-    import nats
-
     from services.micro import health_subject, ready_subject
+    from shared.bus import open_client
 
     subject = ready_subject(service) if kind == "ready" else health_subject(service)
-    nc = await nats.connect(url, connect_timeout=min(2.0, timeout), allow_reconnect=False)
+    nc = await open_client(url, connect_timeout=min(2.0, timeout), allow_reconnect=False)
     try:
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)

@@ -29,6 +29,17 @@ tokenizing when the queue is already full without the request). The flow:
      d. the deadline: that same finish time above `DEADLINE_HEADROOM` of the time the
         request has left. Admitted, it would end in a 504 having taken queue space;
         Retry-After = when the work ahead will have drained enough for it to fit.
+  5. Generation (`check_generation`) is bounded by the same count, then by the work
+     ahead of its prompt: a decoder's cost (`GenCost`) is prefill (per chunk + per
+     prompt token) and decode (per step + per sequence in it, one step shared by the
+     sequences it advances), timed by each decoder worker at warm-up and refitted
+     from its iterations (`GenCostBook`), carried in its heartbeats (`gen_cost`).
+     The prompts ahead not computed yet, the decode steps between their chunks, and
+     a slot's wait when all are taken (the sequences ahead generating their
+     max_tokens x the share of it recent ones used: `prompt_wait`), plus its own
+     prompt, must fit in `max_queue_s` and in DEADLINE_HEADROOM of the time it has
+     left; Retry-After is the excess, in seconds. What it generates afterwards is
+     not bounded here. No worker's cost known: the count bound alone.
   At zero ready workers none of this applies: the cold-start hold rule does.
 
 Who calls it: the gateway (`services.gateway.admission`, before tokenizing, from the
@@ -53,36 +64,42 @@ OUTLIER = 1.5  # a batch counts as at most this many times (at least this fracti
 # A lasting change still moves it, by up to 10 % a batch.
 SETTLED = 3  # batches timed before the fit judges one against its prediction
 UNMEASURED_BATCHES = 2  # batches of inputs per ready worker before any batch was timed
+LENGTH_WEIGHT = 0.05  # weight of the newest finished sequence in a decoder's generated share
+MIN_LENGTH = 0.01  # the share is never taken as less (a run of cancelled sequences)
 FAILED = "its worker exited on an invalid configuration"  # a failed model with no reason given
 
 
 @dataclass
 class Tally:
-    """Work dispatched and not yet finished (or held), for one model."""
+    """Work dispatched and not yet finished (or held), for one model. Generation:
+    `inputs` are sequences (choices), `tokens` prompt tokens, `decode` the tokens they
+    may generate (max_tokens x choices)."""
 
     requests: int = 0
     inputs: int = 0
     tokens: int = 0
+    decode: int = 0
 
-    def add(self, inputs: int, tokens: int, sign: int = 1) -> None:
+    def add(self, inputs: int, tokens: int, sign: int = 1, decode: int = 0) -> None:
         self.requests += sign
         self.inputs += sign * inputs
         self.tokens += sign * tokens
+        self.decode += sign * decode
 
     def __add__(self, other: "Tally") -> "Tally":
         return Tally(self.requests + other.requests, self.inputs + other.inputs,
-                     self.tokens + other.tokens)
+                     self.tokens + other.tokens, self.decode + other.decode)
 
     def less(self, other: "Tally") -> "Tally":
         """This without `other` (none below zero)."""
         return Tally(max(0, self.requests - other.requests), max(0, self.inputs - other.inputs),
-                     max(0, self.tokens - other.tokens))
+                     max(0, self.tokens - other.tokens), max(0, self.decode - other.decode))
 
     def least(self, other: "Tally") -> "Tally":
         """The smaller of the two, in each count: of two bounds on the same work, the
         tighter."""
         return Tally(min(self.requests, other.requests), min(self.inputs, other.inputs),
-                     min(self.tokens, other.tokens))
+                     min(self.tokens, other.tokens), min(self.decode, other.decode))
 
 
 @dataclass(frozen=True)
@@ -157,6 +174,91 @@ class CostBook:
         self._m[model] = [1, 1.5 * t, (c1 + c2) / 2, 2.5 * t * t, (t * c1 + 2 * t * c2) / 2]
 
 
+@dataclass(frozen=True)
+class GenCost:
+    """A decoder's engine time. `prefill`: per prompt chunk (an engine call) + per
+    prompt token; `decode`: per decode step (`per_batch`) + per sequence in it
+    (`per_token`), so one step's time is shared by the sequences it advances.
+    `length`: tokens a sequence generates per token of its max_tokens, as the
+    recent ones did (1 until any finished: max_tokens is the upper bound)."""
+
+    prefill: Cost
+    decode: Cost
+    length: float = 1.0
+
+    def prefill_s(self, prompts: float, tokens: float, chunk: int) -> float:
+        """Engine time of `prompts` prompts holding `tokens`, in chunks of `chunk`."""
+        calls = prompts + tokens // max(chunk, 1)
+        return calls * self.prefill.per_batch + tokens * self.prefill.per_token
+
+    def step_s(self, rows: float) -> float:
+        """One decode step advancing `rows` sequences (at least one)."""
+        return self.decode.per_batch + self.decode.per_token * max(rows, 1)
+
+    def decode_s(self, tokens: float, concurrency: float) -> float:
+        """Engine time of generating `tokens` while `concurrency` sequences share each
+        step: every token pays its share of one step."""
+        b = max(concurrency, 1)
+        return tokens * self.step_s(b) / b
+
+
+class GenCostBook:
+    """A decoder worker's `GenCost`, fitted to its runner's iterations (each: engine
+    seconds, prompt tokens and chunks computed, sequences stepped), starting from the
+    cost its warm-up timed. An iteration without prompt work times the step; one with
+    it times its chunks, less the step the fit predicts."""
+
+    KEY = "decoder"
+
+    def __init__(self) -> None:
+        self._prefill = CostBook()  # per chunk + per prompt token
+        self._decode = CostBook()  # per step + per sequence stepped
+        self._generated = self._budget = 0.0  # decaying sums over finished sequences
+
+    def learn(self, cost: GenCost) -> None:
+        """A cost from warm-up: counts until iterations are timed."""
+        self._prefill.learn(self.KEY, cost.prefill)
+        self._decode.learn(self.KEY, cost.decode)
+
+    def observe(self, seconds: float, prompt_tokens: int, chunks: int, rows: int) -> None:
+        if seconds <= 0:
+            return
+        if not prompt_tokens:
+            if rows:
+                self._decode.observe(self.KEY, seconds, rows)
+            return
+        step = self._decode.cost(self.KEY)
+        if rows and step is not None:
+            seconds -= step.per_batch + step.per_token * rows
+        if seconds > 0 and chunks:
+            self._prefill.observe(self.KEY, seconds / chunks, prompt_tokens / chunks)
+
+    def finished(self, generated: int, max_tokens: int) -> None:
+        """A sequence left its slot (at its end, a stop, or cancelled) having
+        generated `generated` of its `max_tokens`."""
+        if max_tokens > 0:
+            keep = 1 - LENGTH_WEIGHT
+            self._generated = keep * self._generated + min(generated, max_tokens)
+            self._budget = keep * self._budget + max_tokens
+
+    def cost(self) -> GenCost | None:
+        prefill, decode = self._prefill.cost(self.KEY), self._decode.cost(self.KEY)
+        length = self._generated / self._budget if self._budget else 1.0
+        return GenCost(prefill, decode, max(length, MIN_LENGTH)) if prefill and decode else None
+
+
+def gen_cost(heartbeats) -> GenCost | None:
+    """The mean `GenCost` the decoder workers' heartbeats (`shared.telemetry.Heartbeat`)
+    carry; None when none carries one (not timed: the count bound alone applies)."""
+    costs = [(hb.prefill_per_chunk, hb.prefill_per_token, hb.decode_per_step, hb.decode_per_row,
+              hb.decode_length or 1.0)
+             for hb in heartbeats if hb.decode_per_step > 0 or hb.decode_per_row > 0]
+    if not costs:
+        return None
+    a, b, c, d, e = (sum(x) / len(costs) for x in zip(*costs))
+    return GenCost(Cost(a, b), Cost(c, d), e)
+
+
 @dataclass
 class Report:
     """One scheduler's last load report of one model."""
@@ -178,7 +280,7 @@ class LoadBoard:
         if load.scheduler_id == self.own_id:
             return
         self._by[load.scheduler_id] = (now, {
-            m.model: Report(Tally(m.requests, m.inputs, m.tokens),
+            m.model: Report(Tally(m.requests, m.inputs, m.tokens, m.decode),
                             Cost(m.cost_per_batch, m.cost_per_token))
             for m in load.models})
 
@@ -224,7 +326,8 @@ def check(model: str, ahead: Tally, inputs: int, tokens: int, n_ready: int, max_
           max_queue_s: float, by_work: bool = True, size_unknown: bool = False) -> None:
     """Raise 429 unless one more request (`inputs`, `tokens`) fits behind `ahead`.
 
-    `by_work=False` (generation) applies the count bound alone. `size_unknown` (the
+    `by_work=False` (a completion's reservation, before its size is known) applies
+    the count bound alone; a generation's submit is `check_generation`'s. `size_unknown` (the
     gateway, before tokenizing, passing 0 and 0): the decision counts no work of its
     own, and Retry-After assumes it is the size of an average request ahead."""
     n = max(n_ready, 1)
@@ -253,6 +356,61 @@ def check(model: str, ahead: Tally, inputs: int, tokens: int, n_ready: int, max_
             f"model '{model}' cannot finish this request before its deadline: about "
             f"{finish_s:.1f} s of work is ahead of it per worker and it has {max(left_s, 0):.1f} s; "
             "retry after the hinted delay", retry_after=retry_after(hint_s - left_s * DEADLINE_HEADROOM))
+
+
+def prompt_wait(ahead: Tally, n: int, n_ready: int, slots: int, running: int, cost: GenCost,
+                chunk: int) -> float:
+    """Engine seconds, per ready worker, before a new generation's prompt (`n`
+    choices) starts computing behind `ahead`: the prompts ahead not computed yet (the
+    sequences beyond the `running` ones the workers' heartbeats report), the decode
+    steps run between their chunks, and, when every one of the `slots` per worker is
+    taken, the waves of sequences ahead that generate to their end (their max_tokens
+    x the share of it recent sequences generated) before a slot frees."""
+    seqs = ahead.inputs
+    if seqs <= 0:
+        return 0.0
+    w, slots = max(n_ready, 1), max(slots, 1)
+    share = max(0, seqs - running) / seqs
+    tokens, prompts = ahead.tokens * share / w, ahead.requests * share / w
+    b = min(seqs / w, slots)  # the sequences each step advances
+    wait = cost.prefill_s(prompts, tokens, chunk) + math.ceil(tokens / max(chunk, 1)) * cost.step_s(b)
+    over = seqs + n - slots * w  # sequences beyond the slots, its own last
+    if over > 0:
+        waves = math.ceil(over / (slots * w))
+        per_seq = ahead.decode * cost.length / seqs  # tokens a sequence ahead will generate
+        wait += waves * cost.decode_s(per_seq * slots, slots)  # a wave: every slot's, to its end
+    return wait
+
+
+def check_generation(model: str, ahead: Tally, n: int, prompt: int, n_ready: int, slots: int,
+                     running: int, cost: GenCost | None, left_s: float,
+                     max_queue_per_worker: int, max_queue_s: float, chunk: int) -> None:
+    """Raise 429 unless a generation of `n` choices of a `prompt`-token prompt fits
+    behind `ahead`: the count bound, then (with `cost`) the work ahead of its prompt
+    plus the prompt's own, per worker, within `max_queue_s` and within
+    DEADLINE_HEADROOM of the time it has left. What it generates after its first
+    token is not bounded here: the sequences in a step share it, and a healthy
+    generation runs to its end (only the work ahead of a new prompt delays it)."""
+    w = max(n_ready, 1)
+    check_count(model, ahead.requests, w, max_queue_per_worker)
+    if cost is None:
+        return  # no decoder worker timed yet: the count bound alone
+    wait_s = prompt_wait(ahead, n, w, slots, running, cost, chunk)
+    b = min(ahead.inputs / w, slots)
+    own_s = cost.prefill_s(1, prompt, chunk) + (
+        math.ceil(prompt / max(chunk, 1)) * cost.step_s(b) if ahead.inputs else 0.0)
+    first_s = wait_s + own_s  # when its prompt is computed: its first token
+    if first_s > max_queue_s and ahead.requests:
+        raise overloaded(
+            f"model '{model}' is at capacity ({ahead.requests} requests queued, about "
+            f"{wait_s:.1f} s of work ahead of a new prompt per worker); retry after the "
+            "hinted delay", retry_after=retry_after(first_s - max_queue_s))
+    if first_s > left_s * DEADLINE_HEADROOM:
+        raise overloaded(
+            f"model '{model}' cannot compute this request's prompt before its deadline: "
+            f"about {wait_s:.1f} s of work is ahead of it per worker, its prompt takes about "
+            f"{own_s:.1f} s, and it has {max(left_s, 0):.1f} s; retry after the hinted delay",
+            retry_after=retry_after(first_s - left_s * DEADLINE_HEADROOM))
 
 
 def retry_after(seconds: float) -> float:

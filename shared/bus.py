@@ -1,13 +1,17 @@
 """NATS connection and process lifecycle helpers shared by every service.
 
 Connections reconnect forever (a restarted nats-server is an outage, never an exit)
-and drain on shutdown so nothing in flight is dropped.
+and drain on shutdown so nothing in flight is dropped. Every connection logs in with
+the credentials the config names (`TENSORBUS_NATS_CREDS`, `TENSORBUS_NATS_NKEY_SEED`,
+`TENSORBUS_NATS_TLS_CA|CERT|KEY`, beside a user and password in the URL): services,
+their probes and the CLI alike (`login_options`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import ssl
 import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
@@ -16,12 +20,83 @@ import nats
 import nats.errors
 from nats.aio.client import Client
 
+from shared import nkeys
+from shared.config import Config, bad_config
 from shared.logging import get_logger
 
 log = get_logger("bus")
 
 
-async def connect(url: str, name: str, **kw) -> Client:
+class _Client(Client):
+    """nats-py's client, keeping the cluster's current members (`cluster_urls`, for
+    shared.jetstream) and signing nkey and creds logins with shared.nkeys (openssl)
+    instead of the `nkeys` package: nats-py calls `_setup_nkeys_connect` when
+    `nkeys_seed` or `user_credentials` is set, and sends `nkey` (or `jwt`) with the
+    signature."""
+
+    cluster_urls: frozenset[str] = frozenset()  # immutable default; set per INFO
+
+    async def _process_info(self, info: dict, initial_connection: bool = False) -> None:
+        # Keep the server's latest list of cluster members (nats-py keeps only the
+        # first INFO's): a cluster still forming announces its late members here.
+        if info.get("connect_urls"):
+            self.cluster_urls = frozenset(info["connect_urls"])
+        await super()._process_info(info, initial_connection)
+
+    def _setup_nkeys_connect(self) -> None:
+        if self._user_credentials is not None:
+            path = str(self._user_credentials)
+            self._user_jwt_cb = lambda: bytearray(nkeys.read_creds_file(path)[0].encode())
+            self._signature_cb = lambda nonce: nkeys.sign(nkeys.read_creds_file(path)[1],
+                                                          nonce.encode())
+        else:
+            path = str(self._nkeys_seed)
+            self._public_nkey = nkeys.public_key(nkeys.read_seed_file(path))
+            self._signature_cb = lambda nonce: nkeys.sign(nkeys.read_seed_file(path),
+                                                          nonce.encode())
+
+
+def login_options(config: Config) -> dict:
+    """nats-py connect options for the credentials `config` names (none: {}).
+
+    A file that cannot be read or used exits 78 (bad configuration), naming it."""
+    opts: dict = {}
+    try:
+        # Read and used once now (openssl included), so a bad file or a missing
+        # openssl stops the process at start rather than failing every reconnect.
+        if config.nats_creds:
+            nkeys.public_key(nkeys.read_creds_file(config.nats_creds)[1])
+            opts["user_credentials"] = config.nats_creds
+        elif config.nats_nkey_seed:
+            nkeys.public_key(nkeys.read_seed_file(config.nats_nkey_seed))
+            opts["nkeys_seed"] = config.nats_nkey_seed
+        if config.nats_tls_ca or config.nats_tls_cert:
+            ctx = ssl.create_default_context(cafile=config.nats_tls_ca or None)
+            if config.nats_tls_cert:
+                ctx.load_cert_chain(config.nats_tls_cert, config.nats_tls_key or None)
+            opts["tls"] = ctx
+        elif config.nats_tls_key:
+            raise ValueError("TENSORBUS_NATS_TLS_KEY is set without TENSORBUS_NATS_TLS_CERT")
+    except (nkeys.NkeyError, ValueError) as exc:
+        raise bad_config(str(exc)) from None
+    except (OSError, ssl.SSLError) as exc:
+        raise bad_config(f"TENSORBUS_NATS_TLS_*: {exc}") from None
+    return opts
+
+
+async def open_client(url: str, config: Config | None = None, **kw) -> Client:
+    """One connection attempt with the config's credentials (`nats.connect` otherwise);
+    for commands, probes and tests that fail fast instead of waiting for the bus."""
+    nc = _Client()
+    config = Config.from_env() if config is None else config
+    await nc.connect(servers=[u.strip() for u in url.split(",")],
+                     **(login_options(config) | kw))
+    return nc
+
+
+async def connect(url: str, name: str, config: Config | None = None, **kw) -> Client:
+    """A service's connection: reconnects forever, logs in with the credentials of
+    `config` (default: read from the environment, as the process started)."""
     async def on_disconnect() -> None:
         log.warning("nats_disconnected", client=name)
 
@@ -51,14 +126,17 @@ async def connect(url: str, name: str, **kw) -> Client:
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
         error_cb=on_error,
-        **kw,
     )
+    opts |= login_options(Config.from_env() if config is None else config)
+    opts |= kw
     # The first connection is retried too: under honcho every service starts at
     # once, and nats-server may need a moment to listen.
     delay = 0.1
     while True:
         try:
-            return await nats.connect(**opts)
+            nc = _Client()
+            await nc.connect(**opts)
+            return nc
         except (OSError, nats.errors.NoServersError, TimeoutError) as exc:
             log.info("nats_waiting", client=name, error=str(exc) or type(exc).__name__)
             await asyncio.sleep(delay)
@@ -66,8 +144,9 @@ async def connect(url: str, name: str, **kw) -> Client:
 
 
 @asynccontextmanager
-async def connection(url: str, name: str, **kw) -> AsyncIterator[Client]:
-    nc = await connect(url, name, **kw)
+async def connection(url: str, name: str, config: Config | None = None,
+                     **kw) -> AsyncIterator[Client]:
+    nc = await connect(url, name, config, **kw)
     try:
         yield nc
     finally:

@@ -65,6 +65,44 @@ def is_model_dir(path: str | Path) -> bool:
         return False
 
 
+# model_type values of encoder-only architectures. A directory of one of these (or of
+# any sentence-transformers model) goes to the encoder engines, which serve it or
+# refuse it with the reason (engine/encoder_spec.py); it is never run as a decoder.
+ENCODER_TYPES = frozenset({
+    "bert", "roberta", "xlm-roberta", "mpnet", "electra", "distilbert", "deberta",
+    "deberta-v2", "modernbert", "nomic_bert", "albert", "camembert",
+})  # fmt: skip
+_ENCODER_HEADS = ("ForSequenceClassification", "ForMaskedLM", "EncoderModel")
+
+
+def is_encoder(path: Path, cfg: dict) -> bool:
+    if (path / "modules.json").exists():  # a sentence-transformers model
+        return True
+    archs = [str(a) for a in cfg.get("architectures") or []]
+    arch = " ".join(archs or [str(cfg.get("model_type", ""))]).lower()
+    return ("bert" in arch or str(cfg.get("model_type", "")).lower() in ENCODER_TYPES
+            or any(a.endswith(_ENCODER_HEADS) for a in archs))  # fmt: skip
+
+
+def encoder_limit(path: Path, cfg: dict) -> int:
+    """Longest encoder input, in tokens: sentence-transformers' max_seq_length (in
+    sentence_bert_config.json; its 6.x releases keep it as the tokenizer's
+    model_max_length), capped by the positions the model has. RoBERTa, XLM-R and
+    MPNet number positions from padding_idx + 1, so they have that many fewer."""
+    positions = int(cfg.get("max_position_embeddings", 512))
+    if str(cfg.get("model_type", "")) in ("roberta", "xlm-roberta", "camembert"):
+        positions -= int(cfg.get("pad_token_id") or 0) + 1
+    elif cfg.get("model_type") == "mpnet":
+        positions -= 2  # its padding_idx is fixed at 1
+    st, tok = path / "sentence_bert_config.json", path / "tokenizer_config.json"
+    limit = json.loads(st.read_text()).get("max_seq_length") if st.exists() else None
+    if limit is None and (path / "modules.json").exists() and tok.exists():
+        limit = json.loads(tok.read_text()).get("model_max_length")
+    if limit is None or int(limit) > 1_000_000:  # transformers' "no limit" sentinel
+        limit = positions
+    return min(int(limit), positions)
+
+
 def describe(name: str, path: str | Path) -> ModelInfo:
     """Read kind and token limit from a model directory's config files (or its GGUF
     file's header: a GGUF model is a decoder, its limit the context length)."""
@@ -74,12 +112,8 @@ def describe(name: str, path: str | Path) -> ModelInfo:
         header = gguf.read_header(gguf_file)
         return ModelInfo(name, "decoder", str(p), gguf.context_length(header))
     cfg = json.loads((p / "config.json").read_text())
-    arch = " ".join(cfg.get("architectures") or [cfg.get("model_type", "")]).lower()
-    if "bert" in arch or cfg.get("model_type") == "bert":
-        st = p / "sentence_bert_config.json"
-        limit = json.loads(st.read_text())["max_seq_length"] if st.exists() else 512
-        limit = min(limit, cfg.get("max_position_embeddings", limit))
-        return ModelInfo(name, "encoder", str(p), int(limit))
+    if is_encoder(p, cfg):
+        return ModelInfo(name, "encoder", str(p), encoder_limit(p, cfg))
     limit = cfg.get("n_positions") or cfg.get("max_position_embeddings") or 1024
     return ModelInfo(name, "decoder", str(p), int(limit))
 

@@ -21,13 +21,21 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     nats_port: int = 4222  # port of the embedded nats-server (`tensorbus nats`)
     data_dir: str = ".data"  # JetStream store, compilation cache, seeded models
     nats_stop_grace_s: float = 4.0  # `tensorbus nats` on SIGTERM: serve connected clients this long at most, so they drain
+    js_replicas: int = 0  # JetStream replicas of the registry buckets and the TELEMETRY stream when created; 0 = 3 on a cluster of 3 or more servers, else 1
+    nats_creds: str = ""  # creds file (user JWT + nkey seed, from `nsc`) every connection logs in with; empty = none
+    nats_nkey_seed: str = ""  # file holding this role's nkey seed (`SU...`, deploy/nats/make_nkeys.py); empty = none; ignored with a creds file
+    nats_tls_ca: str = ""  # CA file that signed the server's certificate (tls.conf); empty = the system's CAs (SSL_CERT_FILE)
+    nats_tls_cert: str = ""  # client certificate file for mutual TLS (tls-mtls.conf); empty = none
+    nats_tls_key: str = ""  # its private key file; empty = inside the certificate file
     # --- gateway
     http_host: str = "127.0.0.1"  # HTTP bind address; 0.0.0.0 only on purpose
     http_port: int = 8000  # OpenAI-compatible HTTP API
     api_keys: str = ""  # comma-separated bearer keys; empty = no auth
-    request_timeout_s: float = 30.0  # default deadline of a request
+    request_timeout_s: float = 30.0  # default deadline of a request: its wait (queue, cold-start hold) up to its first token
+    stall_timeout_s: float = 30.0  # a generation that has started ends (504) when no token comes for this long
+    max_generation_s: float = 600.0  # longest a request may take in all, and the most a client may ask for (Tensorbus-Timeout)
     max_inputs: int = 256  # embedding inputs per request
-    max_payload: int = 1_048_576  # largest request body accepted (bytes)
+    max_payload: int = 1_048_576  # largest request body accepted (bytes); the bus's own max_payload instead when that is smaller
     max_n: int = 4  # generation choices per request
     max_header_bytes: int = 16_384  # HTTP header bytes accepted
     # --- scheduler
@@ -48,6 +56,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     memory_high: float = 0.9  # a worker above this fraction of its memory limit gets no new work
     # --- local orchestrator (`python -m services.orchestrator`)
     local_workers: int = 0  # most worker processes on this machine; 0 = max(4, CPU cores)
+    worker_threads: str = "split"  # engine threads per local worker: split (the cores divided between the workers) | shared (every worker all cores) | N
     drain_timeout_s: float = 30.0  # a worker still draining this long after SIGTERM is killed
     # --- worker
     worker_id: str = ""  # stable id; empty = hostname-pid
@@ -69,7 +78,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     kv_block: int = 16  # decoder: tokens per KV cache block
     kv_blocks: int = 512  # decoder: KV pool per engine, in blocks (0 = a full context for every slot)
     attention: str = "auto"  # decoder: paged attention of a decode step: auto (pallas on a GPU, else xla) | xla | pallas
-    compile_ahead: str = "first"  # decoder: compiled before ready: first (what a first request needs; the rest in the background) | all
+    compile_ahead: str = "first"  # decoder: compiled before ready: first (what a first request needs; the rest in the background) | all | lazy (the rest where first needed)
     prefill_chunk: int = 512  # decoder: most prompt tokens computed between two decode steps
     prefix_cache: bool = True  # decoder: reuse cached K/V of shared prompt prefixes
     prefill_per_step: int = 2  # decoder: prompts admitted per decode step

@@ -96,5 +96,17 @@ def deadline_exceeded(message: str = "the request's deadline passed before it fi
     return ServiceError(504, message, code="deadline_exceeded")
 
 
+def out_of_time(why: str, stall_s: float = 0.0) -> ServiceError:
+    """The 504 of a generation out of time: `why` is "deadline" (no first token by
+    then), "stall" (no token for `stall_s`) or "max_time" (its end_by passed)."""
+    if why == "stall":
+        return deadline_exceeded(
+            f"the generation stalled: no token for {stall_s:g} s (the stall timeout)")
+    if why == "max_time":
+        return deadline_exceeded("the request reached its maximum time (Tensorbus-Timeout, "
+                                 "else TENSORBUS_MAX_GENERATION_S) before it finished")
+    return deadline_exceeded()
+
+
 def internal(message: str = "internal error; the request was not completed") -> ServiceError:
     return ServiceError(500, message, code="internal_error")

@@ -72,6 +72,9 @@ class GenerateWork(_Msg, tag="generate"):
     user: str = ""  # sticky canary / A-B key: OpenAI's `user`, else the Tensorbus-User header
     group: str = ""  # as EmbedWork.group
     reserved: str = ""  # as EmbedWork.reserved
+    # `deadline` bounds the wait for the first token; once tokens flow, these do:
+    stall_s: float = 0.0  # no token for this long ends it (0 = no stall bound)
+    end_by: float = 0.0  # UNIX seconds: it ends by then, whatever it produces (0 = no bound)
 
 
 WorkRequest = EmbedWork | GenerateWork
@@ -161,6 +164,8 @@ class Held(_Msg, tag="held"):
 
     request_id: str
     model: str
+    until: float = 0.0  # UNIX seconds it is held until: past its deadline when the model's
+    # measured cold start needs longer and its end_by allows (0 = its deadline)
 
 
 WorkResult = EmbedResult | GenChunk | GenDone | WorkError | Accepted | Held
@@ -192,6 +197,7 @@ class ModelLoad(msgspec.Struct, array_like=True, gc=False):
     tokens: int
     cost_per_token: float = 0.0  # its estimate: seconds per token ...
     cost_per_batch: float = 0.0  # ... plus seconds per engine call (both 0 = not measured)
+    decode: int = 0  # generation: tokens its sequences may still generate (max_tokens x n)
 
 
 class SchedLoad(_Msg, tag="sched_load"):

@@ -69,9 +69,10 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self, die_with_parent: bool = False) -> "NatsServer":
-        """Start it and wait until it listens. `die_with_parent`: SIGKILL it when the
-        calling thread dies (Linux), for a caller that may itself be killed."""
+    def start(self, die_with_parent: bool = False, wait: bool = True) -> "NatsServer":
+        """Start it and wait until it listens (unless `wait` is false). `die_with_parent`:
+        SIGKILL it when the calling thread dies (Linux), for a caller that may itself
+        be killed."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         config = self.config or str(default_config(self.store_dir))
         self.proc = subprocess.Popen(
@@ -79,7 +80,8 @@ class NatsServer:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             preexec_fn=_die_with_parent if die_with_parent else None,
         )
-        wait_listening(self.port)
+        if wait:
+            wait_listening(self.port)
         return self
 
     def stop(self) -> None:
@@ -94,6 +96,52 @@ class NatsServer:
 
     def __enter__(self) -> "NatsServer":
         return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+CLUSTER_NAME = "tensorbus"
+ROUTE_PORT_OFFSET = 2000  # a server's route port: its client port + this (4222 -> 6222)
+
+
+def cluster_args(index: int, route_ports: list[int], host: str = "127.0.0.1") -> list[str]:
+    """nats-server flags for member `index` of a routed cluster: its own name (JetStream
+    needs one per server), its route listener, and routes to every member."""
+    routes = ",".join(f"nats://{host}:{p}" for p in route_ports)
+    return ["--server_name", f"{CLUSTER_NAME}-{index}", "--cluster_name", CLUSTER_NAME,
+            "--cluster", f"nats://{host}:{route_ports[index]}", "--routes", routes]
+
+
+class NatsCluster:
+    """`size` routed nats-servers on free ports, JetStream on a data dir each (tests)."""
+
+    def __init__(self, store_dir: str | Path, size: int = 3) -> None:
+        ports = [free_port() for _ in range(size)]
+        route_ports = [free_port() for _ in range(size)]
+        self.servers = [NatsServer(Path(store_dir) / f"n{i}", port=ports[i],
+                                   extra=cluster_args(i, route_ports))
+                        for i in range(size)]
+
+    @property
+    def url(self) -> str:
+        """Every member, comma-separated (the form TENSORBUS_NATS_URL takes)."""
+        return ",".join(s.url for s in self.servers)
+
+    def start(self, die_with_parent: bool = False) -> "NatsCluster":
+        # All at once: each member waits for its routes before JetStream elects.
+        for server in self.servers:
+            server.start(die_with_parent, wait=False)
+        for server in self.servers:
+            wait_listening(server.port)
+        return self
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> "NatsCluster":
+        return self if self.servers[0].proc is not None else self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -137,30 +185,54 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def main(port: int, data_dir: str, config: str | None = None, grace_s: float = 4.0) -> int:
+def main(port: int, data_dir: str, config: str | None = None, grace_s: float = 4.0,
+         cluster: int = 1) -> int:
     """Run the server in the foreground (the Procfile's `nats:` entry); its exit code.
+
+    `cluster` > 1 runs that many routed servers instead (`tensorbus nats --cluster 3`):
+    member i listens for clients on `port + i` and for routes on
+    `port + ROUTE_PORT_OFFSET + i`, all on 127.0.0.1, each with JetStream under
+    `data_dir/jetstream/n<i>`. When one exits, the others are stopped too.
 
     Stopping `honcho start` signals every process at once. nats-server alone would exit
     at once and leave the gateway and the draining workers without a bus for their last
-    replies, so the server runs in a session of its own (a signal to this process group
-    does not reach it) and, on SIGTERM or SIGINT, is stopped only when no client is
-    connected any more, or `grace_s` later (honcho kills what is left after 5 s)."""
+    replies, so the servers run in a session of their own (a signal to this process
+    group does not reach them) and, on SIGTERM or SIGINT, are stopped only when no
+    client is connected any more, or `grace_s` later (honcho kills what is left after
+    5 s)."""
+    config = config or str(default_config(data_dir))
     store = Path(data_dir) / "jetstream"
-    store.mkdir(parents=True, exist_ok=True)
-    cmd = command(port, store, config=config or str(default_config(data_dir)))
+    if cluster > 1:
+        ports = [port + i for i in range(cluster)]
+        routes = [port + ROUTE_PORT_OFFSET + i for i in range(cluster)]
+        cmds = [command(p, store / f"n{i}", config=config, extra=cluster_args(i, routes))
+                for i, p in enumerate(ports)]
+    else:
+        ports, cmds = [port], [command(port, store, config=config)]
+    for cmd in cmds:
+        Path(cmd[cmd.index("-sd") + 1]).mkdir(parents=True, exist_ok=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    child = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
-    while child.poll() is None and not stop.wait(0.2):
+    children = [subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+                for cmd in cmds]
+
+    def running() -> bool:
+        return all(c.poll() is None for c in children)
+
+    while running() and not stop.wait(0.2):
         pass
-    if child.poll() is None:
+    if running():
         end = time.monotonic() + grace_s
-        while clients(port) and time.monotonic() < end and child.poll() is None:
+        while any(clients(p) for p in ports) and time.monotonic() < end and running():
             time.sleep(0.05)
-        child.terminate()
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    for child in children:
         try:
             child.wait(5)
         except subprocess.TimeoutExpired:
             child.kill()
-    return child.wait()
+    codes = [c.wait() for c in children]
+    return next((c for c in codes if c), 0)

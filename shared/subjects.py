@@ -53,11 +53,6 @@ def worker_work(worker_id: str) -> str:
     return f"tensorbus.v1.worker.{worker_id}.work"
 
 
-def worker_control(worker_id: str) -> str:
-    """Control messages to one worker (Cancel)."""
-    return f"tensorbus.v1.worker.{worker_id}.control"
-
-
 def reply_group(inbox_prefix: str) -> str:
     """Worker -> one gateway: `Results` for several of its requests at once. A token
     under the gateway's reply prefix that no request id takes (those are hex, or
@@ -70,10 +65,6 @@ ORCHESTRATOR_STATUS = "tensorbus.v1.orchestrator.status"
 
 CANCEL = "tensorbus.v1.cancel"
 """Broadcast Cancel(request_id): whichever worker holds the request frees it."""
-
-
-def cancel_subject() -> str:
-    return CANCEL
 
 
 # Registry (JetStream KV and Object Store bucket names).

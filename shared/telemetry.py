@@ -96,6 +96,15 @@ class Heartbeat(_Rec, tag="heartbeat"):
     # schedulers start their cost estimate from it (shared.admission.CostBook.learn).
     cost_per_token: float = 0.0
     cost_per_batch: float = 0.0
+    # Decoders: engine seconds of a prompt (per chunk, per token) and of a decode step
+    # (per step, per sequence in it), timed at warm-up and refitted as the runner steps
+    # (0 = not timed); schedulers admit generation by them (shared.admission.gen_cost).
+    prefill_per_token: float = 0.0
+    prefill_per_chunk: float = 0.0
+    decode_per_step: float = 0.0
+    decode_per_row: float = 0.0
+    decode_length: float = 0.0  # tokens generated per token of max_tokens, recently (0 = none finished)
+    start_s: float = 0.0  # seconds from the worker's start to ready (loading, warm-up; 0 = not ready yet)
 
 
 class ScaleDecision(_Rec, tag="scale"):

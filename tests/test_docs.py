@@ -53,3 +53,12 @@ def test_readme_starts_with_the_two_setup_commands_and_ci_runs_the_test_one():
 def test_procfile_holds_long_running_services_only():
     names = [line.split(":", 1)[0] for line in (ROOT / "Procfile").read_text().splitlines() if line.strip()]
     assert names == ["nats", "gateway", "scheduler", "orchestrator", "telemetry"]
+
+
+def test_the_cluster_procfile_differs_only_in_its_nats_line():
+    single = (ROOT / "Procfile").read_text().splitlines()
+    cluster = (ROOT / "Procfile.cluster").read_text().splitlines()
+    assert [x for x in single if not x.startswith("nats:")] == \
+        [x for x in cluster if not x.startswith("nats:")]
+    assert "nats: .venv/bin/tensorbus nats --cluster 3" in cluster
+    assert "honcho start -f Procfile.cluster" in (ROOT / "docs" / "operations.md").read_text()

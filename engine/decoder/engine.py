@@ -9,7 +9,8 @@ Dataflow of a served sequence:
      `prefill_chunk` tokens, from where the reused prefix or the last chunk ended),
      padded to a length bucket, attends to the sequence's blocks and writes its K/V
      into them. The last chunk draws the first token with the request's own seeded
-     key and makes the slot live. (`prefill_insert` does 1 and 2 in one call.)
+     key and makes the slot live. (engine/decoder/static.py's `prefill_insert` does
+     1 and 2 in one call, for tests and benchmarks.)
   3. `make_room()` then `step()`: a live slot whose next token starts a new block
      gets one; when the pool is dry the newest sequence is preempted (its blocks
      go back, the caller re-runs it later from its tokens so far). Then one
@@ -41,9 +42,7 @@ import dataclasses
 import functools
 import sys
 import time
-from collections.abc import Callable
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -51,10 +50,9 @@ import numpy as np
 
 from engine.decoder import attention as attention_kernel
 from engine.decoder import steps
-from engine.decoder.blocks import SCRATCH, BlockPool, prefix_keys
-from engine.decoder.config import DecoderConfig, load_config
+from engine.decoder import shapes
+from engine.decoder.config import load_config
 from engine.decoder.kvcache import (
-    MAX_BIAS,
     DecodeState,
     SlotSampling,
     block_bytes,
@@ -63,82 +61,14 @@ from engine.decoder.kvcache import (
 )
 from engine.decoder.model import param_bytes
 from engine.decoder.programs import Programs
-from engine.decoder.sampling import MAX_LOGPROBS
-from engine.interface import CacheStats
+from engine.decoder.slots import PagedSlots, PendingStep, slot_sampling
 from shared.logging import get_logger
 from shared.messages import Sampling
 
 log = get_logger(__name__)
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
-COMPILE_AHEAD = ("all", "first")
+COMPILE_AHEAD = ("all", "first", "lazy")
 GREEDY = Sampling(temperature=0.0)
-
-
-def _round_up(n: int, block: int) -> int:
-    return -(-n // block) * block
-
-
-def _windows(requested: tuple[int, ...] | None, max_context: int, block: int) -> tuple[int, ...]:
-    """Attention windows of the decode step (whole blocks): powers of two from 128,
-    and the context."""
-    if requested is None:
-        requested = tuple(2**i for i in range(7, 16))
-    top = _round_up(max_context, block)
-    return tuple(sorted({_round_up(w, block) for w in requested if 0 < w < max_context} | {top}))
-
-
-def _batches(slots: int) -> tuple[int, ...]:
-    """Decode batch buckets: powers of two below the slot count, and the slot count."""
-    return tuple(sorted({2**i for i in range(16) if 2**i < slots} | {slots}))
-
-
-def _spec(tree):
-    """Shapes, dtypes and placements of a pytree: what lowering needs, without
-    holding (or reading) buffers a step may have donated meanwhile."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                        tree)  # fmt: skip
-
-
-def _buckets(requested: tuple[int, ...], chunk: int) -> tuple[int, ...]:
-    """Prefill lengths up to the chunk, and always the chunk (the longest piece)."""
-    return tuple(sorted({b for b in requested if 0 < b < chunk} | {chunk}))
-
-
-@dataclass
-class _Prefill:
-    """A sequence between `begin` and its last prefill chunk."""
-
-    prompt: list[int]
-    done: int  # prompt tokens whose K/V is in its blocks (a reused prefix counts)
-    sampling: SlotSampling
-    seed: np.uint32
-    keys: list[bytes]  # prefix keys of the prompt's full blocks
-
-
-class PendingStep:
-    """A dispatched decode step; its tokens leave the device on `result()`."""
-
-    def __init__(self, tokens: jax.Array, rows: np.ndarray, slots: int, preempted: list[int],
-                 on_result: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
-        self._tokens = tokens  # [B, 2 + 2K] int32, on device: row i is slot rows[i]'s
-        # token, then its logprobs (engine.decoder.steps.pack)
-        self._rows = rows  # [B] int32 (padding rows name the dummy row, index SLOTS)
-        self._slots = slots
-        self._host: np.ndarray | None = None
-        self._on_result = on_result
-        self.preempted = preempted  # slots freed to make room before it (not in it)
-        self.batch = len(rows)  # the batch bucket it ran at
-
-    def result(self) -> np.ndarray:
-        """[SLOTS] int32: each slot's token (slots not in the step: ignore)."""
-        if self._host is None:
-            packed = np.asarray(self._tokens)  # the step's one host copy
-            out = np.zeros((self._slots + 1, packed.shape[1]), np.int32)
-            out[self._rows] = packed
-            self._host = np.ascontiguousarray(out[: self._slots, 0])
-            if self._on_result is not None:
-                self._on_result(self._host, out[: self._slots, 1:])
-        return self._host
 
 
 def _state_sharding(state: DecodeState, mesh) -> DecodeState:
@@ -149,7 +79,7 @@ def _state_sharding(state: DecodeState, mesh) -> DecodeState:
         k=tuple(kv for _ in state.k), v=tuple(kv for _ in state.v))
 
 
-class DecoderEngine:
+class DecoderEngine(PagedSlots):
     def __init__(
         self,
         model_dir: str | Path,
@@ -168,7 +98,7 @@ class DecoderEngine:
         quant_form: str = "auto",
         weight_budget: int = 0,
         forms_cache: str | Path | None = "",
-        compile_ahead: str = "all",
+        compile_ahead: str = "lazy",
         attention: str = "auto",
     ) -> None:
         """kv_blocks: pool size (0: enough for every slot to hold a full context, the
@@ -178,7 +108,9 @@ class DecoderEngine:
         forms' weights may take (0: the float32 size of the weights); forms_cache:
         the choice's file ("": beside the compilation cache; None: not kept).
         compile_ahead: what `warmup` compiles before it returns: "all" shapes, or the
-        "first" a request needs (the rest on a background thread). attention: the
+        first a request needs, the rest on a background thread ("first") or each
+        where it is first needed ("lazy": tests and benchmarks compile only what they
+        run). attention: the
         decode step's paged attention (engine/decoder/attention.py: auto, xla,
         pallas)."""
         from engine import forms, sharding
@@ -189,8 +121,6 @@ class DecoderEngine:
         if compile_ahead not in COMPILE_AHEAD:
             raise ValueError(f"compile_ahead {compile_ahead!r}: use one of {', '.join(COMPILE_AHEAD)}")
         self.compile_ahead = compile_ahead
-        self.name = name
-        self.model_dir = Path(model_dir)
         self.quant = check_mode(quant)
         self.quant_form = forms.check_form(quant_form, self.quant)
         tp = sharding.parse(tensor_parallel)
@@ -200,35 +130,27 @@ class DecoderEngine:
                                      mlp_columns=cfg.intermediate)  # fmt: skip
         self._mesh = sharding.make_mesh(tp)
         self.devices = sharding.engine_devices(self._mesh)  # e.g. ["cpu:0", "cpu:1"]
-        self.cfg: DecoderConfig = dataclasses.replace(cfg, tensor_parallel=tp)
-        limit = min(self.cfg.max_positions, self.cfg.sliding_window or self.cfg.max_positions)
-        if max_context > limit:
-            log.warning("max_context_capped", requested=max_context, limit=limit)
-        self._max_context = min(int(max_context), limit)
-        if self._max_context < 2:
-            raise ValueError("max_context must be at least 2")
-        self._slots = int(slots)
-        self._dtype = dtype_name(dtype)
+        cfg = dataclasses.replace(cfg, tensor_parallel=tp)
+        super().__init__(model_dir, name, cfg, dtype_name(dtype), slots, max_context)
         self._jdtype = parse_dtype(dtype)
         self.block = int(kv_block)
-        self.windows = _windows(decode_windows, self._max_context, self.block)
-        self.batches = _batches(self._slots)
+        self.windows = shapes.decode_windows(decode_windows, self._max_context, self.block)
+        self.batches = shapes.decode_batches(self._slots)
         self._max_blocks = self.windows[-1] // self.block  # table width: a full context
         chunk = int(prefill_chunk) or max(prefill_buckets)
         self.chunk = min(chunk, self.windows[-1])
-        self.buckets = _buckets(tuple(prefill_buckets), self.chunk)
+        self.buckets = shapes.prefill_buckets(tuple(prefill_buckets), self.chunk)
         # Contexts a prefill chunk may attend to: every other decode window and the
         # largest (fewer compiles; a chunk reads at most one step up).
         ctx = [w for i, w in enumerate(reversed(self.windows)) if i % 2 == 0]
         self.contexts = tuple(sorted(ctx))
         self.device = device_name()
         self.attention = attention_kernel.pick(attention, jax.devices()[0].platform)
-        self.tokenizer = self._load_tokenizer()
         self._load_forms(weight_budget, forms_cache)
         blocks = int(kv_blocks) or self._slots * self._max_blocks + 1
-        self.pool = BlockPool(blocks, self.block, prefix_cache)
+        self._init_slots(blocks, prefix_cache)
         self._state = init_decode_state(self.cfg, self._slots, blocks, self.block, self._jdtype)
-        self._warm_sampling = _slot_sampling(GREEDY, self.cfg.vocab_size, [])  # warm-up, lowering
+        self._warm_sampling = slot_sampling(GREEDY, self.cfg.vocab_size, [])  # warm-up, lowering
         # Sharded: the state keeps its layout across calls (the KV pool split by KV
         # head, the rest replicated), so each step's output is the next step's input
         # as is.
@@ -250,25 +172,10 @@ class DecoderEngine:
                                                         interpret),
             donate_argnums=1, **out,
         )  # fmt: skip
-        self._state_spec = _spec(self._state)
+        self._state_spec = shapes.spec(self._state)
         self.programs = Programs(name)
         self.step_counts: dict[int, int] = {}  # batch bucket -> decode steps run at it
         self.weight_bytes = sum(param_bytes(t) for t in self._forms.values())
-        # One table per slot, plus the dummy row's (all scratch) for padding rows.
-        self._tables = np.full((self._slots + 1, self._max_blocks), SCRATCH, np.int32)
-        self._held: list[list[int]] = [[] for _ in range(self._slots)]  # slot -> blocks
-        self._jobs: dict[int, _Prefill] = {}  # slots between begin and their last chunk
-        self._order = np.zeros(self._slots, np.int64)  # when each slot began (preemption)
-        self._began = 0
-        # Each sequence's tokens (prompt, then generated as the caller reads them), to
-        # key its full blocks when it ends.
-        self._tokens: list[list[int]] = [[] for _ in range(self._slots)]
-        self._lengths = np.zeros(self._slots, np.int64)  # tokens in context per slot
-        self._active = np.zeros(self._slots, bool)  # live: part of decode steps
-        self._top = np.full(self._slots, -1, np.int64)  # top logprobs wanted (-1: none)
-        # Each slot's last token's logprobs ([1 + 2K] int32 as steps.pack packs them),
-        # kept only for sequences that asked for them.
-        self._logprobs: list[np.ndarray | None] = [None] * self._slots
         log.info(
             "decoder_loaded", model=name, family=self.cfg.family, dtype=self._dtype,
             quant=self.quant, forms=list(self._forms), devices=self.devices,
@@ -329,7 +236,7 @@ class DecoderEngine:
                 kind, size = bucket.split()
                 self.compute_forms = dict(saved, **{bucket: form})
                 if kind == "step":
-                    return self._run_step(int(size), self.windows[0])[0]
+                    return self._run_step(int(size), self.windows[0])[0][0]
                 ctx = self.context_for(int(size))
                 return self._run_chunk(self._slots, [0] * int(size), 0, int(size), ctx,
                                        self._warm_sampling, np.uint32(0))  # fmt: skip
@@ -353,67 +260,9 @@ class DecoderEngine:
                  cache=str(self._forms_cache or ""))  # fmt: skip
         return dict(self.compute_forms)
 
-    def _load_tokenizer(self):
-        from engine.tokenizer import Tokenizer, has_tokenizer
-
-        if not has_tokenizer(self.model_dir):
-            return None
-
-        return Tokenizer.from_dir(self.model_dir)
-
-    # ------------------------------------------------------------- properties
-    @property
-    def slots(self) -> int:
-        return self._slots
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def dtype(self) -> str:
-        return self._dtype
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
-            return tuple(self.tokenizer.eos_token_ids)
-        return self.cfg.eos_token_ids
-
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of the pool's blocks held by sequences (cached-only ones are free)."""
-        return self.pool.held / self.pool.usable
-
-    @property
-    def active_slots(self) -> int:
-        return int(self._active.sum())
-
     @property
     def block_bytes(self) -> int:
         return block_bytes(self.cfg, self.block, self._jdtype)
-
-    def cache_stats(self) -> CacheStats:
-        p = self.pool
-        return CacheStats(p.usable, p.held, p.cached, p.stats.queries, p.stats.hits,
-                          p.stats.preemptions)
-
-    @property
-    def prefix_block(self) -> int:
-        """Tokens per prefix key; 0 with the prefix cache off (nothing to route by)."""
-        return self.block if self.pool.prefix_cache else 0
-
-    def held_prefixes(self, limit: int) -> list[int]:
-        """Short keys (shared.prefix) of the prompt prefixes cached here, at most `limit`."""
-        return self.pool.summary(limit)
-
-    def context_left(self, slot: int) -> int:
-        """Tokens `slot` can still generate before its context is full."""
-        return int(self._max_context - self._lengths[slot])
 
     # ----------------------------------------------------------------- warmup
     @property
@@ -432,18 +281,15 @@ class DecoderEngine:
         return [("step", 1, self.windows[0])] + [
             ("prefill", b, c0) for b in self.buckets if b <= c0]
 
-    def warmup(self, progress: bool = True, background: bool | None = None) -> int:
-        """Compile what a first request needs (every shape unless `background`, which
-        compiles the rest on a thread of its own, engine/decoder/programs.py) and run
-        it once; return how many programs were compiled here. `background` defaults
-        to the engine's `compile_ahead` ("first": True)."""
+    def warmup(self, progress: bool = True) -> int:
+        """Compile what `compile_ahead` says (engine/decoder/programs.py) and run it
+        once; return how many programs were compiled here."""
         from tqdm import tqdm
 
-        if background is None:
-            background = self.compile_ahead == "first"
+        background = self.compile_ahead == "first"
         if self.quant != "none":
             self.select_forms()
-        jobs = self.first_compiles() if background else self.compiles
+        jobs = self.compiles if self.compile_ahead == "all" else self.first_compiles()
         bar = tqdm(jobs, desc=f"compile {self.name}", file=sys.stderr, disable=not progress)
         t0 = time.perf_counter()
         for kind, size, other in bar:
@@ -457,7 +303,11 @@ class DecoderEngine:
         if background:
             # The thread holds the engine weakly: a dropped version stops compiling.
             ref = weakref.ref(self)
-            rest = [k for k in self.compiles if k not in set(jobs)]
+            # One stream at every window first (any load runs on those, in parts),
+            # then the prompts' shapes, then the rest, cheapest first.
+            ones = [k for k in self.compiles if k[0] == "step" and k[1] == 1]
+            order = ones + [k for k in self.compiles if k not in set(ones)]
+            rest = [k for k in order if k not in set(jobs)]
             self.programs.start_background(
                 [(self._key(*k), functools.partial(_lower_weakly, ref, k)) for k in rest])
         log.info("decoder_warm", model=self.name, compiled=len(jobs), background=background,
@@ -513,64 +363,6 @@ class DecoderEngine:
     def context_for(self, tokens: int) -> int:
         return next(c for c in self.contexts if c >= tokens)
 
-    def check_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if len(prompt) > self._max_context - 1:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens; {self.name} accepts at most "
-                f"{self._max_context - 1} (context {self._max_context}, one token "
-                f"left to generate)"
-            )
-        need = self.pool.blocks_for(len(prompt) + 1)
-        if need > self.pool.usable:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens; {self.name}'s KV cache holds at most "
-                f"{self.pool.usable * self.block - 1} for one sequence"
-            )
-
-    def _reuse_keys(self, prompt: list[int]) -> list[bytes]:
-        """Prefix keys of the blocks a prompt may reuse: full blocks, leaving at least
-        one token to compute (its logits draw the first token)."""
-        return prefix_keys(prompt[: (len(prompt) - 1) // self.block * self.block], self.block)
-
-    def can_admit(self, prompt: list[int]) -> bool:
-        """Whether `begin` would get its blocks now, leaving one block of headroom per
-        sequence already running (each may cross into a new block next step)."""
-        need = self.pool.need(self._reuse_keys(prompt), self.pool.blocks_for(len(prompt) + 1))
-        return need + int(self._active.sum()) + len(self._jobs) <= self.pool.available
-
-    def begin(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> None:
-        """Give `slot` its blocks (reusing a cached prefix); `prefill_step` computes it."""
-        if not 0 <= slot < self._slots:
-            raise ValueError(f"slot {slot} out of range [0, {self._slots})")
-        self.check_prompt(prompt)
-        if self._held[slot]:
-            raise ValueError(f"slot {slot} is in use")
-        keys = self._reuse_keys(prompt)
-        total = self.pool.blocks_for(len(prompt) + 1)
-        if self.pool.need(keys, total) > self.pool.available:
-            raise RuntimeError(f"the KV pool has no room for {len(prompt)} tokens now")
-        blocks, reused = self.pool.acquire(keys, total)
-        self.pool.stats.queries += len(prompt)
-        self.pool.stats.hits += reused * self.block
-        self._held[slot] = blocks
-        self._tables[slot, :] = SCRATCH
-        self._tables[slot, : len(blocks)] = blocks
-        self._began += 1
-        self._order[slot] = self._began
-        self._tokens[slot] = list(prompt)
-        self._top[slot] = min(sampling.logprobs, MAX_LOGPROBS)
-        self._logprobs[slot] = None
-        self._jobs[slot] = _Prefill(list(prompt), reused * self.block,
-                                    _slot_sampling(sampling, self.cfg.vocab_size, prompt),
-                                    np.uint32(seed % 2**32), prefix_keys(prompt, self.block))
-
-    def prefilling(self, slot: int) -> int:
-        """Prompt tokens `slot` has still to compute (0: none, or not prefilling)."""
-        job = self._jobs.get(slot)
-        return len(job.prompt) - job.done if job is not None else 0
-
     def prefill_step(self, slot: int, budget: int = 0) -> int | None:
         """Compute the next chunk of `slot`'s prompt (at most `budget` tokens if > 0);
         return the first generated token after the last chunk, else None."""
@@ -579,80 +371,53 @@ class DecoderEngine:
         end = job.done + n
         bucket = self.bucket_for(n)
         bucket, ctx = self._choose("prefill", bucket, self.context_for(max(end, bucket)))
-        packed = self._run_chunk(slot, job.prompt[job.done : end], job.done, bucket, ctx,
-                                 job.sampling, job.seed)
-        job.done = end
-        full = end // self.block
-        self.pool.register(self._held[slot][:full], job.keys[:full])
-        if end < len(job.prompt):
-            return None
-        del self._jobs[slot]
-        packed = np.asarray(packed)  # [2 + 2K]: the token, then its logprobs
-        token = int(packed[0])
-        self._active[slot] = True
-        self._lengths[slot] = len(job.prompt) + 1
-        self._tokens[slot].append(token)
-        self._logprobs[slot] = packed[1:] if self._top[slot] >= 0 else None
-        return token
-
-    def prefill_insert(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> int:
-        """Start a sequence in `slot`, its whole prompt at once; return its first token."""
-        self.begin(slot, prompt, sampling, seed)
-        while (token := self.prefill_step(slot)) is None:
-            pass
-        return token
+        token = self._run_chunk(slot, job.prompt[job.done : end], job.done, bucket, ctx,
+                                job.sampling, job.seed)
+        return self._prefilled(slot, end, token)
 
     def _run_chunk(self, slot: int, piece: list[int], offset: int, bucket: int, ctx: int,
                    sampling: SlotSampling, seed) -> jax.Array:
-        """-> [2 + 2K] int32 on device: the drawn token, then its logprobs."""
         padded = np.zeros(bucket, np.int32)  # padded: [T]
         padded[: len(piece)] = piece
         table = np.array(self._tables[slot, : ctx // self.block])  # [NC]
         run = self._program("prefill", bucket, ctx)
-        self._state, packed = run(
+        self._state, token = run(
             self._params_for(f"prefill {bucket}"), self._state, padded, np.int32(offset),
             np.int32(len(piece)), table, np.int32(slot), sampling, seed,
         )  # fmt: skip
-        return packed
+        return token
 
     # ------------------------------------------------------------------ decode
-    def make_room(self) -> list[int]:
-        """Give every live slot the block its next step writes into. When the pool is
-        dry, preempt the sequence that began last (live or prefilling), as often as
-        needed; return the preempted slots (already freed: the caller re-runs them)."""
-        preempted: list[int] = []
-        for slot in np.flatnonzero(self._active)[np.argsort(self._order[self._active])]:
-            if not self._active[slot]:
-                continue  # preempted below for an older one
-            while self.pool.blocks_for(int(self._lengths[slot])) > len(self._held[slot]):
-                if self.pool.available:
-                    b = self.pool.take()
-                    self._tables[slot, len(self._held[slot])] = b
-                    self._held[slot].append(b)
-                    continue
-                victim = max((s for s in range(self._slots) if self._held[s]),
-                             key=lambda s: self._order[s])
-                self.free(victim)
-                self.pool.stats.preemptions += 1
-                preempted.append(int(victim))
-                if victim == slot:
-                    break
-        return preempted
-
-    def _run_step(self, batch: int, window: int) -> tuple[jax.Array, np.ndarray]:
-        """One decode step of the live slots at (batch bucket, window) -> (packed
-        [B, 2 + 2K] on device: each row's token and logprobs, rows [B]: the slot of
-        each row, the dummy row for padding)."""
+    def _run_step(self, batch: int, window: int) -> tuple[list[jax.Array], np.ndarray]:
+        """One decode step of the live slots at (batch bucket, window), in as many
+        parts of `batch` rows as they need (rows are independent: parts compute the
+        same tokens as one larger bucket) -> (tokens [B] on device, one array per
+        part; rows [parts x B]: the slot of each row, the dummy row for padding)."""
         live = np.flatnonzero(self._active)
-        rows = np.full(batch, self._slots, np.int32)  # [B]
+        parts = max(1, -(-len(live) // batch))
+        rows = np.full(parts * batch, self._slots, np.int32)  # [parts x B]
         rows[: len(live)] = live
-        tables = self._tables[rows, : window // self.block]  # [B, NW] (a copy)
-        run = self._program("step", batch, window)
-        self._state, tokens = run(self._params_for(f"step {batch}"), self._state, rows, tables,
-                                  rows < self._slots)  # fmt: skip
+        params, run = self._params_for(f"step {batch}"), self._program("step", batch, window)
+        out = []
+        for part in rows.reshape(parts, batch):
+            tables = self._tables[part, : window // self.block]  # [B, NW] (a copy)
+            self._state, tokens = run(params, self._state, part, tables, part < self._slots)
+            out.append(tokens)
         if len(live):  # warm-up and measuring runs are not steps
-            self.step_counts[batch] = self.step_counts.get(batch, 0) + 1
-        return tokens, rows
+            self.step_counts[batch] = self.step_counts.get(batch, 0) + parts
+        return out, rows
+
+    def _step_shape(self, live: int, window: int) -> tuple[int, int]:
+        """(batch bucket, window) of the next step: the cheapest compiled shape that
+        holds it; else, while the background compiles, the largest compiled bucket at
+        a window that holds it, run in parts; else the exact shape, compiled now."""
+        batch, window = self._choose("step", self.batch_for(live), window)
+        if self.programs.has(self._key("step", batch, window)) or not self.programs.compiling:
+            return batch, window
+        parts = [(s, o) for k, s, o, form in self.programs.keys()
+                 if k == "step" and o >= window and s < batch
+                 and form == self.compute_forms[f"step {s}"]]  # fmt: skip
+        return max(parts, key=lambda p: (p[0], -p[1])) if parts else (batch, window)
 
     def batch_for(self, live: int) -> int:
         return next(b for b in self.batches if b >= live)
@@ -661,10 +426,6 @@ class DecoderEngine:
         """Smallest attention window that holds every active slot's next position."""
         need = int(self._lengths[self._active].max()) if self._active.any() else 1
         return next(w for w in self.windows if w >= need)
-
-    def step(self) -> np.ndarray:
-        """One decode step for every slot -> [slots] int32 (free slots: ignore)."""
-        return self.step_async().result()
 
     def step_async(self) -> "PendingStep":
         """Dispatch one decode step and return at once; `.result()` waits for it.
@@ -679,83 +440,12 @@ class DecoderEngine:
         preempted = self.make_room()
         live = np.flatnonzero(self._active)
         began = self._order[live].copy()  # which sequence each live slot held
-        batch, window = self._choose("step", self.batch_for(len(live)), self.window_for())
+        batch, window = self._step_shape(len(live), self.window_for())
         tokens, rows = self._run_step(batch, window)
         pending = PendingStep(tokens, rows, self._slots, preempted,
                               lambda host, lp: self._note(live, began, host, lp))
-        self._lengths[self._active] = np.minimum(
-            self._lengths[self._active] + 1, self._max_context
-        )
+        self._advance()
         return pending
-
-    def _note(self, live: np.ndarray, began: np.ndarray, host: np.ndarray,
-              logprobs: np.ndarray) -> None:
-        """A step's tokens reached the host: each goes on its sequence's record, unless
-        that sequence has ended (or another began in its slot) since the dispatch;
-        its logprobs, when it asked for them, wait for `token_logprobs`."""
-        for slot, order in zip(live.tolist(), began.tolist()):
-            if self._held[slot] and self._order[slot] == order:
-                self._tokens[slot].append(int(host[slot]))
-                if self._top[slot] >= 0:
-                    self._logprobs[slot] = logprobs[slot]
-
-    def token_logprobs(self, slot: int) -> tuple[float, list[tuple[int, float]]] | None:
-        """The logprob of the token `slot` got last (from its last prefill chunk or
-        the last step read) and its request's top logprobs, as (logprob, [(token id,
-        logprob)]), best first; None when its request asked for none."""
-        row = self._logprobs[slot]
-        if row is None or self._top[slot] < 0:
-            return None
-        k = MAX_LOGPROBS
-        lp = row[: 1 + 2 * k].view(np.float32)  # float32 bits
-        ids, top = row[1 : 1 + k], lp[1 + k : 1 + 2 * k]
-        n = int(self._top[slot])
-        return float(lp[0]), [(int(i), float(v)) for i, v in zip(ids[:n], top[:n])]
-
-    def _keep(self, slot: int) -> None:
-        """Key the full blocks of the sequence in `slot` before it lets them go: its
-        prompt's are keyed already (as computed); this adds those its decode steps
-        filled. Only positions whose K/V has been written and whose token the host
-        has seen count: `lengths - 1` (the last drawn token is never fed back)."""
-        if not self.pool.prefix_cache or slot in self._jobs or not self._held[slot]:
-            return
-        tokens = self._tokens[slot]
-        full = min(int(self._lengths[slot]) - 1, len(tokens)) // self.block
-        if full > 0:
-            self.pool.register(self._held[slot][:full],
-                               prefix_keys(tokens[: full * self.block], self.block))
-
-    def free(self, slot: int) -> None:
-        """End the sequence in `slot` (idempotent): its blocks go back to the pool, its
-        full ones keyed, so a prompt that continues it reuses them."""
-        self._keep(slot)
-        self.pool.release(self._held[slot])
-        self._tokens[slot] = []
-        self._held[slot] = []
-        self._tables[slot, :] = SCRATCH
-        self._jobs.pop(slot, None)
-        self._active[slot] = False
-        self._lengths[slot] = 0
-
-    # -------------------------------------------------------------- benchmark
-    def generate_static(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        """Greedy, `max_new` tokens for each prompt, `slots` prompts at a time, all
-        decoding in lock-step (a static batch: the engine's ceiling)."""
-        out: list[list[int]] = []
-        for start in range(0, len(prompts), self._slots):
-            group = prompts[start : start + self._slots]
-            for p in group:
-                if len(p) + max_new > self._max_context:
-                    raise ValueError(f"{len(p)} + {max_new} tokens exceed the context")
-            seqs = [[self.prefill_insert(i, p, GREEDY, 0)] for i, p in enumerate(group)]
-            for _ in range(max_new - 1):
-                tokens = self.step()
-                for i, seq in enumerate(seqs):
-                    seq.append(int(tokens[i]))
-            for i in range(len(group)):
-                self.free(i)
-            out.extend(seqs)
-        return out
 
 
 def _lower_weakly(ref: "weakref.ref[DecoderEngine]", shape: tuple[str, int, int]):
@@ -763,27 +453,3 @@ def _lower_weakly(ref: "weakref.ref[DecoderEngine]", shape: tuple[str, int, int]
     if engine is None:
         raise LookupError("the engine was dropped")
     return engine._lowering(*shape)()
-
-
-def _slot_sampling(sampling: Sampling, vocab: int, prompt: list[int]) -> SlotSampling:
-    """A request's sampling parameters as the prefill takes them; `seen` marks the
-    prompt's tokens only when a repetition penalty will read them."""
-    bias = [(t, b) for t, b in sampling.logit_bias if 0 <= t < vocab][:MAX_BIAS]
-    ids, vals = np.zeros(MAX_BIAS, np.int32), np.zeros(MAX_BIAS, np.float32)
-    if bias:
-        ids[: len(bias)], vals[: len(bias)] = zip(*bias)
-    seen = np.zeros(vocab, np.bool_)
-    if sampling.repetition_penalty != 1.0:
-        seen[np.asarray(prompt, np.int64)] = True
-    return SlotSampling(
-        temperature=np.float32(max(0.0, sampling.temperature)),
-        top_k=np.int32(sampling.top_k if sampling.top_k > 0 else 0),
-        top_p=np.float32(sampling.top_p if 0.0 < sampling.top_p < 1.0 else 1.0),
-        min_p=np.float32(min(max(sampling.min_p, 0.0), 1.0)),
-        presence=np.float32(sampling.presence_penalty),
-        frequency=np.float32(sampling.frequency_penalty),
-        repetition=np.float32(sampling.repetition_penalty if sampling.repetition_penalty > 0
-                              else 1.0),
-        bias_ids=ids, bias_vals=vals, seen=seen,
-        logprobs=np.int32(min(sampling.logprobs, MAX_LOGPROBS)),
-    )

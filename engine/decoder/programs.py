@@ -109,6 +109,11 @@ class Programs:
         self._thread = threading.Thread(target=work, name=f"compile-{self.name}", daemon=True)
         self._thread.start()
 
+    @property
+    def compiling(self) -> bool:
+        """Whether the background thread is still compiling."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait_background(self, timeout: float | None = None) -> bool:
         """Block until the background compiles are done (tests, benchmarks)."""
         if self._thread is not None:

@@ -2,7 +2,8 @@
 `engine.decoder.DecoderEngine` (`engine.interface.Decoder`), in eager torch.
 
 Dataflow of a served sequence:
-  1. `prefill_insert(slot, prompt, sampling, seed)`: the prompt runs at its own
+  1. `begin(slot, prompt, sampling, seed)`, then `prefill_step(slot)` runs
+     `prefill_whole` (`engine.interface.WholePrompt`): the prompt runs at its own
      length (eager torch has nothing to compile, so nothing is padded), its K/V go
      into positions [0, T) of `slot` in the preallocated cache, and the first token
      is drawn with the sequence's own generator, seeded from `seed`.
@@ -30,15 +31,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.decoder.config import DecoderConfig, load_config
+from engine.decoder.config import load_config
+from engine.decoder.host import DecoderHost
+from engine.decoder.static import GREEDY, prefill_insert
+from engine.interface import WholePrompt
 from engine.torch_decoder import model as M
 from engine.torch_decoder.sampling import sample
-from engine.interface import WholePrompt
 from shared.logging import get_logger
 from shared.messages import Sampling
 
 log = get_logger(__name__)
-GREEDY = Sampling(temperature=0.0)
 # Sampling fields this engine does not implement, with the value that means "off".
 UNSUPPORTED = (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                ("repetition_penalty", 1.0), ("min_p", 0.0), ("logit_bias", []),
@@ -61,7 +63,7 @@ def _device(requested: str | None) -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
-class TorchDecoder(WholePrompt):
+class TorchDecoder(DecoderHost, WholePrompt):
     """`engine.interface.Decoder` in eager torch, same constructor as `DecoderEngine`
     (its bucket and window arguments are accepted and unused: nothing compiles)."""
 
@@ -80,20 +82,10 @@ class TorchDecoder(WholePrompt):
         t0 = time.perf_counter()
         if dtype not in M.TORCH_DTYPES:
             raise ValueError(f"dtype {dtype!r}: use one of {', '.join(M.TORCH_DTYPES)}")
-        self.name = name
-        self.model_dir = Path(model_dir)
-        self.cfg: DecoderConfig = load_config(model_dir)
-        limit = min(self.cfg.max_positions, self.cfg.sliding_window or self.cfg.max_positions)
-        if max_context > limit:
-            log.warning("max_context_capped", requested=max_context, limit=limit)
-        self._max_context = min(int(max_context), limit)
-        if self._max_context < 2:
-            raise ValueError("max_context must be at least 2")
-        self._slots = int(slots)
-        self._dtype = dtype
+        super().__init__(model_dir, name, load_config(model_dir), dtype, slots, max_context)
         self.device = _device(device)
+        self.devices = [self.device]
         tdt = M.TORCH_DTYPES[dtype]
-        self.tokenizer = self._load_tokenizer()
         self.params = M.load_params(model_dir, self.cfg, tdt, self.device, self._max_context)
         shape = (self._slots, self.cfg.kv_heads, self._max_context, self.cfg.head_dim)
         with torch.inference_mode():
@@ -102,8 +94,6 @@ class TorchDecoder(WholePrompt):
             self._k = [zeros() for _ in range(self.cfg.layers)]
             self._v = [zeros() for _ in range(self.cfg.layers)]
         self._tokens = np.zeros(self._slots, np.int64)  # the token each slot feeds next
-        self._lengths = np.zeros(self._slots, np.int64)  # tokens in context per slot
-        self._active = np.zeros(self._slots, bool)
         self._temperature = torch.zeros(self._slots, dtype=torch.float32, device=self.device)
         self._top_k = torch.zeros(self._slots, dtype=torch.int64, device=self.device)
         self._top_p = torch.ones(self._slots, dtype=torch.float32, device=self.device)
@@ -116,50 +106,12 @@ class TorchDecoder(WholePrompt):
             seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
 
-    def _load_tokenizer(self):
-        from engine.tokenizer import Tokenizer, has_tokenizer
-
-        if not has_tokenizer(self.model_dir):  # tokenizer.json, or a GGUF file's vocabulary
-            return None
-
-        return Tokenizer.from_dir(self.model_dir)
-
     # ------------------------------------------------------------- properties
-    @property
-    def slots(self) -> int:
-        return self._slots
-
-    @property
-    def max_context(self) -> int:
-        return self._max_context
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def dtype(self) -> str:
-        return self._dtype
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
-            return tuple(self.tokenizer.eos_token_ids)
-        return self.cfg.eos_token_ids
-
     @property
     def kv_usage(self) -> float:
         """Fraction of the cache's positions held by active sequences."""
         used = int(self._lengths[self._active].sum())
         return used / (self._slots * self._max_context)
-
-    @property
-    def active_slots(self) -> int:
-        return int(self._active.sum())
-
-    def context_left(self, slot: int) -> int:
-        """Tokens `slot` can still generate before its context is full."""
-        return int(self._max_context - self._lengths[slot])
 
     # ----------------------------------------------------------------- warmup
     def warmup(self, progress: bool = True) -> int:
@@ -168,7 +120,7 @@ class TorchDecoder(WholePrompt):
         from tqdm import tqdm
 
         for _ in tqdm(range(1), desc=f"warm {self.name}", file=sys.stderr, disable=not progress):
-            self.prefill_insert(0, [0] * min(16, self._max_context - 1), GREEDY, 0)
+            prefill_insert(self, 0, [0] * min(16, self._max_context - 1), GREEDY, 0)
             self.step()
             self.free(0)
         return 0
@@ -182,21 +134,10 @@ class TorchDecoder(WholePrompt):
             raise ValueError(f"{', '.join(asked)}: not supported by the torch engine "
                              f"serving {self.name}")
 
-    def check_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise ValueError("prompt is empty: at least one token is needed")
-        if len(prompt) > self._max_context - 1:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens; {self.name} accepts at most "
-                f"{self._max_context - 1} (context {self._max_context}, one token "
-                f"left to generate)"
-            )
-
     @torch.inference_mode()
-    def prefill_insert(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> int:
+    def prefill_whole(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> int:
         """Start a sequence in `slot`; return its first generated token."""
-        if not 0 <= slot < self._slots:
-            raise ValueError(f"slot {slot} out of range [0, {self._slots})")
+        self.check_slot(slot)
         self.check_prompt(prompt)
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             raise ValueError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
@@ -214,13 +155,8 @@ class TorchDecoder(WholePrompt):
         token = int(sample(logits, self._temperature[at], self._top_k[at], self._top_p[at],
                            [gen])[0])  # fmt: skip
         self._tokens[slot] = token
-        self._active[slot] = True
-        self._lengths[slot] = len(prompt) + 1
+        self._start(slot, len(prompt))
         return token
-
-    def step(self) -> np.ndarray:
-        """One decode step for every slot -> [slots] int32 (free slots: ignore)."""
-        return self.step_async().result()
 
     @torch.inference_mode()
     def step_async(self) -> DoneStep:
@@ -238,31 +174,10 @@ class TorchDecoder(WholePrompt):
         gens = [g if a else None for g, a in zip(self._generators[:n], self._active[:n])]
         drawn = sample(logits, self._temperature[:n], self._top_k[:n], self._top_p[:n], gens)
         self._tokens[:n] = np.where(self._active[:n], drawn.cpu().numpy(), 0)  # one host copy
-        self._lengths[self._active] = np.minimum(self._lengths[self._active] + 1, self._max_context)
+        self._advance()
         return DoneStep(self._tokens.astype(np.int32))
 
     def free(self, slot: int) -> None:
-        self._active[slot] = False
-        self._lengths[slot] = 0
+        self._clear(slot)
         self._tokens[slot] = 0
         self._generators[slot] = None
-
-    # -------------------------------------------------------------- benchmark
-    def generate_static(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        """Greedy, `max_new` tokens for each prompt, `slots` prompts at a time, all
-        decoding in lock-step (a static batch)."""
-        out: list[list[int]] = []
-        for start in range(0, len(prompts), self._slots):
-            group = prompts[start : start + self._slots]
-            for p in group:
-                if len(p) + max_new > self._max_context:
-                    raise ValueError(f"{len(p)} + {max_new} tokens exceed the context")
-            seqs = [[self.prefill_insert(i, p, GREEDY, 0)] for i, p in enumerate(group)]
-            for _ in range(max_new - 1):
-                tokens = self.step()
-                for i, seq in enumerate(seqs):
-                    seq.append(int(tokens[i]))
-            for i in range(len(group)):
-                self.free(i)
-            out.extend(seqs)
-        return out

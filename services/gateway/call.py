@@ -31,7 +31,7 @@ class Call:
     front: Frontend
     rid: str  # the client's X-Request-Id (cut to 64), else a fresh id: logs, telemetry
     wire: str  # unique and one subject token: the id the request travels under
-    deadline: float  # time.time() by which it must be answered
+    deadline: float  # time.time() by which it must be answered (generation: its first token)
     out: Outcome
     msgpack: bool = False
     user: str = ""  # the Tensorbus-User header (sticky canary key)
@@ -40,6 +40,7 @@ class Call:
     detached: bool = False
     _finished: bool = False
     _log_tokens: Mapping[str, Any] | None = None
+    end_by: float = 0.0  # time.time() by which a generation must have ended
 
     @classmethod
     def open(cls, front: Frontend, endpoint: str, *, client_id: str | None,
@@ -48,7 +49,7 @@ class Call:
         rid = client_id[:MAX_CLIENT_ID] if client_id else new_request_id()
         wire = wire_id(rid) if client_id else rid
         return cls(front, rid, wire, front.deadline(timeout_s), Outcome(endpoint), msgpack,
-                   user, started)
+                   user, started, end_by=front.end_by(timeout_s))
 
     def guarded(self) -> Call:
         """`async with call.guarded():` runs the body; a failure becomes `self.error`;

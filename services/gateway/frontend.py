@@ -116,9 +116,21 @@ class Frontend:
         await self.admission.stop()
 
     def deadline(self, timeout_s: float | None = None) -> float:
-        t = self.config.request_timeout_s if timeout_s is None else min(
-            timeout_s, self.config.request_timeout_s * 10)
-        return time.time() + max(t, 0.001)
+        """When a request must have its answer, or (generation) its first token:
+        the client's own timeout (Tensorbus-Timeout, at most the longest a request
+        may take), else TENSORBUS_REQUEST_TIMEOUT_S."""
+        return min(time.time() + max(self._asked(timeout_s), 0.001), self.end_by(timeout_s))
+
+    def end_by(self, timeout_s: float | None = None) -> float:
+        """When a generation must have ended, however well it goes: the client's own
+        timeout, else TENSORBUS_MAX_GENERATION_S."""
+        cap = self.config.max_generation_s
+        return time.time() + max(min(timeout_s, cap) if timeout_s is not None else cap, 0.001)
+
+    def _asked(self, timeout_s: float | None) -> float:
+        if timeout_s is None:
+            return self.config.request_timeout_s
+        return min(timeout_s, max(self.config.max_generation_s, self.config.request_timeout_s))
 
     async def tokenize(self, fn, *args):
         """`fn(*args)` off the event loop, for a body above INLINE_TOKENIZE: an
@@ -149,8 +161,9 @@ class Frontend:
     # ---------------------------------------------------------------- dispatch
     @contextmanager
     def dispatched(self, work):
-        """The request's inbox, open (and counted as waiting) while it is out."""
-        reply, q = self.inbox.open(work.request_id, work.deadline)
+        """The request's inbox (a GenerateWork's: its deadline, then its stall and
+        end bounds), open (and counted as waiting) while it is out."""
+        reply, q = self.inbox.open(work.request_id, work.deadline, work.stall_s, work.end_by)
         waiting = self.admission.waiting
         waiting[work.model] += 1
         try:

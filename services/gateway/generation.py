@@ -17,7 +17,9 @@
      `Tensorbus-Model-Version`, and an HTTP response starts, with that header, only
      when it has arrived.
   4. A client that goes away (HTTP) or a deadline that passes sends a Cancel, which
-     frees the worker's slot within one step.
+     frees the worker's slot within one step. The deadline bounds the wait for the
+     first token; every chunk that arrives restarts the stall timeout, and the
+     request's `end_by` bounds the rest (the inbox's clock; docs/protocol.md).
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ class Generation:
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
                             req.stream, deadline, "", ignore_eos=req.ignore_eos,
-                            user=user_key(req.user, call.user), reserved=reserved)
+                            user=user_key(req.user, call.user), reserved=reserved,
+                            stall_s=self.config.stall_timeout_s, end_by=call.end_by)
         opts = req.stream_options
         return Prepared(req, chat, work, req.model, int(time.time()),
                         bool(opts and opts.include_usage),
@@ -197,7 +200,8 @@ class Generation:
                     elif ev.attempt != attempt:
                         continue
                     out.version = ev.version or out.version
-                    if not out.first_token_at and isinstance(ev, GenChunk):
+                    if not out.first_token_at and isinstance(ev, GenChunk) and (
+                            ev.tokens or ev.finish_reason):  # not a whole answer's progress note
                         out.first_token_at = time.perf_counter()
                     batch.append(ev)
                     if isinstance(ev, GenDone):

@@ -2,7 +2,9 @@
 
 Routes are an explicit list (Starlette). Bodies are read with a hard size limit,
 API keys are checked when configured, streaming uses Server-Sent Events ending with
-`data: [DONE]`, and a client that disconnects mid-stream cancels its request.
+`data: [DONE]`, and a client that disconnects cancels its request: mid-stream, and
+before a response starts (held for a cold start, queued, or generating a whole
+answer), when the server's `http.disconnect` message says it left.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from shared.logging import get_logger
 
 log = get_logger("gateway.http")
 _json = msgspec.json.Encoder()
-DISCONNECT_POLL_S = 0.25  # how often a stream waiting for its first chunk checks its client
 
 
 class HttpMetrics:
@@ -75,15 +76,27 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
             raise ServiceError(431, f"the request headers take {size} bytes; the limit is "
                                f"{config.max_header_bytes}", code="headers_too_large")
 
+    def body_limit() -> tuple[int, str]:
+        """(bytes, name) of the largest body taken: TENSORBUS_MAX_PAYLOAD, or the bus's
+        own max_payload when smaller (what the connected nats-server announced, read
+        per request: a reconnect may land on another server). A NATS client cannot
+        send more than that either, so both transports meet one limit, as a 413."""
+        bus = front.nc.max_payload
+        if 0 < bus < config.max_payload:
+            return bus, "the message bus's max_payload"
+        return config.max_payload, "TENSORBUS_MAX_PAYLOAD"
+
     async def read_body(request: Request) -> bytes:
+        limit, name = body_limit()
         declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > config.max_payload:
-            raise too_large(f"the request body is {declared} bytes; the limit is {config.max_payload}")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise too_large(f"the request body is {declared} bytes; the limit is {limit} bytes "
+                            f"({name})")
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > config.max_payload:
-                raise too_large(f"the request body exceeds the limit of {config.max_payload} bytes")
+            if size > limit:
+                raise too_large(f"the request body exceeds the limit of {limit} bytes ({name})")
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -112,13 +125,13 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
                                code="invalid_api_key")
         prep = await pipe.prepare(await read_body(request), call)
         if not prep.stream:
-            resp = await pipe.whole(prep, call)
+            resp = await _unless_gone(request, pipe.whole(prep, call))
             return Response(_json.encode(resp), media_type="application/json",
                             headers=_headers(call))
         # The response starts when the first chunk arrives: its headers name the
         # version, and an error before it is an HTTP status, not an SSE event.
         chunks = pipe.chunks(prep, call)  # lists of chunks ready together
-        first = await _first_chunk(request, chunks)
+        first = await _unless_gone(request, anext(chunks, None))
         call.detach()  # the stream finishes the call: record and metrics at its end
         return StreamingResponse(_sse(call, chunks, first, metrics),
                                  media_type="text/event-stream",
@@ -163,22 +176,29 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})
 
 
-async def _first_chunk(request: Request, chunks):
-    """The stream's first chunks (None when it has none). Until it arrives no response
-    has started, so nothing else notices a client that leaves meanwhile (a request
-    held through a cold start, or queued): look every DISCONNECT_POLL_S."""
-    task = asyncio.ensure_future(anext(chunks, None))
+async def _unless_gone(request: Request, answer):
+    """What awaitable `answer` gives, or ClientDisconnect when the client leaves
+    first. Until a response starts nothing else notices a client that leaves (a
+    request held through a cold start, queued, or generating a whole answer): the
+    body is read, so the next ASGI message is `http.disconnect`, sent when the
+    connection closes. The caller then sends the request's Cancel."""
+    task = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise ClientDisconnect()
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientDisconnect()
     finally:
-        if not task.done():
-            task.cancel()  # closes the stream: its inbox and its waiting count
-            await asyncio.gather(task, return_exceptions=True)
+        for t in (task, gone):
+            t.cancel()  # a no-op when done; closes a stream's inbox and waiting count
+        await asyncio.gather(task, gone, return_exceptions=True)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the server says the client left."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _headers(call: Call) -> dict[str, str]:

@@ -9,13 +9,20 @@ has in flight, and each request's answers read off its own queue.
      (`subjects.reply_group`); each of its items lands in its request's queue, in
      order, as if it had come alone.
   3. Queues hold decoded results, or the ServiceError a message stands for (no
-     responders: 503; an undecodable body: 500), which the reader raises; at the
-     request's deadline `EXPIRED` joins its queue (one timer per request, not one
-     per wait: a stream waits once per token).
+     responders: 503; an undecodable body: 500), which the reader raises; when the
+     request's time is up an `Expired` joins its queue (one timer per request, not
+     one per wait: a stream waits once per token). Its time is its deadline until
+     its first token; from its first GenChunk on (noted as it arrives, whatever
+     the reader's pace) its time is up when no chunk came for its stall timeout,
+     or at its `end_by` (docs/protocol.md, "Deadlines"). A `Held` may move the
+     deadline later (`until`: the model's measured cold start). The first chunk sets the
+     timer again; a later one only writes its time, and the timer, when it rings
+     early, sets itself again for the time now due.
   4. A request reads its queue (`next_result`, `ready_results`): hold notices are
      noted in its `Outcome` in passing (`Held` starts the cold-start clock,
      `Accepted` sets `hold_s`), a WorkError is raised as the client's error, and at
-     `EXPIRED` a Cancel goes out (the worker frees whatever it holds) and 504 is raised.
+     `Expired` a Cancel goes out (the worker frees whatever it holds) and 504 is
+     raised, saying which bound it was.
 
 A message for a request that already finished is dropped, which is what makes
 re-dispatched work idempotent towards the client (and keeps a late result of a
@@ -25,7 +32,9 @@ cancelled request from reaching anyone).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -33,11 +42,12 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from shared import subjects
-from shared.errors import ServiceError, deadline_exceeded, internal, unavailable
+from shared.errors import ServiceError, deadline_exceeded, internal, out_of_time, unavailable
 from shared.logging import get_logger
 from shared.messages import (
     Accepted,
     Cancel,
+    GenChunk,
     Held,
     WorkError,
     encode,
@@ -50,7 +60,37 @@ if TYPE_CHECKING:
 
 log = get_logger("gateway.inbox")
 
-EXPIRED = object()  # queued at a request's deadline
+
+@dataclass(slots=True)
+class Expired:
+    """Queued when a request's time is up: `why` is the bound it passed."""
+
+    why: str  # "deadline" (no first token) | "stall" | "max_time"
+    seconds: float  # that bound, for the message
+
+
+@dataclass(slots=True)
+class Clock:
+    """A request's time: `deadline` (UNIX seconds) until its first token; after it,
+    `stall_s` after its latest token (0 = unbounded), and `end_by` at the latest
+    (0 = no bound)."""
+
+    q: asyncio.Queue
+    deadline: float
+    stall_s: float = 0.0
+    end_by: float = 0.0
+    last: float = 0.0  # UNIX seconds of its latest token (0: none yet)
+    handle: asyncio.TimerHandle | None = None
+
+    def due(self) -> tuple[float, Expired]:
+        """When its time is up, and what to queue then."""
+        if not self.last:
+            return self.deadline, Expired("deadline", 0.0)
+        stall = self.last + self.stall_s if self.stall_s > 0 else math.inf
+        end = self.end_by or math.inf
+        if stall < end:
+            return stall, Expired("stall", self.stall_s)
+        return end, Expired("max_time", 0.0)
 
 
 class ReplyInbox:
@@ -59,7 +99,7 @@ class ReplyInbox:
         self.prefix = nc.new_inbox()
         self.group = subjects.reply_group(self.prefix)  # where workers send Results
         self._queues: dict[str, asyncio.Queue] = {}
-        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._clocks: dict[str, Clock] = {}
         self._sub = None
 
     async def start(self) -> None:
@@ -72,21 +112,47 @@ class ReplyInbox:
             await self._sub.unsubscribe()
             self._sub = None
 
-    def open(self, request_id: str, deadline: float) -> tuple[str, asyncio.Queue]:
-        """The request's reply subject and queue; `EXPIRED` is queued at `deadline`
-        (UNIX seconds)."""
+    def open(self, request_id: str, deadline: float, stall_s: float = 0.0,
+             end_by: float = 0.0) -> tuple[str, asyncio.Queue]:
+        """The request's reply subject and queue; an `Expired` is queued when its
+        time (a `Clock` of these bounds, UNIX seconds) is up."""
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        loop = asyncio.get_running_loop()
-        self._timers[request_id] = loop.call_at(
-            loop.time() + max(0.0, deadline - time.time()), q.put_nowait, EXPIRED)
+        clock = self._clocks[request_id] = Clock(q, deadline, stall_s, end_by)
+        self._arm(clock)
         return f"{self.prefix}.{request_id}", q
+
+    def _arm(self, clock: Clock) -> None:
+        due, _ = clock.due()
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, due - time.time()) if due != math.inf else 86_400.0
+        clock.handle = loop.call_at(loop.time() + delay, self._ring, clock)
+
+    def _ring(self, clock: Clock) -> None:
+        """The timer: the request's time is up, or (tokens came meanwhile) it is due
+        later, and the timer is set again for then."""
+        due, expired = clock.due()
+        if due > time.time():
+            self._arm(clock)
+        else:
+            clock.handle = None
+            clock.q.put_nowait(expired)
+
+    def _token(self, clock: Clock, now: float) -> None:
+        """A GenChunk of the request arrived at `now`. Later chunks only put its time
+        off (the timer sees it when it rings); the first may bring it forward (a
+        stall timeout shorter than what was left of the deadline): set it again."""
+        first = not clock.last
+        clock.last = now
+        if first and clock.handle is not None:
+            clock.handle.cancel()
+            self._arm(clock)
 
     def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
-        timer = self._timers.pop(request_id, None)
-        if timer is not None:
-            timer.cancel()
+        clock = self._clocks.pop(request_id, None)
+        if clock is not None and clock.handle is not None:
+            clock.handle.cancel()
 
     @property
     def open_count(self) -> int:
@@ -118,7 +184,7 @@ class ReplyInbox:
         got = []
         while not q.empty():
             item = q.get_nowait()
-            if item is EXPIRED:
+            if isinstance(item, Expired):
                 q.put_nowait(item)  # the next wait reports it
                 break
             try:
@@ -130,12 +196,14 @@ class ReplyInbox:
         return got, None
 
     async def _next(self, q: asyncio.Queue, rid: str, out: Outcome | None):
-        """The request's next queued item; at its deadline (`EXPIRED`, queued by the
-        timer) a Cancel goes out and 504 is raised."""
+        """The request's next queued item; when its time is up (`Expired`, queued by
+        the timer) a Cancel goes out and 504 is raised."""
         item = q.get_nowait() if not q.empty() else await q.get()
-        if item is not EXPIRED:
+        if not isinstance(item, Expired):
             return item
-        await self.cancel(rid, "deadline")
+        await self.cancel(rid, item.why)
+        if item.why != "deadline":
+            raise out_of_time(item.why, item.seconds)
         if out is not None and out.held_at:  # still waiting for a worker to start
             out.hold_s = time.perf_counter() - out.held_at
             raise deadline_exceeded(
@@ -147,9 +215,16 @@ class ReplyInbox:
         if msg.subject == self.group:
             self._demux(msg.data)
             return
-        q = self._queues.get(msg.subject[len(self.prefix) + 1:])
+        rid = msg.subject[len(self.prefix) + 1:]
+        q = self._queues.get(rid)
         if q is not None:
-            q.put_nowait(_decoded(msg))
+            item = _decoded(msg)
+            if isinstance(item, GenChunk):
+                self._token(self._clocks[rid], time.time())
+            elif isinstance(item, Held) and item.until > self._clocks[rid].deadline:
+                # held through a cold start that needs longer: the timer sees it
+                self._clocks[rid].deadline = item.until
+            q.put_nowait(item)
 
     def _demux(self, data: bytes) -> None:
         try:
@@ -157,10 +232,12 @@ class ReplyInbox:
         except msgspec.DecodeError as exc:
             log.error("results_undecodable", error=str(exc)[:200])
             return
-        queues = self._queues
+        queues, clocks, now = self._queues, self._clocks, time.time()
         for item in items:
             q = queues.get(item.request_id)
             if q is not None:
+                if isinstance(item, GenChunk):  # tokens flow: the stall bound starts again
+                    self._token(clocks[item.request_id], now)
                 q.put_nowait(item)
 
 

@@ -113,12 +113,6 @@ class ModelTable:
             self._entries[name] = entry
             return entry
 
-    def preload(self, names: list[str]) -> None:
-        for name in names:
-            info = catalog.resolve(name)
-            if info is not None:
-                self._entries[name] = _load_entry(info)
-
     @staticmethod
     @functools.cache
     def _bundled() -> tuple[str, ...]:

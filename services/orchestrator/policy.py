@@ -74,8 +74,14 @@ def model_specs(config: Config, catalogue: Iterable[str]) -> list[ModelSpec]:
     return [ModelSpec(m, *config.fleet_bounds(m)) for m in names]
 
 
-def threads_per_worker(cores: int, workers: int) -> int:
-    """The machine's cores split evenly between the workers it runs (at least 1)."""
+def threads_per_worker(cores: int, workers: int, setting: str = "split") -> int:
+    """Engine threads of each worker: "split", the machine's cores split evenly
+    between the workers it runs (at least 1); "shared", every worker may use every
+    core (an idle worker holds none, a busy one gets them all); or a number."""
+    if setting == "shared":
+        return max(1, cores)
+    if setting.isdigit() and int(setting) > 0:
+        return int(setting)
     return max(1, cores // max(1, workers))
 
 

@@ -207,7 +207,8 @@ class Orchestrator(Lifecycle):
     async def reconcile(self) -> None:
         now = time.monotonic()
         plan = self.policy.plan(self.views(), now)
-        threads = threads_per_worker(self.cores, sum(plan.targets.values()))
+        threads = threads_per_worker(self.cores, sum(plan.targets.values()),
+                                     self.config.worker_threads)
         for model in plan.start:
             try:
                 wp = await self.launcher.start(model, threads)

@@ -10,12 +10,15 @@ import argparse
 import asyncio
 import sys
 from datetime import datetime
+from pathlib import Path
 
 import msgspec
 import nats
 
 from services.registry.errors import RegistryError
 from services.registry.store import Registry
+from shared import catalog
+from shared.bus import open_client
 from shared.config import Config
 from shared.logging import configure_logging
 from shared.registry import Aliases, CanaryGuard, ModelVersion
@@ -27,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-url", default=None,
                    help="NATS server(s), comma-separated (default: $TENSORBUS_NATS_URL)")
     p.add_argument("--creds", default=None, metavar="FILE",
-                   help="NATS credentials file (user JWT + nkey), when the server wants one")
+                   help="NATS credentials file (user JWT + nkey), when the server wants one "
+                        "(default: $TENSORBUS_NATS_CREDS; see also TENSORBUS_NATS_NKEY_SEED)")
     p.add_argument("-v", "--verbose", action="store_true", help="log registry operations")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -105,10 +109,10 @@ def main(argv: list[str] | None = None, *, setup_logging: bool = True) -> int:
 
 async def _run(args: argparse.Namespace, url: str) -> int:
     # Unlike a service, a command fails fast when the bus is down (a few retries).
-    nc = await nats.connect(servers=[u.strip() for u in url.split(",")],
-                            name="tensorbus-registry-cli", connect_timeout=2,
-                            max_reconnect_attempts=2, reconnect_time_wait=0.25,
-                            allow_reconnect=True, user_credentials=args.creds)
+    creds = {"user_credentials": args.creds} if args.creds else {}
+    nc = await open_client(url, name="tensorbus-registry-cli", connect_timeout=2,
+                           max_reconnect_attempts=2, reconnect_time_wait=0.25,
+                           allow_reconnect=True, **creds)
     try:
         reg = await Registry.open(nc)
         return await _COMMANDS[args.command](reg, args)
@@ -116,7 +120,32 @@ async def _run(args: argparse.Namespace, url: str) -> int:
         await nc.drain()
 
 
+def serving_warning(model_dir: str | Path) -> str | None:
+    """Why no worker would serve this directory, read from its config files alone
+    (the encoder engines' refusals, engine/encoder_spec.py); None when none is known.
+    A push still goes ahead: the registry stores what it is given."""
+    path = Path(model_dir)
+    if not (path / "config.json").exists():
+        return None  # the push itself says what is missing
+    info = catalog.describe(path.name, path)
+    if info.kind != "encoder":
+        return None
+    from engine.bert_config import BertConfig
+    from engine.encoder_spec import UnsupportedEncoder
+
+    try:
+        BertConfig(path)
+    except UnsupportedEncoder as exc:
+        return str(exc)
+    except KeyError as exc:
+        return f"config.json has no {exc} field"
+    return None
+
+
 async def _push(reg: Registry, args) -> int:
+    warning = serving_warning(args.dir)
+    if warning:
+        print(f"warning: workers will refuse this model (exit 78): {warning}", file=sys.stderr)
     mv = await reg.push(args.dir, args.name, version=args.version,
                         lineage=_pairs(args.lineage), progress=not args.no_progress)
     return _pushed(mv, args)

@@ -49,6 +49,7 @@ from services.registry.keys import (
 from services.registry.push import Pusher
 from services.registry.watch import AliasWatch
 from shared import subjects
+from shared.jetstream import replicas
 from shared.logging import get_logger
 from shared.registry import READY, Aliases, AliasChange, CanaryGuard, ModelVersion
 
@@ -80,7 +81,7 @@ class Registry:
         except BucketNotFoundError:
             kv = await js.create_key_value(
                 bucket=subjects.REGISTRY_META, history=KV_HISTORY,
-                description="tensorbus model metadata and aliases",
+                description="tensorbus model metadata and aliases", replicas=replicas(nc),
             )
         else:
             kept = (await kv.status()).history
@@ -92,6 +93,7 @@ class Registry:
         except BucketNotFoundError:
             obj = await js.create_object_store(
                 subjects.REGISTRY_OBJECTS, description="tensorbus model files",
+                replicas=replicas(nc),
             )
         return cls(js, kv, obj, actor, nc=nc)
 

@@ -13,15 +13,20 @@ to the request's reply subject at once):
   4. No ready worker takes new work for the model: [] (the caller holds it for a
      cold start, services.scheduler.holds), unless it pins a version no ready worker
      has while others of the model are ready (503).
-  5. The bound (`shared.admission.check`), over every scheduler's work (`ahead`: this
-     one's tally, what it holds, the others' SchedLoad reports): by count for
-     generation, by work for embeddings (tokens x the model's measured cost per
-     token, from the workers' `WorkDone`), and a request that cannot finish before
-     its own deadline behind the work ahead is a 429 with Retry-After in seconds of
-     estimated work.
+  5. The bound, over every scheduler's work (`ahead`: this one's tally, what it
+     holds, the others' SchedLoad reports), by work: for embeddings
+     (`shared.admission.check`) tokens x the model's measured cost per token, from
+     the workers' `WorkDone`, and a request that cannot finish before its own
+     deadline behind the work ahead is a 429 with Retry-After in seconds of
+     estimated work; for generation (`shared.admission.check_generation`) the work
+     ahead of its prompt and the prompt's own, from the prefill and decode costs the
+     ready workers' heartbeats carry (timed at warm-up, refitted as they step), and
+     one whose prompt cannot be computed before its deadline is a 429 at once.
+     Generation that no worker has timed is bounded by count alone.
 
-`reserve` admits a large embeddings body by its estimated size before the gateway
-tokenizes it, and holds its room in the tally until its work arrives.
+`reserve` admits a large embeddings body by its estimated size (a completion by
+count: its size is not known before tokenizing) before the gateway tokenizes it, and
+holds its room in the tally until its work arrives.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from shared import admission
 from shared.admission import Cost, CostBook, LoadBoard, Tally
 from shared.config import Config
 from shared.errors import deadline_exceeded, unavailable
-from shared.messages import EmbedWork, Reserve, SchedLoad, WorkDone, WorkRequest
+from shared.messages import EmbedWork, GenerateWork, Reserve, SchedLoad, WorkDone, WorkRequest
 from shared.telemetry import Heartbeat
 
 RESERVATION_S = 5.0  # a reservation whose work never came (its gateway gone) is dropped
@@ -45,6 +50,11 @@ def work_size(work: WorkRequest) -> tuple[int, int]:
     if isinstance(work, EmbedWork):
         return len(work.inputs), sum(len(x) for x in work.inputs)
     return work.n, len(work.prompt)
+
+
+def work_decode(work: WorkRequest) -> int:
+    """Tokens a request may generate: max_tokens x its choices (0 for embeddings)."""
+    return 0 if isinstance(work, EmbedWork) else work.n * work.max_tokens
 
 
 class Reservation(NamedTuple):
@@ -90,9 +100,12 @@ class Admission:
                 raise unavailable(f"no ready worker serves model '{model}' version "
                                   f"{work.version}; retry shortly")
             return []
-        if not reserved:  # reserved work was admitted by its size before tokenizing
-            self.check_size(model, *work_size(work), work.deadline, ready,
-                            by_work=isinstance(work, EmbedWork))
+        if reserved:  # admitted by its size (or count) before tokenizing
+            return ready
+        if isinstance(work, EmbedWork):
+            self.check_size(model, *work_size(work), work.deadline, ready, by_work=True)
+        else:
+            self.check_generation(work, ready)
         return ready
 
     def check_open(self, model: str, deadline: float) -> None:
@@ -104,7 +117,8 @@ class Admission:
     def check_size(self, model: str, inputs: int, tokens: int, deadline: float,
                    ready: list[WorkerView], by_work: bool) -> None:
         """429 unless the request fits (`shared.admission.check`): by work for
-        embeddings, by count for generation (a decoder's cost is per step, not per token)."""
+        embeddings, by count for a completion's reservation (its prompt and max_tokens
+        are not known before tokenizing; its submit is not checked again)."""
         admission.check(
             model, self.ahead(model), inputs, tokens, len(ready),
             max_batch=max(w.hb.max_batch for w in ready) if by_work else 0,
@@ -114,6 +128,19 @@ class Admission:
             max_queue_s=self.config.max_queue_s if by_work else float("inf"),
             by_work=by_work)
 
+    def check_generation(self, work: GenerateWork, ready: list[WorkerView]) -> None:
+        """429 unless the generation's prompt can be computed behind the work ahead
+        within the queue bound and its deadline (`shared.admission.check_generation`),
+        by the cost the ready workers' heartbeats carry; by count while none does."""
+        hbs = [w.hb for w in ready]
+        admission.check_generation(
+            work.model, self.ahead(work.model), work.n, len(work.prompt), len(ready),
+            slots=min((hb.slots_total or hb.max_batch for hb in hbs), default=1),
+            running=sum(hb.running for hb in hbs), cost=admission.gen_cost(hbs),
+            left_s=work.deadline - time.time(),
+            max_queue_per_worker=self.config.max_queue_per_worker,
+            max_queue_s=self.config.max_queue_s, chunk=self.config.prefill_chunk)
+
     def ahead(self, model: str) -> Tally:
         """Every scheduler's outstanding work for `model`: this one's (live), what it
         holds, and the others' last reports (at most one interval old)."""
@@ -122,12 +149,12 @@ class Admission:
 
     # -------------------------------------------------------------------- tally
     def dispatched(self, work: WorkRequest) -> None:
-        self.tally.setdefault(work.model, Tally()).add(*work_size(work))
+        self.tally.setdefault(work.model, Tally()).add(*work_size(work), decode=work_decode(work))
         self.changed()
 
     def finished(self, work: WorkRequest) -> None:
         """Dispatched work that finished, or was taken back from a lost worker."""
-        self.tally[work.model].add(*work_size(work), sign=-1)
+        self.tally[work.model].add(*work_size(work), sign=-1, decode=work_decode(work))
         self.changed()
 
     # -------------------------------------------------------------- reservations

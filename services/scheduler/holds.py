@@ -6,8 +6,15 @@
      gateway is told (`Held`) and demand goes out at once (the service does both).
   2. The first worker that becomes ready gets them (`take`), each admitted again with
      the time it was held (its `Accepted`).
-  3. One whose deadline passes first ends with a 504 that says it was held
-     (`expire`); a model the orchestrator says `failed` ends them with a 503 (`fail`).
+  3. A generation is held until its deadline or, when this scheduler has seen a
+     worker of the model start (`observe_start`: the slowest start measured), until
+     that cold start has passed with some margin, if its `end_by` (the client's own
+     timeout, else TENSORBUS_MAX_GENERATION_S) allows: its deadline moves there and
+     the gateway is told (`Held.until`). One whose deadline passes first ends with a
+     504 that says it was held (`expire`); a model the orchestrator says `failed`
+     ends them with a 503 (`fail`).
+  4. One its gateway cancels (its client left, or its time ran out there first) is
+     dropped (`drop`): never dispatched, never generated.
 """
 
 from __future__ import annotations
@@ -19,7 +26,10 @@ from dataclasses import dataclass
 from services.scheduler.admission import work_size
 from shared.admission import Tally
 from shared.errors import ServiceError, deadline_exceeded, overloaded, unavailable
-from shared.messages import WorkRequest
+from shared.messages import GenerateWork, WorkRequest
+
+START_MARGIN = 1.25  # a held request waits this many measured cold starts: a start
+# also spends time before the worker measures (the interpreter, imports)
 
 
 @dataclass
@@ -32,6 +42,20 @@ class Holds:
     def __init__(self, max_queue_per_worker: int) -> None:
         self.max_queue_per_worker = max_queue_per_worker
         self.by_model: dict[str, deque[HeldWork]] = {}  # model -> waiting for a cold start
+        self.start_s: dict[str, float] = {}  # model -> its slowest worker start seen (seconds)
+
+    def observe_start(self, model: str, start_s: float) -> None:
+        """A ready worker's heartbeat says it took `start_s` to start."""
+        if start_s > self.start_s.get(model, 0.0):
+            self.start_s[model] = start_s
+
+    def until(self, work: WorkRequest) -> float:
+        """When `work`, held from now, stops waiting: its deadline, or a generation's
+        measured cold start (with margin) when that is later and its end_by allows."""
+        start = self.start_s.get(work.model, 0.0)
+        if not start or not isinstance(work, GenerateWork) or not work.end_by:
+            return work.deadline
+        return max(work.deadline, min(work.end_by, time.time() + start * START_MARGIN))
 
     def hold(self, work: WorkRequest, since: float | None, queued: int, n_ready: int) -> int:
         """Hold `work` (`since`: held from then, monotonic; None = now), or 429 when the
@@ -42,12 +66,25 @@ class Holds:
         if len(held) + queued >= self.max_queue_per_worker * max(n_ready, 1):
             raise overloaded(f"model '{model}' is starting and already holds {len(held)} "
                              "requests; retry after the hinted delay", retry_after=1.0)
+        if since is None:
+            work.deadline = self.until(work)  # the worker's first-token bound moves with it
         held.append(HeldWork(work, time.monotonic() if since is None else since))
         return len(held)
 
     def take(self, model: str) -> deque[HeldWork]:
         """Everything held for `model`, oldest first, no longer held."""
         return self.by_model.pop(model, deque())
+
+    def drop(self, request_id: str) -> WorkRequest | None:
+        """The held request `request_id`, no longer held (None: not held here)."""
+        for model, held in self.by_model.items():
+            for h in held:
+                if h.work.request_id == request_id:
+                    held.remove(h)
+                    if not held:
+                        del self.by_model[model]
+                    return h.work
+        return None
 
     def count(self, model: str) -> int:
         held = self.by_model.get(model)

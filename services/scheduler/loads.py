@@ -56,7 +56,7 @@ class LoadReports:
             t = adm.tally.get(m, Tally()) + self.holds.tally(m)
             cost = adm.costs.cost(m) or Cost(0.0, 0.0)
             models.append(ModelLoad(m, t.requests, t.inputs, t.tokens, cost.per_token,
-                                    cost.per_batch))
+                                    cost.per_batch, t.decode))
         self._reported = busy
         return SchedLoad(self.id, models, time.time())
 

@@ -15,7 +15,8 @@ Dataflow of one request:
      model: the request is held, the gateway is told (`Held`), and a ScaleDecision
      goes out at once. The first worker that becomes ready gets it (with an
      `Accepted` carrying the time held); its own deadline passing first ends it with
-     a 504 that says so.
+     a 504 that says so; a Cancel (broadcast on `tensorbus.v1.cancel`, which every
+     scheduler hears) drops it.
   4. Routing: the least-loaded ready worker below the memory threshold serving the
      model (and the version the request pins or the canary draw picks) gets the
      WorkRequest on its work subject; for a prompt, the one whose heartbeat says it
@@ -208,7 +209,7 @@ class Scheduler(Lifecycle):
                                  len(self.fleet.available(model)))
         self.catalogue.note(model)
         if since is None and work.reply:
-            await self.nc.publish(work.reply, encode(Held(work.request_id, model)))
+            await self.nc.publish(work.reply, encode(Held(work.request_id, model, work.deadline)))
         await self.scaling.held(model, n_held)
 
     def _queued(self, model: str) -> int:
@@ -232,14 +233,20 @@ class Scheduler(Lifecycle):
         self.loads.changed()
 
     async def _on_cancel(self, msg: Msg) -> None:
-        """A gateway that reserved and will not submit (its request failed to
-        tokenize, or its client left) gives the room back."""
-        if not self.admission.reservations:
+        """A request its gateway gave up on (its client left, its time ran out): held
+        for a cold start, it is dropped, so the worker that starts never generates
+        it; reserved and not submitted (it failed to tokenize), its room comes back."""
+        if not self.admission.reservations and not self.holds.by_model:
             return
         try:
-            self.admission.release(cancel_decoder.decode(msg.data).request_id)
+            rid = cancel_decoder.decode(msg.data).request_id
         except msgspec.DecodeError:
             return
+        if self.admission.reservations:
+            self.admission.release(rid)
+        if self.holds.by_model and self.holds.drop(rid) is not None:
+            log.debug("held_request_cancelled", request_id=rid)
+            self.loads.changed()
 
     # ------------------------------------------------------------------ dispatch
     async def _dispatch(self, work: WorkRequest, ready: list[WorkerView],
@@ -334,6 +341,8 @@ class Scheduler(Lifecycle):
             self.aliases.track(hb.model)
         self.catalogue.note(hb.model, hb.kind)
         self.admission.observe_heartbeat(hb)  # before it counts as ready: its cost is known
+        if hb.start_s:
+            self.holds.observe_start(hb.model, hb.start_s)
         view = self.fleet.observe(hb)
         if view.ready and self.holds.count(hb.model) and self.fleet.available(hb.model):
             await self._release_held(hb.model)

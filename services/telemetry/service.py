@@ -40,6 +40,7 @@ from services.lifecycle import Lifecycle
 from services.micro import MicroService, ServiceHealth, add_service
 from shared import subjects
 from shared.config import Config, bad_config
+from shared.jetstream import replicas
 from shared.logging import get_logger
 from shared.telemetry import Heartbeat, RequestRecord, ScaleDecision, encode, record_decoder
 
@@ -171,7 +172,8 @@ class TelemetryService(Lifecycle):
 
     async def _ensure_stream(self) -> None:
         try:
-            await ensure_stream(self.nc.jetstream(), self._stream_config)
+            await ensure_stream(self.nc.jetstream(), self._stream_config,
+                                replicas(self.nc, self.config.js_replicas))
             self._stream_ok = True
         except (NatsError, asyncio.TimeoutError) as exc:
             # Metrics and summaries still work; replay waits for JetStream.

@@ -10,6 +10,8 @@ adding bucket counts, which is exact: merge(A, B) == sketch(A + B).
 
 `SlidingWindow` is a ring of per-interval accumulators on a monotonic clock; the
 telemetry summaries use it so each report covers the last N intervals, not all time.
+
+Why this is not the `ddsketch` package or a Prometheus histogram: docs/decisions/0022.
 """
 
 from __future__ import annotations

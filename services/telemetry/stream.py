@@ -38,13 +38,16 @@ def stream_config(max_age_s: float = DEFAULT_MAX_AGE_S,
 _OWNED = ("subjects", "retention", "discard", "max_age", "max_bytes")
 
 
-async def ensure_stream(js: JetStreamContext, want: StreamConfig) -> StreamInfo:
-    """Create the stream, or bring an existing one's limits to `want` (idempotent)."""
+async def ensure_stream(js: JetStreamContext, want: StreamConfig,
+                        replicas: int | None = None) -> StreamInfo:
+    """Create the stream (with `replicas` copies, when given), or bring an existing
+    one's limits to `want` (idempotent; its replicas stay: `tensorbus replicas`)."""
     try:
         info = await js.stream_info(want.name)
     except NotFoundError:
         try:
-            info = await js.add_stream(want)
+            info = await js.add_stream(want if replicas is None
+                                       else want.evolve(num_replicas=replicas))
             log.info("stream_created", stream=want.name)
             return info
         except BadRequestError:

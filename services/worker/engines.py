@@ -83,6 +83,23 @@ def _check_gguf_blocks(info: catalog.ModelInfo) -> None:
         raise bad_config(f"TENSORBUS_QUANT='gguf' for {info.name}: {exc}") from None
 
 
+def check_encoder(info: catalog.ModelInfo) -> None:
+    """Exit 78 when the encoder engines do not serve the model's architecture,
+    sentence-transformers modules or pooling (read from its config files alone)."""
+    if info.kind != "encoder":
+        return
+    from engine.bert_config import BertConfig
+    from engine.encoder_spec import UnsupportedEncoder
+
+    try:
+        task = BertConfig(info.path).spec.task
+    except UnsupportedEncoder as exc:
+        raise bad_config(f"{info.name}: {exc}") from None
+    if task == "score":  # the engine scores pairs; no endpoint sends it any yet
+        raise bad_config(f"{info.name}: a cross-encoder (reranker); workers do not serve "
+                         f"/v1/rerank or /v1/score yet, and would not embed with it")  # fmt: skip
+
+
 def check_split(config: Config, info: catalog.ModelInfo) -> None:
     """Exit 78 when the model's heads or MLP columns do not split over its devices."""
     from engine import sharding
@@ -111,7 +128,8 @@ def engine_settings(config: Config, model: str,
     """(engine, dtype) for `model`; exits 78 on a value no engine knows, a tensor
     parallel degree or quantization the backend does not run, or (for `info`, else
     the model's directory when it is known here) heads that do not split over the
-    devices asked for or GGUF blocks the engine cannot keep."""
+    devices asked for, GGUF blocks the engine cannot keep, or an encoder the encoder
+    engines do not serve."""
     tp, quant = parallel_settings(config, model)
     form_settings(config, model, "decoder")  # the encoder's narrower check: at build
     engine = _per_model(config, "engine", model, "jax")
@@ -124,9 +142,11 @@ def engine_settings(config: Config, model: str,
         raise bad_config(f"{model}: the torch engine runs on one device with float weights; "
                          f"TENSORBUS_TENSOR_PARALLEL={tp} and TENSORBUS_QUANT={quant!r} need "
                          f"TENSORBUS_ENGINE=jax")  # fmt: skip
-    if info is None and (tp > 1 or quant == "gguf"):
+    local = bool(config.model_dir) and catalog.is_model_dir(config.model_dir)
+    if info is None and (tp > 1 or quant == "gguf" or local):
         info = catalog.resolve(model, config.model_dir)
     if info is not None:
+        check_encoder(info)
         check_split(config, info)
         if quant == "gguf":
             _check_gguf_blocks(info)
@@ -136,6 +156,7 @@ def engine_settings(config: Config, model: str,
 def build_engine(config: Config, info: catalog.ModelInfo) -> Engine:
     """The engine for one model directory, by kind and the model's engine settings."""
     from engine import jaxrt
+    from engine.encoder_spec import UnsupportedEncoder
     from engine.sharding import ShardingError
 
     backend, dtype = engine_settings(config, info.name, info)
@@ -146,6 +167,8 @@ def build_engine(config: Config, info: catalog.ModelInfo) -> Engine:
         return _build(config, info, backend, dtype, tp, quant, form, budget)
     except ShardingError as exc:  # e.g. fewer devices than asked for
         raise bad_config(str(exc)) from None
+    except UnsupportedEncoder as exc:  # an architecture, module or pooling not served
+        raise bad_config(f"{info.name}: {exc}") from None
 
 
 def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp: int, quant: str,

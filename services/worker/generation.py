@@ -9,9 +9,11 @@ owns the asyncio side: the engine thread, the outbox, the events.
   1. `submit()` checks the prompt against prod's engine (a 400 at once if it cannot
      fit) and queues its `n` choices with the scheduler.
   2. Each iteration first frees the slots of sequences that finished, were
-     cancelled or expired (on the engine thread), then asks the scheduler for a
-     plan: the sequences admitted now, their prompt chunks within the token budget,
-     the lanes to step. Work dropped or refused while it waited is answered at once.
+     cancelled or ran out of time (on the engine thread; a request's deadline
+     bounds the wait for its first token, then its stall timeout and `end_by` do),
+     then asks the scheduler for a plan: the sequences admitted now, their prompt
+     chunks within the token budget, the lanes to step. Work dropped or refused
+     while it waited is answered at once.
   3. One call on the engine thread runs the plan: the prompt chunks, then per lane
      room in the cache for the next step (`make_room`: the newest sequences may be
      preempted), the next step dispatched (`step_async`), and only then the tokens
@@ -41,6 +43,7 @@ from services.worker.decode.scheduler import (
     Lane, LaneStep, Request, StepPlan, StepResult, StepScheduler)
 from services.worker.runner import Gauges, Outbox
 from services.worker.versions import LoadedModels
+from shared.admission import GenCostBook
 from shared.errors import ServiceError, internal
 from shared.logging import get_logger
 from shared.messages import GenerateWork
@@ -61,7 +64,9 @@ class DecoderRunner:
         self.sched = StepScheduler(models.resolve, prefill_per_step, prefill_chunk)
         self.output = OutputProcessor(outbox.worker_id, outbox.model)
         self.counters = self.sched.counters  # prefix-cache counts and preemptions, since start
+        self.costs = GenCostBook()  # prefill and step costs, for the heartbeat (admission)
         self.steps = 0
+        self.generated = 0  # tokens generated since start, over every request
         self._occ_sum = 0
         self._occ_n = 0
         self._wake = asyncio.Event()
@@ -130,7 +135,7 @@ class DecoderRunner:
         from shared.prefix import SUMMARY_KEYS
 
         engine = serving[0].engine if serving else None
-        block = getattr(engine, "prefix_block", getattr(engine, "block", 0))  # 0: cache off
+        block = engine.prefix_block if engine is not None else 0  # 0: cache off
         if not block:
             return {}
         return {"prefix_block": block, "prefix_keys": engine.held_prefixes(SUMMARY_KEYS)}
@@ -147,6 +152,11 @@ class DecoderRunner:
     # -------------------------------------------------------------- requests
     def submit(self, work: GenerateWork) -> None:
         now = time.perf_counter()
+        if work.request_id in self.sched.requests:
+            # A scheduler re-sent work this worker still runs (it judged the worker
+            # stalled): the gateway keeps one answer per request, and this one goes on.
+            log.info("duplicate_work_ignored", request_id=work.request_id)
+            return
         engine = self.models.engines.get(self.models.resolve(work.version))
         try:
             engine.check_prompt(work.prompt)
@@ -186,7 +196,9 @@ class DecoderRunner:
                 self._spawn(self.outbox.error(work, err))
             for req in adm.closed:
                 self._spawn(self._close_now(req))
+            t0 = time.perf_counter()
             result = await loop.run_in_executor(self.executor, _execute, plan)
+            self.costs.observe(time.perf_counter() - t0, *_measured(plan, result))
             self.steps += 1
             self._occ_sum += self.in_flight
             self._occ_n += 1
@@ -202,12 +214,13 @@ class DecoderRunner:
             self._stepped.notify_all()
 
     async def _advance(self, result: StepResult, now: float) -> None:
-        for seq, tok in self.sched.update(result):
+        for seq, tok in self.sched.update(result, time.time()):
             if isinstance(tok, BaseException):
                 log.error("prefill_failed", request_id=seq.work.request_id, error=repr(tok))
                 if self.sched.fail(seq):  # its other choices stop too
                     await self.outbox.error(seq.work, internal("the model failed on this prompt"))
                 continue
+            self.generated += 1
             await self._say(self.output.accept(seq, tok, now))
 
     async def _say(self, says: list[Say]) -> None:
@@ -222,6 +235,8 @@ class DecoderRunner:
         freed = self.sched.retiring(time.time())
         if not freed:
             return
+        for _, _, seq in freed:  # how much of max_tokens sequences use: admission's estimate
+            self.costs.finished(len(seq.tokens), seq.work.max_tokens)
         await asyncio.get_running_loop().run_in_executor(
             self.executor, _free_slots, [(lane.engine, slot) for lane, slot, _ in freed])
         done: dict[str, list[str]] = {}
@@ -238,8 +253,7 @@ class DecoderRunner:
 
     async def _close(self, req: Request, running: int) -> None:
         version = req.version or self.models.resolve(req.work.version)
-        await self._say(self.output.close(req, version, running, time.time(),
-                                          time.perf_counter()))
+        await self._say(self.output.close(req, version, running, time.perf_counter()))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -270,6 +284,14 @@ def _execute(plan: StepPlan) -> StepResult:
         tokens = lane.pending.result() if lane.pending is not None else None  # [slots]
         lanes.append(LaneStep(lane, pending, tokens, preempted))
     return StepResult(firsts, lanes)
+
+
+def _measured(plan: StepPlan, result: StepResult) -> tuple[int, int, int]:
+    """What one iteration computed, for its cost: (prompt tokens, prompt chunks,
+    sequences in the decode steps it read; 0 when it read none)."""
+    rows = sum(sum(s.live for s in ls.lane.active.values())
+               for ls in result.lanes if ls.tokens is not None)
+    return sum(n for _, n in plan.prefill), len(plan.prefill), rows
 
 
 def _free_slots(slots: list[tuple[object, int]]) -> None:

@@ -4,9 +4,10 @@
      bucket compiles, then `ready`), so the scheduler can hold requests during a
      cold start instead of refusing them. Each carries the runner's load and the
      worker's memory (device memory where the backend reports it, else host RSS).
-     An encoder's warm-up ends by timing two full batches (`time_encoder`); every
-     heartbeat from then on carries the cost they showed, so schedulers admit a
-     first burst by its work, not by a count of batches.
+     An encoder's warm-up ends by timing two full batches (`time_encoder`), a
+     decoder's by timing two prompts and a decode step (`time_decoder`, then refitted
+     by its runner as it steps); every heartbeat from then on carries the cost, so
+     schedulers admit a first burst by its work, not by a count.
      With a model source the versions come from the registry (`versions.HotSwap`):
      prod and canary are fetched and verified while the state is `starting`, and the
      aliases are followed afterwards (hot swap without dropping requests, encoders
@@ -47,11 +48,11 @@ from services.worker.priority import lower_threads
 from services.worker.runner import Gauges, Outbox, Runner
 from services.worker.versions import EngineFactory, HotSwap, LoadedModels
 from shared import VERSION, subjects
-from shared.admission import Cost, CostBook
+from shared.admission import Cost, CostBook, GenCost
 from shared.config import Config
 from shared.errors import ServiceError
 from shared.logging import get_logger
-from shared.messages import cancel_decoder, work_decoder
+from shared.messages import Sampling, cancel_decoder, work_decoder
 from shared.telemetry import Heartbeat
 from shared.telemetry import encode as encode_record
 
@@ -80,6 +81,50 @@ def time_encoder(engine, max_batch: int) -> Cost | None:
         log.warning("warmup_timing_failed", error=f"{type(exc).__name__}: {exc}")
         return None
     return book.cost("probe")
+
+
+DECODE_PROBE = (16, 96)  # prompt tokens of the prompts a decoder times at warm-up: far
+# apart, so the fit finds the cost per token, and both within the smallest context,
+# whose prompt shapes a warm-up compiles first (a larger one could compile here)
+DECODE_TRIES = 2  # prompts timed per size: the fastest counts (a shared machine's noise,
+# and the warm-up's background compiles, only ever add time)
+DECODE_STEPS = 3  # decode steps timed at warm-up (the fastest counts: one stream's step)
+
+
+def time_decoder(engine, chunk: int) -> GenCost | None:
+    """A decoder's engine time (`shared.admission.GenCost`) after its warm-up:
+    prompts of DECODE_PROBE tokens computed in one slot, one chunk each (per chunk
+    and per prompt token), then DECODE_STEPS decode steps of one sequence, at the
+    batch bucket the warm-up compiled first. One sequence cannot tell a step's fixed
+    cost from its cost per sequence: it counts as the step's (a small batch's step
+    costs about what one stream's does), and the runner's own steps refit it. None
+    if it failed."""
+    book = CostBook()
+    slot, vocab = 0, max(getattr(engine, "vocab_size", 2) - 1, 1)
+    steps: list[float] = []
+    try:
+        for i, n in enumerate(DECODE_PROBE):
+            n = max(1, min(n, chunk or n, engine.max_context - DECODE_STEPS - 2))
+            best = float("inf")
+            for r in range(DECODE_TRIES):
+                prompt = [(7 * (i * DECODE_TRIES + r) + k) % vocab + 1 for k in range(n)]  # no shared prefix
+                t0 = time.perf_counter()
+                engine.begin(slot, prompt, Sampling(temperature=0.0), 0)
+                while engine.prefill_step(slot, chunk) is None:
+                    pass
+                best = min(best, time.perf_counter() - t0)
+                if not steps:  # the sequence now decoding: time its steps
+                    for _ in range(DECODE_STEPS):
+                        engine.make_room()
+                        t0 = time.perf_counter()
+                        engine.step_async().result()
+                        steps.append(time.perf_counter() - t0)
+                engine.free(slot)
+            book.observe("prefill", best, n)
+    except Exception as exc:  # noqa: BLE001 - a broken engine fails its requests, not its start
+        log.warning("warmup_timing_failed", error=f"{type(exc).__name__}: {exc}")
+        return None
+    return GenCost(book.cost("prefill"), Cost(min(steps), 0.0))
 
 
 def default_worker_id() -> str:
@@ -123,7 +168,9 @@ class Worker(Lifecycle):
         self._stop = asyncio.Event()
         self._hb_now = asyncio.Event()
         self.time_warmup = time_warmup  # time the encoder at warm-up (its cost, in heartbeats)
-        self.warm_cost: Cost | None = None
+        self.warm_cost: Cost | GenCost | None = None  # an encoder's, or a decoder's
+        self._born = time.perf_counter()
+        self.start_s = 0.0  # seconds from construction to ready: its cold start, measured
 
     @property
     def kind(self) -> str:
@@ -157,10 +204,11 @@ class Worker(Lifecycle):
         if self.time_warmup and self.kind == "encoder" and engine is not None:
             self.warm_cost = await loop.run_in_executor(
                 self.executor, time_encoder, engine, self.config.max_batch)
-        cost = self.warm_cost
+        elif self.time_warmup and self.kind == "decoder" and engine is not None:
+            self.warm_cost = await loop.run_in_executor(
+                self.executor, time_decoder, engine, self.config.prefill_chunk)
         log.info("warm", buckets=n, seconds=round(time.perf_counter() - t0, 2),
-                 cost_per_token=cost.per_token if cost else None,
-                 cost_per_batch=cost.per_batch if cost else None)
+                 **self._cost_fields())
         # The engine's threads exist now (the executor's, the runtime's intra-op pool).
         lower_threads(self.config.engine_nice)
 
@@ -188,6 +236,8 @@ class Worker(Lifecycle):
                          seconds=round(time.perf_counter() - t0, 2))
             await self.warmup()
             self.runner = self._make_runner()
+            if isinstance(self.warm_cost, GenCost):
+                self.runner.costs.learn(self.warm_cost)  # until its own steps are timed
             tg.create_task(self.runner.run())
             self._subs = [
                 await self.nc.subscribe(
@@ -197,6 +247,7 @@ class Worker(Lifecycle):
             ]
             await self.nc.flush()
             self.state = "ready"
+            self.start_s = time.perf_counter() - self._born
             self.health.ready = True
             self.health.details = {"instance": self.id, "model": self.model, "versions": self.versions}
             self._hb_now.set()
@@ -276,7 +327,7 @@ class Worker(Lifecycle):
             load = Gauges(queue_depth=0, in_flight=0, capacity=self.config.max_batch,
                           occupancy=0.0, steps=0)
         engine = self.models.prod_engine  # None while starting
-        device = getattr(engine, "device", "cpu")
+        device = engine.device if engine is not None else "cpu"
         used, limit, source = self.memory.read(device)
         return Heartbeat(
             worker_id=self.id, model=self.model, kind=self.kind or "encoder", state=self.state,
@@ -285,15 +336,31 @@ class Worker(Lifecycle):
             batch_occupancy=load.occupancy, steps=load.steps, rss_bytes=rss_bytes(),
             device=device, sent_at=time.time(), slots_total=load.slots_total,
             slots_used=load.slots_used, kv_usage=load.kv_usage, last_error=self.models.error,
-            dtype=getattr(engine, "dtype", "float32"), mem_used_bytes=used,
+            dtype=engine.dtype if engine is not None else "float32", mem_used_bytes=used,
             mem_limit_bytes=limit, mem_source=source, running=load.running,
             waiting=load.waiting, kv_blocks_total=load.kv_blocks_total,
             kv_blocks_used=load.kv_blocks_used, prefix_cache_queries=load.prefix_cache_queries,
             prefix_cache_hits=load.prefix_cache_hits, preemptions=load.preemptions,
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
-            devices=list(getattr(engine, "devices", None) or ([device] if engine else [])),
-            cost_per_token=self.warm_cost.per_token if self.warm_cost else 0.0,
-            cost_per_batch=self.warm_cost.per_batch if self.warm_cost else 0.0)
+            devices=list(engine.devices) if engine is not None else [],
+            start_s=self.start_s, **self._cost_fields())
+
+    def _cost_fields(self) -> dict[str, float]:
+        """The heartbeat's cost: an encoder's from warm-up; a decoder's as its runner
+        has fitted it (from warm-up until its steps are timed)."""
+        cost = self.warm_cost
+        costs = getattr(self.runner, "costs", None)
+        if costs is not None:
+            cost = costs.cost() or cost
+        if isinstance(cost, Cost):
+            return {"cost_per_token": cost.per_token, "cost_per_batch": cost.per_batch}
+        if isinstance(cost, GenCost):
+            return {"prefill_per_token": cost.prefill.per_token,
+                    "prefill_per_chunk": cost.prefill.per_batch,
+                    "decode_per_step": cost.decode.per_batch,
+                    "decode_per_row": cost.decode.per_token,
+                    "decode_length": cost.length}
+        return {}
 
     async def _publish_heartbeat(self) -> None:
         await self.nc.publish(subjects.TELEMETRY_WORKERS, encode_record(self.heartbeat()))

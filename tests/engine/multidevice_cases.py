@@ -20,6 +20,7 @@ import pytest
 
 from engine.decoder import DecoderEngine
 from engine.decoder.model import prompt_logits
+from engine.decoder.static import generate_static
 from engine.encoder import JaxEncoder
 from engine.sharding import ShardingError
 from engine.tokenizer import Tokenizer
@@ -72,7 +73,7 @@ def test_decoder_split_equals_one_device(model, quant):
     for prompt in PROMPTS:
         np.testing.assert_allclose(_logits(split, prompt), _logits(one, prompt), atol=2e-5, rtol=0)
     # Continuous batching across two attention windows: every token identical.
-    assert split.generate_static(PROMPTS, NEW) == one.generate_static(PROMPTS, NEW)
+    assert generate_static(split, PROMPTS, NEW) == generate_static(one, PROMPTS, NEW)
     # The state comes back split as it went in: every step ran one of the programs
     # compiled ahead for its shape (a state placed otherwise would fail there), and
     # nothing was compiled again behind them.
@@ -90,7 +91,7 @@ def test_int8_matmuls_split_as_smollm2_equal_one_device(tmp_path):
     assert set(split.compute_forms.values()) == {"w8a8"}
     for prompt in PROMPTS:
         np.testing.assert_allclose(_logits(split, prompt), _logits(one, prompt), atol=0.1, rtol=0)
-    assert split.generate_static(PROMPTS, NEW) == one.generate_static(PROMPTS, NEW)
+    assert generate_static(split, PROMPTS, NEW) == generate_static(one, PROMPTS, NEW)
 
 
 def test_kv_cache_is_split_by_kv_head_and_one_all_reduce_per_projection(model):

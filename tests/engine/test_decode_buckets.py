@@ -13,12 +13,14 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from engine.decoder import DecoderEngine
 from engine.decoder.attention import paged_decode, pick
+from engine.decoder.static import prefill_insert
 from shared.messages import Sampling
 from tests.support.tiny_models import build, hf_greedy
 
@@ -50,7 +52,7 @@ def _serve(engine: DecoderEngine, plan: list[tuple[int, int, int]]) -> dict[int,
         for job, at, n in plan:
             if at == step:
                 slot = next(s for s in range(engine.slots) if s not in running)
-                got[job] = [engine.prefill_insert(slot, PROMPTS[job], GREEDY, 0)]
+                got[job] = [prefill_insert(engine, slot, PROMPTS[job], GREEDY, 0)]
                 running[slot] = (job, n)
         if running:
             tokens = engine.step()
@@ -67,7 +69,7 @@ def test_one_stream_steps_at_batch_bucket_one(llama):
     path, ref = llama
     engine = _engine(path)
     engine.warmup(progress=False)
-    first = engine.prefill_insert(3, PROMPTS[1], GREEDY, 0)  # any slot: rows are compacted
+    first = prefill_insert(engine, 3, PROMPTS[1], GREEDY, 0)  # any slot: rows are compacted
     tokens = [first] + [int(engine.step()[3]) for _ in range(11)]
     assert engine.step_counts == {1: 11}
     assert tokens == hf_greedy(ref, PROMPTS[1], 12)
@@ -97,9 +99,11 @@ def test_pallas_paged_kernel_equals_the_xla_path(dtype):
     q = jnp.asarray(rng.standard_normal((4, 9, d)), dtype)
     tables = jnp.asarray(rng.permutation(np.arange(1, blocks))[:32].reshape(4, 8), jnp.int32)
     positions = jnp.asarray([0, 17, 60, 127], jnp.int32)  # first, mid-block, a full window
+    cpu = jax.devices()[0].platform == "cpu"  # elsewhere the kernel itself runs
     xla = paged_decode(q, k, v, tables, positions, cfg, "xla")
-    pallas = paged_decode(q, k, v, tables, positions, cfg, "pallas", interpret=True)
-    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    pallas = paged_decode(q, k, v, tables, positions, cfg, "pallas", interpret=cpu)
+    # A GPU's float32 dots in the kernel run as TF32 (10-bit mantissas).
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5 if cpu else 2e-3
     np.testing.assert_allclose(np.asarray(pallas, np.float32), np.asarray(xla, np.float32),
                                atol=tol, rtol=tol)  # fmt: skip
     assert pick("auto", "cpu") == "xla" and pick("auto", "gpu") == "pallas"

@@ -22,6 +22,7 @@ import torch
 from engine.decoder import DecoderEngine
 from engine.decoder.model import decode_forward, prompt_logits
 from engine.decoder.sampling import filter_logits, sample
+from engine.decoder.static import generate_static, prefill_insert
 from shared.catalog import DEMO_LM, bundled_dir
 from shared.messages import Sampling
 from tests.support.tiny_models import build as _build
@@ -41,7 +42,8 @@ def pair(request, tmp_path_factory):
     ref = _build(request.param, out)
     # Two attention windows, so sequences cross from one step compile to the other.
     engine = DecoderEngine(out, request.param, slots=4, max_context=CONTEXT,
-                           prefill_buckets=(16, 32), decode_windows=(32, 64))  # fmt: skip
+                           prefill_buckets=(16, 32), decode_windows=(32, 64),
+                           compile_ahead="all")  # fmt: skip
     assert engine.warmup(progress=False) == len(engine.compiles)
     return ref, engine
 
@@ -65,7 +67,7 @@ def test_decode_logits_match_transformers_for_mixed_lengths(pair):
     """One decode step over slots holding prompts of different lengths."""
     ref, engine = pair
     slots = [0, 2, 3]
-    firsts = [engine.prefill_insert(s, p, GREEDY, 0) for s, p in zip(slots, PROMPTS[1:])]
+    firsts = [prefill_insert(engine, s, p, GREEDY, 0) for s, p in zip(slots, PROMPTS[1:])]
     st, n = engine._state, engine.slots  # the state's last row is the padding rows' dummy
     logits = jax.jit(lambda p, *a: decode_forward(p, engine.cfg, *a)[0])(
         engine.params, st.tokens[:n], st.positions[:n], engine._tables[:n], engine._active,
@@ -90,7 +92,7 @@ def test_continuous_batching_greedy_matches_generate(pair):
     while pending or running:
         for job, (at, slot) in [x for x in pending if x[1][0] == step]:
             assert slot not in running
-            got[job] = [engine.prefill_insert(slot, jobs[job], GREEDY, 0)]
+            got[job] = [prefill_insert(engine, slot, jobs[job], GREEDY, 0)]
             running[slot] = job
             pending.remove((job, (at, slot)))
         if running:
@@ -107,8 +109,8 @@ def test_continuous_batching_greedy_matches_generate(pair):
 
 def _sampled(engine, slot, sampling, seed, n=16, neighbours=()):
     for other, prompt in neighbours:
-        engine.prefill_insert(other, prompt, Sampling(temperature=1.0), other + 100)
-    out = [engine.prefill_insert(slot, PROMPTS[1], sampling, seed)]
+        prefill_insert(engine, other, prompt, Sampling(temperature=1.0), other + 100)
+    out = [prefill_insert(engine, slot, PROMPTS[1], sampling, seed)]
     out += [int(engine.step()[slot]) for _ in range(n - 1)]
     for s in range(engine.slots):
         engine.free(s)
@@ -136,9 +138,9 @@ def test_top_k_one_and_tiny_top_p_are_greedy(pair):
 def test_async_step_overlaps_host_work_with_same_tokens(pair):
     """A slot inserted while a step is in flight joins at the next step."""
     ref, engine = pair
-    a = [engine.prefill_insert(0, PROMPTS[0], GREEDY, 0)]
+    a = [prefill_insert(engine, 0, PROMPTS[0], GREEDY, 0)]
     pending = engine.step_async()
-    b = [engine.prefill_insert(1, PROMPTS[2], GREEDY, 0)]  # queued behind the step
+    b = [prefill_insert(engine, 1, PROMPTS[2], GREEDY, 0)]  # queued behind the step
     a.append(int(pending.result()[0]))
     for _ in range(10):
         tokens = engine.step_async().result()
@@ -153,10 +155,10 @@ def test_async_step_overlaps_host_work_with_same_tokens(pair):
 def test_prompt_limits(pair):
     _, engine = pair
     with pytest.raises(ValueError, match="at most 63"):
-        engine.prefill_insert(0, [1] * CONTEXT, GREEDY, 0)
+        prefill_insert(engine, 0, [1] * CONTEXT, GREEDY, 0)
     with pytest.raises(ValueError, match="empty"):
-        engine.prefill_insert(0, [], GREEDY, 0)
-    assert engine.prefill_insert(0, [1] * (CONTEXT - 1), GREEDY, 0) >= 0
+        prefill_insert(engine, 0, [], GREEDY, 0)
+    assert prefill_insert(engine, 0, [1] * (CONTEXT - 1), GREEDY, 0) >= 0
     assert engine.context_left(0) == 0
     assert 0 < engine.kv_usage <= 1
     engine.free(0)
@@ -230,7 +232,7 @@ def test_demo_model_matches_transformers():
     fwd = jax.jit(lambda p, t: prompt_logits(p, engine.cfg, t))
     ours = np.asarray(fwd(engine.params, padded))[: len(ids)]
     np.testing.assert_allclose(ours, _hf_logits(ref, ids), atol=1e-4, rtol=0)
-    [tokens] = engine.generate_static([ids], 24)
+    [tokens] = generate_static(engine, [ids], 24)
     assert tokens == _hf_greedy(ref, ids, 24)
     assert engine.eos_token_ids == (0,)
 
@@ -251,7 +253,7 @@ def test_half_precision_tracks_float32_reference(tmp_path, dtype):
     scale = np.abs(expected).max()
     assert np.abs(ours - expected).max() < 0.05 * scale
     assert (ours.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
-    first = engine.prefill_insert(1, prompt, GREEDY, 0)
+    first = prefill_insert(engine, 1, prompt, GREEDY, 0)
     st, n = engine._state, engine.slots
     assert st.k[0].dtype == jnp.dtype(dtype)
     step = jax.jit(lambda p, *a: decode_forward(p, engine.cfg, *a)[0])

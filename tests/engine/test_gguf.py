@@ -21,6 +21,7 @@ from engine.chat import ChatTemplate
 from engine.decoder import DecoderEngine
 from engine.decoder.config import load_config
 from engine.decoder.model import prompt_logits
+from engine.decoder.static import prefill_insert
 from engine.tokenizer import Tokenizer
 from engine.weights import load_weights
 from shared import catalog, gguf
@@ -159,7 +160,7 @@ def test_prompt_logits_match_transformers(engine, smollm2_hf, smollm2_hf_tokeniz
 
 
 def _engine_greedy(engine, ids: list[int], n: int, slot: int = 0) -> list[int]:
-    out = [engine.prefill_insert(slot, ids, GREEDY, 0)]
+    out = [prefill_insert(engine, slot, ids, GREEDY, 0)]
     while len(out) < n:
         out.append(int(engine.step()[slot]))
     engine.free(slot)

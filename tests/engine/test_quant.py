@@ -1,6 +1,6 @@
 """Quantized weights (engine/quant.py): the storage format, then accuracy against
 independent references: MiniLM embeddings against sentence-transformers, the demo
-model's perplexity on the fixed text set (bench/texts.py) against its float32 weights."""
+model's perplexity on the fixed text set (tests/support/texts.py) against its float32 weights."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bench.texts import PERPLEXITY_TEXTS, perplexity
 from engine import quant
 from engine.decoder import DecoderEngine
+from engine.decoder.static import generate_static
 from engine.encoder import JaxEncoder
 from engine.tokenizer import Tokenizer
 from shared.catalog import DEMO_LM, bundled_dir
 from tests.engine.minilm_inputs import mixed_texts, model_dir
+from tests.support.texts import PERPLEXITY_TEXTS, perplexity
 
 
 @pytest.mark.parametrize("mode, axis, shape, group, worst", [
@@ -168,7 +169,7 @@ def _teacher_forced_logits(engine: DecoderEngine) -> np.ndarray:
 @pytest.fixture(scope="module")
 def float32_demo():
     eng = _demo(forms_cache=None)
-    return _teacher_forced_logits(eng), eng.generate_static(_PROMPTS, 12)
+    return _teacher_forced_logits(eng), generate_static(eng, _PROMPTS, 12)
 
 
 @pytest.mark.parametrize("quant_mode, form, min_cosine, min_top1", [
@@ -187,7 +188,7 @@ def test_every_compute_form_agrees_with_float32(float32_demo, quant_mode, form, 
     if quant_mode == "int8" and form != "w8a8":
         # The float form holds the int8 weights' own values: the same model as the
         # dequantizing matmul, whose greedy tokens equal float32's here.
-        assert eng.generate_static(_PROMPTS, 12) == want_tokens
+        assert generate_static(eng, _PROMPTS, 12) == want_tokens
 
 
 def test_fastest_form_per_bucket_is_measured_once_then_read_from_the_cache(tmp_path,
@@ -209,7 +210,7 @@ def test_fastest_form_per_bucket_is_measured_once_then_read_from_the_cache(tmp_p
     doc = json.loads(path.read_text())
     (entry,) = doc.values()
     assert entry["choices"] == first.compute_forms and entry["ms"] == first.form_ms
-    tokens = first.generate_static(_PROMPTS, 8)
+    tokens = generate_static(first, _PROMPTS, 8)
 
     def no_timing(*args, **kwargs):
         raise AssertionError("measured again")
@@ -218,7 +219,7 @@ def test_fastest_form_per_bucket_is_measured_once_then_read_from_the_cache(tmp_p
     second = _demo(quant="int8", weight_budget=budget, forms_cache=path)
     second.warmup(progress=False)
     assert not second.forms_measured and second.compute_forms == first.compute_forms
-    assert second.generate_static(_PROMPTS, 8) == tokens
+    assert generate_static(second, _PROMPTS, 8) == tokens
     # Other shapes are another key: that engine would measure (and fail here).
     third = _demo(quant="int8", weight_budget=budget, forms_cache=path, slots=3)
     with pytest.raises(AssertionError, match="measured again"):

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from engine.decoder import DecoderEngine
+from engine.decoder.static import generate_static, prefill_insert
 from engine.interface import Decoder
 from engine.torch_decoder import TorchDecoder
 from engine.torch_decoder import model as M
@@ -66,7 +67,7 @@ def test_decode_logits_match_transformers_for_mixed_lengths(trio):
     slot among them."""
     ref, _, engine = trio
     slots = [0, 2, 3]
-    firsts = [engine.prefill_insert(s, p, GREEDY, 0) for s, p in zip(slots, PROMPTS[1:])]
+    firsts = [prefill_insert(engine, s, p, GREEDY, 0) for s, p in zip(slots, PROMPTS[1:])]
     positions = np.zeros(4, np.int64)  # the free slot 1 computes at position 0
     positions[slots] = [len(p) for p in PROMPTS[1:]]
     tokens = torch.from_numpy(engine._tokens.copy())
@@ -88,7 +89,7 @@ def _continuous_batch(engine, jobs: list[list[int]]) -> dict[int, list[int]]:
     while pending or running:
         for job, (at, slot) in [x for x in pending if x[1][0] == step]:
             assert slot not in running
-            got[job] = [engine.prefill_insert(slot, jobs[job], GREEDY, 0)]
+            got[job] = [prefill_insert(engine, slot, jobs[job], GREEDY, 0)]
             running[slot] = job
             pending.remove((job, (at, slot)))
         if running:
@@ -115,9 +116,9 @@ def test_continuous_batching_greedy_equals_the_jax_engine(trio):
 
 def test_async_step_then_insert_joins_the_next_step(trio):
     ref, _, engine = trio
-    a = [engine.prefill_insert(0, PROMPTS[0], GREEDY, 0)]
+    a = [prefill_insert(engine, 0, PROMPTS[0], GREEDY, 0)]
     pending = engine.step_async()
-    b = [engine.prefill_insert(1, PROMPTS[2], GREEDY, 0)]
+    b = [prefill_insert(engine, 1, PROMPTS[2], GREEDY, 0)]
     a.append(int(pending.result()[0]))
     for _ in range(10):
         tokens = engine.step_async().result()
@@ -131,8 +132,8 @@ def test_async_step_then_insert_joins_the_next_step(trio):
 
 def _sampled(engine, slot, sampling, seed, n=16, neighbours=()):
     for other, prompt in neighbours:
-        engine.prefill_insert(other, prompt, Sampling(temperature=1.0), other + 100)
-    out = [engine.prefill_insert(slot, PROMPTS[1], sampling, seed)]
+        prefill_insert(engine, other, prompt, Sampling(temperature=1.0), other + 100)
+    out = [prefill_insert(engine, slot, PROMPTS[1], sampling, seed)]
     out += [int(engine.step()[slot]) for _ in range(n - 1)]
     for s in range(engine.slots):
         engine.free(s)
@@ -160,12 +161,12 @@ def test_top_k_one_and_tiny_top_p_are_greedy(trio):
 def test_prompt_limits(trio):
     _, _, engine = trio
     with pytest.raises(ValueError, match="at most 63"):
-        engine.prefill_insert(0, [1] * CONTEXT, GREEDY, 0)
+        prefill_insert(engine, 0, [1] * CONTEXT, GREEDY, 0)
     with pytest.raises(ValueError, match="empty"):
-        engine.prefill_insert(0, [], GREEDY, 0)
+        prefill_insert(engine, 0, [], GREEDY, 0)
     with pytest.raises(ValueError, match="vocabulary"):
-        engine.prefill_insert(0, [1, engine.vocab_size], GREEDY, 0)
-    assert engine.prefill_insert(0, [1] * (CONTEXT - 1), GREEDY, 0) >= 0
+        prefill_insert(engine, 0, [1, engine.vocab_size], GREEDY, 0)
+    assert prefill_insert(engine, 0, [1] * (CONTEXT - 1), GREEDY, 0) >= 0
     assert engine.context_left(0) == 0
     assert 0 < engine.kv_usage <= 1
     engine.step()  # a full context decodes in place without leaving the cache
@@ -239,9 +240,9 @@ def test_demo_model_matches_transformers_and_the_jax_engine(jax_cache_dir):
     np.testing.assert_allclose(_prompt_logits(engine, ids), _hf_logits(ref, ids),
                                atol=1e-4, rtol=0)  # fmt: skip
     prompts = [ids, engine.tokenizer.encode("Return the")]
-    ours = engine.generate_static(prompts, 24)
+    ours = generate_static(engine, prompts, 24)
     jax_engine = DecoderEngine(d, DEMO_LM, slots=2, max_context=64, prefill_buckets=(16,))
-    assert ours == jax_engine.generate_static(prompts, 24)
+    assert ours == generate_static(jax_engine, prompts, 24)
     assert ours[0] == hf_greedy(ref, ids, 24)
     assert engine.eos_token_ids == jax_engine.eos_token_ids == (0,)
 
@@ -276,8 +277,8 @@ def test_qwen2_attention_biases_and_tied_head(tmp_path, jax_cache_dir):
     jaxrt.setup(jax_cache_dir)
     jax_engine = DecoderEngine(tmp_path, "qwen2", slots=2, max_context=CONTEXT,
                                prefill_buckets=(16,))  # fmt: skip
-    ours = engine.generate_static(PROMPTS[:2], NEW)
-    assert ours == jax_engine.generate_static(PROMPTS[:2], NEW)
+    ours = generate_static(engine, PROMPTS[:2], NEW)
+    assert ours == generate_static(jax_engine, PROMPTS[:2], NEW)
     assert ours[1] == hf_greedy(ref, PROMPTS[1], NEW)
 
 
@@ -296,7 +297,7 @@ def test_half_precision_tracks_float32_reference(tmp_path, dtype):
     assert ours.dtype == np.float32 and engine._k[0].dtype == getattr(torch, dtype)
     assert np.abs(ours - expected).max() < 0.05 * scale
     assert (ours.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
-    first = engine.prefill_insert(1, prompt, GREEDY, 0)
+    first = prefill_insert(engine, 1, prompt, GREEDY, 0)
     positions = torch.tensor([0, len(prompt)])
     tokens = torch.from_numpy(engine._tokens.copy())
     with torch.inference_mode():
@@ -315,7 +316,9 @@ def _members(protocol) -> set[str]:
 def test_both_engines_have_every_decoder_member(trio):
     _, jax_engine, engine = trio
     members = _members(Decoder)
-    assert {"prefill_insert", "step_async", "kv_usage", "tokenizer", "generate_static"} <= members
+    assert {"begin", "prefill_step", "step_async", "kv_usage", "tokenizer", "devices",
+            "prefix_block"} <= members
+    assert not {"prefill_insert", "generate_static"} & members  # tests' and bench's only
     for e in (jax_engine, engine):
         missing = [m for m in members if not hasattr(e, m)]
         assert not missing, f"{type(e).__name__} lacks {missing}"

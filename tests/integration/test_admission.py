@@ -15,11 +15,11 @@ import msgspec
 import nats
 import pytest
 
-from bench.load import LOST, one
-from bench.nomath import NoMathEncoder
 from services.gateway.service import Gateway
 from services.scheduler.service import Scheduler
 from shared import catalog, subjects
+from tests.support.load import LOST, one
+from tests.support.mock_engine import MockEncoder
 from tests.support.stack import running_stack, wait_until
 
 MODEL = catalog.ENCODER
@@ -80,7 +80,7 @@ async def test_the_first_burst_after_a_start_is_served_whole(nats_server, minilm
 
 
 async def test_a_burst_far_above_capacity_is_answered_with_no_504(nats_server):
-    engine = NoMathEncoder(max_batch=16, per_batch_s=0.05)  # 16 inputs per 50 ms
+    engine = MockEncoder(max_batch=16, per_batch_s=0.05)  # 16 inputs per 50 ms
     async with running_stack(nats_server.url, max_batch=16) as st:
         await st.add_worker(engine, "enc-burst")
         await measured(st, sizes=(1, 16))  # a batch costs 50 ms whatever its size
@@ -99,8 +99,8 @@ async def test_a_burst_far_above_capacity_is_answered_with_no_504(nats_server):
 
 
 async def test_the_bound_follows_the_measured_cost(nats_server):
-    fast = NoMathEncoder(MODEL, per_token_s=0.001)
-    slow = NoMathEncoder(SLOW, per_token_s=0.004)
+    fast = MockEncoder(MODEL, per_token_s=0.001)
+    slow = MockEncoder(SLOW, per_token_s=0.004)
     models = {SLOW: str(catalog.bundled_dir(MODEL))}
     async with running_stack(nats_server.url, models=models, max_queue_s=0.5) as st:
         await st.add_worker(fast, "enc-fast")
@@ -130,7 +130,7 @@ async def test_the_bound_follows_the_measured_cost(nats_server):
 
 
 async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once(nats_server):
-    engine = NoMathEncoder(per_token_s=0.01)  # 40 ms per 4-token request
+    engine = MockEncoder(per_token_s=0.01)  # 40 ms per 4-token request
     async with running_stack(nats_server.url) as st:
         await st.add_worker(engine, "enc-deadline")
         await measured(st)
@@ -147,7 +147,7 @@ async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once(nats_s
 
 
 async def test_two_schedulers_share_one_bound(nats_server):
-    engine = NoMathEncoder(per_token_s=0.001)  # 4 ms per request
+    engine = MockEncoder(per_token_s=0.001)  # 4 ms per request
     async with running_stack(nats_server.url, max_queue_s=0.2) as st:
         nc = await nats.connect(nats_server.url, name="scheduler-2")
         second = Scheduler(nc, st.config, scheduler_id="second")
@@ -260,9 +260,9 @@ async def test_large_requests_are_refused_while_those_ahead_still_tokenize(nats_
     tokenizer for the scheduler to refuse them."""
     import threading
 
-    from bench.workload import long_inputs
+    from tests.support.workload import long_inputs
 
-    engine = NoMathEncoder(per_token_s=0.0002)  # ~0.1 s for 4 inputs of ~120 tokens
+    engine = MockEncoder(per_token_s=0.0002)  # ~0.1 s for 4 inputs of ~120 tokens
     texts = long_inputs(64)
     big = [msgspec.json.encode({"model": MODEL, "input": texts[4 * i:4 * i + 4]})
            for i in range(16)]
@@ -307,9 +307,9 @@ async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server)
     then, and nothing that waited for the tokenizer is refused after it."""
     import threading
 
-    from bench.workload import long_inputs
+    from tests.support.workload import long_inputs
 
-    engine = NoMathEncoder(per_token_s=0.0002)  # ~0.1 s for 4 inputs of ~120 tokens
+    engine = MockEncoder(per_token_s=0.0002)  # ~0.1 s for 4 inputs of ~120 tokens
     texts = long_inputs(64)
     big = [msgspec.json.encode({"model": MODEL, "input": texts[4 * i:4 * i + 4]})
            for i in range(16)]
@@ -366,9 +366,9 @@ async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server)
 
 
 async def test_a_reserved_request_that_fails_to_tokenize_gives_its_room_back(nats_server):
-    from bench.workload import long_inputs
+    from tests.support.workload import long_inputs
 
-    engine = NoMathEncoder(per_token_s=0.0002)
+    engine = MockEncoder(per_token_s=0.0002)
     texts = long_inputs(4)
     bad = msgspec.json.encode({"model": MODEL, "input": texts[:3] + ["a NUL \x00 here"]})
     assert len(bad) > 2_048  # the large path: reserved, then tokenized in a thread
@@ -391,10 +391,10 @@ async def test_a_reserved_request_is_not_refused_when_the_estimate_moves(nats_se
     checked again. A request arriving after the move is judged by the new estimate."""
     import threading
 
-    from bench.workload import long_inputs
+    from tests.support.workload import long_inputs
     from shared.admission import Cost, CostBook
 
-    engine = NoMathEncoder(per_token_s=0.0002)
+    engine = MockEncoder(per_token_s=0.0002)
     texts = long_inputs(8)
     big = [msgspec.json.encode({"model": MODEL, "input": texts[4 * i:4 * i + 4]}) for i in range(2)]
     async with running_stack(nats_server.url) as st:
@@ -429,7 +429,7 @@ async def test_a_reservation_whose_work_never_comes_expires(nats_server):
     from services.scheduler.admission import RESERVATION_S
     from shared.messages import Reserve
 
-    engine = NoMathEncoder(per_token_s=0.0002)
+    engine = MockEncoder(per_token_s=0.0002)
     async with running_stack(nats_server.url) as st:
         await st.add_worker(engine, "enc-expiry")
         await measured(st)
@@ -451,7 +451,7 @@ async def test_work_whose_reservation_lapsed_is_checked_on_arrival(nats_server):
     from shared.admission import Cost, CostBook
     from shared.messages import EmbedWork, Reserve, WorkError, encode, result_decoder
 
-    engine = NoMathEncoder(per_token_s=0.0002)
+    engine = MockEncoder(per_token_s=0.0002)
     async with running_stack(nats_server.url) as st:
         await st.add_worker(engine, "enc-lapsed")
         await measured(st)
@@ -561,3 +561,34 @@ async def test_two_gateways_bursts_of_long_prompts_meet_one_count_bound_before_t
             second.stop()
             await asyncio.gather(task, return_exceptions=True)
             await nc.close()
+
+
+async def test_a_completions_burst_to_a_fresh_decoder_is_admitted_by_its_work(
+        nats_server, tmp_path, jax_cache_dir, monkeypatch):
+    """A decoder worker times a prompt and a decode step at warm-up and its heartbeats
+    carry the cost: the first burst of completions, sent the moment it is ready, is
+    decided by its work (every decision had a cost to go by), and all of it fits (a
+    tiny model's prompts take microseconds), so all of it is served."""
+    from shared import admission
+    from tests.support.tiny_models import serve_tiny
+
+    _, engine = serve_tiny("gpt2", tmp_path, "tiny-fresh", 1024, jax_cache_dir)
+    decided = []
+    check = admission.check_generation
+
+    def noted(*args, **kw):
+        decided.append(kw["cost"])
+        return check(*args, **kw)
+
+    monkeypatch.setattr(admission, "check_generation", noted)
+    async with running_stack(nats_server.url, models={engine.name: str(tmp_path)},
+                             max_context=1024, decode_slots=4) as st:
+        await st.add_worker(engine, "dec-fresh", kind="decoder", time_warmup=True)
+        (view,) = st.scheduler.fleet.ready(engine.name)
+        assert view.hb.decode_per_step > 0 and view.hb.prefill_per_token > 0  # before any request
+        body = msgspec.json.encode({"model": engine.name, "prompt": list(range(100, 140)),
+                                    "max_tokens": 4, "temperature": 0})
+        outcomes = await asyncio.gather(*(one(st.client, subjects.COMPLETIONS, body, 60)
+                                          for _ in range(24)))
+        assert Counter(o.status for o in outcomes) == {200: 24}
+        assert len(decided) == 24 and all(c is not None for c in decided)

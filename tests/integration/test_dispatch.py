@@ -148,7 +148,6 @@ async def test_a_batch_waits_to_fill_no_longer_than_a_batch_takes(nats_server):
     """After a batch of 7, a lone request waits for company (up to max_wait_ms) only
     as long as a batch takes to compute: with an engine whose batch costs nothing it
     is computed at once, with one whose batch costs 0.3 s it waits about that long."""
-    from bench.nomath import NoMathEncoder
     from shared.telemetry import RequestRecord, record_decoder
 
     waits: dict[str, float] = {}
@@ -159,7 +158,7 @@ async def test_a_batch_waits_to_fill_no_longer_than_a_batch_takes(nats_server):
             waits[rec.request_id] = rec.batch_wait_s
 
     for per_batch_s in (0.0, 0.3):
-        eng = NoMathEncoder(per_batch_s=per_batch_s)
+        eng = MockEncoder(per_batch_s=per_batch_s)
         async with running_stack(nats_server.url, max_wait_ms=2000) as st:
             await st.client.subscribe(subjects.TELEMETRY_REQUESTS, cb=keep)
             w = await st.add_worker(eng, "w1")

@@ -11,9 +11,9 @@ import httpx
 import msgspec
 import nats
 
-from bench.nomath import NoMathEncoder
 from services.gateway.service import Gateway
 from shared import catalog, subjects
+from tests.support.mock_engine import MockEncoder
 from tests.support.stack import running_stack, wait_until
 
 MODEL = catalog.ENCODER
@@ -46,7 +46,7 @@ async def test_two_gateways_share_the_http_port_and_both_take_traffic(nats_serve
         try:
             await ready.wait()
             assert second.http_port == st.gateway.http_port == port
-            await st.add_worker(NoMathEncoder(), "enc-gw")
+            await st.add_worker(MockEncoder(), "enc-gw")
             await wait_until(lambda: second.front.fleet.ready(MODEL))
             served: Counter[str] = Counter()
             counted(st.gateway, served, "first")

@@ -1,6 +1,6 @@
 """The local orchestrator with real processes: `honcho start` on the real Procfile, a
 worker SIGKILLed under load, a worker with an invalid configuration, and the way up
-from zero (bench/orchestrator.py scenarios, shortened).
+from zero (tests/support/orchestration.py scenarios, shortened).
 
 One honcho stack serves the first group of tests: two encoder workers, and the demo LM
 configured with an engine that does not exist (its worker exits 78)."""
@@ -17,26 +17,26 @@ from pathlib import Path
 import msgspec
 import pytest_asyncio
 
-from bench import faults
-from bench import orchestrator as bench
-from bench.load import Outcome, one
-from bench.workload import embed_body
 from shared import subjects
 from shared.config import EX_CONFIG
 from shared.errors import HEADER_CODE, HEADER_MESSAGE
 from shared.telemetry import RequestRecord, record_decoder
+from tests.support import faults
+from tests.support import orchestration as fleet
+from tests.support.load import Outcome, one
+from tests.support.workload import embed_body
 
-MODEL, DEMO_LM = bench.MODEL, bench.DEMO_LM
+MODEL, DEMO_LM = fleet.MODEL, fleet.DEMO_LM
 REPLACE_BOUND_S = 60.0  # measured 2.5-4.5 s on 2 busy cores (docs/benchmarks.md)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def honcho(tmp_path_factory, jax_cache_dir):
     work = tmp_path_factory.mktemp("honcho")
-    env = bench.stack_env(work, Path(jax_cache_dir), TENSORBUS_FLEET=f"{MODEL}=2:2,{DEMO_LM}=1:1",
+    env = fleet.stack_env(work, Path(jax_cache_dir), TENSORBUS_FLEET=f"{MODEL}=2:2,{DEMO_LM}=1:1",
                           TENSORBUS_ENGINE=f"jax,{DEMO_LM}=tpu")
-    async with bench.honcho_stack(work, env, workers=2) as (h, nc):
-        watch = await bench.Watch().start(nc)
+    async with fleet.honcho_stack(work, env, workers=2) as (h, nc):
+        watch = await fleet.Watch().start(nc)
         yield h, nc, watch
         await watch.stop()
 
@@ -63,7 +63,7 @@ async def test_a_worker_with_an_invalid_configuration_fails_its_model_only(honch
 
 async def test_a_killed_worker_under_honcho_loses_nothing_and_comes_back(honcho):
     h, nc, watch = honcho
-    res = await bench.kill_worker(h, nc, clients=8, before=30, after=80)
+    res = await fleet.kill_worker(h, nc, clients=8, before=30, after=80)
     assert res["lost"] == 0 and res["failed"] == {}, res
     assert res["succeeded"] == res["sent"]
     assert res["honcho_alive"] and res["procfile_exits"] == [], res
@@ -74,7 +74,7 @@ async def test_a_killed_worker_under_honcho_loses_nothing_and_comes_back(honcho)
 
 def test_a_malformed_fleet_stops_the_orchestrator_with_exit_78():
     env = {**os.environ, "TENSORBUS_FLEET": f"{MODEL}=2", "TENSORBUS_NATS_URL": "nats://127.0.0.1:1"}
-    p = subprocess.run([sys.executable, "-m", "services.orchestrator"], env=env, cwd=bench.REPO,
+    p = subprocess.run([sys.executable, "-m", "services.orchestrator"], env=env, cwd=fleet.REPO,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == EX_CONFIG
     assert "TENSORBUS_FLEET" in p.stderr and "MODEL=MIN:MAX" in p.stderr
@@ -86,10 +86,10 @@ async def at_zero(tmp_path_factory, jax_cache_dir):
     """Gateway, scheduler and orchestrator; the encoder at minimum 0 with a short idle
     period and a low per-worker target, so that a few clients ask for a second worker."""
     work = tmp_path_factory.mktemp("zero")
-    env = bench.stack_env(work, Path(jax_cache_dir), TENSORBUS_FLEET=f"{MODEL}=0:2",
+    env = fleet.stack_env(work, Path(jax_cache_dir), TENSORBUS_FLEET=f"{MODEL}=0:2",
                           TENSORBUS_IDLE_TO_ZERO_S="3", TENSORBUS_SCALE_DOWN_S="3",
                           TENSORBUS_TARGET_QUEUE_PER_REPLICA="4", TENSORBUS_REQUEST_TIMEOUT_S="120")
-    async with bench.zero_stack(work, env) as (sup, nc, watch):
+    async with fleet.zero_stack(work, env) as (sup, nc, watch):
         yield sup, nc, watch
 
 

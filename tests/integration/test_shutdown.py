@@ -9,10 +9,10 @@ from pathlib import Path
 
 import msgspec
 
-import bench.orchestrator as bench
 from shared import subjects
 from shared.bus import connect
 from services.supervisor import wait_ready
+from tests.support import orchestration as fleet
 
 TOKENS = 200  # a few seconds of decoding: the streams are mid-way when honcho stops
 
@@ -20,7 +20,7 @@ TOKENS = 200  # a few seconds of decoding: the streams are mid-way when honcho s
 async def _stream(nc, started: asyncio.Event, i: int) -> list[bytes]:
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    body = {"model": bench.DEMO_LM, "prompt": f"Stream {i} says", "max_tokens": TOKENS,
+    body = {"model": fleet.DEMO_LM, "prompt": f"Stream {i} says", "max_tokens": TOKENS,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     await nc.publish(subjects.COMPLETIONS, msgspec.json.encode(body), reply=inbox,
@@ -35,14 +35,14 @@ async def _stream(nc, started: asyncio.Event, i: int) -> list[bytes]:
 
 
 async def test_stopping_honcho_lets_running_streams_finish(tmp_path, jax_cache_dir):
-    env = bench.stack_env(tmp_path, Path(jax_cache_dir), TENSORBUS_FLEET=f"{bench.DEMO_LM}=1:1",
+    env = fleet.stack_env(tmp_path, Path(jax_cache_dir), TENSORBUS_FLEET=f"{fleet.DEMO_LM}=1:1",
                           TENSORBUS_DECODE_SLOTS="4", TENSORBUS_MAX_CONTEXT="512")
     env.pop("TENSORBUS_MODEL_DIR")
-    h = bench.Honcho(tmp_path, env)
+    h = fleet.Honcho(tmp_path, env)
     nc = None
     try:
         nc = await connect(h.url, "shutdown-client")
-        await wait_ready(nc, bench.DEMO_LM, 1, timeout=300)
+        await wait_ready(nc, fleet.DEMO_LM, 1, timeout=300)
         started = [asyncio.Event() for _ in range(3)]
         streams = [asyncio.create_task(_stream(nc, ev, i)) for i, ev in enumerate(started)]
         for ev in started:

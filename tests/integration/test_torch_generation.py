@@ -10,6 +10,7 @@ import asyncio
 import pytest
 import pytest_asyncio
 
+from engine.decoder.static import generate_static
 from engine.torch_decoder import TorchDecoder
 from shared import subjects
 from tests.integration.test_generation import request, stream
@@ -26,7 +27,7 @@ def _jax_texts(jax_engine) -> dict[tuple[int, ...], tuple[str, str]]:
     """The JAX engine's greedy text and finish reason per prompt (cut at EOS)."""
     eos = set(jax_engine.eos_token_ids)
     out = {}
-    for prompt, ids in zip(PROMPTS, jax_engine.generate_static(PROMPTS, NEW)):
+    for prompt, ids in zip(PROMPTS, generate_static(jax_engine, PROMPTS, NEW)):
         cut = next((i for i, t in enumerate(ids) if t in eos), None)
         kept = ids if cut is None else ids[:cut]
         reason = "length" if cut is None else "stop"

@@ -16,10 +16,10 @@ from collections import Counter
 import msgspec
 import pytest_asyncio
 
-from bench.load import LOST, open_loop, summary
 from shared import subjects
 from tests.reliability.conftest import ENCODER
 from tests.reliability.replies import ask, assert_refused
+from tests.support.load import LOST, open_loop, summary
 from tests.support.stack import running_stack, wait_until
 
 QUEUE = 8  # max_queue_per_worker: one worker, so the fleet holds 8 requests at most

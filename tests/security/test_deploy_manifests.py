@@ -1,16 +1,25 @@
 """What a reviewer checks in deploy/k8s, checked on every run.
 
-The manifests are read as plain YAML (no cluster, no kustomize binary): every
-Deployment is resourced, probed, configured, credentialled per role and non-root;
-every reference (kustomization, Service, ScaledObject, patch, policy) lands on
-something that exists; KEDA scales on metrics the telemetry service really exports.
+The manifests are read as plain YAML (no cluster): every Deployment is resourced,
+probed, configured, credentialled per role and non-root; every reference
+(kustomization, Service, ScaledObject, patch, policy) lands on something that exists;
+KEDA scales on metrics the telemetry service really exports. Then the base and the
+gpu overlay are rendered with `kubectl kustomize` and validated offline: against the
+Kubernetes schemas that kubernetes-validate ships (strict: unknown fields are
+errors) and against KEDA's ScaledObject schema (schemas/, the fields we use).
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
@@ -264,3 +273,90 @@ def test_helm_values_give_the_server_every_role_from_the_same_secret():
         var = f"TENSORBUS_NATS_PASS_{role.upper()}"
         assert env[var]["valueFrom"]["secretKeyRef"] == {"name": CREDENTIALS, "key": role}
         assert f"${var}" in users
+
+
+# --- rendered by kustomize, validated against the schemas -------------------------
+
+# The Kubernetes versions the manifests are checked against: an older release still
+# in wide use and the newest whose schemas kubernetes-validate ships.
+K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
+KEDA_SCHEMA = json.loads((Path(__file__).parent / "schemas" /
+                          "keda-scaledobject-v1alpha1.json").read_text())
+
+
+def render(path: Path) -> list[dict]:
+    """`kubectl kustomize PATH`: what `kubectl apply -k` would send (no cluster needed)."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed on this machine, so `kubectl kustomize` cannot "
+                    "render deploy/k8s (CI machines have it; install kubectl to run this)")
+    res = subprocess.run(["kubectl", "kustomize", str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, f"kubectl kustomize {path}: {res.stderr}"
+    return [d for d in yaml.safe_load_all(res.stdout) if d]
+
+
+@pytest.fixture(scope="module", params=["base", "gpu"])
+def rendered(request) -> tuple[str, list[dict]]:
+    return request.param, render(BASE if request.param == "base" else GPU)
+
+
+def keda_errors(doc: dict) -> list[str]:
+    validator = jsonschema.Draft202012Validator(KEDA_SCHEMA)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in validator.iter_errors(doc)]
+
+
+def test_kustomize_renders_every_manifest_into_the_namespace(rendered):
+    name, docs = rendered
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds.count("Deployment") == 5 and kinds.count("ScaledObject") == 2, kinds
+    assert len(docs) == len(base_docs())
+    for d in docs:
+        if d["kind"] != "Namespace":
+            assert d["metadata"]["namespace"] == "tensorbus", d["metadata"]["name"]
+        assert d["metadata"]["labels"]["app.kubernetes.io/part-of"] == "tensorbus"
+    images = {d["metadata"]["name"]: pod_spec(d)["containers"][0]["image"]
+              for d in docs if d["kind"] in ("Deployment", "Job")}
+    workers = {n for n in images if n.startswith("worker-")}
+    want = "tensorbus:0.1.0-cuda12" if name == "gpu" else "tensorbus:0.1.0"
+    assert {images[n] for n in workers} == {want}
+    assert {images[n] for n in set(images) - workers} == {"tensorbus:0.1.0"}
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_rendered_manifests_are_valid_kubernetes(rendered, version):
+    name, docs = rendered
+    checked = 0
+    for d in docs:
+        if d["apiVersion"].startswith("keda.sh/"):
+            continue  # a CRD: the next test
+        try:
+            # strict: a field Kubernetes does not know (a typo) is an error, not ignored
+            kubernetes_validate.validate(d, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{name}: {d['kind']}/{d['metadata']['name']} against {version}: "
+                        f"{'/'.join(map(str, exc.path))}: {exc.message}")
+        checked += 1
+    assert checked == len(docs) - 2
+
+
+def test_rendered_scaled_objects_match_kedas_schema(rendered):
+    _, docs = rendered
+    scaled = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert len(scaled) == 2
+    for d in scaled:
+        assert keda_errors(d) == [], d["metadata"]["name"]
+
+
+def test_the_validators_catch_what_a_reviewer_would():
+    """Each check refuses a real mistake, so a pass above means something."""
+    docs = render(BASE)
+    deployment = copy.deepcopy(next(d for d in docs if d["kind"] == "Deployment"))
+    pod_spec(deployment)["containers"][0]["resoures"] = {}  # a typo
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
+    scaled = copy.deepcopy(next(d for d in docs if d["kind"] == "ScaledObject"))
+    scaled["spec"]["triggers"][0]["metadata"]["threshold"] = 1  # KEDA wants strings
+    scaled["spec"]["minReplicas"] = 0  # not KEDA's name for it
+    errors = keda_errors(scaled)
+    assert any("threshold" in e for e in errors) and any("minReplicas" in e for e in errors)

@@ -51,9 +51,9 @@ def tls_dir(tmp_path_factory):
 
 
 def tls_env(d) -> dict[str, str]:
-    return {"TENSORBUS_NATS_TLS_CERT": str(d / "server.crt"),
-            "TENSORBUS_NATS_TLS_KEY": str(d / "server.key"),
-            "TENSORBUS_NATS_TLS_CA": str(d / "ca.crt")}
+    return {"TENSORBUS_NATS_SERVER_TLS_CERT": str(d / "server.crt"),
+            "TENSORBUS_NATS_SERVER_TLS_KEY": str(d / "server.key"),
+            "TENSORBUS_NATS_SERVER_TLS_CA": str(d / "ca.crt")}
 
 
 def full_env(passwords, nkeys_dir, tls_dir) -> dict[str, str]:

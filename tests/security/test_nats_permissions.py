@@ -288,7 +288,7 @@ async def test_telemetry_owns_its_stream_and_nothing_else(bus):
     await worker.assert_clean()
 
     for subject in (subjects.EMBEDDINGS, subjects.SCHED_SUBMIT, subjects.CANCEL,
-                    subjects.worker_control("w1")):
+                    subjects.worker_work("w1")):
         await telemetry.nc.publish(subject, b"x")
         await telemetry.violations.wait("Publish", subject)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 
 from services.worker.decode.scheduler import LaneStep, StepResult, StepScheduler
@@ -179,6 +180,27 @@ def test_a_running_sequence_cancelled_or_expired_is_freed_before_the_next_step()
         ("a", "cancelled"), ("b", "cancelled")]
     closed = sched.retire(freed)
     assert [r.cancelled for r, _ in closed] == [True, False] and sched.running == 0
+
+
+def test_a_started_generation_outlives_its_deadline_until_it_stalls_or_reaches_end_by():
+    sched, _ = scheduler()
+    t = time.time()
+    stalls = msgspec.structs.replace(work("stalls", deadline_in=1), stall_s=5.0)
+    bounded = msgspec.structs.replace(work("bounded", deadline_in=1), end_by=t + 10)
+    sched.add(stalls, NOW, seed=0)
+    sched.add(bounded, NOW, seed=0)
+    _, adm = sched.schedule(t, NOW)
+    steps = [LaneStep(lane, object(), None, []) for lane in sched.lanes.values() if lane.busy]
+    sched.update(StepResult([(s, 7) for s in adm.admitted], steps), now_wall=t)
+    assert sched.retiring(t + 4.9) == []  # past the deadline, but both have their first token
+    freed = sched.retiring(t + 5)  # no token for 5 s
+    assert [(s.work.request_id, s.finish) for _, _, s in freed] == [("stalls", "cancelled")]
+    (st, _), = sched.retire(freed)
+    assert st.expired == "stall" and not st.cancelled
+    assert sched.retiring(t + 9.9) == []  # no stall bound: it runs until its end_by
+    freed = sched.retiring(t + 10)
+    (st, _), = sched.retire(freed)
+    assert st.work.request_id == "bounded" and st.expired == "max_time"
 
 
 def test_a_sequence_joins_the_step_after_the_one_in_flight():

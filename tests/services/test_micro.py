@@ -158,3 +158,50 @@ async def test_a_concurrent_endpoint_serves_in_parallel_and_counts_errors_and_ti
         assert ep["processing_time"] > 0 and ep["average_processing_time"] > 0
     finally:
         await svc.stop()
+
+
+# --- the nats.micro internals services/micro.py builds on (decision 0023) ------
+
+def _params(fn) -> list[str]:
+    import inspect
+    return list(inspect.signature(fn).parameters)
+
+
+def test_nats_micro_still_has_what_the_subclasses_override():
+    """ConcurrentEndpoint and MicroService override or read private parts of
+    nats.micro; a nats-py release that renames or reshapes one fails here, not in
+    production (pyproject.toml bounds nats-py below its next minor for this)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from nats.micro.service import Endpoint, EndpointConfig, Service, ServiceConfig
+
+    from services.micro import ConcurrentEndpoint, MicroService
+
+    # Overridden or called methods: same names, same parameters, still coroutines.
+    assert _params(Endpoint.__init__) == ["self", "service", "config"]
+    assert _params(Endpoint._start) == _params(ConcurrentEndpoint._start) == ["self"]
+    assert _params(Endpoint._handle_request) == _params(ConcurrentEndpoint._handle_request) \
+        == ["self", "msg"]
+    assert _params(Service.stop) == _params(MicroService.stop) == ["self"]
+    for fn in (Endpoint._start, Endpoint._stop, Endpoint._handle_request, Service.start,
+               Service.stop):
+        assert inspect.iscoroutinefunction(fn), fn
+    # The base's _stop unsubscribes the subscription our _start makes, under the same name.
+    assert "self._subscription" in inspect.getsource(Endpoint._stop)
+
+    # The private state the subclasses read and write is still set by the bases.
+    client = SimpleNamespace(_nuid=SimpleNamespace(next=lambda: b"abc"))
+    service = Service(client, ServiceConfig(name="probe", version="0.0.1"))
+    for attr in ("_id", "_name", "_version", "_client", "_endpoints", "_subscriptions",
+                 "_stopped"):
+        assert hasattr(service, attr), attr
+    assert service._client is client and service.stopped is service._stopped
+
+    async def handler(request) -> None:
+        pass
+
+    endpoint = Endpoint(service, EndpointConfig(name="e", subject="s", handler=handler))
+    for attr in ("_service", "_subject", "_queue_group", "_num_requests", "_num_errors",
+                 "_processing_time", "_average_processing_time"):
+        assert hasattr(endpoint, attr), attr

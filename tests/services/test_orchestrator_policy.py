@@ -229,3 +229,11 @@ def test_states_and_core_split():
     assert threads_per_worker(16, 3) == 5
     assert threads_per_worker(2, 4) == 1
     assert threads_per_worker(8, 0) == 8
+
+
+def test_shared_threads_give_every_worker_every_core():
+    # An idle worker's threads hold no core: a busy one beside it may use them all.
+    assert threads_per_worker(2, 2, "shared") == 2
+    assert threads_per_worker(16, 3, "shared") == 16
+    assert threads_per_worker(16, 3, "4") == 4
+    assert threads_per_worker(16, 3, "split") == 5

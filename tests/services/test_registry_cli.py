@@ -42,6 +42,20 @@ def cli(nats_server, capsys):
     return run
 
 
+async def test_push_warns_when_workers_would_refuse_the_model(cli, tmp_path):
+    """From the config alone: an encoder family the engines do not serve is pushed
+    (the registry stores what it is given) with a warning that names why."""
+    name, model = _name(), make_encoder_dir(tmp_path / "m")
+    rc, _, err = await cli("push", str(model), "--name", name, "--no-progress")
+    assert rc == 0 and "warning" not in err
+    (model / "config.json").write_text(json.dumps({"model_type": "electra",
+                                                   "architectures": ["ElectraModel"]}))
+    rc, out, err = await cli("push", str(model), "--name", name, "--no-progress")
+    assert rc == 0 and out.startswith(f"pushed {name}@2")
+    warning = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "exit 78" in warning[0] and "ELECTRA" in warning[0]
+
+
 async def test_push_show_list(cli, tmp_path):
     name, model = _name(), make_encoder_dir(tmp_path / "m")
     rc, out, err = await cli("push", str(model), "--name", name,

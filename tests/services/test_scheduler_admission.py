@@ -124,7 +124,7 @@ def test_no_ready_worker_means_hold_unless_a_pinned_version_is_missing():
     assert err.status == 503 and "version 7" in err.message
 
 
-def test_generation_is_bounded_by_count_alone():
+def test_generation_that_no_worker_has_timed_is_bounded_by_count_alone():
     adm, _ = scheduler(max_queue_per_worker=2)
     gen = [GenerateWork(f"g{i}", M, "", [1] * 10_000, 16, Sampling(), [], 1, False,
                         time.time() + 0.1, "inbox") for i in range(3)]
@@ -185,6 +185,29 @@ def test_held_work_ends_with_504_at_its_deadline_or_503_when_the_model_failed():
     (work, err), = holds.fail({M: "unknown engine 'x'"})
     assert work.request_id == "later" and err.status == 503 and "unknown engine" in err.message
     assert holds.count(M) == 0
+
+
+def test_a_held_generation_waits_out_the_measured_cold_start_within_its_end_by_and_a_cancel_drops_it():
+    _, holds = scheduler(workers=0)
+    now = time.time()
+
+    def gen(rid: str, end_in: float) -> GenerateWork:
+        return GenerateWork(rid, M, "", [1, 2], 16, Sampling(), [], 1, False, now + 30, "inbox",
+                            end_by=now + end_in)
+
+    holds.hold(gen("unmeasured", 600), None, 0, 0)
+    holds.observe_start(M, 80.0)
+    holds.observe_start(M, 40.0)  # the slowest start seen counts
+    holds.hold(gen("long", 600), None, 0, 0)
+    holds.hold(gen("capped", 60), None, 0, 0)
+    holds.hold(embed("embed"), None, 0, 0)
+    deadlines = {h.work.request_id: h.work.deadline - now for h in holds.by_model[M]}
+    assert deadlines["unmeasured"] == pytest.approx(30, abs=1)  # no start seen: its deadline
+    assert deadlines["long"] == pytest.approx(100, abs=1)  # 80 s x 1.25
+    assert deadlines["capped"] == pytest.approx(60, abs=1)  # its end_by
+    assert deadlines["embed"] == pytest.approx(30, abs=1)  # an answer, not a generation
+    assert holds.drop("long").request_id == "long" and holds.drop("long") is None
+    assert [h.work.request_id for h in holds.take(M)] == ["unmeasured", "capped", "embed"]
 
 
 def test_the_load_report_carries_work_out_held_work_and_the_cost():

@@ -100,3 +100,52 @@ def test_quantized_and_split_settings_reach_the_jax_engine(tmp_path):
     with pytest.raises(SystemExit) as exit_info:  # one CPU device in this process
         build_engine(cfg.with_(tensor_parallel="2"), info)
     assert exit_info.value.code == EX_CONFIG
+
+
+def _unserved_encoder(d: Path, config: dict, st_modules: bool = True) -> Path:
+    """A model directory holding config files only: the refusal must come from them."""
+    import json
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    if st_modules:
+        (d / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        ]))  # fmt: skip
+        (d / "1_Pooling").mkdir(exist_ok=True)
+        (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean"}))
+    return d
+
+
+@pytest.mark.parametrize("config, st_modules, says", [
+    ({"model_type": "electra", "architectures": ["ElectraModel"]}, True, "ELECTRA"),
+    ({"model_type": "t5", "architectures": ["T5EncoderModel"]}, False, "T5 encoders"),
+    ({"model_type": "deberta-v2", "architectures": ["DebertaV2Model"]}, True,
+     "disentangled attention"),
+    ({"model_type": "bert", "architectures": ["BertForSequenceClassification"],
+      "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1, "num_labels": 1},
+     False, "a cross-encoder (reranker); workers do not serve /v1/rerank"),
+])  # fmt: skip
+def test_worker_exits_78_on_an_encoder_it_does_not_serve(tmp_path, config, st_modules, says):
+    d = _unserved_encoder(tmp_path / "m", config, st_modules)
+    assert catalog.describe("m", d).kind == "encoder"  # never run as a decoder
+    done = _worker({"TENSORBUS_MODEL": "unserved", "TENSORBUS_MODEL_DIR": str(d)})
+    assert done.returncode == EX_CONFIG, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("bad configuration: unserved: ") and says in last, last
+
+
+def test_build_engine_exits_78_on_a_pooling_it_does_not_serve(tmp_path):
+    import json
+
+    from services.worker.engines import build_engine
+
+    d = _unserved_encoder(tmp_path / "m", {"model_type": "bert", "hidden_size": 32,
+                                           "num_attention_heads": 4, "num_hidden_layers": 1})
+    (d / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "mean",
+                                                             "include_prompt": False}))
+    cfg = Config.from_env({}, data_dir=str(tmp_path / "data"))
+    with pytest.raises(SystemExit) as exit_info:
+        build_engine(cfg, catalog.describe("m", d))
+    assert exit_info.value.code == EX_CONFIG

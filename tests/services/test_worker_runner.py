@@ -114,3 +114,27 @@ async def test_prod_and_canary_run_side_by_side_each_with_its_own_slots():
         assert runner.gauges().slots_total == 4  # prod's slots and the canary's
     finally:
         task.cancel()
+
+
+async def test_work_sent_again_while_it_runs_is_answered_once_and_the_runner_lives():
+    """A scheduler that judged the worker stalled (a long compile, say) re-sends the
+    work it had sent: the copy is ignored, the first one finishes, and the runner
+    keeps serving (the copy once ended the runner on a token of an unknown request)."""
+    v1 = MockDecoder(tag=0, slots=2)
+    out = Recorder()
+    runner = DecoderRunner(LoadedModels(v1, "1", kind="decoder"), out, ThreadPoolExecutor(1),
+                           prefill_per_step=4)
+    task = asyncio.create_task(runner.run())
+    try:
+        v1.gate.clear()
+        runner.submit(work("a", max_tokens=4))
+        await asyncio.to_thread(v1.entered.wait, 5)  # "a" is in a decode step
+        runner.submit(work("a", max_tokens=4))  # the same request, re-dispatched
+        v1.gate.set()
+        await wait_until(lambda: "a" in out.finished, timeout=5)
+        runner.submit(work("b"))
+        await wait_until(lambda: "b" in out.finished, timeout=5)
+        assert out.texts("a") == {0: ("aaaa", {"1"})} and out.texts("b") == {0: ("aaa", {"1"})}
+        assert out.finished.count("a") == 1 and not task.done()
+    finally:
+        task.cancel()

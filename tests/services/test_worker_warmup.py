@@ -1,12 +1,16 @@
-"""services.worker.service.time_encoder: an encoder's cost, timed at warm-up, is the
-cost its batches then have (an engine whose time per batch and per token is known)."""
+"""services.worker.service.time_encoder and time_decoder: an engine's cost, timed at
+warm-up, is the cost its batches (prompts, decode steps) then have (engines whose time
+per call and per token is known)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from bench.nomath import NoMathEncoder
-from services.worker.service import time_encoder
+from services.worker.service import time_decoder, time_encoder
+from tests.support.mock_engine import MockDecoder
 
 
 def test_warmup_timing_finds_the_engines_cost_per_batch_and_per_token():
@@ -23,3 +27,40 @@ def test_an_engine_that_fails_its_timing_still_starts_without_an_estimate():
             raise RuntimeError("broken release")
 
     assert time_encoder(Broken(), max_batch=32) is None
+
+
+class TimedDecoder(MockDecoder):
+    """A mock decoder whose prompt costs 5 ms + 1 ms a token, and a step 20 ms."""
+
+    vocab_size = 100
+
+    def __init__(self) -> None:
+        super().__init__(slots=2, max_context=256)
+        self.prompts: list[list[int]] = []
+
+    def prefill_insert(self, slot, prompt, sampling, seed):
+        time.sleep(5e-3 + 1e-3 * len(prompt))
+        self.prompts.append(list(prompt))
+        return super().prefill_insert(slot, prompt, sampling, seed)
+
+    def step_async(self):
+        time.sleep(0.02)
+        return super().step_async()
+
+
+def test_decoder_warmup_timing_finds_the_prompt_and_step_costs():
+    engine = TimedDecoder()
+    cost = time_decoder(engine, chunk=512)
+    assert cost.prefill.per_token == pytest.approx(1e-3, rel=0.3)
+    assert cost.step_s(1) == pytest.approx(0.02, rel=0.3)
+    assert [len(p) for p in engine.prompts] == [16, 16, 96, 96]  # each size twice
+    assert len({p[0] for p in engine.prompts}) == 4  # no prefix the cache could share
+    assert engine.active_slots == 0  # its slot is free again
+
+
+def test_a_decoder_that_fails_its_timing_still_starts_without_an_estimate():
+    class Broken(TimedDecoder):
+        def step_async(self):
+            raise RuntimeError("broken release")
+
+    assert time_decoder(Broken(), chunk=512) is None

@@ -1,7 +1,11 @@
 """Hand-checkable engines for serving tests: no model, exact known outputs.
 
 MockEncoder: input i's vector is one-hot at (sum of its ids) % dim, so a test can
-tell which input produced which row. MockDecoder: every generated token is its `tag`.
+tell which input produced which row; it may take a fixed time per batch and per token
+(sleeping on the engine thread), a model whose cost is known exactly. bench/nomath.py
+serves it in a real worker process to measure the serving path alone; it lives here
+because tests may not import bench/, while bench/ may use this support package.
+MockDecoder: every generated token is its `tag`.
 `gate` (a threading.Event) lets a test hold a batch or a decode step on the engine
 thread for as long as it likes, to create overload, a wedged worker or a swap
 mid-stream.
@@ -10,6 +14,7 @@ mid-stream.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -17,15 +22,21 @@ from engine.interface import WholePrompt
 
 
 class MockEncoder:
+    """Implements engine.interface.Encoder; cost = per_batch_s + per_token_s x tokens."""
+
     def __init__(self, name: str = "all-MiniLM-L6-v2", dim: int = 8, max_batch: int = 64,
-                 fail_on: int | None = None) -> None:
+                 fail_on: int | None = None, per_batch_s: float = 0.0,
+                 per_token_s: float = 0.0) -> None:
         self.name = name
         self.dim = dim
         self.max_tokens = 256
         self.dtype = "float32"
         self.device = "mock"
+        self.devices = ["mock"]
         self.max_batch = max_batch
         self.fail_on = fail_on  # a token id that makes the engine raise
+        self.per_batch_s = per_batch_s
+        self.per_token_s = per_token_s
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()  # set when a batch starts computing
@@ -39,6 +50,9 @@ class MockEncoder:
         self.gate.wait()
         if self.fail_on is not None and any(self.fail_on in x for x in inputs):
             raise RuntimeError("poisoned input")
+        cost = self.per_batch_s + self.per_token_s * sum(len(x) for x in inputs)
+        if cost > 0:
+            time.sleep(cost)
         self.batches.append(len(inputs))
         out = np.zeros((len(inputs), self.dim), np.float32)
         for i, ids in enumerate(inputs):
@@ -74,6 +88,7 @@ class MockDecoder(WholePrompt):
         self.max_context = max_context
         self.dtype = "float32"
         self.device = "mock"
+        self.devices = ["mock"]
         self.eos_token_ids: tuple[int, ...] = ()
         self.tokenizer = LetterTokenizer()
         self.gate = threading.Event()
@@ -89,7 +104,7 @@ class MockDecoder(WholePrompt):
         if not prompt or len(prompt) > self.max_context - 1:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit")
 
-    def prefill_insert(self, slot: int, prompt: list[int], sampling, seed: int) -> int:
+    def prefill_whole(self, slot: int, prompt: list[int], sampling, seed: int) -> int:
         self._active[slot], self._lengths[slot] = True, len(prompt) + 1
         return self.tag
 

@@ -149,8 +149,10 @@ def table_resolver(models: dict[str, str]):
 @asynccontextmanager
 async def running_stack(nats_url: str, models: dict[str, str] | None = None,
                         registry: bool = False, scale_interval_s: float = 0.5, **overrides):
+    # Decoders compile the rest of their shapes where first needed, not on a
+    # background thread: a test runs few shapes, and the suite shares two cores.
     base = dict(nats_url=nats_url, heartbeat_s=0.1, worker_expiry_s=1.0, log_format="json",
-                log_level="warning", http_port=0)
+                log_level="warning", http_port=0, compile_ahead="lazy")
     base.update(overrides)
     config = Config.from_env({}, **base)
     async with AsyncExitStack() as ex:

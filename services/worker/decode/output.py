@@ -8,11 +8,15 @@
      context, which sets the sequence's `finish`. The gap since the sequence's last
      token is counted for the request's inter-token latency.
   3. A streaming choice gets a GenChunk for each token that made text (or ended
-     it); a non-streaming one gets one chunk with its whole text when it ends.
+     it); a non-streaming one gets one chunk with its whole text when it ends,
+     and meanwhile an empty one (no text, no tokens) at its first token and then
+     every quarter of its stall timeout: the gateway's clock learns tokens flow
+     (the deadline bounds only the wait for the first; docs/protocol.md).
      When the request asked for logprobs, each token's (read from the engine,
      which got them in the step's one host copy) rides in the chunk that follows it.
      Every chunk names the version whose engine produced it.
-  4. `close()` ends a request: a 504 first when it expired before any token, then
+  4. `close()` ends a request: a 504 first when it ran out of time (before its
+     first token, or stalled, or past its `end_by`; not when cancelled), then
      the GenDone with usage and Timing (queue, compute, ttft, mean ITL, ITL counts).
 
 It calls no engine and awaits nothing: each call returns the messages to send
@@ -24,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.worker.decode.scheduler import Request, Sequence
-from shared.errors import ServiceError, deadline_exceeded
+from shared.errors import ServiceError, out_of_time
 from shared.messages import GenChunk, GenDone, GenerateWork, Timing, TokenLogprob
 from shared.telemetry import itl_bucket, itl_counts
 
@@ -47,6 +51,7 @@ class Stream:
     unsent: int = 0  # tokens generated since its last chunk
     text: list[str] = field(default_factory=list)  # unsent text (non-streaming)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # unsent, when asked for
+    noted: float = 0.0  # perf_counter of its latest progress chunk (non-streaming)
 
 
 @dataclass(eq=False)
@@ -97,7 +102,20 @@ class OutputProcessor:
         if seq.work.stream:
             return [self._chunk(seq, stream, text)] if text or seq.finish else []
         stream.text.append(text)
-        return [self._chunk(seq, stream, "".join(stream.text))] if seq.finish else []
+        if seq.finish:
+            return [self._chunk(seq, stream, "".join(stream.text))]
+        return self._progress(seq, stream, now)
+
+    @staticmethod
+    def _progress(seq: Sequence, stream: Stream, now: float) -> list[Say]:
+        """A non-streaming choice's empty chunk, when the gateway should hear that it
+        makes progress: at its first token, then every quarter of its stall timeout."""
+        w = seq.work
+        if stream.noted and (w.stall_s <= 0 or now - stream.noted < w.stall_s / 4):
+            return []
+        stream.noted = now
+        return [Say(w, GenChunk(w.request_id, seq.index, "", 0, None, w.attempt,
+                                seq.lane.version))]
 
     @staticmethod
     def _check(seq: Sequence, stream: Stream, tok: int) -> str:
@@ -126,15 +144,14 @@ class OutputProcessor:
         stream.logprobs = []
         return Say(w, chunk)
 
-    def close(self, req: Request, version: str, running: int, now_wall: float,
-              now: float) -> list[Say]:
+    def close(self, req: Request, version: str, running: int, now: float) -> list[Say]:
         """Its last choice ended (`running` sequences still hold slots): an error
-        first when it expired unanswered, then its GenDone."""
+        first when it ran out of time, then its GenDone."""
         w = req.work
         st = self.requests.pop(w.request_id, None) or RequestOutput(req.arrived)
         says = []
-        if not req.cancelled and w.deadline <= now_wall and not st.first_at:
-            says.append(Say(w, deadline_exceeded()))
+        if not req.cancelled and req.expired:
+            says.append(Say(w, out_of_time(req.expired, w.stall_s)))
         timing = Timing(
             queue=(st.admitted or now) - st.arrived,
             compute=now - (st.admitted or now),

@@ -2,8 +2,10 @@
 
   1. `add()` turns a GenerateWork with `n` choices into `n` sequences waiting FIFO.
   2. `retiring()` names the slots to free before the next step: sequences that
-     finished, were cancelled or expired; `retire()` forgets them once the engine
-     freed those slots, and returns the requests whose last choice just ended.
+     finished, were cancelled or ran out of time; `retire()` forgets them once the
+     engine freed those slots, and returns the requests whose last choice just
+     ended. A request's time (`out_of_time`) is its deadline until its first
+     token; after it, its stall timeout since its latest token and its `end_by`.
   3. `schedule()` admits at most `per_step` waiting sequences, FIFO per lane, each
      into a free slot of its lane when the engine's KV pool has room for its prompt
      (`can_admit`; otherwise it and the rest of its lane wait: the pool, not the slot
@@ -84,6 +86,8 @@ class Request:
     remaining: int  # choices not yet retired
     version: str = ""  # fixed when its first choice is admitted
     cancelled: bool = False
+    last_token: float = 0.0  # UNIX seconds of its latest token (0: none yet)
+    expired: str = ""  # why it ran out of time: "deadline" | "stall" | "max_time"
 
 
 @dataclass
@@ -203,7 +207,7 @@ class StepScheduler:
         while self.waiting and len(adm.admitted) < self.per_step:
             seq = self.waiting.popleft()
             st = self.requests.get(seq.work.request_id)
-            if st is None or st.cancelled or seq.work.deadline <= now_wall:
+            if st is None or st.cancelled or self.out_of_time(st, now_wall):
                 self._drop(seq, st, adm)
                 continue
             version = st.version or self.resolve(seq.work.version)
@@ -238,6 +242,21 @@ class StepScheduler:
         self.waiting.extendleft(reversed(kept))
         return adm
 
+    @staticmethod
+    def out_of_time(st: Request, now_wall: float) -> bool:
+        """Whether `st` ran out of time (noted in `st.expired`): its deadline bounds
+        the wait for its first token; after it, the stall timeout since its latest
+        token and its `end_by` bound it (0 = no such bound)."""
+        if not st.expired:
+            w = st.work
+            if not st.last_token:
+                st.expired = "deadline" if w.deadline <= now_wall else ""
+            elif w.end_by and w.end_by <= now_wall:
+                st.expired = "max_time"
+            elif w.stall_s > 0 and st.last_token + w.stall_s <= now_wall:
+                st.expired = "stall"
+        return bool(st.expired)
+
     def _drop(self, seq: Sequence, st: Request | None, adm: Admission) -> None:
         seq.finish = "cancelled"
         if st is not None:
@@ -253,9 +272,10 @@ class StepScheduler:
         self._drop(seq, st, adm)
 
     # ------------------------------------------------------------- after a step
-    def update(self, result: StepResult) -> list[tuple[Sequence, object]]:
+    def update(self, result: StepResult, now_wall: float = 0.0) -> list[tuple[Sequence, object]]:
         """(sequence, token or prefill exception) in the order to process them:
-        first tokens, oldest prompt first, then each lane's step by slot."""
+        first tokens, oldest prompt first, then each lane's step by slot. A request
+        with a token notes `now_wall` (UNIX seconds) as its latest token's time."""
         out: list[tuple[Sequence, object]] = []
         for seq, first in result.firsts:
             if isinstance(first, BaseException):
@@ -276,6 +296,11 @@ class StepScheduler:
             for slot, seq in lane.active.items():
                 if seq.finish is None and seq.live and seq.joined <= step_no:
                     out.append((seq, int(ls.tokens[slot])))  # tokens: [slots] int32
+        if now_wall:
+            for seq, tok in out:
+                st = self.requests.get(seq.work.request_id)
+                if st is not None and not isinstance(tok, BaseException):
+                    st.last_token = now_wall
         return out
 
     def requeue(self, result: StepResult) -> None:
@@ -300,14 +325,14 @@ class StepScheduler:
 
     # ------------------------------------------------------------- retiring
     def retiring(self, now_wall: float) -> list[tuple[Lane, int, Sequence]]:
-        """Slots to free: finished sequences, and those cancelled or expired (marked
-        "cancelled" now). The engine frees them; then `retire`."""
+        """Slots to free: finished sequences, and those cancelled or out of time
+        (marked "cancelled" now). The engine frees them; then `retire`."""
         freed = []
         for lane in self.lanes.values():
             for slot, seq in lane.active.items():
                 st = self.requests.get(seq.work.request_id)
                 if seq.finish is None and st is not None and (
-                        st.cancelled or seq.work.deadline <= now_wall):
+                        st.cancelled or self.out_of_time(st, now_wall)):
                     seq.finish = "cancelled"
                 if seq.finish is not None:
                     freed.append((lane, slot, seq))

@@ -1,4 +1,5 @@
-"""Load generators that keep the outcome of every request (fault, overload and soak runs).
+"""Load generators that keep the outcome of every request (fault, overload and soak runs;
+the tests and bench/ both use them).
 
 `ClosedLoop`: N clients, each sending its next request when its last one returns.
 `OpenLoop`: requests at a fixed rate whatever the answers (overload is only real when
@@ -16,10 +17,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-import numpy as np
 from nats.errors import NoRespondersError
 
 from shared.errors import HEADER_CODE, HEADER_RETRY_AFTER
+from tests.support.stats import pct_ms
 
 LOST = "lost"
 
@@ -114,7 +115,5 @@ def summary(outcomes: list[Outcome]) -> dict:
 def _pct(name: str, lat: list[float]) -> dict:
     if not lat:
         return {}
-    a = np.asarray(lat) * 1000
-    return {f"{name}_p50_ms": round(float(np.percentile(a, 50)), 2),
-            f"{name}_p99_ms": round(float(np.percentile(a, 99)), 2),
-            f"{name}_max_ms": round(float(a.max()), 2)}
+    return {f"{name}_p50_ms": pct_ms(lat, 50), f"{name}_p99_ms": pct_ms(lat, 99),
+            f"{name}_max_ms": pct_ms(lat, 100)}

@@ -1,0 +1,111 @@
+"""Tiny sentence encoders built locally (random weights, fixed seed, no download) and
+saved by sentence-transformers itself in its module layout: the Hugging Face model at
+the root, then 1_Pooling/, optional Dense and Normalize folders, prompts in
+config_sentence_transformers.json.
+
+BERT-family models reuse the bundled MiniLM's WordPiece tokenizer; RoBERTa,
+XLM-RoBERTa and MPNet get a small byte-level BPE one with fairseq's special-token order
+(<s>=0, <pad>=1, </s>=2), so that padding_idx + 1 numbering is exercised as in the
+real checkpoints.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+HIDDEN = 32
+MAX_SEQ = 48  # sentence-transformers' max_seq_length for every tiny model
+_BPE_TEXT = ["the quick brown fox jumps over the lazy dog", "query: passage: a b c",
+             "Nuclear fusion powers the sun", "¿Dónde está la estación de tren?"]  # fmt: skip
+
+
+def _roberta_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import RobertaTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_BPE_TEXT * 20, trainer)
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    fast = RobertaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                sep_token="</s>", cls_token="<s>", unk_token="<unk>",
+                                pad_token="<pad>", mask_token="<mask>")
+    fast.save_pretrained(str(out))
+
+
+def _hf_model(family: str, out: Path, seed: int, num_labels: int = 0):
+    """A tiny `family` ("bert" | "roberta" | "xlm-roberta" | "mpnet") model saved to `out`;
+    with `num_labels`, its *ForSequenceClassification (a cross-encoder)."""
+    import torch
+    import transformers as tf
+    from transformers import BertConfig, BertTokenizerFast, RobertaConfig, XLMRobertaConfig
+
+    from shared.catalog import ENCODER, bundled_dir
+
+    torch.manual_seed(seed)
+    shape = dict(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, initializer_range=0.2)
+    if num_labels:
+        shape["num_labels"] = num_labels
+    prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta",
+              "mpnet": "MPNet"}[family]
+    cls_model = getattr(tf, prefix + ("ForSequenceClassification" if num_labels else "Model"))
+    if family == "bert":
+        model = cls_model(BertConfig(vocab_size=30522, max_position_embeddings=64, **shape))
+        BertTokenizerFast.from_pretrained(str(bundled_dir(ENCODER))).save_pretrained(str(out))
+    elif family == "mpnet":  # its own vocabulary does not matter: fairseq's special ids do
+        cfg = tf.MPNetConfig(vocab_size=400, max_position_embeddings=64 + 2, pad_token_id=1,
+                             bos_token_id=0, eos_token_id=2, **shape)
+        model = cls_model(cfg)
+        _roberta_tokenizer(out)
+    else:
+        cls_cfg = RobertaConfig if family == "roberta" else XLMRobertaConfig
+        cfg = cls_cfg(vocab_size=400, max_position_embeddings=64 + 2, pad_token_id=1,
+                      bos_token_id=0, eos_token_id=2, type_vocab_size=1, **shape)
+        model = cls_model(cfg)
+        _roberta_tokenizer(out)
+    model.eval()
+    model.save_pretrained(str(out))
+
+
+def build(out_dir: Path, family: str = "bert", pooling: str | tuple[str, ...] = "mean",
+          dense: tuple[int, ...] = (), normalize: bool = True,
+          prompts: dict[str, str] | None = None, seed: int = 0):
+    """Save a tiny sentence-transformers model to `out_dir/st`; return it loaded
+    back from disk (`SentenceTransformer(dir)`, the reference the tests compare with).
+    `dense`: the out_features of each Dense layer (tanh, as the library's default)."""
+    import torch
+    from sentence_transformers import SentenceTransformer, models
+
+    hf, st_dir = out_dir / "hf", out_dir / "st"
+    _hf_model(family, hf, seed)
+    modules = [models.Transformer(str(hf), max_seq_length=MAX_SEQ)]
+    modules.append(models.Pooling(HIDDEN, pooling_mode=pooling))
+    width = HIDDEN * (1 if isinstance(pooling, str) else len(pooling))
+    torch.manual_seed(seed + 1)
+    for n in dense:
+        modules.append(models.Dense(width, n, activation_function=torch.nn.Tanh()))
+        width = n
+    if normalize:
+        modules.append(models.Normalize())
+    SentenceTransformer(modules=modules, prompts=prompts or {}, device="cpu").save(str(st_dir))
+    return SentenceTransformer(str(st_dir), device="cpu")
+
+
+def build_cross_encoder(out_dir: Path, family: str = "bert", num_labels: int = 1, seed: int = 0):
+    """Save a tiny cross-encoder (reranker) to `out_dir/ce` with sentence-transformers'
+    CrossEncoder; return it loaded back from disk, the reference for `score`."""
+    from sentence_transformers import CrossEncoder
+
+    hf, ce_dir = out_dir / "hf", out_dir / "ce"
+    _hf_model(family, hf, seed, num_labels=num_labels)
+    CrossEncoder(str(hf), max_length=MAX_SEQ, device="cpu").save(str(ce_dir))
+    return CrossEncoder(str(ce_dir), device="cpu")
