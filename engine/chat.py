@@ -131,10 +131,11 @@ class ChatTemplate:
         except Exception as exc:  # jinja2 errors of a broken template
             raise TemplateError(f"chat template failed: {exc}") from exc
 
-    def encode(self, tokenizer, messages: Iterable[Any]) -> list[int]:
+    def encode(self, tokenizer, messages: Iterable[Any],
+               add_generation_prompt: bool = True) -> list[int]:  # fmt: skip
         """Render and tokenize. A template that writes the BOS token itself must not
         get a second one from the tokenizer's post-processor."""
-        text = self.render(messages)
+        text = self.render(messages, add_generation_prompt)
         bos = self.special.get("bos_token", "")
         return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 

@@ -68,14 +68,20 @@ class StreamOptions(_Request, kw_only=True):
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Stop = Annotated[str, Meta(min_length=1, max_length=256)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows (engine.decoder.kvcache.MAX_BIAS)
+MAX_STOP_TOKENS = 64
+MAX_TOP_LOGPROBS = 20  # as OpenAI allows (engine.decoder.sampling.MAX_LOGPROBS)
 
 
 class _Sampling(_Request, kw_only=True):
     model: Annotated[str, Meta(min_length=1, max_length=256)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Temperature = 1.0
-    top_p: TopP = 1.0
-    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] = -1  # >= vocabulary = off
+    # None = the model's generation_config.json default, else OpenAI's (1, 1, off).
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None  # -1, 0 or >= vocabulary = off
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     stop: Stop | Annotated[list[Stop], Meta(max_length=MAX_STOP)] | None = None
     stream: bool = False
@@ -83,32 +89,79 @@ class _Sampling(_Request, kw_only=True):
     n: Annotated[int, Meta(ge=1)] = 1
     user: Annotated[str, Meta(max_length=256)] | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
-    presence_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None
-    frequency_penalty: Annotated[float, Meta(ge=0.0, le=0.0)] | None = None
+    # Applied on the device inside the step (engine/decoder/sampling.py); None = off
+    # (repetition_penalty and min_p: the model's generation_config.json, else off).
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    # token id (a string key in JSON) -> bias added to its logit
+    logit_bias: Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKENS)] | None = None
+
+
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: Text | Annotated[list[Text | TokenId | TokenList], Meta(max_length=MAX_LIST * 4)] = ""
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     echo: bool = False
+    logprobs: TopLogprobs | None = None  # top logprobs per token (0: the sampled token's)
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    """One part of a message's `content` list. Only `text` parts are served; any
+    other type (image_url, input_audio, file, ...) is refused by name, so its own
+    fields are not checked here."""
+
+    type: Annotated[str, Meta(min_length=1, max_length=64)]
+    text: Text | None = None
 
 
 class ChatMessage(_Request, kw_only=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | None = None
+    content: Text | Annotated[list[ContentPart], Meta(max_length=MAX_LIST)] | None = None
     name: Annotated[str, Meta(max_length=256)] | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=1024)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None  # needs `logprobs`
+
+
+# --------------------------------------------------------------- logprobs
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
 
 
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct):
@@ -130,7 +183,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: ResponseMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -152,7 +205,7 @@ class ChatChunkChoice(msgspec.Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -171,6 +224,32 @@ class CompletionChunk(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     object: str = "text_completion"
+
+
+# ------------------------------------------------------------------ tokenize
+class TokenizeRequest(_Request, kw_only=True):
+    """vLLM's shape: `prompt`, or `messages` rendered with the model's chat template."""
+
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=1024)] | None = None
+    add_special_tokens: bool = True  # prompt: the tokenizer's own (BOS ...)
+    add_generation_prompt: bool = True  # messages: end with the assistant's turn opening
+
+
+class TokenizeResponse(msgspec.Struct):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request, kw_only=True):
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    tokens: TokenList
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str
 
 
 # -------------------------------------------------------------------- models

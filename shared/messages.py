@@ -25,6 +25,13 @@ class Sampling(msgspec.Struct, array_like=True, gc=False):
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = msgspec.field(default_factory=list)  # (token, bias)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)  # end a choice as EOS does
+    logprobs: int = -1  # top logprobs per token (-1: none; 0: the sampled token's only)
 
 
 class EmbedWork(_Msg, tag="embed"):
@@ -96,6 +103,14 @@ class EmbedResult(_Msg, tag="embed_result"):
     timing: Timing
 
 
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    """One generated token's logprob and the top ones at its position, best first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = msgspec.field(default_factory=list)
+
+
 class GenChunk(_Msg, tag="chunk"):
     """New text for one choice. `finish_reason` set on its last chunk."""
 
@@ -107,6 +122,8 @@ class GenChunk(_Msg, tag="chunk"):
     finish_reason: str | None = None
     attempt: int = 0  # dispatch attempt that produced it (re-dispatch must not mix)
     version: str = ""  # the model version generating this request (every chunk says it)
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)  # one per token in
+    # `tokens`, when the request asked for logprobs
 
 
 class GenDone(_Msg, tag="done"):

@@ -11,7 +11,9 @@ EMBEDDINGS = "inference.v1.embeddings"
 COMPLETIONS = "inference.v1.completions"
 CHAT_COMPLETIONS = "inference.v1.chat.completions"
 MODELS = "inference.v1.models"
-PUBLIC_INFERENCE = (EMBEDDINGS, COMPLETIONS, CHAT_COMPLETIONS)
+TOKENIZE = "inference.v1.tokenize"
+DETOKENIZE = "inference.v1.detokenize"
+PUBLIC_INFERENCE = (EMBEDDINGS, COMPLETIONS, CHAT_COMPLETIONS, TOKENIZE, DETOKENIZE)
 
 # Telemetry (msgpack records, schemas in shared.telemetry).
 TELEMETRY_REQUESTS = "telemetry.v1.requests"

@@ -18,8 +18,9 @@ Dataflow of a served sequence:
      batch bucket that holds them (a slot is a place in the pool, not a row of
      every step: one stream pays for one row), each reading its own blocks through
      its table up to the smallest window that holds the longest; the state is
-     donated, so the pool is updated in place; one [B] int32 array comes back to
-     the host, spread back to a [SLOTS] array there.
+     donated, so the pool is updated in place; one [B, 2 + 2K] int32 array (each
+     row's token, then its logprobs when a sequence asked for them) comes back to
+     the host, spread back to [SLOTS] there.
   4. The caller decides when a sequence ends (EOS, stop string, max tokens,
      `context_left(slot) == 0`) and calls `free(slot)`: its blocks go back to the
      pool; its full blocks stay cached (LRU) for the next prompt that shares them,
@@ -74,10 +75,8 @@ def _state_sharding(state: DecodeState, mesh) -> DecodeState:
     from engine import sharding
 
     kv, rep = sharding.kv_sharding(mesh), sharding.replicated(mesh)
-    return DecodeState(
-        k=tuple(kv for _ in state.k), v=tuple(kv for _ in state.v), tokens=rep,
-        positions=rep, keys=rep, temperature=rep, top_k=rep, top_p=rep,
-    )  # fmt: skip
+    return DecodeState(*(rep for _ in state))._replace(
+        k=tuple(kv for _ in state.k), v=tuple(kv for _ in state.v))
 
 
 class DecoderEngine(PagedSlots):
@@ -151,6 +150,7 @@ class DecoderEngine(PagedSlots):
         blocks = int(kv_blocks) or self._slots * self._max_blocks + 1
         self._init_slots(blocks, prefix_cache)
         self._state = init_decode_state(self.cfg, self._slots, blocks, self.block, self._jdtype)
+        self._warm_sampling = slot_sampling(GREEDY, self.cfg.vocab_size, [])  # warm-up, lowering
         # Sharded: the state keeps its layout across calls (the KV pool split by KV
         # head, the rest replicated), so each step's output is the next step's input
         # as is.
@@ -239,7 +239,7 @@ class DecoderEngine(PagedSlots):
                     return self._run_step(int(size), self.windows[0])[0][0]
                 ctx = self.context_for(int(size))
                 return self._run_chunk(self._slots, [0] * int(size), 0, int(size), ctx,
-                                       slot_sampling(GREEDY), np.uint32(0))  # fmt: skip
+                                       self._warm_sampling, np.uint32(0))  # fmt: skip
 
             cfg = self.cfg
             fields = dict(model=self.name, family=cfg.family, layers=cfg.layers,
@@ -297,7 +297,7 @@ class DecoderEngine(PagedSlots):
             if kind == "prefill":
                 # The dummy row: its table is all scratch, its state row nobody's.
                 jax.block_until_ready(self._run_chunk(self._slots, [0] * size, 0, size, other,
-                                                      slot_sampling(GREEDY), np.uint32(0)))
+                                                      self._warm_sampling, np.uint32(0)))
             else:
                 jax.block_until_ready(self._run_step(size, other)[0])
         if background:
@@ -335,9 +335,10 @@ class DecoderEngine(PagedSlots):
             nw = other // self.block
             args = (i32(size), i32(size, nw), jax.ShapeDtypeStruct((size,), np.bool_))
             return lambda: self._generate.lower(params, self._state_spec, *args)
-        f32, u32 = (jax.ShapeDtypeStruct((), t) for t in (np.float32, np.uint32))
+        u32 = jax.ShapeDtypeStruct((), np.uint32)
         args = (i32(size), i32(), i32(), i32(other // self.block), i32(),
-                SlotSampling(f32, i32(), f32), u32)  # fmt: skip
+                jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                             self._warm_sampling), u32)  # fmt: skip
         return lambda: self._prefill.lower(params, self._state_spec, *args)
 
     def _program(self, kind: str, size: int, other: int):
@@ -442,7 +443,7 @@ class DecoderEngine(PagedSlots):
         batch, window = self._step_shape(len(live), self.window_for())
         tokens, rows = self._run_step(batch, window)
         pending = PendingStep(tokens, rows, self._slots, preempted,
-                              lambda host: self._note(live, began, host))
+                              lambda host, lp: self._note(live, began, host, lp))
         self._advance()
         return pending
 

@@ -28,14 +28,38 @@ class DecodeState(NamedTuple):
     temperature: jax.Array  # [SLOTS + 1] float32 (0 = greedy)
     top_k: jax.Array  # [SLOTS + 1] int32 (<= 0 = off)
     top_p: jax.Array  # [SLOTS + 1] float32 (1 = off)
+    min_p: jax.Array  # [SLOTS + 1] float32 (0 = off)
+    presence: jax.Array  # [SLOTS + 1] float32 (0 = off)
+    frequency: jax.Array  # [SLOTS + 1] float32 (0 = off)
+    repetition: jax.Array  # [SLOTS + 1] float32 (1 = off)
+    bias_ids: jax.Array  # [SLOTS + 1, MAX_BIAS] int32: logit_bias tokens ...
+    bias_vals: jax.Array  # [SLOTS + 1, MAX_BIAS] float32: ... and values (0 = unused)
+    # The penalties' memory: exact counts, not a window of recent tokens, because
+    # OpenAI's frequency penalty counts every generated token; at SmolLM2's 49k
+    # vocabulary and 64 slots that is 13 MB, a few KV blocks' worth. Only a step
+    # where some slot uses a penalty reads them (sampling.controlled).
+    counts: jax.Array  # [SLOTS + 1, V] int32: times each token was generated
+    seen: jax.Array  # [SLOTS + 1, V] bool: tokens of the prompt (repetition penalty)
+    logprobs: jax.Array  # [SLOTS + 1] int32: top logprobs wanted (-1 = none, 0 = the token's)
+
+
+MAX_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 
 
 class SlotSampling(NamedTuple):
-    """Sampling parameters of one request, as device scalars."""
+    """Sampling parameters of one request, as device values."""
 
     temperature: jax.Array  # [] float32
     top_k: jax.Array  # [] int32
     top_p: jax.Array  # [] float32
+    min_p: jax.Array  # [] float32
+    presence: jax.Array  # [] float32
+    frequency: jax.Array  # [] float32
+    repetition: jax.Array  # [] float32
+    bias_ids: jax.Array  # [MAX_BIAS] int32
+    bias_vals: jax.Array  # [MAX_BIAS] float32
+    seen: jax.Array  # [V] bool: the prompt's tokens (all False without a repetition penalty)
+    logprobs: jax.Array  # [] int32
 
 
 def init_decode_state(
@@ -53,11 +77,22 @@ def init_decode_state(
         temperature=jnp.zeros((slots,), jnp.float32),
         top_k=jnp.zeros((slots,), jnp.int32),
         top_p=jnp.ones((slots,), jnp.float32),
+        min_p=jnp.zeros((slots,), jnp.float32),
+        presence=jnp.zeros((slots,), jnp.float32),
+        frequency=jnp.zeros((slots,), jnp.float32),
+        repetition=jnp.ones((slots,), jnp.float32),
+        bias_ids=jnp.zeros((slots, MAX_BIAS), jnp.int32),
+        bias_vals=jnp.zeros((slots, MAX_BIAS), jnp.float32),
+        counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32),
+        seen=jnp.zeros((slots, cfg.vocab_size), jnp.bool_),
+        logprobs=jnp.full((slots,), -1, jnp.int32),
     )
 
 
 def start_slot(state: DecodeState, slot, token, position, key, sampling: SlotSampling):
-    """A prefilled sequence takes `slot` (traced: one compile serves every slot)."""
+    """A prefilled sequence takes `slot` (traced: one compile serves every slot); its
+    first token is its first generated one."""
+    first = jnp.zeros_like(state.counts[slot]).at[token].set(1)  # [V]
     return state._replace(
         tokens=state.tokens.at[slot].set(token),
         positions=state.positions.at[slot].set(position),
@@ -65,6 +100,15 @@ def start_slot(state: DecodeState, slot, token, position, key, sampling: SlotSam
         temperature=state.temperature.at[slot].set(sampling.temperature),
         top_k=state.top_k.at[slot].set(sampling.top_k),
         top_p=state.top_p.at[slot].set(sampling.top_p),
+        min_p=state.min_p.at[slot].set(sampling.min_p),
+        presence=state.presence.at[slot].set(sampling.presence),
+        frequency=state.frequency.at[slot].set(sampling.frequency),
+        repetition=state.repetition.at[slot].set(sampling.repetition),
+        bias_ids=state.bias_ids.at[slot].set(sampling.bias_ids),
+        bias_vals=state.bias_vals.at[slot].set(sampling.bias_vals),
+        counts=state.counts.at[slot].set(first),
+        seen=state.seen.at[slot].set(sampling.seen),
+        logprobs=state.logprobs.at[slot].set(sampling.logprobs),
     )
 
 

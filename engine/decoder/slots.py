@@ -15,7 +15,8 @@ import numpy as np
 
 from engine.decoder.blocks import SCRATCH, BlockPool, prefix_keys
 from engine.decoder.host import DecoderHost
-from engine.decoder.kvcache import SlotSampling
+from engine.decoder.kvcache import MAX_BIAS, SlotSampling
+from engine.decoder.sampling import MAX_LOGPROBS
 from engine.interface import CacheStats
 from shared.messages import Sampling
 
@@ -36,8 +37,10 @@ class PendingStep:
 
     def __init__(self, tokens: list[jax.Array], rows: np.ndarray, slots: int,
                  preempted: list[int],
-                 on_result: Callable[[np.ndarray], None] | None = None) -> None:
-        self._tokens = tokens  # parts x [B] int32, on device: row i is slot rows[i]'s token
+                 on_result: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
+        # parts x [B, 2 + 2K] int32, on device: row i is slot rows[i]'s token, then its
+        # logprobs (engine.decoder.steps.pack)
+        self._tokens = tokens
         self._rows = rows  # [parts x B] int32 (padding rows name the dummy row, index SLOTS)
         self._slots = slots
         self._host: np.ndarray | None = None
@@ -48,20 +51,37 @@ class PendingStep:
     def result(self) -> np.ndarray:
         """[SLOTS] int32: each slot's token (slots not in the step: ignore)."""
         if self._host is None:
-            out = np.zeros(self._slots + 1, np.int32)
             # The step's one host copy (one per part when it ran in parts).
-            out[self._rows] = np.concatenate([np.asarray(t) for t in self._tokens])
-            self._host = out[: self._slots]
+            packed = np.concatenate([np.asarray(t) for t in self._tokens])
+            out = np.zeros((self._slots + 1, packed.shape[1]), np.int32)
+            out[self._rows] = packed
+            self._host = np.ascontiguousarray(out[: self._slots, 0])
             if self._on_result is not None:
-                self._on_result(self._host)
+                self._on_result(self._host, out[: self._slots, 1:])
         return self._host
 
 
-def slot_sampling(sampling: Sampling) -> SlotSampling:
+def slot_sampling(sampling: Sampling, vocab: int, prompt: list[int]) -> SlotSampling:
+    """A request's sampling parameters as the prefill takes them; `seen` marks the
+    prompt's tokens only when a repetition penalty will read them."""
+    bias = [(t, b) for t, b in sampling.logit_bias if 0 <= t < vocab][:MAX_BIAS]
+    ids, vals = np.zeros(MAX_BIAS, np.int32), np.zeros(MAX_BIAS, np.float32)
+    if bias:
+        ids[: len(bias)], vals[: len(bias)] = zip(*bias)
+    seen = np.zeros(vocab, np.bool_)
+    if sampling.repetition_penalty != 1.0:
+        seen[np.asarray(prompt, np.int64)] = True
     return SlotSampling(
         temperature=np.float32(max(0.0, sampling.temperature)),
         top_k=np.int32(sampling.top_k if sampling.top_k > 0 else 0),
         top_p=np.float32(sampling.top_p if 0.0 < sampling.top_p < 1.0 else 1.0),
+        min_p=np.float32(min(max(sampling.min_p, 0.0), 1.0)),
+        presence=np.float32(sampling.presence_penalty),
+        frequency=np.float32(sampling.frequency_penalty),
+        repetition=np.float32(sampling.repetition_penalty if sampling.repetition_penalty > 0
+                              else 1.0),
+        bias_ids=ids, bias_vals=vals, seen=seen,
+        logprobs=np.int32(min(sampling.logprobs, MAX_LOGPROBS)),
     )
 
 
@@ -83,6 +103,10 @@ class PagedSlots(DecoderHost):
         # Each sequence's tokens (prompt, then generated as the caller reads them), to
         # key its full blocks when it ends.
         self._tokens: list[list[int]] = [[] for _ in range(self._slots)]
+        self._top = np.full(self._slots, -1, np.int64)  # top logprobs wanted (-1: none)
+        # Each slot's last token's logprobs ([1 + 2K] int32 as steps.pack packs them),
+        # kept only for sequences that asked for them.
+        self._logprobs: list[np.ndarray | None] = [None] * self._slots
 
     # ------------------------------------------------------------- the pool
     @property
@@ -144,7 +168,10 @@ class PagedSlots(DecoderHost):
         self._began += 1
         self._order[slot] = self._began
         self._tokens[slot] = list(prompt)
-        self._jobs[slot] = _Prefill(list(prompt), reused * self.block, slot_sampling(sampling),
+        self._top[slot] = min(sampling.logprobs, MAX_LOGPROBS)
+        self._logprobs[slot] = None
+        self._jobs[slot] = _Prefill(list(prompt), reused * self.block,
+                                    slot_sampling(sampling, self.cfg.vocab_size, prompt),
                                     np.uint32(seed % 2**32), prefix_keys(prompt, self.block))
 
     def prefilling(self, slot: int) -> int:
@@ -152,9 +179,10 @@ class PagedSlots(DecoderHost):
         job = self._jobs.get(slot)
         return len(job.prompt) - job.done if job is not None else 0
 
-    def _prefilled(self, slot: int, end: int, token) -> int | None:
+    def _prefilled(self, slot: int, end: int, packed) -> int | None:
         """The prompt of `slot` is computed up to `end`: key its full blocks; after the
-        last chunk the slot is live with `token` (the first drawn), which is returned."""
+        last chunk the slot is live with the first drawn token (`packed` [2 + 2K]: the
+        token, then its logprobs), which is returned."""
         job = self._jobs[slot]
         job.done = end
         full = end // self.block
@@ -162,9 +190,12 @@ class PagedSlots(DecoderHost):
         if end < len(job.prompt):
             return None
         del self._jobs[slot]
+        packed = np.asarray(packed)
+        token = int(packed[0])
         self._start(slot, len(job.prompt))
-        self._tokens[slot].append(int(token))
-        return int(token)
+        self._tokens[slot].append(token)
+        self._logprobs[slot] = packed[1:] if self._top[slot] >= 0 else None
+        return token
 
     # ------------------------------------------------------------------ decode
     def make_room(self) -> list[int]:
@@ -190,12 +221,29 @@ class PagedSlots(DecoderHost):
                     break
         return preempted
 
-    def _note(self, live: np.ndarray, began: np.ndarray, host: np.ndarray) -> None:
+    def _note(self, live: np.ndarray, began: np.ndarray, host: np.ndarray,
+              logprobs: np.ndarray) -> None:
         """A step's tokens reached the host: each goes on its sequence's record, unless
-        that sequence has ended (or another began in its slot) since the dispatch."""
+        that sequence has ended (or another began in its slot) since the dispatch;
+        its logprobs, when it asked for them, wait for `token_logprobs`."""
         for slot, order in zip(live.tolist(), began.tolist()):
             if self._held[slot] and self._order[slot] == order:
                 self._tokens[slot].append(int(host[slot]))
+                if self._top[slot] >= 0:
+                    self._logprobs[slot] = logprobs[slot]
+
+    def token_logprobs(self, slot: int) -> tuple[float, list[tuple[int, float]]] | None:
+        """The logprob of the token `slot` got last (from its last prefill chunk or
+        the last step read) and its request's top logprobs, as (logprob, [(token id,
+        logprob)]), best first; None when its request asked for none."""
+        row = self._logprobs[slot]
+        if row is None or self._top[slot] < 0:
+            return None
+        k = MAX_LOGPROBS
+        lp = row[: 1 + 2 * k].view(np.float32)  # float32 bits
+        ids, top = row[1 : 1 + k], lp[1 + k : 1 + 2 * k]
+        n = int(self._top[slot])
+        return float(lp[0]), [(int(i), float(v)) for i, v in zip(ids[:n], top[:n])]
 
     def _keep(self, slot: int) -> None:
         """Key the full blocks of the sequence in `slot` before it lets them go: its

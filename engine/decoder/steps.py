@@ -2,18 +2,20 @@
 driver jits them with the state donated.
 
 - prefill_chunk(params, state, padded_tokens, offset, length, table, slot, sampling,
-  seed) -> (state, token)
+  seed) -> (state, packed)
     one piece of one prompt, padded to a length bucket (static), attending to the
     sequence's blocks through `table` (its length, the context bucket, is static);
     offset, length and slot are traced. Every chunk draws a token and claims the slot
-    (tokens, position, key, sampling); only the last chunk's are kept, since a slot
-    joins decode steps only once the host marks it live.
-- generate(params, state, rows, tables, live) -> (state, tokens)
+    (tokens, position, key, sampling, token counts); only the last chunk's are kept,
+    since a slot joins decode steps only once the host marks it live.
+- generate(params, state, rows, tables, live) -> (state, packed)
     one decode step for the slots `rows` names (a batch bucket, static: the live
     sequences compacted, padded with the dummy row); positions are per row and
-    traced; the only output that leaves the device is `tokens` [B] int32, one host
+    traced; the only output that leaves the device is `packed` [B, 2 + 2K] int32
+    (each row's token, then its logprobs when some row asked for them), one host
     copy per step. The tables' width (blocks per row, static) is the attention
     window, so a step costs its batch bucket x its window, not the slot count.
+    Each drawn token is counted in its slot's row of `counts` (the penalties').
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 from engine.decoder.config import DecoderConfig
 from engine.decoder.kvcache import DecodeState, SlotSampling, start_slot
 from engine.decoder.model import decode_forward, forward_chunk, last_logits
-from engine.decoder.sampling import sample, seed_key
+from engine.decoder.sampling import controlled, sample, seed_key, token_logprobs
 
 
 def prefill_chunk(
@@ -31,35 +33,56 @@ def prefill_chunk(
     table, slot, sampling: SlotSampling, seed,
 ):  # fmt: skip
     """padded_tokens: [T] int32, offset, length: [] int32, table: [NC] int32,
-    seed: [] uint32 -> (state, token: [] int32 drawn after the chunk's last token)"""
+    seed: [] uint32 -> (state, packed: [2 + 2K] int32, the token drawn after the
+    chunk's last token and its logprobs)"""
     x, k, v = forward_chunk(params, cfg, padded_tokens, offset, length, table, state.k, state.v)
-    logits = last_logits(params, cfg, x, length)  # [V]
+    raw = last_logits(params, cfg, x, length)[None]  # [1, V]
     key = seed_key(seed)
     end = (offset + length).astype(jnp.int32)  # the drawn token's position
-    one = lambda a: jnp.reshape(a, (1,))  # noqa: E731  (sample works on a batch of slots)
+    one = lambda a: a[None]  # noqa: E731  (sample works on a batch of slots)
+    # Nothing generated yet: only the bias and the prompt's repetition penalty apply.
+    logits = controlled(
+        raw, lambda: (jnp.zeros(raw.shape, jnp.int32), sampling.seen[None]),
+        one(sampling.presence), one(sampling.frequency), one(sampling.repetition),
+        one(sampling.bias_ids), one(sampling.bias_vals),
+    )  # fmt: skip
     token = sample(
-        logits[None], key[None], one(end), one(sampling.temperature),
-        one(sampling.top_k), one(sampling.top_p),
+        logits, key[None], one(end), one(sampling.temperature),
+        one(sampling.top_k), one(sampling.top_p), one(sampling.min_p),
     )[0]  # fmt: skip
     state = start_slot(state._replace(k=k, v=v), slot, token, end, key, sampling)
-    return state, token
+    return state, pack(raw, token[None], one(sampling.logprobs))[0]
+
+
+def pack(raw, tokens, want):
+    """raw: [B, V] float32 logits, tokens: [B] int32, want: [B] int32 -> [B, 2 + 2K]
+    int32: each row's token, then its logprobs (sampling.token_logprobs). One array,
+    so a step's results leave the device in one copy."""
+    return jnp.concatenate([tokens[:, None], token_logprobs(raw, tokens, want)], axis=-1)
 
 
 def generate(params: dict, cfg: DecoderConfig, state: DecodeState, rows, tables, live,
              kernel: str = "xla", interpret: bool = False):
     """rows: [B] int32 (slots; padding names the dummy row), tables: [B, NW] int32,
-    live: [B] bool -> (state, tokens: [B] int32, row i's token for slot rows[i]).
+    live: [B] bool -> (state, packed: [B, 2 + 2K] int32, row i's token and logprobs
+    for slot rows[i]).
     Padding rows compute too (their output is ignored, their writes go to the
     scratch block and to the dummy row); cursors are clamped inside the positions."""
     fed, at = state.tokens[rows], state.positions[rows]  # [B]
-    logits, k, v = decode_forward(params, cfg, fed, at, tables, live, state.k, state.v, kernel,
-                                  interpret)
+    raw, k, v = decode_forward(params, cfg, fed, at, tables, live, state.k, state.v, kernel,
+                               interpret)
+    logits = controlled(
+        raw, lambda: (state.counts[rows], state.seen[rows]), state.presence[rows],
+        state.frequency[rows], state.repetition[rows], state.bias_ids[rows],
+        state.bias_vals[rows],
+    )  # fmt: skip
     # The drawn tokens sit one past the ones just fed.
     tokens = sample(
         logits, state.keys[rows], at + 1, state.temperature[rows], state.top_k[rows],
-        state.top_p[rows],
+        state.top_p[rows], state.min_p[rows],
     )  # fmt: skip
     positions = jnp.minimum(at + 1, cfg.max_positions - 1)
     state = state._replace(k=k, v=v, tokens=state.tokens.at[rows].set(tokens),
-                           positions=state.positions.at[rows].set(positions))  # fmt: skip
-    return state, tokens
+                           positions=state.positions.at[rows].set(positions),
+                           counts=state.counts.at[rows, tokens].add(1))  # fmt: skip
+    return state, pack(raw, tokens, state.logprobs[rows])

@@ -41,6 +41,10 @@ from shared.logging import get_logger
 from shared.messages import Sampling
 
 log = get_logger(__name__)
+# Sampling fields this engine does not implement, with the value that means "off".
+UNSUPPORTED = (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+               ("repetition_penalty", 1.0), ("min_p", 0.0), ("logit_bias", []),
+               ("logprobs", -1))
 
 
 class DoneStep:
@@ -122,6 +126,14 @@ class TorchDecoder(DecoderHost, WholePrompt):
         return 0
 
     # -------------------------------------------------------------- requests
+    def check_sampling(self, sampling: Sampling) -> None:
+        """This engine samples with temperature, top-k and top-p only: a request that
+        asks for more is refused (a 400 naming the fields), never served without them."""
+        asked = [name for name, off in UNSUPPORTED if getattr(sampling, name) != off]
+        if asked:
+            raise ValueError(f"{', '.join(asked)}: not supported by the torch engine "
+                             f"serving {self.name}")
+
     @torch.inference_mode()
     def prefill_whole(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> int:
         """Start a sequence in `slot`; return its first generated token."""

@@ -24,12 +24,16 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator
 
 from services.gateway import codec
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
+from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
 from shared.api import (
     ChatChoice,
@@ -46,7 +50,7 @@ from shared.api import (
     Usage,
 )
 from shared.errors import bad_request
-from shared.messages import GenChunk, GenDone, GenerateWork, Sampling
+from shared.messages import GenChunk, GenDone, GenerateWork, Sampling, TokenLogprob
 
 if TYPE_CHECKING:
     from services.gateway.call import Call
@@ -61,6 +65,11 @@ class Prepared:
     created: int
     include_usage: bool
     continuous_usage: bool = False  # usage so far on every chunk (vLLM's stream option)
+    tokenizer: object = None  # engine.tokenizer.Tokenizer: logprobs' token texts
+
+    @property
+    def logprobs(self) -> bool:
+        return self.work.sampling.logprobs >= 0
 
     @property
     def stream(self) -> bool:
@@ -77,7 +86,6 @@ class Generation:
         self.chat = chat
         self.name = "chat.completions" if chat else "completions"
         self._request_type = ChatCompletionRequest if chat else CompletionRequest
-        self._templates: dict[str, object] = {}  # model dir -> engine.chat.ChatTemplate
 
     # ---------------------------------------------------------------- prepare
     async def prepare(self, body: bytes, call: Call) -> Prepared:
@@ -93,6 +101,10 @@ class Generation:
         self.front.admission.shed(name)
         if not chat and req.echo:
             raise bad_request("'echo' is not supported; send the prompt back yourself")
+        if chat and req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs': true")
+        if req.stream_options is not None and not req.stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true")
         if req.n > self.config.max_n:
             raise bad_request(f"'n' is {req.n}; at most {self.config.max_n} choices per request")
         render = self._chat_prompt if chat else self._prompt
@@ -112,11 +124,10 @@ class Generation:
                     if reserved:
                         self.front.admission.unreserve(rid)
                     raise
-        max_tokens = (req.max_completion_tokens if chat else None) or req.max_tokens
-        max_tokens = min(max_tokens or limit, limit - len(prompt))
+        max_tokens = _max_tokens(req, chat, len(prompt), limit)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        sampling = Sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                            seed=req.seed)
+        sampling = _sampling(req, generation_defaults(entry.info.path), _top_logprobs(req, chat))
+        _check_tokens(sampling, entry.tokenizer.vocab_size)
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
                             req.stream, deadline, "", ignore_eos=req.ignore_eos,
@@ -124,7 +135,8 @@ class Generation:
                             stall_s=self.config.stall_timeout_s, end_by=call.end_by)
         opts = req.stream_options
         return Prepared(req, chat, work, req.model, int(time.time()),
-                        bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats))
+                        bool(opts and opts.include_usage),
+                        bool(opts and opts.continuous_usage_stats), entry.tokenizer)
 
     @staticmethod
     def _fits(prompt: list[int], name: str, limit: int) -> list[int]:
@@ -164,16 +176,7 @@ class Generation:
         return list(ids)
 
     def _chat_prompt(self, req: ChatCompletionRequest, entry: ModelEntry) -> list[int]:
-        from engine.chat import ChatTemplate
-
-        tmpl = self._templates.get(entry.info.path)
-        if tmpl is None:
-            tmpl = self._templates[entry.info.path] = ChatTemplate.from_dir(entry.info.path)
-        messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-        try:
-            return tmpl.encode(entry.tokenizer, messages)
-        except ValueError as exc:
-            raise bad_request(f"cannot render the chat: {exc}") from None
+        return chat_prompt(req.messages, entry)
 
     # ---------------------------------------------------------------- events
     async def events(self, prep: Prepared, call: Call) -> AsyncIterator[list[GenChunk | GenDone]]:
@@ -213,23 +216,28 @@ class Generation:
     async def whole(self, prep: Prepared, call: Call):
         out = call.out
         texts = [[] for _ in range(prep.work.n)]
+        lps: list[list[TokenLogprob]] = [[] for _ in range(prep.work.n)]
         finish: list[str | None] = [None] * prep.work.n
         done = None
         async for batch in self.events(prep, call):
             for ev in batch:
                 if isinstance(ev, GenChunk):
                     texts[ev.index].append(ev.text)
+                    lps[ev.index] += ev.logprobs
                     finish[ev.index] = ev.finish_reason or finish[ev.index]
                 else:
                     done = ev
         self._account(out, done)
         usage = _usage(done)
+        render = Logprobs(prep.tokenizer, prep.work.n, prep.logprobs)
         if prep.chat:
-            choices = [ChatChoice(i, ResponseMessage("assistant", "".join(t)), _reason(finish[i]))
+            choices = [ChatChoice(i, ResponseMessage("assistant", "".join(t)), _reason(finish[i]),
+                                  render.chat(lps[i]))
                        for i, t in enumerate(texts)]
             return ChatCompletionResponse(id=f"chatcmpl-{prep.work.request_id}", created=prep.created,
                                           model=prep.model, choices=choices, usage=usage)
-        choices = [CompletionChoice(i, "".join(t), _reason(finish[i])) for i, t in enumerate(texts)]
+        choices = [CompletionChoice(i, "".join(t), _reason(finish[i]), render.completion(i, lps[i]))
+                   for i, t in enumerate(texts)]
         return CompletionResponse(id=f"cmpl-{prep.work.request_id}", created=prep.created,
                                   model=prep.model, choices=choices, usage=usage)
 
@@ -243,6 +251,7 @@ class Generation:
         cid = f"chatcmpl-{rid}" if prep.chat else f"cmpl-{rid}"
         started = False
         prompt, generated = len(prep.work.prompt), 0
+        render = Logprobs(prep.tokenizer, prep.work.n, prep.logprobs)
         async for batch in self.events(prep, call):
             ready: list[object] = []
             if prep.chat and not started:
@@ -263,11 +272,12 @@ class Generation:
                               total_tokens=prompt + generated) if prep.continuous_usage else None
                 if prep.chat:
                     delta = ChatDelta(content=ev.text) if ev.text else ChatDelta()
-                    ready.append(ChatCompletionChunk(
-                        cid, created, model, [ChatChunkChoice(ev.index, delta, reason)], usage=usage))
+                    choice = ChatChunkChoice(ev.index, delta, reason, render.chat(ev.logprobs))
+                    ready.append(ChatCompletionChunk(cid, created, model, [choice], usage=usage))
                 else:
-                    ready.append(CompletionChunk(
-                        cid, created, model, [CompletionChoice(ev.index, ev.text, reason)], usage=usage))
+                    choice = CompletionChoice(ev.index, ev.text, reason,
+                                              render.completion(ev.index, ev.logprobs))
+                    ready.append(CompletionChunk(cid, created, model, [choice], usage=usage))
             if ready:
                 yield ready
 
@@ -293,8 +303,116 @@ def coalesced(batch: list[GenChunk | GenDone]) -> list[GenChunk | GenDone]:
             continue
         have = out[i]
         out[i] = GenChunk(ev.request_id, ev.index, have.text + ev.text, have.tokens + ev.tokens,
-                          ev.finish_reason or have.finish_reason, ev.attempt, ev.version)
+                          ev.finish_reason or have.finish_reason, ev.attempt, ev.version,
+                          have.logprobs + ev.logprobs)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def chat_template(model_dir: str):
+    """The model's engine.chat.ChatTemplate, read once per directory."""
+    from engine.chat import ChatTemplate
+
+    return ChatTemplate.from_dir(model_dir)
+
+
+def chat_prompt(messages: list, entry: ModelEntry, add_generation_prompt: bool = True) -> list[int]:
+    """Chat messages (shared.api.ChatMessage) rendered with the model's chat template
+    and tokenized; a template that refuses them is a 400."""
+    plain = [{"role": m.role, "content": _content(m.content)} for m in messages]
+    try:
+        return chat_template(entry.info.path).encode(entry.tokenizer, plain, add_generation_prompt)
+    except ValueError as exc:
+        raise bad_request(f"cannot render the chat: {exc}") from None
+
+
+def _content(content: str | list | None) -> str:
+    """A message's text: a string, or its text parts joined by newlines (as vLLM
+    joins them); any other part type is a 400 that names it."""
+    if not isinstance(content, list):
+        return content or ""
+    for part in content:
+        if part.type != "text":
+            raise bad_request(f"message content part type '{part.type}' is not supported; "
+                              f"only 'text' parts are")
+        if part.text is None:
+            raise bad_request("a message content part of type 'text' needs 'text'")
+    return "\n".join(part.text for part in content)
+
+
+def _max_tokens(req, chat: bool, prompt: int, limit: int) -> int:
+    """The request's token budget; when it asks for more than the context leaves,
+    a 400 naming both numbers (never a silent clamp). Unset: what the context leaves."""
+    field = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
+    asked = (req.max_completion_tokens if chat else None) or req.max_tokens
+    if asked is None:
+        return limit - prompt
+    if prompt + asked > limit:
+        raise bad_request(
+            f"'{field}' is {asked} and the prompt has {prompt} tokens: {prompt + asked} "
+            f"tokens in all, over the model's context of {limit} tokens (at most "
+            f"{limit - prompt} can be generated for this prompt)",
+            code="context_length_exceeded")
+    return asked
+
+
+# OpenAI's defaults, used when neither the request nor the model's
+# generation_config.json sets a field.
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                     "repetition_penalty": 1.0}
+
+
+@functools.lru_cache(maxsize=64)
+def generation_defaults(model_dir: str) -> dict[str, float]:
+    """The sampling defaults the model's authors ship in `generation_config.json`
+    (as vLLM applies them): those of SAMPLING_DEFAULTS it sets, with valid values."""
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    out: dict[str, float] = {}
+    for key in SAMPLING_DEFAULTS:
+        value = cfg.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = value
+    return out
+
+
+def _top_logprobs(req, chat: bool) -> int:
+    """Top logprobs per token the request wants: -1 none, 0 the sampled token's only."""
+    if chat:
+        return (req.top_logprobs or 0) if req.logprobs else -1
+    return -1 if req.logprobs is None else req.logprobs
+
+
+def _sampling(req, defaults: dict[str, float], logprobs: int = -1) -> Sampling:
+    """The request's sampling fields; those it leaves unset from the model's
+    defaults, then OpenAI's."""
+    def pick(key: str):
+        value = getattr(req, key)
+        if value is None:
+            value = defaults.get(key, SAMPLING_DEFAULTS[key])
+        return value
+
+    return Sampling(temperature=max(0.0, float(pick("temperature"))),
+                    top_p=min(1.0, float(pick("top_p"))) or 1.0, top_k=int(pick("top_k")),
+                    seed=req.seed, min_p=min(1.0, max(0.0, float(pick("min_p")))),
+                    presence_penalty=req.presence_penalty or 0.0,
+                    frequency_penalty=req.frequency_penalty or 0.0,
+                    repetition_penalty=float(pick("repetition_penalty")) or 1.0,
+                    logit_bias=sorted((req.logit_bias or {}).items()),
+                    stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs)
+
+
+def _check_tokens(sampling: Sampling, vocab: int) -> None:
+    """Token ids in `logit_bias` and `stop_token_ids` must name tokens of the model."""
+    for field, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
+                       ("stop_token_ids", sampling.stop_token_ids)):
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"'{field}' names token id {bad}, outside the vocabulary of "
+                              f"{vocab} tokens")
 
 
 def _reason(reason: str | None) -> str | None:

@@ -12,9 +12,13 @@ from shared.api import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from shared.errors import ErrorBody
 
@@ -46,6 +50,7 @@ def _op(summary: str, req: str | None, resp: str, stream: str | None = None) -> 
 def openapi_document() -> dict:
     types = [EmbeddingRequest, EmbeddingResponse, CompletionRequest, CompletionResponse,
              CompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
+             TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse,
              ModelList, ErrorBody]
     _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     plain = lambda d: {"responses": {"200": {"description": d}, "503": {"description": "not ready"}}}
@@ -59,6 +64,11 @@ def openapi_document() -> dict:
                                             "CompletionResponse", "CompletionChunk")},
             "/v1/chat/completions": {"post": _op("Create a chat completion", "ChatCompletionRequest",
                                                  "ChatCompletionResponse", "ChatCompletionChunk")},
+            "/v1/tokenize": {"post": _op("Tokenize a prompt, or chat messages through the "
+                                         "model's chat template", "TokenizeRequest",
+                                         "TokenizeResponse")},
+            "/v1/detokenize": {"post": _op("Token ids back to text", "DetokenizeRequest",
+                                           "DetokenizeResponse")},
             "/v1/models": {"get": _op("List served models, with their state", None, "ModelList")},
             "/healthz": {"get": plain("alive")},
             "/readyz": {"get": plain("ready: the gateway is serving and connected to the bus")},

@@ -90,3 +90,19 @@ async def test_seeded_sampling_repeats_on_the_torch_engine(stack, torch_engine):
     assert code == 200 and len(a["choices"]) == 3
     assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
     assert len({c["text"] for c in a["choices"]}) > 1
+
+
+@pytest.mark.parametrize("field,value", [("presence_penalty", 0.5), ("repetition_penalty", 1.2),
+                                         ("logit_bias", {"5": 3.0}), ("min_p", 0.1),
+                                         ("logprobs", 2)])
+async def test_controls_the_torch_engine_lacks_are_400s_naming_them(stack, torch_engine, field,
+                                                                    value):
+    """Refused by name, never served without their effect."""
+    _, engine, _ = torch_engine
+    body = {"model": engine.name, "prompt": PROMPTS[0], "max_tokens": 4, field: value}
+    code, reply = await request(stack.client, subjects.COMPLETIONS, body)
+    assert code == 400 and field in reply["error"]["message"] and "torch" in reply["error"]["message"]
+    body = {"model": engine.name, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+            "stop_token_ids": [7]}  # checked on the host: served
+    code, _ = await request(stack.client, subjects.COMPLETIONS, body)
+    assert code == 200

@@ -3,15 +3,18 @@
   1. `add()` opens a request's record when it is submitted (its arrival time).
   2. `accept()` takes one new token of one sequence: it is detokenized (never
      splitting a UTF-8 character; `engine.detok.Detokenizer`, one per choice, made
-     on its first token) and checked against EOS, stop strings, `max_tokens` and the
+     on its first token) and checked against EOS, `stop_token_ids` (both end the
+     choice without their text, as vLLM does), stop strings, `max_tokens` and the
      context, which sets the sequence's `finish`. The gap since the sequence's last
      token is counted for the request's inter-token latency.
   3. A streaming choice gets a GenChunk for each token that made text (or ended
      it); a non-streaming one gets one chunk with its whole text when it ends,
      and meanwhile an empty one (no text, no tokens) at its first token and then
      every quarter of its stall timeout: the gateway's clock learns tokens flow
-     (the deadline bounds only the wait for the first; docs/protocol.md). Every
-     chunk names the version whose engine produced it.
+     (the deadline bounds only the wait for the first; docs/protocol.md).
+     When the request asked for logprobs, each token's (read from the engine,
+     which got them in the step's one host copy) rides in the chunk that follows it.
+     Every chunk names the version whose engine produced it.
   4. `close()` ends a request: a 504 first when it ran out of time (before its
      first token, or stalled, or past its `end_by`; not when cancelled), then
      the GenDone with usage and Timing (queue, compute, ttft, mean ITL, ITL counts).
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field
 
 from services.worker.decode.scheduler import Request, Sequence
 from shared.errors import ServiceError, out_of_time
-from shared.messages import GenChunk, GenDone, GenerateWork, Timing
+from shared.messages import GenChunk, GenDone, GenerateWork, Timing, TokenLogprob
 from shared.telemetry import itl_bucket, itl_counts
 
 
@@ -47,6 +50,7 @@ class Stream:
     generated: int = 0
     unsent: int = 0  # tokens generated since its last chunk
     text: list[str] = field(default_factory=list)  # unsent text (non-streaming)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # unsent, when asked for
     noted: float = 0.0  # perf_counter of its latest progress chunk (non-streaming)
 
 
@@ -90,6 +94,10 @@ class OutputProcessor:
         stream.unsent += 1
         seq.tokens.append(tok)
         st.completion_tokens += 1
+        if seq.work.sampling.logprobs >= 0:
+            got = seq.lane.engine.token_logprobs(seq.slot)
+            if got is not None:
+                stream.logprobs.append(TokenLogprob(tok, got[0], got[1]))
         text = self._check(seq, stream, tok)
         if seq.work.stream:
             return [self._chunk(seq, stream, text)] if text or seq.finish else []
@@ -113,7 +121,8 @@ class OutputProcessor:
     def _check(seq: Sequence, stream: Stream, tok: int) -> str:
         """Its new text; sets `seq.finish` when this token ends it."""
         detok = stream.detok
-        if tok in seq.lane.eos and not seq.work.ignore_eos:
+        w = seq.work
+        if (tok in seq.lane.eos and not w.ignore_eos) or tok in w.sampling.stop_token_ids:
             seq.finish = "stop"
             return detok.flush()
         text = detok.feed(tok)
@@ -130,8 +139,9 @@ class OutputProcessor:
     def _chunk(seq: Sequence, stream: Stream, text: str) -> Say:
         w = seq.work
         chunk = GenChunk(w.request_id, seq.index, text, stream.unsent, seq.finish,
-                         w.attempt, seq.lane.version)
+                         w.attempt, seq.lane.version, stream.logprobs)
         stream.unsent = 0
+        stream.logprobs = []
         return Say(w, chunk)
 
     def close(self, req: Request, version: str, running: int, now: float) -> list[Say]:

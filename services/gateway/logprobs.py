@@ -1,0 +1,60 @@
+"""Token logprobs, as workers send them (shared.messages.TokenLogprob: ids and
+values), in OpenAI's reply shapes: chat's `logprobs.content` list, or the
+completions' parallel lists. One renderer per request, so a streamed completion's
+`text_offset` runs on across its chunks."""
+
+from __future__ import annotations
+
+from shared.api import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from shared.messages import TokenLogprob
+
+
+class Logprobs:
+    """A request's TokenLogprobs in OpenAI's shapes: chat's `content` list, or the
+    completions' parallel lists (`text_offset` counted on across a stream's chunks).
+    Tokens are shown as their own decoded text, special tokens included."""
+
+    FLOOR = -9999.0  # what -inf becomes (JSON has no infinities), as OpenAI shows it
+
+    def __init__(self, tokenizer, choices: int, on: bool) -> None:
+        self.on = on  # whether the request asked for logprobs
+        self.tokenizer = tokenizer  # engine.tokenizer.Tokenizer
+        self.offsets = [0] * choices
+        self._texts: dict[int, str] = {}
+
+    def _text(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
+    def _lp(self, value: float) -> float:
+        return value if value > self.FLOOR else self.FLOOR  # NaN too
+
+    def chat(self, entries: list[TokenLogprob]) -> ChatLogprobs | None:
+        if not self.on:
+            return None
+        content = []
+        for e in entries:
+            text = self._text(e.token)
+            top = [TopLogprob(t, self._lp(v), list(t.encode()))
+                   for t, v in ((self._text(i), v) for i, v in e.top)]
+            content.append(ChatTokenLogprob(text, self._lp(e.logprob), list(text.encode()), top))
+        return ChatLogprobs(content)
+
+    def completion(self, index: int, entries: list[TokenLogprob]) -> CompletionLogprobs | None:
+        if not self.on:
+            return None
+        out = CompletionLogprobs([], [], [], [])
+        for e in entries:
+            text = self._text(e.token)
+            out.tokens.append(text)
+            out.token_logprobs.append(self._lp(e.logprob))
+            top: dict[str, float] = {}
+            for i, v in e.top:  # best first: two tokens with one text keep the better
+                top.setdefault(self._text(i), self._lp(v))
+            top.setdefault(text, self._lp(e.logprob))  # the sampled token is always listed
+            out.top_logprobs.append(top)
+            out.text_offset.append(self.offsets[index])
+            self.offsets[index] += len(text)
+        return out

@@ -1,0 +1,261 @@
+"""OpenAI request fields beyond the basics, through the unchanged `openai` client over
+HTTP: message content as parts, the context limit, stream options, the model's own
+sampling defaults, sampling controls, logprobs; and tokenize/detokenize over HTTP
+and NATS. The reference is transformers on the same tiny weights."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import pytest_asyncio
+import torch
+
+from engine.chat import ChatTemplate
+from shared import subjects
+
+from shared.messages import Sampling
+from tests.support.sampling_refs import reference_greedy
+from tests.support.stack import running_stack
+from tests.support.tiny_models import hf_greedy, serve_tiny
+
+CONTEXT = 128
+PROMPT = [5, 17, 300, 42, 9, 81]
+NEW = 12
+CHAT = [{"role": "user", "content": "the quick brown fox"}]
+BIAS = {300: 8.0, 42: -100.0}
+PENALISED = Sampling(temperature=0.0, frequency_penalty=1.2, presence_penalty=0.6,
+                     repetition_penalty=1.3, logit_bias=sorted(BIAS.items()))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, jax_cache_dir):
+    path = tmp_path_factory.mktemp("params")
+    model, engine = serve_tiny("gpt2", path, "tiny-params", CONTEXT, jax_cache_dir)
+    # The model's authors ask for top_k 1: any temperature then gives greedy tokens.
+    cfg = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**cfg, "top_k": 1}))
+    # References before any service runs (a torch call would stall the shared loop).
+    refs = {"greedy": hf_greedy(model, PROMPT, NEW),
+            "penalised": reference_greedy(model, PROMPT, NEW, PENALISED)}
+    refs["logprobs"] = _hf_logprobs(model, PROMPT, refs["greedy"])
+    chat_ids = ChatTemplate.from_dir(path).encode(engine.tokenizer, CHAT)
+    refs["chat"] = hf_greedy(model, chat_ids, NEW)
+    refs["chat_logprobs"] = _hf_logprobs(model, chat_ids, refs["chat"])
+    return model, engine, str(path), refs
+
+
+def _hf_logprobs(model, prompt: list[int], generated: list[int]) -> np.ndarray:
+    """[len(generated), V]: transformers' log_softmax before each generated token."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].numpy()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(nats_server, tiny):
+    _, engine, path, _ = tiny
+    async with running_stack(nats_server.url, models={engine.name: path}, max_context=CONTEXT,
+                             decode_slots=4) as st:
+        await st.add_worker(engine, "dec-params", kind="decoder")
+        yield st
+
+
+@pytest.fixture
+def client(stack):
+    return openai.AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="none", max_retries=0)
+
+
+def _ids(engine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def test_content_as_text_parts_is_the_joined_text(client, tiny):
+    _, engine, _, _ = tiny
+    parts = [{"type": "text", "text": "the quick"}, {"type": "text", "text": "brown fox"}]
+    a = await client.chat.completions.create(
+        model=engine.name, messages=[{"role": "user", "content": parts}], max_tokens=8,
+        temperature=0)
+    b = await client.chat.completions.create(
+        model=engine.name, messages=[{"role": "user", "content": "the quick\nbrown fox"}],
+        max_tokens=8, temperature=0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+async def test_other_content_parts_are_refused_by_name(client, tiny):
+    _, engine, _, _ = tiny
+    parts = [{"type": "text", "text": "what is this"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        await client.chat.completions.create(
+            model=engine.name, messages=[{"role": "user", "content": parts}], max_tokens=4)
+
+
+async def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(client, tiny):
+    _, engine, _, _ = tiny
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.completions.create(model=engine.name, prompt=PROMPT, max_tokens=CONTEXT)
+    msg = str(err.value)
+    assert f"'max_tokens' is {CONTEXT}" in msg and f"prompt has {len(PROMPT)} tokens" in msg
+    assert f"context of {CONTEXT}" in msg
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens"):
+        await client.chat.completions.create(
+            model=engine.name, messages=[{"role": "user", "content": "hi"}],
+            max_completion_tokens=CONTEXT)
+    # What the context leaves is allowed.
+    ok = await client.completions.create(model=engine.name, prompt=PROMPT,
+                                         max_tokens=CONTEXT - len(PROMPT), temperature=0,
+                                         stop=["the"])
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+async def test_stream_options_without_stream_is_a_400(client, tiny):
+    _, engine, _, _ = tiny
+    with pytest.raises(openai.BadRequestError, match="stream_options"):
+        await client.completions.create(model=engine.name, prompt="x", max_tokens=2,
+                                        stream_options={"include_usage": True})
+
+
+async def test_generation_config_defaults_apply_when_the_request_is_silent(client, tiny):
+    """The model's generation_config.json says top_k 1: a hot request that leaves
+    top_k unset is greedy (transformers' greedy text); one that sets it is not."""
+    _, engine, _, refs = tiny
+    greedy = engine.tokenizer.decode(refs["greedy"])
+    silent = await client.completions.create(model=engine.name, prompt=PROMPT, max_tokens=NEW,
+                                             temperature=1.5, seed=3,
+                                             extra_body={"ignore_eos": True})
+    assert silent.choices[0].text == greedy
+    said = await client.completions.create(model=engine.name, prompt=PROMPT, max_tokens=NEW,
+                                           temperature=1.5, seed=3,
+                                           extra_body={"ignore_eos": True, "top_k": -1})
+    assert said.choices[0].text != greedy
+
+
+async def test_penalties_and_logit_bias_match_the_reference(client, tiny):
+    _, engine, _, refs = tiny
+    assert refs["penalised"] != refs["greedy"]
+    body = dict(model=engine.name, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                frequency_penalty=PENALISED.frequency_penalty,
+                presence_penalty=PENALISED.presence_penalty,
+                logit_bias={str(t): b for t, b in BIAS.items()},
+                extra_body={"ignore_eos": True,
+                            "repetition_penalty": PENALISED.repetition_penalty})
+    whole, streamed = await asyncio.gather(
+        client.completions.create(**body),
+        client.completions.create(**body, stream=True))
+    assert whole.choices[0].text == engine.tokenizer.decode(refs["penalised"])
+    text = "".join([ch.choices[0].text async for ch in streamed if ch.choices])
+    assert text == whole.choices[0].text
+
+
+async def test_stop_token_ids_end_the_choice_without_their_text(client, tiny):
+    _, engine, _, refs = tiny
+    greedy = refs["greedy"]
+    at = next(i for i in range(2, NEW) if greedy[i] not in greedy[:i])
+    r = await client.completions.create(model=engine.name, prompt=PROMPT, max_tokens=NEW,
+                                        temperature=0,
+                                        extra_body={"ignore_eos": True,
+                                                    "stop_token_ids": [greedy[at]]})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == engine.tokenizer.decode(greedy[:at])
+    assert r.usage.completion_tokens == at + 1
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"logit_bias": {"99999": 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"extra_body": {"min_p": 1.5}}, "min_p"),
+    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+])
+async def test_out_of_range_controls_are_400s_naming_the_field(client, tiny, body, needle):
+    _, engine, _, _ = tiny
+    with pytest.raises(openai.BadRequestError, match=needle):
+        await client.completions.create(model=engine.name, prompt="x", max_tokens=2, **body)
+
+
+async def test_completion_logprobs_are_transformers_log_softmax(client, tiny):
+    _, engine, _, refs = tiny
+    greedy, ref = refs["greedy"], refs["logprobs"]
+    body = dict(model=engine.name, prompt=PROMPT, max_tokens=NEW, temperature=0, logprobs=5,
+                extra_body={"ignore_eos": True})
+    whole, streamed = await asyncio.gather(client.completions.create(**body),
+                                           client.completions.create(**body, stream=True))
+    lp = whole.choices[0].logprobs
+    assert lp.tokens == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in greedy]
+    np.testing.assert_allclose(lp.token_logprobs, [ref[i, t] for i, t in enumerate(greedy)],
+                               atol=1e-3)
+    for i, top in enumerate(lp.top_logprobs):
+        assert 1 <= len(top) <= 6 and lp.tokens[i] in top
+        assert abs(max(top.values()) - ref[i].max()) < 1e-3
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(NEW)]
+    pieces = [ch.choices[0].logprobs async for ch in streamed if ch.choices]
+    assert sum((p.tokens for p in pieces), []) == lp.tokens
+    assert sum((p.text_offset for p in pieces), []) == lp.text_offset
+    np.testing.assert_allclose(sum((p.token_logprobs for p in pieces), []), lp.token_logprobs)
+
+
+async def test_chat_logprobs_whole_and_streamed(client, tiny):
+    _, engine, _, refs = tiny
+    greedy, ref = refs["chat"], refs["chat_logprobs"]
+    body = dict(model=engine.name, messages=CHAT, max_tokens=NEW, temperature=0,
+                logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    whole, streamed = await asyncio.gather(client.chat.completions.create(**body),
+                                           client.chat.completions.create(**body, stream=True))
+    content = whole.choices[0].logprobs.content
+    assert len(content) == NEW
+    for i, (item, t) in enumerate(zip(content, greedy)):
+        assert item.token == engine.tokenizer.decode([t], skip_special_tokens=False)
+        assert item.bytes == list(item.token.encode())
+        assert abs(item.logprob - ref[i, t]) < 1e-3
+        np.testing.assert_allclose([x.logprob for x in item.top_logprobs],
+                                   np.sort(ref[i])[::-1][:3], atol=1e-3)
+    chunks = [ch.choices[0].logprobs async for ch in streamed if ch.choices]
+    assert [c.token for p in chunks if p for c in p.content] == [c.token for c in content]
+    plain = await client.chat.completions.create(model=engine.name, messages=CHAT, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        await client.chat.completions.create(model=engine.name, messages=CHAT, max_tokens=2,
+                                             top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        await client.chat.completions.create(model=engine.name, messages=CHAT, max_tokens=2,
+                                             logprobs=True, top_logprobs=21)
+
+
+# ------------------------------------------------------------- tokenize
+async def test_tokenize_and_detokenize_over_http_and_nats(stack, tiny):
+    _, engine, path, _ = tiny
+    text = "the quick brown fox"
+    ids = engine.tokenizer.encode(text)
+    chat_ids = ChatTemplate.from_dir(path).encode(engine.tokenizer, CHAT)
+    bare = ChatTemplate.from_dir(path).encode(engine.tokenizer, CHAT, add_generation_prompt=False)
+    assert chat_ids != bare
+    cases = [
+        ("tokenize", {"model": engine.name, "prompt": text},
+         {"tokens": ids, "count": len(ids), "max_model_len": CONTEXT}),
+        ("tokenize", {"model": engine.name, "messages": CHAT},
+         {"tokens": chat_ids, "count": len(chat_ids), "max_model_len": CONTEXT}),
+        ("tokenize", {"model": engine.name, "messages": CHAT, "add_generation_prompt": False},
+         {"tokens": bare, "count": len(bare), "max_model_len": CONTEXT}),
+        ("detokenize", {"model": engine.name, "tokens": ids}, {"prompt": text}),
+    ]
+    async with httpx.AsyncClient(base_url=stack.http_url) as http:
+        for endpoint, body, expected in cases:
+            r = await http.post(f"/v1/{endpoint}", json=body)
+            assert r.status_code == 200 and r.json() == expected, (endpoint, body, r.text)
+            subject = subjects.TOKENIZE if endpoint == "tokenize" else subjects.DETOKENIZE
+            msg = await stack.client.request(subject, json.dumps(body).encode(), timeout=10)
+            assert json.loads(msg.data) == expected
+        bad = [("tokenize", {"model": engine.name}, 400, "prompt"),
+               ("tokenize", {"model": engine.name, "prompt": "x", "messages": CHAT}, 400, "prompt"),
+               ("detokenize", {"model": engine.name, "tokens": [10**6]}, 400, "vocabulary"),
+               ("tokenize", {"model": "nope", "prompt": "x"}, 404, "nope")]
+        for endpoint, body, status, needle in bad:
+            r = await http.post(f"/v1/{endpoint}", json=body)
+            assert r.status_code == status and needle in r.json()["error"]["message"], r.text
