@@ -144,3 +144,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def kv_sharding(mesh: Mesh) -> NamedSharding:
     """Paged KV pool [KV, NUM_BLOCKS, BLOCK, D] (one per layer) split by KV head."""
     return NamedSharding(mesh, P(AXIS, None, None, None))
+
+
+def state_sharding(state, mesh: Mesh):
+    """A decoder's state (engine.decoder.kvcache.DecodeState): each layer's KV pool
+    split by KV head, everything else (cursors, sampling, counts) replicated."""
+    kv, rep = kv_sharding(mesh), replicated(mesh)
+    return type(state)(*(rep for _ in state))._replace(
+        k=tuple(kv for _ in state.k), v=tuple(kv for _ in state.v))

@@ -34,7 +34,7 @@ class NkeyError(ValueError):
     """A seed or creds file that cannot be used (the message says why)."""
 
 
-def _crc16(data: bytes) -> int:
+def crc16(data: bytes) -> int:
     """CRC-16/XMODEM (poly 0x1021, init 0), the checksum nkeys append."""
     crc = 0
     for byte in data:
@@ -53,7 +53,7 @@ def decode_seed(text: str) -> bytes:
     except ValueError:
         raise NkeyError("not an nkey seed (not base32)") from None
     body, crc = raw[:-2], int.from_bytes(raw[-2:], "little")
-    if len(body) != 34 or _crc16(body) != crc or body[0] & 0xF8 != PREFIX_SEED:
+    if len(body) != 34 or crc16(body) != crc or body[0] & 0xF8 != PREFIX_SEED:
         raise NkeyError("not an nkey seed (bad prefix, length or checksum)")
     if ((body[0] & 7) << 5) | (body[1] >> 3) != PREFIX_USER:
         raise NkeyError("not a user nkey seed (it must start with SU)")
@@ -62,7 +62,7 @@ def decode_seed(text: str) -> bytes:
 
 def encode_public(pub: bytes) -> str:
     raw = bytes([PREFIX_USER]) + pub
-    return base64.b32encode(raw + _crc16(raw).to_bytes(2, "little")).decode().rstrip("=")
+    return base64.b32encode(raw + crc16(raw).to_bytes(2, "little")).decode().rstrip("=")
 
 
 def _openssl(args: list[str], seed: bytes, data: bytes = b"") -> bytes:

@@ -12,7 +12,7 @@ keys the server needs (not secret). Existing seeds are never overwritten.
 Keys come from `nk -gen user` when the nk tool is installed, otherwise from
 `openssl genpkey -algorithm ed25519`, encoded here in the nkeys format (base32 of a
 prefix byte, the 32 key bytes and a CRC-16/XMODEM), with the Python standard
-library only. A client signs the server's nonce with the seed; nats-py does that
+library only (and the checkout's shared/nkeys.py). A client signs the server's nonce with the seed; nats-py does that
 with the `nkeys` package (`nats.connect(..., nkeys_seed="worker.nk")`).
 """
 
@@ -26,6 +26,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The checksum is the one the services read seeds with (standard library only there
+# too): this script runs from the checkout, with or without the project installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from shared.nkeys import crc16  # noqa: E402
+
 ROLES = ("gateway", "scheduler", "worker", "telemetry", "deploy", "client")
 
 PREFIX_SEED = 18 << 3  # 'S'
@@ -34,17 +39,6 @@ PREFIX_USER = 20 << 3  # 'U'
 # DER framing of Ed25519 keys (RFC 8410): a fixed header, then the 32 raw bytes.
 PKCS8_ED25519_PREFIX = bytes.fromhex("302e020100300506032b657004220420")
 SPKI_ED25519_PREFIX = bytes.fromhex("302a300506032b6570032100")
-
-
-def crc16(data: bytes) -> int:
-    """CRC-16/XMODEM (poly 0x1021, init 0), the checksum nkeys append."""
-    crc = 0
-    for byte in data:
-        crc ^= byte << 8
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
-            crc &= 0xFFFF
-    return crc
 
 
 def _b32(raw: bytes) -> str:

@@ -53,7 +53,6 @@ from engine.decoder import steps
 from engine.decoder import shapes
 from engine.decoder.config import load_config
 from engine.decoder.kvcache import (
-    DecodeState,
     SlotSampling,
     block_bytes,
     cache_bytes,
@@ -69,14 +68,6 @@ log = get_logger(__name__)
 DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
 COMPILE_AHEAD = ("all", "first", "lazy")
 GREEDY = Sampling(temperature=0.0)
-
-
-def _state_sharding(state: DecodeState, mesh) -> DecodeState:
-    from engine import sharding
-
-    kv, rep = sharding.kv_sharding(mesh), sharding.replicated(mesh)
-    return DecodeState(*(rep for _ in state))._replace(
-        k=tuple(kv for _ in state.k), v=tuple(kv for _ in state.v))
 
 
 class DecoderEngine(PagedSlots):
@@ -156,7 +147,7 @@ class DecoderEngine(PagedSlots):
         # as is.
         out = {}
         if self._mesh is not None:
-            state_sharding = _state_sharding(self._state, self._mesh)
+            state_sharding = sharding.state_sharding(self._state, self._mesh)
             self._state = jax.device_put(self._state, state_sharding)
             out = {"out_shardings": (state_sharding, sharding.replicated(self._mesh))}
         cfg = self.cfg
