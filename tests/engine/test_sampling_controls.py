@@ -17,6 +17,7 @@ import torch
 
 from engine.decoder import DecoderEngine
 from engine.decoder.sampling import filter_logits, penalize
+from engine.decoder.static import prefill_insert
 from shared.messages import Sampling
 from tests.support.sampling_refs import hf_repetition as _hf_repetition
 from tests.support.sampling_refs import openai_penalties as _openai
@@ -109,8 +110,8 @@ def pair(tmp_path_factory):
 
 def _run(engine, slot, sampling, seed, neighbours=()):
     for other, (prompt, s) in neighbours:
-        engine.prefill_insert(other, prompt, s, other + 100)
-    out = [engine.prefill_insert(slot, PROMPT, sampling, seed)]
+        prefill_insert(engine, other, prompt, s, other + 100)
+    out = [prefill_insert(engine, slot, PROMPT, sampling, seed)]
     out += [int(engine.step()[slot]) for _ in range(NEW - 1)]
     for s in range(engine.slots):
         engine.free(s)
@@ -163,8 +164,8 @@ def _hf_logprobs(model, ids: list[int]) -> np.ndarray:
 ], ids=["greedy", "controls", "token-only"])
 def test_logprobs_are_transformers_log_softmax(pair, sampling):
     ref, engine = pair
-    engine.prefill_insert(1, [5, 17, 300, 42], Sampling(temperature=1.0), 1)  # asks for none
-    got = [(engine.prefill_insert(0, PROMPT, sampling, 5), engine.token_logprobs(0))]
+    prefill_insert(engine, 1, [5, 17, 300, 42], Sampling(temperature=1.0), 1)  # asks for none
+    got = [(prefill_insert(engine, 0, PROMPT, sampling, 5), engine.token_logprobs(0))]
     assert engine.token_logprobs(1) is None
     for _ in range(NEW - 1):
         tokens = engine.step()

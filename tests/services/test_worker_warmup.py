@@ -38,10 +38,10 @@ class TimedDecoder(MockDecoder):
         super().__init__(slots=2, max_context=256)
         self.prompts: list[list[int]] = []
 
-    def prefill_insert(self, slot, prompt, sampling, seed):
+    def prefill_whole(self, slot, prompt, sampling, seed):
         time.sleep(5e-3 + 1e-3 * len(prompt))
         self.prompts.append(list(prompt))
-        return super().prefill_insert(slot, prompt, sampling, seed)
+        return super().prefill_whole(slot, prompt, sampling, seed)
 
     def step_async(self):
         time.sleep(0.02)
