@@ -1,10 +1,11 @@
 """Incremental detokenization with stop strings, one `Detokenizer` per sequence.
 
-1. Text: `tokenizers.decoders.DecodeStream`, the tokenizer library's own
-   incremental decoder, primed with the prompt's last tokens (so byte-level BPE,
-   sentencepiece `▁` spaces, byte-fallback `<0xE2>` pieces and leading-space
-   stripping behave as in a full decode of the whole sequence). It returns nothing
-   while the last token(s) are part of a multi-byte character still arriving.
+1. Text: each new token is decoded together with a few tokens before it (the
+   tokenizer's own decoder, so byte-level BPE, sentencepiece `▁` spaces, byte-fallback
+   `<0xE2>` pieces and leading-space stripping all behave as in a full decode), and
+   only the difference from the previous decode is new text. While that text ends in
+   U+FFFD, the last token(s) are part of a multi-byte character still arriving: it is
+   held back until the character is whole.
 2. Stop strings: new text joins a pending buffer. When a stop string appears (the one
    that completes first, if several do), the text before it is emitted, the stop
    string and everything after it are not, and the sequence is `stopped`. Otherwise the longest suffix of the buffer that could still
@@ -19,26 +20,12 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers.decoders import DecodeStream
-
 REPLACEMENT = "\ufffd"
 CONTEXT_TOKENS = 5  # tokens decoded before the new ones: enough for any merge rule
 
 
 class Decoder(Protocol):
-    """engine.tokenizer.Tokenizer, or a `tokenizers.Tokenizer` itself."""
-
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-
-def _raw(tokenizer) -> _HFTokenizer | None:
-    """The `tokenizers.Tokenizer` behind `tokenizer`, if it has one."""
-    from engine.tokenizer import Tokenizer
-
-    if isinstance(tokenizer, _HFTokenizer):
-        return tokenizer
-    return tokenizer.raw if isinstance(tokenizer, Tokenizer) else None
 
 
 class StopMatcher:
@@ -92,14 +79,11 @@ class Detokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tok = tokenizer
-        self._raw = _raw(tokenizer)
         self._skip = skip_special_tokens
         # The prompt's last tokens give the first generated token its left context
         # (a sentencepiece decoder drops the leading space of a sequence's first piece).
         self._ids: list[int] = list(prompt_ids)[-CONTEXT_TOKENS:]
-        self._stream = (DecodeStream(ids=list(self._ids), skip_special_tokens=skip_special_tokens)
-                        if self._raw is not None else None)
-        self._prefix = 0  # ids[prefix:read] decode to text already emitted (for `flush`)
+        self._prefix = 0  # ids[prefix:read] decode to text already emitted (as context)
         self._read = len(self._ids)
         self._stops = StopMatcher(stop)
         self.tokens = 0  # tokens fed
@@ -115,30 +99,21 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
+    def _new_text(self) -> str:
+        before = self._decode(self._ids[self._prefix : self._read])
+        full = self._decode(self._ids[self._prefix :])
+        if len(full) <= len(before) or full.endswith(REPLACEMENT):
+            return ""  # nothing yet, or a character is still incomplete
+        self._prefix, self._read = self._read, len(self._ids)
+        return full[len(before) :]
+
     def feed(self, token_id: int) -> str:
         """Add one generated token; return newly safe text ("" after a stop)."""
         if self.stopped:
             return ""
         self.tokens += 1
         self._ids.append(int(token_id))
-        if self._stream is None:
-            return self._stops.push(self._new_text())
-        text = self._stream.step(self._raw, int(token_id))
-        if not text:
-            return ""  # nothing yet, or a character is still incomplete
-        # What `flush` would decode again starts after the last emitted token.
-        self._prefix, self._read = max(self._read - CONTEXT_TOKENS, 0), len(self._ids)
-        return self._stops.push(text)
-
-    def _new_text(self) -> str:
-        """Any other decoder: the new tokens decoded with a few before them, and only
-        the difference is new (held while it ends in an incomplete character)."""
-        before = self._decode(self._ids[self._prefix : self._read])
-        full = self._decode(self._ids[self._prefix :])
-        if len(full) <= len(before) or full.endswith(REPLACEMENT):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return full[len(before) :]
+        return self._stops.push(self._new_text())
 
     def flush(self) -> str:
         """End of sequence: everything still held, incomplete characters included."""

@@ -87,11 +87,6 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.pad_id = pad_id if pad_id is not None else (eos_token_ids or (0,))[0]
 
-    @property
-    def raw(self) -> _HFTokenizer:
-        """The `tokenizers.Tokenizer` underneath (incremental decoding reads it)."""
-        return self._tok
-
     # --- construction
 
     @classmethod
