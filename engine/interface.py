@@ -128,6 +128,10 @@ class Decoder(Protocol):
     def check_prompt(self, prompt: list[int]) -> None:
         """ValueError, with a message for the user, if `prompt` cannot be served."""
 
+    def compile_progress(self) -> tuple[int, int]:
+        """(programs compiled, programs it serves); (0, 0) for an engine that does
+        not compile ahead (the model card reports it)."""
+
     def can_admit(self, prompt: list[int]) -> bool:
         """Whether the cache has room to `begin` this prompt now."""
 
@@ -180,6 +184,9 @@ class WholePrompt:
     cache with a row per slot (nothing to chunk, share or preempt): the torch engine
     and test doubles. Needs `check_prompt`, `prefill_whole(slot, prompt, sampling,
     seed) -> first token`, `slots` and `kv_usage`."""
+
+    def compile_progress(self) -> tuple[int, int]:
+        return (0, 0)  # nothing compiled ahead
 
     def can_admit(self, prompt: list[int]) -> bool:
         return True

@@ -104,6 +104,10 @@ class Heartbeat(_Rec, tag="heartbeat"):
     decode_per_step: float = 0.0
     decode_per_row: float = 0.0
     decode_length: float = 0.0  # tokens generated per token of max_tokens, recently (0 = none finished)
+    # Decoders: programs compiled so far and programs the serving engine will have
+    # (the rest compile in the background after ready; 0, 0: none compiled ahead).
+    programs_compiled: int = 0
+    programs_total: int = 0
     start_s: float = 0.0  # seconds from the worker's start to ready (loading, warm-up; 0 = not ready yet)
 
 

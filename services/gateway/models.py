@@ -144,6 +144,8 @@ class ModelTable:
         return ModelCard(id=name, created=entry.created if entry else int(time.time()),
                          kind=kind, versions=sorted({v for w in ready for v in w.hb.versions}),
                          ready_workers=len(ready), state=state,
+                         programs_compiled=sum(w.hb.programs_compiled for w in workers),
+                         programs_total=sum(w.hb.programs_total for w in workers),
                          reason=status.reason if state == "failed" and status else "")
 
 

@@ -329,6 +329,8 @@ class Worker(Lifecycle):
         engine = self.models.prod_engine  # None while starting
         device = engine.device if engine is not None else "cpu"
         used, limit, source = self.memory.read(device)
+        compiled, total = (engine.compile_progress() if self.kind == "decoder" and engine
+                           is not None else (0, 0))  # fmt: skip
         return Heartbeat(
             worker_id=self.id, model=self.model, kind=self.kind or "encoder", state=self.state,
             versions=list(self.versions), queue_depth=load.queue_depth,
@@ -343,7 +345,8 @@ class Worker(Lifecycle):
             prefix_cache_hits=load.prefix_cache_hits, preemptions=load.preemptions,
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
             devices=list(engine.devices) if engine is not None else [],
-            start_s=self.start_s, **self._cost_fields())
+            start_s=self.start_s, programs_compiled=compiled, programs_total=total,
+            **self._cost_fields())
 
     def _cost_fields(self) -> dict[str, float]:
         """The heartbeat's cost: an encoder's from warm-up; a decoder's as its runner

@@ -196,3 +196,14 @@ async def test_deadline_cancels_and_frees_the_slot(stack, tiny):
     assert msg.headers[HEADER_CODE] == "504"
     await wait_until(lambda: worker.runner.in_flight == 0, timeout=5)
     assert engine.active_slots == 0
+
+
+async def test_the_model_card_reports_compiled_programs(stack, tiny):
+    """A decoder serves once its first programs are compiled; its card says how many
+    of the programs it serves are compiled so far (the rest join as they finish)."""
+    _, engine, _ = tiny
+    msg = await stack.client.request(subjects.MODELS, b"", timeout=5)
+    card = next(c for c in msgspec.json.decode(msg.data)["data"] if c["id"] == engine.name)
+    assert card["state"] == "ready" and card["kind"] == "decoder"
+    assert card["programs_total"] == len(engine.compiles)
+    assert 0 < card["programs_compiled"] <= card["programs_total"]
