@@ -22,7 +22,6 @@ Compiles happen on first use of each shape and are not timed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -135,7 +134,9 @@ def measure(model_dir: Path, args, kernel: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from bench.harness import parser
+
+    ap = parser(__doc__)
     ap.add_argument("--random", action="store_true", help="random weights in SmolLM2's shapes")
     ap.add_argument("--dry", action="store_true", help="tiny shapes (with --random): a smoke run")
     ap.add_argument("--dtype", default="float32")

@@ -23,34 +23,22 @@ first token and inter-token latency p50/p99 at the client. The servers are:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import signal
-import socket
-import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from bench.harness import parser
+from shared.natsd import free_port
+from tests.support.stats import pct_ms
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 async def one_stream(client, url: str, model: str, max_tokens: int) -> dict:
@@ -96,9 +84,8 @@ async def load(url: str, model: str, concurrency: int, seconds: float, max_token
     ttfts = [r["ttft"] for r in results]
     return {"concurrency": concurrency, "requests": len(results), "tokens": tokens,
             "tokens_per_s": round(tokens / wall, 1),
-            "ttft_p50_ms": round(1000 * _pct(ttfts, 0.5), 1),
-            "itl_p50_ms": round(1000 * _pct(gaps, 0.5), 1),
-            "itl_p99_ms": round(1000 * _pct(gaps, 0.99), 1)}
+            "ttft_p50_ms": pct_ms(ttfts, 50, 1),
+            "itl_p50_ms": pct_ms(gaps, 50, 1), "itl_p99_ms": pct_ms(gaps, 99, 1)}
 
 
 # ------------------------------------------------------------------ servers
@@ -252,8 +239,7 @@ async def main_async(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--llama-server", default="", help="path of a llama-server binary")
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--seconds", type=float, default=20.0)
