@@ -100,7 +100,7 @@ def time_decoder(engine, chunk: int) -> GenCost | None:
     costs about what one stream's does), and the runner's own steps refit it. None
     if it failed."""
     book = CostBook()
-    slot, vocab = 0, max(getattr(engine, "vocab_size", 2) - 1, 1)
+    slot, vocab = 0, max(engine.vocab_size - 1, 1)
     steps: list[float] = []
     try:
         for i, n in enumerate(DECODE_PROBE):

@@ -90,6 +90,7 @@ class MockDecoder(WholePrompt):
         self.device = "mock"
         self.devices = ["mock"]
         self.eos_token_ids: tuple[int, ...] = ()
+        self.vocab_size = 256  # the Decoder protocol's; it draws only `tag`
         self.tokenizer = LetterTokenizer()
         self.gate = threading.Event()
         self.gate.set()
