@@ -102,12 +102,15 @@ async def test_streaming_chunks_then_done_equal_the_whole_text(stack, tiny):
 
 
 async def test_continuous_usage_on_every_chunk(stack, tiny):
-    """vLLM's `continuous_usage_stats` (GuideLLM sends it): usage so far on each chunk."""
+    """vLLM's `continuous_usage_stats` (GuideLLM sends it): usage so far on each chunk.
+
+    Greedy, so the tokens are the reference's: a sampled run of random weights may
+    draw eight byte-fragment tokens that only make text together, in one chunk."""
     _, engine, _ = tiny
     prompt = PROMPTS[0]
     msgs = await stream(stack.client, subjects.COMPLETIONS, {
         "model": engine.name, "prompt": prompt, "max_tokens": 8, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        "temperature": 0, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     chunks = [msgspec.json.decode(m) for m in msgs[:-1]]
     counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
     assert counts == sorted(counts) and counts[0] >= 1 and len(counts) > 1
