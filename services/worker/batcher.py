@@ -79,6 +79,7 @@ class EncoderRunner:
     """Dynamic batching over a worker's encoder versions (a `runner.Runner`)."""
 
     work_type = EmbedWork
+    costs = None  # an encoder's cost is the one its warm-up timed
 
     def __init__(self, models: LoadedModels, outbox: Outbox, executor: Executor,
                  max_batch: int, max_wait_s: float) -> None:

@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 from nats.aio.client import Client
 
 from shared import subjects
+from shared.admission import GenCostBook
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import Results, WorkDone, WorkError, WorkRequest, encode
@@ -52,6 +53,7 @@ class Runner(Protocol):
     """Batches a worker's requests onto its engines. One per worker."""
 
     work_type: type  # the WorkRequest it runs (EmbedWork | GenerateWork); others are refused
+    costs: GenCostBook | None  # a cost fitted to its own steps (decoders); None: warm-up's
 
     def submit(self, work: WorkRequest) -> None:
         """Queue one request; its answer goes out through the outbox."""

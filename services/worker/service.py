@@ -171,6 +171,7 @@ class Worker(Lifecycle):
         self.warm_cost: Cost | GenCost | None = None  # an encoder's, or a decoder's
         self._born = time.perf_counter()
         self.start_s = 0.0  # seconds from construction to ready: its cold start, measured
+        self._last_steps, self._last_progress = -1, time.monotonic()  # for the liveness probe
 
     @property
     def kind(self) -> str:
@@ -273,9 +274,9 @@ class Worker(Lifecycle):
         if runner is None or not runner.in_flight:
             self._last_steps, self._last_progress = -1, time.monotonic()
             return True
-        if runner.steps != getattr(self, "_last_steps", -1):
+        if runner.steps != self._last_steps:
             self._last_steps, self._last_progress = runner.steps, time.monotonic()
-        return time.monotonic() - getattr(self, "_last_progress", time.monotonic()) < self.config.stall_s
+        return time.monotonic() - self._last_progress < self.config.stall_s
 
     async def _drain(self) -> None:
         self.health.ready = False
@@ -352,7 +353,7 @@ class Worker(Lifecycle):
         """The heartbeat's cost: an encoder's from warm-up; a decoder's as its runner
         has fitted it (from warm-up until its steps are timed)."""
         cost = self.warm_cost
-        costs = getattr(self.runner, "costs", None)
+        costs = self.runner.costs if self.runner is not None else None
         if costs is not None:
             cost = costs.cost() or cost
         if isinstance(cost, Cost):

@@ -175,6 +175,27 @@ async def test_dispatch_path_works_and_each_hop_is_one_role(bus):
     await scheduler.violations.wait("Subscription", subjects.EMBEDDINGS)
 
 
+async def test_a_cancel_reaches_the_scheduler_and_the_workers_from_the_gateway_only(bus):
+    """The scheduler drops a request it holds for a cold start when its client goes away:
+    under the production permissions it must hear the gateway's cancel, as workers do."""
+    gateway = await bus.connect("gateway")
+    scheduler = await bus.connect("scheduler")
+    worker = await bus.connect("worker")
+    heard = [await r.nc.subscribe(subjects.CANCEL) for r in (scheduler, worker)]
+    await scheduler.nc.flush()
+    await worker.nc.flush()
+    cancel = messages.encode(messages.Cancel("r1", "client gone"))
+    await gateway.nc.publish(subjects.CANCEL, cancel)
+    for sub in heard:
+        assert (await next_msg(sub)).data == cancel
+    for r in (gateway, scheduler, worker):
+        await r.assert_clean()
+    # Only the gateway speaks for a client that went away.
+    for r in (scheduler, worker):
+        await r.nc.publish(subjects.CANCEL, cancel)
+        await r.violations.wait("Publish", subjects.CANCEL)
+
+
 @pytest.mark.parametrize("role", ["worker", "scheduler", "telemetry", "deploy", "gateway"])
 async def test_no_service_role_speaks_for_the_public_api(bus, role):
     r = await bus.connect(role)
