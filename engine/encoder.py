@@ -309,6 +309,7 @@ class JaxEncoder:
         self.dtype = jaxrt.dtype_name(dtype)
         self.device = jaxrt.device_name()
         self.dim = self.cfg.dim
+        self.normalize = self.cfg.spec.normalize  # vectors L2-normalised (a Normalize module)
         self.prompts = dict(self.cfg.spec.prompts)  # name -> prefix text, for the gateway
         self.default_prompt_name = self.cfg.spec.default_prompt_name
         self.max_tokens = self.cfg.max_tokens

@@ -25,6 +25,7 @@ class Encoder(Protocol):
 
     name: str
     dim: int  # width of the vectors: the last Dense layer's, else pooled hidden size
+    normalize: bool  # its vectors are L2-normalised (a sentence-transformers Normalize module)
     prompts: dict[str, str]  # prompt name -> prefix text the tokenizer must prepend
     default_prompt_name: str | None  # applied when a request names no prompt
     max_tokens: int  # longest accepted input, special tokens included

@@ -81,6 +81,7 @@ class TorchEncoder:
         self.device = "cpu"
         self.devices = [self.device]
         self.dim = self.cfg.dim
+        self.normalize = self.cfg.spec.normalize  # vectors L2-normalised (a Normalize module)
         self.prompts = dict(self.cfg.spec.prompts)  # name -> prefix text, for the gateway
         self.default_prompt_name = self.cfg.spec.default_prompt_name
         self.max_tokens = self.cfg.max_tokens

@@ -34,7 +34,12 @@ class EmbeddingRequest(_Request, kw_only=True):
     # hold one list type, so homogeneity is checked by the gateway.
     input: Text | Annotated[list[Text | TokenId | TokenList], Meta(max_length=MAX_LIST * 4)]
     encoding_format: Literal["float", "base64"] = "float"
+    # Matryoshka truncation: only for models that declare it (their config.json's
+    # `matryoshka_dimensions`, or `is_matryoshka`); otherwise the full width or a 400.
     dimensions: Annotated[int, Meta(ge=1)] | None = None
+    # vLLM's opt-in truncation of over-long inputs: k tokens (special tokens
+    # included) or -1 for the model's own limit. Unset, an over-long input is a 400.
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     user: Annotated[str, Meta(max_length=256)] | None = None
 
 

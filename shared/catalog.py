@@ -27,6 +27,10 @@ class ModelInfo(msgspec.Struct, frozen=True):
     kind: str  # "encoder" | "decoder"
     path: str
     max_tokens: int  # longest input (encoder) or context (decoder), in tokens
+    # Encoders trained for Matryoshka truncation: `truncatable`, and the widths they
+    # were trained at (`dimensions`; empty: any width up to the full one).
+    truncatable: bool = False
+    dimensions: tuple[int, ...] = ()
 
 
 def _minilm_dir() -> Path:
@@ -113,7 +117,9 @@ def describe(name: str, path: str | Path) -> ModelInfo:
         return ModelInfo(name, "decoder", str(p), gguf.context_length(header))
     cfg = json.loads((p / "config.json").read_text())
     if is_encoder(p, cfg):
-        return ModelInfo(name, "encoder", str(p), encoder_limit(p, cfg))
+        sizes = tuple(sorted(int(d) for d in cfg.get("matryoshka_dimensions") or ()))
+        truncatable = bool(sizes) or bool(cfg.get("is_matryoshka"))
+        return ModelInfo(name, "encoder", str(p), encoder_limit(p, cfg), truncatable, sizes)
     limit = cfg.get("n_positions") or cfg.get("max_position_embeddings") or 1024
     return ModelInfo(name, "decoder", str(p), int(limit))
 

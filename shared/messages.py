@@ -50,6 +50,8 @@ class EmbedWork(_Msg, tag="embed"):
     # message); "" = every answer goes to `reply` on its own
     reserved: str = ""  # the scheduler that admitted it before tokenizing (`Reserve`):
     # admitted there already, not checked again; "" = admitted on arrival
+    dimensions: int = 0  # Matryoshka: keep the first `dimensions` of each vector
+    # (renormalised when the model normalises); 0 = the full width
 
 
 class GenerateWork(_Msg, tag="generate"):

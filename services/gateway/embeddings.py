@@ -5,7 +5,8 @@
      large body, tokenized in a thread, is first admitted by a scheduler by its
      estimated size (`GatewayAdmission.reserve`) and submitted to that scheduler.
   2. whole: submit one EmbedWork (counted in the gateway's own tally of work out),
-     wait for its EmbedResult, check `dimensions`.
+     wait for its EmbedResult, check `dimensions` (a Matryoshka model's worker
+     truncates; any other model answers at its full width or not at all).
   3. Render the vectors as float lists or base64 float32 (`encoding_format`).
 """
 
@@ -71,7 +72,8 @@ class Embeddings:
                 adm.tokens.learn(name, texts, sum(len(x) for x in ids))
         out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "",
-                         user=user_key(req.user, call.user), reserved=reserved)
+                         user=user_key(req.user, call.user), reserved=reserved,
+                         dimensions=truncated_width(req, entry))
         return EmbedPrepared(req, work)
 
     def _admit(self, req: EmbeddingRequest, entry: ModelEntry, body: bytes, deadline: float):
@@ -82,6 +84,7 @@ class Embeddings:
         adm, name = self.front.admission, entry.info.name
         if entry.info.kind != "encoder":
             raise bad_request(f"model '{name}' generates text; use the completions endpoints")
+        truncated_width(req, entry)  # a width the model was not trained at: 400 before work
         adm.check_served(name)
         if len(body) <= INLINE_TOKENIZE:
             adm.shed(name, deadline)
@@ -147,6 +150,9 @@ def tokenize_inputs(req: EmbeddingRequest, entry: ModelEntry, config: Config) ->
     else:
         raise bad_request("'input' mixes strings, token ids and token-id lists; use one kind")
     limit = entry.info.max_tokens
+    keep = req.truncate_prompt_tokens
+    if keep is not None:
+        ids = truncate(ids, keep, entry)
     for i, x in enumerate(ids):
         if len(x) > limit:
             raise bad_request(
@@ -165,9 +171,40 @@ def _wrap(tokens: list[int], entry: ModelEntry, i: int) -> list[int]:
     return entry.prefix + list(tokens) + entry.suffix
 
 
+def truncate(ids: list[list[int]], keep: int, entry: ModelEntry) -> list[list[int]]:
+    """`truncate_prompt_tokens`: each input cut to its first `keep` tokens (-1: the
+    model's limit), its closing special tokens kept, as sentence-transformers
+    truncates. 0, or fewer than the special tokens, or more than the limit: a 400."""
+    limit, ends = entry.info.max_tokens, len(entry.prefix) + len(entry.suffix)
+    keep = limit if keep == -1 else keep
+    if keep > limit:
+        raise bad_request(f"'truncate_prompt_tokens' is {keep}; model '{entry.info.name}' "
+                          f"accepts at most {limit} tokens an input")
+    if keep <= ends:
+        raise bad_request(f"'truncate_prompt_tokens' must leave room for the model's {ends} "
+                          f"special tokens: -1, or more than {ends}")
+    tail = len(entry.suffix)
+    return [x if len(x) <= keep else x[:keep - tail] + x[len(x) - tail:] for x in ids]
+
+
+def truncated_width(req: EmbeddingRequest, entry: ModelEntry) -> int:
+    """The width a Matryoshka model's worker cuts its vectors to (0: full). A width
+    the model declares it was not trained at is a 400; any other model's width is
+    checked against its answer (`check_dimensions`)."""
+    want, info = req.dimensions, entry.info
+    if want is None or not info.truncatable:
+        return 0
+    if info.dimensions and want not in info.dimensions and want != max(info.dimensions):
+        sizes = ", ".join(str(d) for d in info.dimensions)
+        raise bad_request(f"'dimensions' {want} is not one model '{info.name}' was trained "
+                          f"at: {sizes}")
+    return want
+
+
 def check_dimensions(req: EmbeddingRequest, dim: int) -> None:
     if req.dimensions is not None and req.dimensions != dim:
-        raise bad_request(f"'dimensions' must be {dim} for this model (it is not truncatable)")
+        raise bad_request(f"'dimensions' must be {dim} for this model (it does not declare "
+                          f"Matryoshka widths: no matryoshka_dimensions in its config)")
 
 
 def build_response(req: EmbeddingRequest, res: EmbedResult) -> EmbeddingResponse:

@@ -32,7 +32,7 @@ import numpy as np
 
 from services.worker.runner import Gauges, Outbox
 from services.worker.versions import LoadedModels
-from shared.errors import deadline_exceeded, internal
+from shared.errors import bad_request, deadline_exceeded, internal
 from shared.logging import get_logger
 from shared.messages import EmbedResult, EmbedWork, Timing
 
@@ -250,9 +250,10 @@ class EncoderRunner:
         took, was = end - start, self._batch_s
         self._batch_s = took if was is None else was + BATCH_S_WEIGHT * (took - was)
         out, timings, i = [], [], 0
+        normalize = self.models.engine_of(version).normalize
         for p in batch:
             k = len(p.work.inputs)
-            out.append(vecs[i:i + k])
+            out.append(matryoshka(vecs[i:i + k], p.work.dimensions, normalize))
             i += k
             timings.append(Timing(batch_wait=p.closed - p.arrived, queue=start - p.closed,
                                   compute=end - start, batch_size=len(flat)))
@@ -287,9 +288,28 @@ class EncoderRunner:
         if out.error is None:
             for p, vecs, timing in zip(out.items, out.vectors, out.timings):
                 w = p.work
+                if w.dimensions > vecs.shape[1]:
+                    await self.outbox.error(w, bad_request(
+                        f"'dimensions' is {w.dimensions}; model '{w.model}' embeds in "
+                        f"{vecs.shape[1]}"), out.version)
+                    done[w.sched_id].append(w.request_id)
+                    continue
                 await self.outbox.publish(w, EmbedResult(
                     w.request_id, self.outbox.worker_id, self.outbox.model, out.version,
                     int(vecs.shape[1]), vecs.astype("<f4", copy=False).tobytes(),
                     sum(len(x) for x in w.inputs), timing))
                 done[w.sched_id].append(w.request_id)
         await self.outbox.done(done, max((t.compute for t in out.timings), default=0.0), sum(len(x) for p in out.items for x in p.work.inputs))
+
+
+def matryoshka(vecs, width: int, normalize: bool):
+    """A Matryoshka model's vectors cut to their first `width` components, and
+    renormalised when the model's own vectors are unit length (0, or at least the
+    full width: unchanged; wider is refused when published)."""
+    if not width or width >= vecs.shape[1]:
+        return vecs
+    cut = vecs[:, :width]
+    if normalize:
+        norms = np.linalg.norm(cut, axis=1, keepdims=True)
+        cut = cut / np.maximum(norms, 1e-12)
+    return cut

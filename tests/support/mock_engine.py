@@ -29,6 +29,7 @@ class MockEncoder:
                  per_token_s: float = 0.0) -> None:
         self.name = name
         self.dim = dim
+        self.normalize = True
         self.max_tokens = 256
         self.dtype = "float32"
         self.device = "mock"
