@@ -95,13 +95,13 @@ def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("sh
     """The raw engine in-process with the stack's buckets and batch limit: the bundled
     model, or the one at `path`, in `dtype`."""
     from engine import jaxrt
-    from engine.encoder import JaxEncoder
+    from engine.encoder import EncoderEngine
     from engine.tokenizer import Tokenizer
 
     jaxrt.setup(str(data_dir / "jax-cache"))
     path = path or catalog.bundled_dir(MODEL)
     tok = Tokenizer.from_dir(path)
-    enc = JaxEncoder(path, name=MODEL, dtype=dtype,
+    enc = EncoderEngine(path, name=MODEL, dtype=dtype,
                      batch_buckets=tuple(harness.csv_ints(BATCH_BUCKETS)),
                      seq_buckets=tuple(harness.csv_ints(SEQ_BUCKETS)), max_batch=64)
     enc.warmup(progress=True)

@@ -103,9 +103,9 @@ def _timed(fn, repeats: int) -> float:
 
 
 def bench_encoder(model_dir: Path, dtype: str, quant: str, batch: int, seq: int, repeats: int):
-    from engine.encoder import JaxEncoder
+    from engine.encoder import EncoderEngine
 
-    enc = JaxEncoder(model_dir, name="minilm-shaped", dtype=dtype, batch_buckets=(batch,),
+    enc = EncoderEngine(model_dir, name="minilm-shaped", dtype=dtype, batch_buckets=(batch,),
                      seq_buckets=(seq,), max_batch=batch, token_budget=None, quant=quant)  # fmt: skip
     rng = np.random.default_rng(1)
     inputs = [[101] + rng.integers(1000, 20000, seq - 2).tolist() + [102] for _ in range(batch)]

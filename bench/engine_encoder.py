@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.engine_encoder [--seconds 4] [--kinds short,long]
 
 What `run()` measures, in one process, side by side:
-  1. the JAX engine (`JaxEncoder.embed`, default buckets) at `batch` inputs per call,
+  1. the JAX engine (`EncoderEngine.embed`, default buckets) at `batch` inputs per call,
      and its batch-1 latency;
   2. torch eager, two ways: transformers' `BertModel` plus mean pooling (the
      reference, as sentence-transformers runs it) and our `TorchEncoder`, both under
@@ -130,16 +130,16 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
         cache_dir: str | None = None, rounds: int = 4) -> dict:  # fmt: skip
     """One side-by-side measurement; quiet (no output), returns the figures."""
     from engine import jaxrt
-    from engine.bert_config import BertConfig
+    from engine.encoder.config import BertConfig
     from engine.buckets import pad, plan
-    from engine.encoder import JaxEncoder
+    from engine.encoder import EncoderEngine
     from engine.tokenizer import Tokenizer
     from engine.torch_encoder import TorchEncoder
 
     device = jaxrt.setup(cache_dir)
     d = catalog.bundled_dir(MODEL)
     ids = _inputs(Tokenizer.from_dir(d), kind, batch)  # batch x ~S ids
-    jax_enc = JaxEncoder(d, name=MODEL, max_batch=max(batch, 1))
+    jax_enc = EncoderEngine(d, name=MODEL, max_batch=max(batch, 1))
     t0 = time.perf_counter()
     jax_enc.embed(ids)  # compiles the one bucket this batch needs
     jax_enc.embed(ids[:1])

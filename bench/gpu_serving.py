@@ -75,7 +75,7 @@ def engine_figures(model: Path, dtype: str, seconds: float, data_dir: Path) -> d
     budget), and batch 256 with no budget: what the device carries in one step."""
     from bench.embeddings import engine_figures as raw, sentences_per_s
     from tests.support.workload import short_inputs
-    from engine.encoder import JaxEncoder
+    from engine.encoder import EncoderEngine
     from engine.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
@@ -86,7 +86,7 @@ def engine_figures(model: Path, dtype: str, seconds: float, data_dir: Path) -> d
                  "short_tokens": e["short_tokens"], "seconds": round(time.perf_counter() - t0, 1),
                  "batch64_sps": round(e["short_batch64_sps"], 1),
                  "batch1_p50_ms": round(e["short_batch1_p50_ms"], 3)}
-    big = JaxEncoder(model, name="minilm-shaped", dtype=dtype, batch_buckets=(256,),
+    big = EncoderEngine(model, name="minilm-shaped", dtype=dtype, batch_buckets=(256,),
                      seq_buckets=(16, 32), max_batch=256, token_budget=None)
     big.warmup(progress=False)
     ids = Tokenizer.from_dir(model).encode_batch(short_inputs())

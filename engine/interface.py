@@ -1,6 +1,6 @@
 """What a worker needs from an engine. Engines never see NATS; workers never see tensors.
 
-Both JAX (the default: `engine.encoder.JaxEncoder`, `engine.decoder.DecoderEngine`)
+Both JAX (the default: `engine.encoder.EncoderEngine`, `engine.decoder.DecoderEngine`)
 and torch (`engine.torch_encoder.TorchEncoder`, `engine.torch_decoder.TorchDecoder`)
 backends implement these; the worker picks one by `TENSORBUS_ENGINE` and nothing
 else in the serving layer changes.
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class Encoder(Protocol):
     """Sentence embeddings: token ids in, float32 vectors out, pooled (and projected,
     and L2-normalised) as the model's sentence-transformers modules say
-    (engine/encoder_spec.py)."""
+    (engine/encoder/spec.py)."""
 
     name: str
     dim: int  # width of the vectors: the last Dense layer's, else pooled hidden size

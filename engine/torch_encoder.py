@@ -6,7 +6,7 @@ without the serving layer noticing. Eager mode under `torch.inference_mode()`;
 inputs are grouped by `buckets.plan` like the JAX engine, but each group is padded
 only to its longest input, since eager torch has nothing to recompile. The same
 families (BERT, RoBERTa / XLM-RoBERTa) and sentence-transformers heads (pooling,
-Dense, Normalize; engine/encoder_spec.py) as the JAX engine, refused alike.
+Dense, Normalize; engine/encoder/spec.py) as the JAX engine, refused alike.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import buckets as bk
-from engine.bert_config import BertConfig, canonical_dtype, relative_buckets
-from engine.encoder_spec import UnsupportedEncoder, dense_weights
+from engine.encoder.config import BertConfig, canonical_dtype, relative_buckets
+from engine.encoder.spec import UnsupportedEncoder, dense_weights
 from engine.weights import COMMON_PREFIXES, load_weights, strip_prefix
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,7 +61,7 @@ _HEAD_ACTS = {
 
 
 class TorchEncoder:
-    """`engine.interface.Encoder` in eager torch, same constructor as `JaxEncoder`."""
+    """`engine.interface.Encoder` in eager torch, same constructor as `EncoderEngine`."""
 
     def __init__(
         self,

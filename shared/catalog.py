@@ -71,7 +71,7 @@ def is_model_dir(path: str | Path) -> bool:
 
 # model_type values of encoder-only architectures. A directory of one of these (or of
 # any sentence-transformers model) goes to the encoder engines, which serve it or
-# refuse it with the reason (engine/encoder_spec.py); it is never run as a decoder.
+# refuse it with the reason (engine/encoder/spec.py); it is never run as a decoder.
 ENCODER_TYPES = frozenset({
     "bert", "roberta", "xlm-roberta", "mpnet", "electra", "distilbert", "deberta",
     "deberta-v2", "modernbert", "nomic_bert", "albert", "camembert",

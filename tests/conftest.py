@@ -47,10 +47,10 @@ def jax_cache_dir() -> str:
 @pytest.fixture(scope="session")
 def minilm(jax_cache_dir):
     from engine import jaxrt
-    from engine.encoder import JaxEncoder
+    from engine.encoder import EncoderEngine
 
     jaxrt.setup(jax_cache_dir)
-    enc = JaxEncoder(catalog.bundled_dir(ENCODER), name=ENCODER,
+    enc = EncoderEngine(catalog.bundled_dir(ENCODER), name=ENCODER,
                      batch_buckets=TEST_BATCH_BUCKETS, seq_buckets=TEST_SEQ_BUCKETS, max_batch=16)
     enc.warmup(progress=False)
     return enc

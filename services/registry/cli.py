@@ -122,7 +122,7 @@ async def _run(args: argparse.Namespace, url: str) -> int:
 
 def serving_warning(model_dir: str | Path) -> str | None:
     """Why no worker would serve this directory, read from its config files alone
-    (the encoder engines' refusals, engine/encoder_spec.py); None when none is known.
+    (the encoder engines' refusals, engine/encoder/spec.py); None when none is known.
     A push still goes ahead: the registry stores what it is given."""
     path = Path(model_dir)
     if not (path / "config.json").exists():
@@ -130,8 +130,8 @@ def serving_warning(model_dir: str | Path) -> str | None:
     info = catalog.describe(path.name, path)
     if info.kind != "encoder":
         return None
-    from engine.bert_config import BertConfig
-    from engine.encoder_spec import UnsupportedEncoder
+    from engine.encoder.config import BertConfig
+    from engine.encoder.spec import UnsupportedEncoder
 
     try:
         BertConfig(path)

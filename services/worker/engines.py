@@ -88,8 +88,8 @@ def check_encoder(info: catalog.ModelInfo) -> None:
     sentence-transformers modules or pooling (read from its config files alone)."""
     if info.kind != "encoder":
         return
-    from engine.bert_config import BertConfig
-    from engine.encoder_spec import UnsupportedEncoder
+    from engine.encoder.config import BertConfig
+    from engine.encoder.spec import UnsupportedEncoder
 
     try:
         task = BertConfig(info.path).spec.task
@@ -108,7 +108,7 @@ def check_split(config: Config, info: catalog.ModelInfo) -> None:
     if tp == 1:
         return
     if info.kind == "encoder":
-        from engine.bert_config import BertConfig
+        from engine.encoder.config import BertConfig
 
         bert = BertConfig(info.path)
         sizes = dict(attention_heads=bert.heads, mlp_columns=bert.intermediate)
@@ -156,7 +156,7 @@ def engine_settings(config: Config, model: str,
 def build_engine(config: Config, info: catalog.ModelInfo) -> Engine:
     """The engine for one model directory, by kind and the model's engine settings."""
     from engine import jaxrt
-    from engine.encoder_spec import UnsupportedEncoder
+    from engine.encoder.spec import UnsupportedEncoder
     from engine.sharding import ShardingError
 
     backend, dtype = engine_settings(config, info.name, info)
@@ -180,9 +180,9 @@ def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp
             from engine.torch_encoder import TorchEncoder
 
             return TorchEncoder(info.path, **kw)
-        from engine.encoder import JaxEncoder
+        from engine.encoder import EncoderEngine
 
-        return JaxEncoder(info.path, tensor_parallel=tp, quant=quant, **kw)
+        return EncoderEngine(info.path, tensor_parallel=tp, quant=quant, **kw)
     kw = dict(name=info.name, dtype=dtype, slots=config.decode_slots,
               max_context=config.max_context)
     if backend == "torch":

@@ -21,7 +21,7 @@ import pytest
 from engine.decoder import DecoderEngine
 from engine.decoder.model import prompt_logits
 from engine.decoder.static import generate_static
-from engine.encoder import JaxEncoder
+from engine.encoder import EncoderEngine
 from engine.sharding import ShardingError
 from engine.tokenizer import Tokenizer
 from tests.engine.minilm_inputs import mixed_texts, model_dir
@@ -115,8 +115,8 @@ def test_encoder_split_equals_one_device():
     ids = Tokenizer.from_dir(model_dir()).encode_batch(texts)
     kw = dict(batch_buckets=(4, 16), seq_buckets=(16, 256), max_batch=16)
     for quant in ("none", "int8"):
-        one = JaxEncoder(model_dir(), quant=quant, **kw)
-        split = JaxEncoder(model_dir(), quant=quant, tensor_parallel=2, **kw)
+        one = EncoderEngine(model_dir(), quant=quant, **kw)
+        split = EncoderEngine(model_dir(), quant=quant, tensor_parallel=2, **kw)
         assert split.devices == ["cpu:0", "cpu:1"]
         np.testing.assert_allclose(split.embed(ids), one.embed(ids), atol=2e-5, rtol=0)
 

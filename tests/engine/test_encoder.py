@@ -15,7 +15,7 @@ import pytest
 
 from engine import jaxrt
 from engine.buckets import BucketError
-from engine.encoder import JaxEncoder
+from engine.encoder import EncoderEngine
 from engine.interface import Encoder
 from engine.tokenizer import Tokenizer
 from engine.torch_encoder import TorchEncoder
@@ -45,11 +45,11 @@ def reference(texts) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def jax_f32() -> JaxEncoder:
+def jax_f32() -> EncoderEngine:
     # The on-disk cache the integration tests use too: same buckets, compiled once.
     cache = Path(os.environ.get("TENSORBUS_TEST_CACHE", ".data/test-jax-cache")).resolve()
     jaxrt.setup(cache)
-    enc = JaxEncoder(model_dir(), dtype="float32", batch_buckets=BATCH_BUCKETS,
+    enc = EncoderEngine(model_dir(), dtype="float32", batch_buckets=BATCH_BUCKETS,
                      seq_buckets=SEQ_BUCKETS, max_batch=MAX_BATCH)  # fmt: skip
     assert enc.warmup(progress=False) == len(BATCH_BUCKETS) * len(SEQ_BUCKETS)
     return enc
@@ -113,7 +113,7 @@ def test_rejects_inputs_no_bucket_holds(jax_f32):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_jax_half_precision_matches_sentence_transformers(dtype, ids, reference):
     # One batch bucket and the shortest useful seq set: half the compile time.
-    enc = JaxEncoder(model_dir(), dtype=dtype, batch_buckets=(16,), seq_buckets=(64,),
+    enc = EncoderEngine(model_dir(), dtype=dtype, batch_buckets=(16,), seq_buckets=(64,),
                      max_batch=16)  # fmt: skip
     assert enc.seq_buckets == (64, 256)  # the model's limit is always a bucket
     assert enc.params["layers"][0]["qkv_w"].dtype == np.dtype(dtype)

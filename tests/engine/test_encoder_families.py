@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from engine import jaxrt
-from engine.bert_config import BertConfig
-from engine.encoder import JaxEncoder
-from engine.encoder_spec import UnsupportedEncoder, read_spec
+from engine.encoder import EncoderEngine
+from engine.encoder.config import BertConfig
+from engine.encoder.spec import UnsupportedEncoder, read_spec
 from engine.tokenizer import Tokenizer
 from engine.torch_encoder import TorchEncoder
 from tests.support import tiny_encoders
@@ -104,7 +104,7 @@ def _ids(model_dir: Path, st, texts: list[str]) -> list[list[int]]:
 @pytest.mark.parametrize("engine", ["jax", "torch"])
 def test_engine_matches_sentence_transformers(case, engine):
     name, model_dir, st = case
-    enc = JaxEncoder(model_dir, name=name, **KW) if engine == "jax" else TorchEncoder(
+    enc = EncoderEngine(model_dir, name=name, **KW) if engine == "jax" else TorchEncoder(
         model_dir, name=name, **KW)
     reference = st.encode(TEXTS, convert_to_numpy=True)  # [N, dim]
     assert enc.dim == reference.shape[1] and enc.max_tokens == tiny_encoders.MAX_SEQ
@@ -134,7 +134,7 @@ def test_mpnet_relative_buckets_equal_transformers():
     import torch
     from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
 
-    from engine.bert_config import relative_buckets
+    from engine.encoder.config import relative_buckets
 
     for s in (1, 2, 17, 48, 129, 512):
         pos = torch.arange(s)
@@ -144,7 +144,7 @@ def test_mpnet_relative_buckets_equal_transformers():
 
 def test_mpnet_relative_position_bias_is_what_makes_it_agree(tmp_path):
     st = tiny_encoders.build(tmp_path, family="mpnet", pooling="mean")
-    enc = JaxEncoder(tmp_path / "st", **KW)
+    enc = EncoderEngine(tmp_path / "st", **KW)
     ids = _ids(tmp_path / "st", st, TEXTS)
     reference = st.encode(TEXTS, convert_to_numpy=True)
     _check(enc.embed(ids), reference)
@@ -158,15 +158,15 @@ def test_roberta_positions_start_after_padding_idx(tmp_path, monkeypatch):
     st = tiny_encoders.build(tmp_path, family="xlm-roberta", pooling="mean")
     ids = _ids(tmp_path / "st", st, TEXTS)
     reference = st.encode(TEXTS, convert_to_numpy=True)
-    _check(JaxEncoder(tmp_path / "st", **KW).embed(ids), reference)
+    _check(EncoderEngine(tmp_path / "st", **KW).embed(ids), reference)
 
     class FromZero(BertConfig):
         def __init__(self, model_dir) -> None:
             super().__init__(model_dir)
             self.position_offset = 0
 
-    monkeypatch.setattr("engine.encoder.BertConfig", FromZero)
-    assert _cosine(JaxEncoder(tmp_path / "st", **KW).embed(ids), reference).min() < 0.999
+    monkeypatch.setattr("engine.encoder.params.BertConfig", FromZero)
+    assert _cosine(EncoderEngine(tmp_path / "st", **KW).embed(ids), reference).min() < 0.999
 
 
 # --- refusals, from the config files alone

@@ -14,7 +14,7 @@ import pytest
 from engine import quant
 from engine.decoder import DecoderEngine
 from engine.decoder.static import generate_static
-from engine.encoder import JaxEncoder
+from engine.encoder import EncoderEngine
 from engine.tokenizer import Tokenizer
 from shared.catalog import DEMO_LM, bundled_dir
 from tests.engine.minilm_inputs import mixed_texts, model_dir
@@ -66,8 +66,8 @@ def _cosine(a, b):
 ])  # fmt: skip
 def test_quantized_minilm_tracks_sentence_transformers(minilm_case, mode, min_cosine, max_bytes):
     ids, reference = minilm_case
-    f32 = JaxEncoder(model_dir(), batch_buckets=(16,), seq_buckets=(16, 64, 256), max_batch=16)
-    enc = JaxEncoder(model_dir(), batch_buckets=(16,), seq_buckets=(16, 64, 256), max_batch=16,
+    f32 = EncoderEngine(model_dir(), batch_buckets=(16,), seq_buckets=(16, 64, 256), max_batch=16)
+    enc = EncoderEngine(model_dir(), batch_buckets=(16,), seq_buckets=(16, 64, 256), max_batch=16,
                      quant=mode)  # fmt: skip
     cos = _cosine(enc.embed(ids), reference)
     assert cos.min() >= min_cosine, f"worst cosine {cos.min():.5f}"

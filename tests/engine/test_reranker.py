@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from engine import jaxrt
-from engine.encoder import JaxEncoder
-from engine.encoder_spec import UnsupportedEncoder, read_spec
+from engine.encoder import EncoderEngine
+from engine.encoder.spec import UnsupportedEncoder, read_spec
 from engine.tokenizer import Tokenizer
 from engine.torch_encoder import TorchEncoder
 from tests.support import tiny_encoders
@@ -53,7 +53,7 @@ def test_scores_match_cross_encoder_predict(tmp_path, family, labels, activation
                    zip(feats["input_ids"], feats["attention_mask"])]  # fmt: skip
     if family == "bert":
         assert any(1 in t for t in types)  # the second text is segment 1
-    enc = JaxEncoder(d, name="reranker", **KW)
+    enc = EncoderEngine(d, name="reranker", **KW)
     reference = np.asarray(ce.predict(PAIRS), dtype=np.float32).reshape(len(PAIRS), labels)
     scores = enc.score(ids, types)
     assert scores.shape == (len(PAIRS), labels) and enc.dim == labels
@@ -66,7 +66,7 @@ def test_scores_match_cross_encoder_predict(tmp_path, family, labels, activation
 
 def test_a_reranker_is_not_an_embedder(tmp_path):
     tiny_encoders.build_cross_encoder(tmp_path, "bert", num_labels=1)
-    enc = JaxEncoder(tmp_path / "ce", name="reranker", **KW)
+    enc = EncoderEngine(tmp_path / "ce", name="reranker", **KW)
     with pytest.raises(ValueError, match="cross-encoder"):
         enc.embed([[101, 102]])
     with pytest.raises(UnsupportedEncoder, match="JAX engine only"):

@@ -239,13 +239,13 @@ async def test_first_start_seeds_the_registry_and_serves_the_real_encoder(
     """An empty JetStream: the scheduler's seeding pushes the bundled encoder, a worker
     loads version 1 from the registry (verified), then a re-push is hot-swapped in."""
     from engine import jaxrt
-    from engine.encoder import JaxEncoder
+    from engine.encoder import EncoderEngine
     from tests.conftest import TEST_BATCH_BUCKETS, TEST_SEQ_BUCKETS
 
     jaxrt.setup(jax_cache_dir)
 
-    def factory(info: catalog.ModelInfo, version: str) -> JaxEncoder:
-        return JaxEncoder(info.path, name=info.name, batch_buckets=TEST_BATCH_BUCKETS,
+    def factory(info: catalog.ModelInfo, version: str) -> EncoderEngine:
+        return EncoderEngine(info.path, name=info.name, batch_buckets=TEST_BATCH_BUCKETS,
                           seq_buckets=TEST_SEQ_BUCKETS, max_batch=16)
 
     name = catalog.ENCODER

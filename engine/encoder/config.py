@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.encoder_spec import UnsupportedEncoder, pooled_dim, read_spec
+from engine.encoder.spec import UnsupportedEncoder, pooled_dim, read_spec
 from shared.catalog import encoder_limit
 
 # The transformer's MLP activations both engines compute (config.json `hidden_act`).
@@ -67,7 +67,7 @@ def relative_buckets(s: int) -> "np.ndarray":
 
 class BertConfig:
     """The config.json fields the math needs, the family's position numbering, the
-    sentence-transformers limit, and how the model pools (engine/encoder_spec.py).
+    sentence-transformers limit, and how the model pools (engine/encoder/spec.py).
     Raises `UnsupportedEncoder` (a ValueError) for a model the engines do not serve."""
 
     def __init__(self, model_dir: str | Path) -> None:

@@ -1,0 +1,161 @@
+"""The encoder's math: pure JAX functions over the parameter pytree
+(engine/encoder/params.py).
+
+`forward` = embeddings -> L x (fused-QKV attention, GELU MLP, post-LayerNorm) ->
+the model's own sentence-transformers head (engine/encoder/spec.py): pooling over
+the mask (CLS, mean, max, mean/sqrt(len), weighted mean, last token, concatenated in
+sentence-transformers' order), its Dense layers, and L2 normalisation when it has a
+Normalize module. `score_forward` is a cross-encoder's: the same transformer over a
+text pair, then its sequence-classification head. BERT and RoBERTa / XLM-RoBERTa
+differ only in where positions start (engine/encoder/config.py). Matmuls run in the
+model dtype; LayerNorm, softmax, pooling and the head in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.encoder.config import BertConfig, relative_buckets
+from engine.encoder.params import Params
+from engine.quant import QWeight, take_rows
+from engine.quant import matmul as qmatmul
+
+
+# Shapes: B batch, S seq, D hidden, H heads, K head dim.
+
+
+def _layer_norm(x, g, b, eps: float):
+    """x: [..., D] any float dtype -> same dtype; statistics in float32."""
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps) * g + b
+    return y.astype(x.dtype)
+
+
+def _gelu(x, act: str):
+    if act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
+        return jax.nn.gelu(x, approximate=True)
+    if act == "relu":
+        return jax.nn.relu(x)
+    return jax.nn.gelu(x, approximate=False)  # HF "gelu" is the exact erf form
+
+
+def _attention(qkv, bias, heads: int, tp: int = 1):
+    """qkv: [B, S, 3D]; bias: [B, 1, 1, S] float32 (0 or a large negative), or [B, H, S, S]
+    with a relative position bias added (MPNet) -> [B, S, D].
+
+    One explicit transpose to head-major [3, B, H, S, K] up front: XLA's CPU batched
+    dot then runs on contiguous [S, K] tiles; letting einsum pick the layout from
+    [B, S, H, K] measured 15-20% slower end to end at S >= 128 (no change at S=16).
+    Split over `tp` devices, qkv's columns are shard-major: [B, S, TP, 3, H/TP, K]."""
+    b, s, three_d = qkv.shape
+    d = three_d // 3
+    k_dim = d // heads
+    if tp == 1:
+        qkv = qkv.reshape(b, s, 3, heads, k_dim).transpose(2, 0, 3, 1, 4)  # [3, B, H, S, K]
+    else:
+        qkv = qkv.reshape(b, s, tp, 3, heads // tp, k_dim).transpose(3, 0, 2, 4, 1, 5)
+        qkv = qkv.reshape(3, b, heads, s, k_dim)  # [3, B, H, S, K], head order kept
+    q, k, v = qkv[0], qkv[1], qkv[2]  # each [B, H, S, K]
+    q = q * jnp.asarray(1.0 / np.sqrt(k_dim), q.dtype)  # scale the small operand
+    scores = jnp.einsum("bhqk,bhsk->bhqs", q, k, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(scores + bias, axis=-1).astype(v.dtype)  # [B, H, S, S]
+    ctx = jnp.einsum("bhqs,bhsk->bhqk", probs, v)  # [B, H, S, K]
+    return ctx.transpose(0, 2, 1, 3).reshape(b, s, d)  # [B, S, D]
+
+
+def _mm(x, w):
+    """x: [..., IN] @ w: [IN, OUT] (float, or a QWeight) -> [..., OUT]"""
+    if isinstance(w, QWeight):
+        return qmatmul(x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + (-1,))
+    return x @ w
+
+
+def _layer(x, bias, p: Params, cfg: BertConfig, tp: int = 1):
+    """x: [B, S, D] -> [B, S, D]: post-LN BERT block."""
+    qkv = _mm(x, p["qkv_w"]) + p["qkv_b"]  # [B, S, 3D]
+    attn = _mm(_attention(qkv, bias, cfg.heads, tp), p["o_w"]) + p["o_b"]  # [B, S, D]
+    x = _layer_norm(attn + x, p["ln1_g"], p["ln1_b"], cfg.eps)
+    h = _gelu(_mm(x, p["i_w"]) + p["i_b"], cfg.act)  # [B, S, F]
+    y = _mm(h, p["f_w"]) + p["f_b"]  # [B, S, D]
+    return _layer_norm(y + x, p["ln2_g"], p["ln2_b"], cfg.eps)
+
+
+def _pool(x32, m, mode: str):
+    """x32: [B, S, D] float32, m: [B, S] float32 0/1 (right padding) -> [B, D],
+    as sentence-transformers' Pooling computes `mode`."""
+    if mode == "cls":
+        return x32[:, 0]  # right padding: the first token is always real
+    if mode == "lasttoken":
+        last = jnp.maximum(jnp.sum(m, axis=1).astype(jnp.int32) - 1, 0)  # [B]
+        return jnp.take_along_axis(x32, last[:, None, None], axis=1)[:, 0]
+    if mode == "max":
+        return jnp.max(jnp.where(m[:, :, None] > 0, x32, -jnp.inf), axis=1)
+    if mode == "weightedmean":
+        m = m * jnp.arange(1, m.shape[1] + 1, dtype=jnp.float32)[None, :]  # weight i + 1
+    summed = jnp.einsum("bsd,bs->bd", x32, m)  # [B, D]
+    count = jnp.maximum(jnp.sum(m, axis=1, keepdims=True), 1e-9)  # [B, 1]
+    return summed / (jnp.sqrt(count) if mode == "mean_sqrt_len_tokens" else count)
+
+
+_HEAD_ACTS = {
+    "identity": lambda x: x, "tanh": jnp.tanh, "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False), "sigmoid": jax.nn.sigmoid,
+    "silu": jax.nn.silu,
+}  # fmt: skip
+
+
+def head(params: Params, x32, m, cfg: BertConfig):
+    """x32: [B, S, D] float32 token states -> [B, dim] float32: the model's pooling,
+    Dense layers and (when it has one) Normalize."""
+    spec = cfg.spec
+    y = jnp.concatenate([_pool(x32, m, mode) for mode in spec.pooling], axis=-1)  # [B, P]
+    for layer, p in zip(spec.dense, params["head"]):
+        out = _HEAD_ACTS[layer.activation](y @ p["head_w"] + p["head_b"])  # [B, OUT]
+        y = out + y @ p["head_r"] if "head_r" in p else out
+    if spec.normalize:
+        norm = jnp.sqrt(jnp.sum(jnp.square(y), axis=1, keepdims=True))  # [B, 1]
+        y = y / jnp.maximum(norm, 1e-12)
+    return y
+
+
+def encode(params: Params, ids, mask, cfg: BertConfig, tp: int = 1, types=None):
+    """ids, mask (and a pair's token types): [B, S] int32 -> (token states [B, S, D]
+    in the model dtype, mask [B, S] float32). `tp`: devices the heads are split over
+    (the layout of the fused QKV columns)."""
+    s = ids.shape[1]
+    word, pos = params["word"], params["pos"]  # pos: [P, D] in the model dtype
+    x = take_rows(word, ids, jnp.float32).astype(jnp.float32) + pos[:s].astype(jnp.float32)
+    if types is not None:  # type 0 is already in `pos`; the table holds the differences
+        x = x + params["types"][types].astype(jnp.float32)
+    x = _layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps).astype(pos.dtype)
+    m = mask.astype(jnp.float32)  # [B, S]
+    # Padding keys get a large negative logit (not -inf: an all-padding row of a
+    # padded batch must stay finite, its output is discarded anyway).
+    bias = ((m - 1.0) * 1e9)[:, None, None, :]  # [B, 1, 1, S]
+    if "rel_bias" in params:  # MPNet: the same relative position bias in every layer
+        buckets = relative_buckets(s)  # [S, S], static: S is the bucket's length
+        rel = params["rel_bias"][buckets].transpose(2, 0, 1)  # [H, S, S]
+        bias = bias + rel[None]  # [B, H, S, S]
+    for p in params["layers"]:
+        x = _layer(x, bias, p, cfg, tp)
+    return x, m
+
+
+def forward(params: Params, ids, mask, cfg: BertConfig, tp: int = 1):
+    """ids, mask: [B, S] int32 -> [B, dim] float32 sentence embeddings (`head`)."""
+    x, m = encode(params, ids, mask, cfg, tp)
+    return head(params, x.astype(jnp.float32), m, cfg)  # [B, dim]
+
+
+def score_forward(params: Params, ids, mask, types, cfg: BertConfig, tp: int = 1):
+    """A cross-encoder: ids, mask, token types of text pairs: [B, S] int32 -> [B, L]
+    float32 scores. CLS state -> dense, tanh (BERT's pooler; RoBERTa's classifier
+    head has the same shape) -> L logits -> the model's activation."""
+    x, _ = encode(params, ids, mask, cfg, tp, types)
+    c = params["classifier"]
+    h = jnp.tanh(x[:, 0].astype(jnp.float32) @ c["cls_w"] + c["cls_b"])  # [B, D]
+    return _HEAD_ACTS[cfg.spec.score_activation](h @ c["out_w"] + c["out_b"])  # [B, L]
