@@ -47,11 +47,11 @@ def mrl_dir(tmp_path_factory):
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(nats_server, minilm, mrl_dir, sentence_transformer, jax_cache_dir):
     from engine import jaxrt
-    from engine.encoder import JaxEncoder
+    from engine.encoder import EncoderEngine
 
     jaxrt.setup(jax_cache_dir)
-    mrl = JaxEncoder(mrl_dir, name=MRL, batch_buckets=TEST_BATCH_BUCKETS,
-                     seq_buckets=TEST_SEQ_BUCKETS, max_batch=16)
+    mrl = EncoderEngine(mrl_dir, name=MRL, batch_buckets=TEST_BATCH_BUCKETS,
+                        seq_buckets=TEST_SEQ_BUCKETS, max_batch=16)
     mrl.warmup(progress=False)  # the same programs as MiniLM's: the compilation cache has them
     async with running_stack(nats_server.url, models={MRL: str(mrl_dir)}, max_inputs=32) as st:
         await st.add_worker(minilm, "enc-minilm")
