@@ -40,6 +40,11 @@ class EmbeddingRequest(_Request, kw_only=True):
     # vLLM's opt-in truncation of over-long inputs: k tokens (special tokens
     # included) or -1 for the model's own limit. Unset, an over-long input is a 400.
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    # The model's sentence-transformers prompt prepended to text inputs, by name
+    # (`prompt_name`, as in SentenceTransformer.encode) or by role (`input_type`:
+    # "query" or "document"); unset: the model's default prompt, if it has one.
+    prompt_name: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    input_type: Literal["query", "document"] | None = None
     user: Annotated[str, Meta(max_length=256)] | None = None
 
 

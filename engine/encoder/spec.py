@@ -190,7 +190,9 @@ def _modules(d: Path) -> tuple[tuple[str, ...], tuple[DenseSpec, ...], bool]:
     return pooling, tuple(dense), normalize
 
 
-def _prompts(d: Path) -> tuple[dict[str, str], str | None]:
+def read_prompts(d: Path) -> tuple[dict[str, str], str | None]:
+    """config_sentence_transformers.json -> (prompt name -> prefix text, the default
+    prompt's name or None). The gateway prepends them as it tokenizes."""
     path = d / "config_sentence_transformers.json"
     if not path.exists():
         return {}, None
@@ -248,7 +250,7 @@ def read_spec(model_dir: str | Path) -> EncoderSpec:
     fam = family(cfg)
     if _is_cross_encoder(d, cfg):
         return _cross_encoder(d, cfg, fam)
-    prompts, default = _prompts(d)
+    prompts, default = read_prompts(d)
     if not (d / "modules.json").exists():
         return EncoderSpec(family=fam, pooling=("mean",), prompts=prompts,
                            default_prompt_name=default, sentence_transformers=False)

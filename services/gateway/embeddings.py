@@ -136,13 +136,14 @@ def tokenize_inputs(req: EmbeddingRequest, entry: ModelEntry, config: Config) ->
         raise bad_request("'input' is empty: send a string or a non-empty list")
     check_count(len(inp), config)
     kinds = {type(x) for x in inp}
+    prompt = prompt_text(req, entry)
     if kinds == {str}:
         for i, s in enumerate(inp):
             if not s:
                 raise bad_request(f"input {i} is an empty string")
             if "\x00" in s:
                 raise bad_request(f"input {i} contains a NUL character")
-        ids = entry.tokenizer.encode_batch(inp)
+        ids = entry.tokenizer.encode_batch([prompt + s for s in inp] if prompt else inp)
     elif kinds == {int}:
         ids = [_wrap(inp, entry, 0)]
     elif kinds == {list}:
@@ -169,6 +170,37 @@ def _wrap(tokens: list[int], entry: ModelEntry, i: int) -> list[int]:
     if bad is not None:
         raise bad_request(f"input {i} has token id {bad}; the vocabulary has {vocab} tokens")
     return entry.prefix + list(tokens) + entry.suffix
+
+
+# input_type -> the prompt names models use for that role, first match wins.
+ROLE_PROMPTS = {"query": ("query", "search_query", "retrieval.query"),
+                "document": ("document", "passage", "search_document", "corpus",
+                             "retrieval.passage")}
+
+
+def prompt_text(req: EmbeddingRequest, entry: ModelEntry) -> str:
+    """The text prepended to each text input: the prompt the request names (by name or
+    role), else the model's default prompt, else none. A prompt the model does not
+    have is a 400 listing those it has; token-id inputs take no prompt."""
+    name, role, prompts = req.prompt_name, req.input_type, entry.prompts
+    if name is not None and role is not None:
+        raise bad_request("send 'prompt_name' or 'input_type', not both")
+    if role is not None:
+        if not prompts:  # a model without prompts embeds every role the same way
+            return ""
+        name = next((n for n in ROLE_PROMPTS[role] if n in prompts), None)
+        if name is None:
+            raise bad_request(f"model '{entry.info.name}' has no prompt for input_type "
+                              f"{role!r} (its prompts: {', '.join(sorted(prompts))}); "
+                              f"name one with 'prompt_name'")
+    if name is None:
+        name = entry.default_prompt
+        return prompts.get(name, "") if name is not None else ""
+    if name not in prompts:
+        known = ", ".join(sorted(prompts)) or "none"
+        raise bad_request(f"model '{entry.info.name}' has no prompt named {name!r} "
+                          f"(its prompts: {known})")
+    return prompts[name]
 
 
 def truncate(ids: list[list[int]], keep: int, entry: ModelEntry) -> list[list[int]]:

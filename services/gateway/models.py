@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -35,6 +35,8 @@ class ModelEntry:
     prefix: list[int]  # special tokens around raw token-id input
     suffix: list[int]
     created: int
+    prompts: dict[str, str] = field(default_factory=dict)  # encoders: name -> prefix text
+    default_prompt: str | None = None  # encoders: the prompt a request naming none gets
 
 
 def split_name(model: str) -> tuple[str, str]:
@@ -160,4 +162,12 @@ def _load_entry(info: catalog.ModelInfo) -> ModelEntry:
     tok = Tokenizer.from_dir(Path(info.path))
     specials = tok.encode_batch([""])[0]
     prefix, suffix = (specials[:1], specials[1:]) if len(specials) >= 2 else (specials, [])
-    return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()))
+    prompts, default = {}, None
+    if info.kind == "encoder":  # sentence-transformers' named prompts ("query: ", ...)
+        from engine.encoder.spec import UnsupportedEncoder, read_prompts
+
+        try:
+            prompts, default = read_prompts(Path(info.path))
+        except UnsupportedEncoder as exc:  # its workers refuse it too (exit 78)
+            log.warning("model_prompts_unreadable", model=info.name, error=str(exc))
+    return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()), prompts, default)

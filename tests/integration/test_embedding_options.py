@@ -8,11 +8,16 @@ engine, the bundled MiniLM weights), judged against sentence-transformers:
   none, is a 400 that says why, and a good request right after is served.
 - `truncate_prompt_tokens` cuts an over-long input as sentence-transformers cuts at its
   `max_seq_length`, instead of the default 400.
+- A model's sentence-transformers prompts (config_sentence_transformers.json; the
+  copy has `query: ` / `passage: ` and `query` as its default) are prepended as
+  `SentenceTransformer.encode(prompt_name=..)` does, chosen by `prompt_name` or
+  `input_type`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import msgspec
@@ -41,7 +46,18 @@ def mrl_dir(tmp_path_factory):
         (dst / f.name).symlink_to(f)
     cfg = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": WIDTHS}))
+    (dst / "config_sentence_transformers.json").write_text(json.dumps({
+        "prompts": {"query": "query: ", "passage": "passage: "}, "default_prompt_name": "query"}))
     return dst
+
+
+@pytest.fixture(scope="module")
+def st_mrl(mrl_dir, sentence_transformer):
+    """sentence-transformers on the copy: the reference for its prompts and widths."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(mrl_dir), device="cpu")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -69,20 +85,20 @@ def vectors(resp) -> np.ndarray:
 
 
 @pytest.mark.parametrize("width", [128, 256])
-async def test_a_matryoshka_model_cuts_and_renormalises(stack, sentence_transformer, width):
+async def test_a_matryoshka_model_cuts_and_renormalises(stack, st_mrl, width):
     code, resp = await embed(stack.client, {"model": MRL, "input": TEXTS, "dimensions": width})
     assert code == 200, resp
     got = vectors(resp)
     assert got.shape == (len(TEXTS), width)
-    ref = sentence_transformer.encode(TEXTS, truncate_dim=width, normalize_embeddings=True)
+    ref = st_mrl.encode(TEXTS, truncate_dim=width, normalize_embeddings=True)
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
     np.testing.assert_allclose(got, ref, atol=2e-4)
 
 
-async def test_the_full_width_needs_no_cut(stack, sentence_transformer):
+async def test_the_full_width_needs_no_cut(stack, st_mrl):
     code, resp = await embed(stack.client, {"model": MRL, "input": TEXTS, "dimensions": 384})
     assert code == 200
-    np.testing.assert_allclose(vectors(resp), sentence_transformer.encode(
+    np.testing.assert_allclose(vectors(resp), st_mrl.encode(
         TEXTS, normalize_embeddings=True), atol=2e-4)
 
 
@@ -125,3 +141,32 @@ async def test_truncation_that_cannot_be_honoured_is_a_400(stack, keep):
     code, resp = await embed(stack.client, {"model": MODEL, "input": ["hello world"],
                                             "truncate_prompt_tokens": keep})
     assert code == 400 and "truncate_prompt_tokens" in resp["error"]["message"]
+
+
+@pytest.mark.parametrize("body,prompt", [
+    ({}, "query"),  # the model's default prompt
+    ({"prompt_name": "passage"}, "passage"),
+    ({"input_type": "document"}, "passage"),
+    ({"input_type": "query"}, "query"),
+])
+async def test_prompts_are_prepended_as_sentence_transformers_does(stack, st_mrl, body, prompt):
+    code, resp = await embed(stack.client, {"model": MRL, "input": TEXTS, **body})
+    assert code == 200, resp
+    ref = st_mrl.encode(TEXTS, prompt_name=prompt, normalize_embeddings=True)
+    np.testing.assert_allclose(vectors(resp), ref, atol=2e-4)
+    with_prompt = st_mrl.tokenizer([f"{prompt}: {t}" for t in TEXTS])["input_ids"]
+    assert resp["usage"]["prompt_tokens"] == sum(len(x) for x in with_prompt)
+
+
+async def test_unknown_prompts_are_refused_and_prompts_are_moot_without_them(
+        stack, sentence_transformer):
+    code, resp = await embed(stack.client, {"model": MRL, "input": TEXTS, "prompt_name": "nope"})
+    assert code == 400 and "passage, query" in resp["error"]["message"]
+    code, resp = await embed(stack.client, {"model": MRL, "input": TEXTS,
+                                            "prompt_name": "query", "input_type": "query"})
+    assert code == 400
+    # MiniLM has no prompts: a role changes nothing.
+    code, resp = await embed(stack.client, {"model": MODEL, "input": TEXTS, "input_type": "query"})
+    assert code == 200
+    np.testing.assert_allclose(vectors(resp), sentence_transformer.encode(
+        TEXTS, normalize_embeddings=True), atol=2e-4)
