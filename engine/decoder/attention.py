@@ -20,8 +20,6 @@ Two implementations of the same function:
 
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 
 from engine.decoder.config import DecoderConfig
@@ -56,22 +54,24 @@ def _largest_divisor(n: int, most: int) -> int:
 
 
 def paged_decode(q, k_cache, v_cache, tables, positions, cfg: DecoderConfig,
-                 kernel: str = "xla", interpret: bool = False):
+                 kernel: str = "xla", interpret: bool = False, window: int | None = None):
     """One query per row against that row's blocks.
 
     q: [B, H, D]; k_cache, v_cache: [KV, NB, BLOCK, D]; tables: [B, NW] int32;
     positions: [B] int32 (the row's newest position, its K/V already written)
-    -> [B, H * D]. Cache entries past a row's position are never attended to.
+    -> [B, H * D]. Cache entries past a row's position, or before its sliding
+    `window`, are never attended to. The Pallas kernel knows neither windows nor
+    soft-capping: a layer with either takes the XLA path.
     """
-    if kernel == "xla":
+    if kernel == "xla" or window is not None or cfg.attn_softcap:
         return cached_attention(q, gather(k_cache, tables), gather(v_cache, tables),
-                                positions, cfg)  # fmt: skip
+                                positions, cfg, window)  # fmt: skip
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
     b, nw = tables.shape
     splits = _largest_divisor(nw, 16)  # partitions of the window, reduced at the end
     per_block = _largest_divisor(nw // splits, 8)
-    scaled = (q.astype(jnp.float32) / math.sqrt(cfg.head_dim)).astype(q.dtype)
+    scaled = (q.astype(jnp.float32) * cfg.scale).astype(q.dtype)
     out = paged_attention(
         scaled, k_cache, v_cache, tables, (positions + 1).astype(jnp.int32),
         k_splits=splits, pages_per_compute_block=per_block, interpret=interpret,

@@ -15,8 +15,15 @@ from typing import Any
 
 GPT2 = "gpt2"
 LLAMA = "llama"
-# model_type values that load as Llama: same tensor names, same math.
-LLAMA_LIKE = {"llama", "mistral", "qwen2"}
+# model_type values that load as Llama: the same layer loop, with the differences
+# each config sets below (q/k norms, fused projections, Gemma's norms and capping).
+LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"}
+GEMMA = {"gemma2", "gemma3_text"}
+
+
+class UnsupportedDecoder(ValueError):
+    """A decoder architecture or setting the engines do not compute: refused with the
+    reason (a worker exits 78), never served approximately."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +45,21 @@ class DecoderConfig:
     # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_positions)
     rope_scaling: tuple = ("default",)
     attn_bias: bool = False  # q/k/v biases in a Llama-like model (Qwen2 has them)
-    # Mistral-style local attention. Inside the window it is plain causal attention,
-    # so the engine caps its context at the window instead of masking by distance.
+    # Local attention (Mistral, Gemma): a query sees the `sliding_window` positions up
+    # to its own. `sliding_layers` names the layers that use it (Gemma alternates
+    # local and global layers); empty: every layer, when there is a window.
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3, Gemma 3)
+    # Gemma: embeddings scaled by sqrt(hidden), RMSNorm weights as (1 + w), norms
+    # around both the attention and the MLP output, scores scaled by
+    # query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5, and tanh
+    # soft-capping of attention scores and final logits (Gemma 2).
+    gemma: bool = False
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    local_rope_theta: float | None = None  # Gemma 3's sliding layers: their own RoPE base
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # Devices the engine splits heads and MLP columns over (engine/sharding.py); set
@@ -52,6 +71,22 @@ class DecoderConfig:
         """Query heads per key/value head (grouped-query attention)."""
         return self.heads // self.kv_heads
 
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None where it attends to everything."""
+        if self.sliding_window is None:
+            return None
+        if self.sliding_layers and not self.sliding_layers[layer]:
+            return None
+        return self.sliding_window
+
+    @property
+    def windowed(self) -> bool:
+        return any(self.window(i) is not None for i in range(self.layers))
+
 
 def _ids(value: Any) -> tuple[int, ...]:
     if isinstance(value, bool) or value is None:
@@ -61,31 +96,46 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
 
 
-def _rope(cfg: dict) -> tuple[float, tuple]:
-    """rope_theta and scaling, whether written flat (transformers 4) or nested
-    under `rope_parameters` (transformers 5)."""
-    nested = cfg.get("rope_parameters") or {}
-    theta = float(nested.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling") or nested
+def _scaling(scaling: dict | None) -> tuple:
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
-        return theta, ("default",)
+        return ("default",)
     if kind == "linear":
-        return theta, ("linear", float(scaling["factor"]))
+        return ("linear", float(scaling["factor"]))
     if kind == "llama3":
-        return theta, (
+        return (
             "llama3",
             float(scaling["factor"]),
             float(scaling["low_freq_factor"]),
             float(scaling["high_freq_factor"]),
             int(scaling["original_max_position_embeddings"]),
         )
-    raise NotImplementedError(f"rope scaling {kind!r} is not supported")
+    raise UnsupportedDecoder(f"rope scaling {kind!r} is not supported (default, linear "
+                             f"and llama3 are)")
+
+
+def _rope(cfg: dict) -> tuple[float, tuple, float | None]:
+    """(rope_theta, scaling, the sliding layers' own theta or None), whether written
+    flat (transformers 4), nested under `rope_parameters` (transformers 5), or nested
+    per layer type (`{"full_attention": {...}, "sliding_attention": {...}}`, Gemma 3)."""
+    nested = cfg.get("rope_parameters") or {}
+    local = None
+    if "full_attention" in nested or "sliding_attention" in nested:
+        if "sliding_attention" in nested:
+            lp = nested["sliding_attention"]
+            if _scaling(lp) != ("default",):
+                raise UnsupportedDecoder("scaled RoPE on sliding layers is not supported")
+            local = float(lp.get("rope_theta", 10000.0))
+        nested = nested.get("full_attention") or {}
+    elif cfg.get("rope_local_base_freq") is not None:
+        local = float(cfg["rope_local_base_freq"])
+    theta = float(nested.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return theta, _scaling(cfg.get("rope_scaling") or nested), local
 
 
 def _gpt2(cfg: dict) -> DecoderConfig:
     if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
-        raise NotImplementedError("GPT-2 attention variants are not supported")
+        raise UnsupportedDecoder("GPT-2 attention variants are not supported")
     hidden, heads = int(cfg["n_embd"]), int(cfg["n_head"])
     return DecoderConfig(
         family=GPT2,
@@ -105,17 +155,60 @@ def _gpt2(cfg: dict) -> DecoderConfig:
     )
 
 
-def _window(cfg: dict) -> int | None:
-    window = cfg.get("sliding_window")
-    if not window or not cfg.get("use_sliding_window", cfg.get("model_type") == "mistral"):
-        return None
-    return int(window)
+def _window(cfg: dict) -> tuple[int | None, tuple[bool, ...]]:
+    """(window, which layers use it) from `sliding_window`, `use_sliding_window`
+    (Qwen2/3 keep a window they do not use), `layer_types` (transformers' per-layer
+    list), or Gemma's patterns when a config predates that list."""
+    kind, window, n = cfg.get("model_type"), cfg.get("sliding_window"), int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if not types and kind == "gemma2":  # even layers local, odd global
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    if not types and kind == "gemma3_text":  # every `sliding_window_pattern`th global
+        every = int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    if kind in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return None, ()
+    if not window:
+        return None, ()
+    if types:
+        layers = tuple(t == "sliding_attention" for t in types)
+        return (int(window), layers) if any(layers) else (None, ())
+    if kind in ("mistral", "phi3") or cfg.get("use_sliding_window"):
+        return int(window), ()
+    return None, ()
+
+
+def _gemma(cfg: dict) -> dict:
+    """Gemma 2 / Gemma 3 text fields over the Llama ones."""
+    kind = cfg["model_type"]
+    out = dict(gemma=True, qk_norm=kind == "gemma3_text",
+               attn_scale=float(cfg.get("query_pre_attn_scalar") or cfg["head_dim"]) ** -0.5,
+               attn_softcap=cfg.get("attn_logit_softcapping"),
+               final_softcap=cfg.get("final_logit_softcapping"),
+               activation=cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh"),
+               tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+    return out
+
+
+def _refuse_unserved(cfg: dict) -> None:
+    kind = cfg.get("model_type")
+    partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                     cfg.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise UnsupportedDecoder(f"partial rotary embeddings (partial_rotary_factor "
+                                 f"{partial}) are not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedDecoder("bidirectional attention is not a causal decoder")
 
 
 def _llama(cfg: dict) -> DecoderConfig:
+    _refuse_unserved(cfg)
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    theta, scaling = _rope(cfg)
-    return DecoderConfig(
+    theta, scaling, local_theta = _rope(cfg)
+    window, sliding = _window(cfg)
+    kind = cfg.get("model_type")
+    extra = _gemma(cfg) if kind in GEMMA else {"qk_norm": kind == "qwen3"}
+    fields = dict(
         family=LLAMA,
         vocab_size=int(cfg["vocab_size"]),
         hidden=hidden,
@@ -130,11 +223,14 @@ def _llama(cfg: dict) -> DecoderConfig:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_theta=theta,
         rope_scaling=scaling,
-        attn_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-        sliding_window=_window(cfg),
+        attn_bias=bool(cfg.get("attention_bias", kind == "qwen2")),
+        sliding_window=window,
+        sliding_layers=sliding,
+        local_rope_theta=local_theta if kind == "gemma3_text" else None,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_ids(cfg.get("eos_token_id")),
     )
+    return DecoderConfig(**{**fields, **extra})
 
 
 def from_dict(cfg: dict) -> DecoderConfig:
@@ -143,7 +239,8 @@ def from_dict(cfg: dict) -> DecoderConfig:
         return _gpt2(cfg)
     if kind in LLAMA_LIKE:
         return _llama(cfg)
-    raise NotImplementedError(f"model_type {kind!r} is not a supported decoder")
+    raise UnsupportedDecoder(f"model_type {kind!r} is not a supported decoder (served: gpt2, "
+                             f"{', '.join(sorted(LLAMA_LIKE))})")
 
 
 def load_config(model_dir: str | Path) -> DecoderConfig:

@@ -22,9 +22,9 @@ log = get_logger(__name__)
 
 
 def capped_context(cfg: DecoderConfig, requested: int) -> int:
-    """`requested` tokens per slot, at most what the model attends to (its positions,
-    or its sliding window)."""
-    limit = min(cfg.max_positions, cfg.sliding_window or cfg.max_positions)
+    """`requested` tokens per slot, at most the model's positions (a sliding window
+    is served by masking, not by capping the context at it)."""
+    limit = cfg.max_positions
     if requested > limit:
         log.warning("max_context_capped", requested=requested, limit=limit)
     context = min(int(requested), limit)

@@ -69,11 +69,13 @@ def activation(name: str, x):
 
 
 # ----------------------------------------------------------------------- RoPE
-def inv_frequencies(cfg: DecoderConfig) -> np.ndarray:
-    """[D/2] float32, with the configured context-extension scaling applied."""
+def inv_frequencies(cfg: DecoderConfig, local: bool = False) -> np.ndarray:
+    """[D/2] float32, with the configured context-extension scaling applied (`local`:
+    the sliding layers' own base and no scaling, where the model has them)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    kind = cfg.rope_scaling[0]
+    theta = cfg.local_rope_theta if local and cfg.local_rope_theta else cfg.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    kind = cfg.rope_scaling[0] if theta == cfg.rope_theta else "default"
     if kind == "linear":
         inv = inv / cfg.rope_scaling[1]
     elif kind == "llama3":
@@ -101,7 +103,24 @@ def rope(x, positions, inv_freq):
 
 
 # ------------------------------------------------------------------ attention
-def causal_attention(q, k, v, cfg: DecoderConfig):
+def _scaled(scores, cfg: DecoderConfig):
+    """Raw q.k scores -> logits: the model's scale, then its soft cap (Gemma 2)."""
+    scores = scores * cfg.scale
+    if cfg.attn_softcap:
+        scores = jnp.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
+    return scores
+
+
+def visible(keys, queries, window: int | None):
+    """keys: [C] positions, queries: [T] positions -> [T, C] bool: a query sees the
+    keys at or before it, and within its sliding window when it has one."""
+    seen = keys[None, :] <= queries[:, None]
+    if window is not None:
+        seen &= keys[None, :] > queries[:, None] - window
+    return seen
+
+
+def causal_attention(q, k, v, cfg: DecoderConfig, window: int | None = None):
     """Attention within one prompt (prefill).
 
     q: [T, H, D], k, v: [T, KV, D] -> [T, H * D]
@@ -111,8 +130,9 @@ def causal_attention(q, k, v, cfg: DecoderConfig):
     scores = jnp.einsum(
         "tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32, precision=precision(q.dtype)
     )
-    scores = scores / math.sqrt(cfg.head_dim)  # [KV, G, T, T]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    scores = _scaled(scores, cfg)  # [KV, G, T, T]
+    pos = jnp.arange(t)
+    causal = visible(pos, pos, window)
     probs = jax.nn.softmax(jnp.where(causal, scores, NEG_INF), axis=-1).astype(v.dtype)
     out = jnp.einsum(
         "kgts,skd->tkgd", probs, v, preferred_element_type=jnp.float32, precision=precision(q.dtype)
@@ -120,7 +140,8 @@ def causal_attention(q, k, v, cfg: DecoderConfig):
     return out.astype(q.dtype).reshape(t, cfg.heads * cfg.head_dim)
 
 
-def cached_attention(q, k_cache, v_cache, positions, cfg: DecoderConfig):
+def cached_attention(q, k_cache, v_cache, positions, cfg: DecoderConfig,
+                     window: int | None = None):
     """One new query per slot against that slot's cache (decode).
 
     q: [S, H, D], k_cache, v_cache: [S, KV, MAX_LEN, D], positions: [S] -> [S, H * D]
@@ -132,9 +153,9 @@ def cached_attention(q, k_cache, v_cache, positions, cfg: DecoderConfig):
         "skgd,sktd->skgt", qg, k_cache, preferred_element_type=jnp.float32,
         precision=precision(q.dtype),
     )  # fmt: skip
-    scores = scores / math.sqrt(cfg.head_dim)  # [S, KV, G, MAX_LEN]
-    visible = jnp.arange(max_len)[None, :] <= positions[:, None]  # [S, MAX_LEN]
-    scores = jnp.where(visible[:, None, None, :], scores, NEG_INF)
+    scores = _scaled(scores, cfg)  # [S, KV, G, MAX_LEN]
+    seen = visible(jnp.arange(max_len), positions, window)  # [S, MAX_LEN]
+    scores = jnp.where(seen[:, None, None, :], scores, NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
     out = jnp.einsum(
         "skgt,sktd->skgd", probs, v_cache, preferred_element_type=jnp.float32,
@@ -143,7 +164,8 @@ def cached_attention(q, k_cache, v_cache, positions, cfg: DecoderConfig):
     return out.astype(q.dtype).reshape(s, cfg.heads * cfg.head_dim)
 
 
-def context_attention(q, k_ctx, v_ctx, positions, cfg: DecoderConfig):
+def context_attention(q, k_ctx, v_ctx, positions, cfg: DecoderConfig,
+                      window: int | None = None):
     """A chunk of one prompt against its sequence's cache, itself included (prefill).
 
     q: [T, H, D], k_ctx, v_ctx: [KV, C, D] (cache positions 0..C), positions: [T]
@@ -162,9 +184,9 @@ def context_attention(q, k_ctx, v_ctx, positions, cfg: DecoderConfig):
         "tkgd,ckd->kgtc", qg, k_ctx, preferred_element_type=jnp.float32,
         precision=precision(q.dtype),
     )  # fmt: skip
-    scores = scores / math.sqrt(cfg.head_dim)  # [KV, G, T, C]
-    visible = jnp.arange(c)[None, :] <= positions[:, None]  # [T, C]
-    probs = jax.nn.softmax(jnp.where(visible, scores, NEG_INF), axis=-1)
+    scores = _scaled(scores, cfg)  # [KV, G, T, C]
+    seen = visible(jnp.arange(c), positions, window)  # [T, C]
+    probs = jax.nn.softmax(jnp.where(seen, scores, NEG_INF), axis=-1)
     out = jnp.einsum(
         "kgtc,ckd->tkgd", probs, v_ctx, preferred_element_type=jnp.float32,
         precision=precision(q.dtype),

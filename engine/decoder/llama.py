@@ -1,5 +1,7 @@
-"""Llama family (also Mistral and Qwen2 configs): RoPE, RMSNorm, SwiGLU MLP,
-grouped-query attention, optionally tied embeddings.
+"""Llama family: RoPE, RMSNorm, gated MLP, grouped-query attention, optionally tied
+embeddings. Mistral, Qwen2 and Qwen3 (RMSNorm of each query and key head), Phi-3 (q/k/v
+and gate/up stored fused) and Gemma 2 / Gemma 3 (see `DecoderConfig.gemma`) are the
+same loop with the differences their configs set.
 
 Hugging Face stores `nn.Linear` weights as [out, in]; they are transposed once at
 load to [in, out]. q, k and v are concatenated into one [E, (H + 2 KV) * D] matrix and
@@ -9,6 +11,7 @@ five: at batch 16 a step is launch-bound more than FLOP-bound.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 from engine.decoder.config import DecoderConfig
@@ -31,32 +34,43 @@ def _t(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.T)
 
 
+def _fused(w: dict, prefix: str, fused: str, parts: tuple[str, ...]) -> np.ndarray:
+    """[in, out] of projections stored apart (Llama) or already fused (Phi-3)."""
+    if prefix + fused + ".weight" in w:
+        return _t(w[prefix + fused + ".weight"])
+    return np.concatenate([_t(w[prefix + f"{n}.weight"]) for n in parts], axis=1)
+
+
 def load_params(weights: dict[str, np.ndarray], cfg: DecoderConfig) -> dict:
     """HF tensor names ("model." already stripped) -> parameter pytree."""
     w = weights
+    # Gemma's RMSNorm multiplies by (1 + weight): the 1 is added once, here.
+    norm = (lambda a: a.astype(np.float32) + 1.0) if cfg.gemma else (lambda a: a)
 
     def layer(i: int) -> dict:
         p = f"layers.{i}."
         a = p + "self_attn."
+        mlp_in = "pre_feedforward_layernorm" if cfg.gemma else "post_attention_layernorm"
         lp = {
-            "ln1_w": w[p + "input_layernorm.weight"],
-            "qkv_w": np.concatenate(
-                [_t(w[a + f"{n}_proj.weight"]) for n in "qkv"], axis=1
-            ),  # [E, (H + 2 KV) * D]
+            "ln1_w": norm(w[p + "input_layernorm.weight"]),
+            "qkv_w": _fused(w, a, "qkv_proj", ("q_proj", "k_proj", "v_proj")),  # [E, (H + 2 KV) * D]
             "o_w": _t(w[a + "o_proj.weight"]),  # [H * D, E]
-            "ln2_w": w[p + "post_attention_layernorm.weight"],
-            "gate_up_w": np.concatenate(
-                [_t(w[p + "mlp.gate_proj.weight"]), _t(w[p + "mlp.up_proj.weight"])], axis=1
-            ),  # [E, 2I]
+            "ln2_w": norm(w[p + mlp_in + ".weight"]),
+            "gate_up_w": _fused(w, p + "mlp.", "gate_up_proj", ("gate_proj", "up_proj")),  # [E, 2I]
             "down_w": _t(w[p + "mlp.down_proj.weight"]),  # [I, E]
         }
         if cfg.attn_bias:
             lp["qkv_b"] = np.concatenate([w[a + f"{n}_proj.bias"] for n in "qkv"])
+        if cfg.qk_norm:  # one [D] weight shared by every head
+            lp["q_norm_w"], lp["k_norm_w"] = norm(w[a + "q_norm.weight"]), norm(w[a + "k_norm.weight"])
+        if cfg.gemma:  # norms of the attention's and the MLP's outputs
+            lp["post_attn_w"] = norm(w[p + "post_attention_layernorm.weight"])
+            lp["post_mlp_w"] = norm(w[p + "post_feedforward_layernorm.weight"])
         return lp
 
     params = {
         "embed": w["embed_tokens.weight"],  # [V, E]
-        "norm_w": w["norm.weight"],
+        "norm_w": norm(w["norm.weight"]),
         "layers": [layer(i) for i in range(cfg.layers)],
     }
     if not cfg.tie_embeddings:
@@ -66,7 +80,10 @@ def load_params(weights: dict[str, np.ndarray], cfg: DecoderConfig) -> dict:
 
 def embed(params: dict, cfg: DecoderConfig, tokens, positions):
     """tokens: [N] -> x: [N, E] (positions enter through RoPE instead)."""
-    return take_rows(params["embed"], tokens, params["norm_w"].dtype)
+    x = take_rows(params["embed"], tokens, params["norm_w"].dtype)
+    if cfg.gemma:  # scaled by sqrt(hidden), the factor rounded to the activations' dtype
+        x = x * jnp.asarray(cfg.hidden ** 0.5, x.dtype)
+    return x
 
 
 def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq):
@@ -78,20 +95,32 @@ def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq):
     q = q.reshape(n, cfg.heads, d)
     k = k.reshape(n, cfg.kv_heads, d)
     v = v.reshape(n, cfg.kv_heads, d)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, lp["q_norm_w"], cfg.norm_eps), rms_norm(k, lp["k_norm_w"], cfg.norm_eps)
     return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
 
 
 def attn_out(lp: dict, cfg: DecoderConfig, x, attn):
-    """Residual adds of the attention output and the SwiGLU MLP. attn: [N, H * D]"""
-    x = x + dense(attn, lp["o_w"])
+    """Residual adds of the attention output and the gated MLP (Gemma: each output
+    normed before its residual add). attn: [N, H * D]"""
+    out = dense(attn, lp["o_w"])
+    if cfg.gemma:
+        out = rms_norm(out, lp["post_attn_w"], cfg.norm_eps)
+    x = x + out
     h = rms_norm(x, lp["ln2_w"], cfg.norm_eps)
     gate_up = dense(h, lp["gate_up_w"])  # [N, 2I]
     gate, up = split_fused(gate_up, fused(cfg)["gate_up_w"], cfg.tensor_parallel)
-    return x + dense(activation(cfg.activation, gate) * up, lp["down_w"])
+    out = dense(activation(cfg.activation, gate) * up, lp["down_w"])
+    if cfg.gemma:
+        out = rms_norm(out, lp["post_mlp_w"], cfg.norm_eps)
+    return x + out
 
 
 def head(params: dict, cfg: DecoderConfig, x):
     """x: [N, E] -> logits: [N, V] float32"""
     h = rms_norm(x, params["norm_w"], cfg.norm_eps)
     w = params.get("lm_head", params["embed"])  # [V, E]
-    return unembed(h, w)
+    logits = unembed(h, w)
+    if cfg.final_softcap:  # Gemma 2
+        logits = jnp.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+    return logits

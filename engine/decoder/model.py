@@ -137,8 +137,16 @@ def _fold_mlp_norm(tree: dict, cfg: DecoderConfig) -> dict:
     return dict(tree, layers=layers)
 
 
-def _inv_freq(cfg: DecoderConfig):
-    return jnp.asarray(inv_frequencies(cfg)) if cfg.family == LLAMA else None
+def _inv_freqs(cfg: DecoderConfig) -> list:
+    """Each layer's RoPE frequencies (None for GPT-2): Gemma 3's sliding layers have
+    their own base."""
+    if cfg.family != LLAMA:
+        return [None] * cfg.layers
+    glob = jnp.asarray(inv_frequencies(cfg))
+    if cfg.local_rope_theta is None:
+        return [glob] * cfg.layers
+    local = jnp.asarray(inv_frequencies(cfg, local=True))
+    return [local if cfg.window(i) is not None else glob for i in range(cfg.layers)]
 
 
 def forward_prompt(params: dict, cfg: DecoderConfig, tokens):
@@ -147,13 +155,13 @@ def forward_prompt(params: dict, cfg: DecoderConfig, tokens):
     Without a cache: the reference path the tests check logits on. Padding after the true length cannot reach earlier positions (causal mask), so
     the caller reads hidden states and K/V only below the true length.
     """
-    fam, inv_freq = family(cfg), _inv_freq(cfg)
+    fam, inv_freqs = family(cfg), _inv_freqs(cfg)
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     x = fam.embed(params, cfg, tokens, positions)
     ks, vs = [], []
-    for lp in params["layers"]:
-        q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freq)
-        x = fam.attn_out(lp, cfg, x, causal_attention(q, k, v, cfg))
+    for i, lp in enumerate(params["layers"]):
+        q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freqs[i])
+        x = fam.attn_out(lp, cfg, x, causal_attention(q, k, v, cfg, cfg.window(i)))
         ks.append(k.swapaxes(0, 1))  # [KV, T, D]
         vs.append(v.swapaxes(0, 1))
     return x, tuple(ks), tuple(vs)
@@ -194,17 +202,17 @@ def decode_forward(params: dict, cfg: DecoderConfig, tokens, positions, tables, 
     cache is most of a step's cost, and live sequences are usually short. Every live
     slot must have its position below NW * BLOCK.
     """
-    fam, inv_freq = family(cfg), _inv_freq(cfg)
+    fam, inv_freqs = family(cfg), _inv_freqs(cfg)
     block, nw = k_cache[0].shape[2], tables.shape[1]
     at = jnp.minimum(positions // block, nw - 1)
     blocks = jnp.where(live, jnp.take_along_axis(tables, at[:, None], 1)[:, 0], SCRATCH)  # [S]
     offsets = positions % block  # [S]
     x = fam.embed(params, cfg, tokens, positions)
     new_k, new_v = [], []
-    for lp, kc, vc in zip(params["layers"], k_cache, v_cache):
-        q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freq)  # k, v: [S, KV, D]
+    for i, (lp, kc, vc) in enumerate(zip(params["layers"], k_cache, v_cache)):
+        q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freqs[i])  # k, v: [S, KV, D]
         kc, vc = write(kc, blocks, offsets, k), write(vc, blocks, offsets, v)
-        att = paged_decode(q, kc, vc, tables, positions, cfg, kernel, interpret)
+        att = paged_decode(q, kc, vc, tables, positions, cfg, kernel, interpret, cfg.window(i))
         x = fam.attn_out(lp, cfg, x, att)
         new_k.append(kc)
         new_v.append(vc)
@@ -222,7 +230,7 @@ def forward_chunk(params: dict, cfg: DecoderConfig, tokens, offset, length, tabl
     -> x: [T, E] (before the final norm), and both caches. Padding writes go to the
     scratch block; its queries are computed and ignored.
     """
-    fam, inv_freq = family(cfg), _inv_freq(cfg)
+    fam, inv_freqs = family(cfg), _inv_freqs(cfg)
     block, nc = k_cache[0].shape[2], table.shape[0]
     positions = offset + jnp.arange(tokens.shape[0], dtype=jnp.int32)  # [T]
     real = jnp.arange(tokens.shape[0]) < length
@@ -230,11 +238,11 @@ def forward_chunk(params: dict, cfg: DecoderConfig, tokens, offset, length, tabl
     offsets = positions % block
     x = fam.embed(params, cfg, tokens, positions)
     new_k, new_v = [], []
-    for lp, kc, vc in zip(params["layers"], k_cache, v_cache):
-        q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freq)  # k, v: [T, KV, D]
+    for i, (lp, kc, vc) in enumerate(zip(params["layers"], k_cache, v_cache)):
+        q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freqs[i])  # k, v: [T, KV, D]
         kc, vc = write(kc, blocks, offsets, k), write(vc, blocks, offsets, v)
         kw, vw = gather(kc, table), gather(vc, table)  # [KV, NC * BLOCK, D]
-        x = fam.attn_out(lp, cfg, x, context_attention(q, kw, vw, positions, cfg))
+        x = fam.attn_out(lp, cfg, x, context_attention(q, kw, vw, positions, cfg, cfg.window(i)))
         new_k.append(kc)
         new_v.append(vc)
     return x, tuple(new_k), tuple(new_v)

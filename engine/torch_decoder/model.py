@@ -93,6 +93,19 @@ def _rope_tables(cfg: DecoderConfig, max_len: int, device: str):
     return angles.cos().to(device), angles.sin().to(device)
 
 
+def check_served(cfg: DecoderConfig) -> None:
+    """The torch engine computes GPT-2 and the plain Llama loop (Llama, Mistral
+    without a window, Qwen2, Phi-3 without one); UnsupportedDecoder for the rest."""
+    from engine.decoder.config import UnsupportedDecoder
+
+    missing = [what for what, used in (
+        ("q/k norms (Qwen3, Gemma 3)", cfg.qk_norm), ("Gemma's layers", cfg.gemma),
+        ("sliding-window attention", cfg.windowed)) if used]  # fmt: skip
+    if missing:
+        raise UnsupportedDecoder(f"the torch engine does not compute {', '.join(missing)}: "
+                                 f"serve this model with TENSORBUS_ENGINE=jax")
+
+
 def load_params(model_dir: str | Path, cfg: DecoderConfig, dtype: torch.dtype, device: str,
                 max_len: int) -> Params:  # fmt: skip
     """The JAX engine's own loaders map Hugging Face names to one numpy tree per
@@ -103,6 +116,7 @@ def load_params(model_dir: str | Path, cfg: DecoderConfig, dtype: torch.dtype, d
     from engine.decoder import gpt2, llama
     from engine.weights import load_weights, strip_prefix
 
+    check_served(cfg)
     fam = gpt2 if cfg.family == GPT2 else llama
     w = strip_prefix(load_weights(model_dir), _PREFIXES[cfg.family])
     tree = fam.load_params(w, cfg)

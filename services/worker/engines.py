@@ -100,6 +100,23 @@ def check_encoder(info: catalog.ModelInfo) -> None:
                          f"/v1/rerank or /v1/score yet, and would not embed with it")  # fmt: skip
 
 
+def check_decoder(info: catalog.ModelInfo, engine: str) -> None:
+    """Exit 78 when the decoder engine asked for does not compute the model's
+    architecture (read from its config alone): the reason, never an approximation."""
+    if info.kind != "decoder":
+        return
+    from engine.decoder.config import UnsupportedDecoder, load_config
+
+    try:
+        cfg = load_config(info.path)
+        if engine == "torch":
+            from engine.torch_decoder.model import check_served
+
+            check_served(cfg)
+    except UnsupportedDecoder as exc:
+        raise bad_config(f"{info.name}: {exc}") from None
+
+
 def check_split(config: Config, info: catalog.ModelInfo) -> None:
     """Exit 78 when the model's heads or MLP columns do not split over its devices."""
     from engine import sharding
@@ -147,6 +164,7 @@ def engine_settings(config: Config, model: str,
         info = catalog.resolve(model, config.model_dir)
     if info is not None:
         check_encoder(info)
+        check_decoder(info, engine)
         check_split(config, info)
         if quant == "gguf":
             _check_gguf_blocks(info)
