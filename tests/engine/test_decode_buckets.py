@@ -91,7 +91,8 @@ def test_sequences_joining_and_leaving_cross_buckets_and_keep_their_tokens(llama
 def test_pallas_paged_kernel_equals_the_xla_path(dtype):
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(kv_heads=3, groups=3, heads=9, head_dim=64)  # SmolLM2's split
+    cfg = SimpleNamespace(kv_heads=3, groups=3, heads=9, head_dim=64,  # SmolLM2's split
+                          scale=64 ** -0.5, attn_softcap=None)
     rng = np.random.default_rng(0)
     kv, blocks, block, d = 3, 40, 16, 64
     k = jnp.asarray(rng.standard_normal((kv, blocks, block, d)), dtype)

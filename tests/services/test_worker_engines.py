@@ -149,3 +149,25 @@ def test_build_engine_exits_78_on_a_pooling_it_does_not_serve(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         build_engine(cfg, catalog.describe("m", d))
     assert exit_info.value.code == EX_CONFIG
+
+
+@pytest.mark.parametrize("config, env, says", [
+    ({"model_type": "mamba"}, {}, "model_type 'mamba' is not a supported decoder"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, {},
+     "rope scaling 'yarn'"),
+    ({"model_type": "qwen3", "head_dim": 8}, {"TENSORBUS_ENGINE": "torch"},
+     "q/k norms (Qwen3, Gemma 3): serve this model with TENSORBUS_ENGINE=jax"),
+])  # fmt: skip
+def test_worker_exits_78_on_a_decoder_it_does_not_compute(tmp_path, config, env, says):
+    import json
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "vocab_size": 16, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "max_position_embeddings": 64, **config}))
+    assert catalog.describe("m", d).kind == "decoder"
+    done = _worker({"TENSORBUS_MODEL": "unserved", "TENSORBUS_MODEL_DIR": str(d), **env})
+    assert done.returncode == EX_CONFIG, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("bad configuration: unserved: ") and says in last, last
