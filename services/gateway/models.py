@@ -35,6 +35,8 @@ class ModelEntry:
     prefix: list[int]  # special tokens around raw token-id input
     suffix: list[int]
     created: int
+    task: str = ""  # encoders: "embed", or "score" for a cross-encoder (reranker)
+    labels: int = 0  # a cross-encoder's scores per pair
 
 
 def split_name(model: str) -> tuple[str, str]:
@@ -160,4 +162,20 @@ def _load_entry(info: catalog.ModelInfo) -> ModelEntry:
     tok = Tokenizer.from_dir(Path(info.path))
     specials = tok.encode_batch([""])[0]
     prefix, suffix = (specials[:1], specials[1:]) if len(specials) >= 2 else (specials, [])
-    return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()))
+    task, labels = _encoder_task(info)
+    return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()), task, labels)
+
+
+def _encoder_task(info: catalog.ModelInfo) -> tuple[str, int]:
+    """An encoder's task and labels, from its config files alone (pure Python, no
+    weights read); ("", 0) for a decoder. A model the encoder engines refuse reads
+    as an embedder: its workers exit 78 with the reason, the card says `failed`."""
+    if info.kind != "encoder":
+        return "", 0
+    from engine.encoder.spec import read_spec
+
+    try:
+        spec = read_spec(info.path)
+    except ValueError:
+        return "embed", 0
+    return spec.task, spec.num_labels

@@ -92,12 +92,13 @@ def check_encoder(info: catalog.ModelInfo) -> None:
     from engine.encoder.spec import UnsupportedEncoder
 
     try:
-        task = BertConfig(info.path).spec.task
+        spec = BertConfig(info.path).spec
     except UnsupportedEncoder as exc:
         raise bad_config(f"{info.name}: {exc}") from None
-    if task == "score":  # the engine scores pairs; no endpoint sends it any yet
-        raise bad_config(f"{info.name}: a cross-encoder (reranker); workers do not serve "
-                         f"/v1/rerank or /v1/score yet, and would not embed with it")  # fmt: skip
+    if spec.task == "score" and spec.num_labels != 1:  # rerank and score: one per pair
+        raise bad_config(f"{info.name}: a cross-encoder with {spec.num_labels} labels; the "
+                         f"rerank and score endpoints serve cross-encoders that give one "
+                         f"score per pair")  # fmt: skip
 
 
 def check_split(config: Config, info: catalog.ModelInfo) -> None:
