@@ -88,17 +88,28 @@ def check_encoder(info: catalog.ModelInfo) -> None:
     sentence-transformers modules or pooling (read from its config files alone)."""
     if info.kind != "encoder":
         return
+    why = encoder_refusal(info.path)
+    if why is not None:
+        raise bad_config(f"{info.name}: {why}")
+
+
+def encoder_refusal(path: str | Path) -> str | None:
+    """Why no worker would serve the encoder in `path`, in one line, from its config
+    files alone (no jax, no weights); None when one would. Also what `registry push`
+    warns of."""
     from engine.encoder.config import BertConfig
     from engine.encoder.spec import UnsupportedEncoder
 
     try:
-        spec = BertConfig(info.path).spec
+        spec = BertConfig(path).spec
     except UnsupportedEncoder as exc:
-        raise bad_config(f"{info.name}: {exc}") from None
+        return str(exc)
+    except KeyError as exc:
+        return f"config.json has no {exc} field"
     if spec.task == "score" and spec.num_labels != 1:  # rerank and score: one per pair
-        raise bad_config(f"{info.name}: a cross-encoder with {spec.num_labels} labels; the "
-                         f"rerank and score endpoints serve cross-encoders that give one "
-                         f"score per pair")  # fmt: skip
+        return (f"a cross-encoder with {spec.num_labels} labels; the rerank and score "
+                f"endpoints serve cross-encoders that give one score per pair")
+    return None
 
 
 def check_split(config: Config, info: catalog.ModelInfo) -> None:
