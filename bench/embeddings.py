@@ -102,8 +102,8 @@ def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("sh
     path = path or catalog.bundled_dir(MODEL)
     tok = Tokenizer.from_dir(path)
     enc = EncoderEngine(path, name=MODEL, dtype=dtype,
-                     batch_buckets=tuple(harness.csv_ints(BATCH_BUCKETS)),
-                     seq_buckets=tuple(harness.csv_ints(SEQ_BUCKETS)), max_batch=64)
+                        batch_buckets=tuple(harness.csv_ints(BATCH_BUCKETS)),
+                        seq_buckets=tuple(harness.csv_ints(SEQ_BUCKETS)), max_batch=64)
     enc.warmup(progress=True)
     out = {}
     for kind in kinds:

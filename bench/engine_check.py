@@ -106,7 +106,8 @@ def bench_encoder(model_dir: Path, dtype: str, quant: str, batch: int, seq: int,
     from engine.encoder import EncoderEngine
 
     enc = EncoderEngine(model_dir, name="minilm-shaped", dtype=dtype, batch_buckets=(batch,),
-                     seq_buckets=(seq,), max_batch=batch, token_budget=None, quant=quant)  # fmt: skip
+                        seq_buckets=(seq,), max_batch=batch, token_budget=None,
+                        quant=quant)  # fmt: skip
     rng = np.random.default_rng(1)
     inputs = [[101] + rng.integers(1000, 20000, seq - 2).tolist() + [102] for _ in range(batch)]
     t0 = time.perf_counter()

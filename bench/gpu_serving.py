@@ -87,7 +87,7 @@ def engine_figures(model: Path, dtype: str, seconds: float, data_dir: Path) -> d
                  "batch64_sps": round(e["short_batch64_sps"], 1),
                  "batch1_p50_ms": round(e["short_batch1_p50_ms"], 3)}
     big = EncoderEngine(model, name="minilm-shaped", dtype=dtype, batch_buckets=(256,),
-                     seq_buckets=(16, 32), max_batch=256, token_budget=None)
+                        seq_buckets=(16, 32), max_batch=256, token_budget=None)
     big.warmup(progress=False)
     ids = Tokenizer.from_dir(model).encode_batch(short_inputs())
     out["batch256_sps"] = round(sentences_per_s(big, ids[:256], seconds), 1)

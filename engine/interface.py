@@ -33,6 +33,7 @@ class Encoder(Protocol):
     device: str  # e.g. "cpu", "cuda:0"
     devices: list[str]  # every device it computes on, e.g. ["cpu:0", "cpu:1"]
     max_batch: int
+    task: str  # "embed"; "score" for a cross-encoder, which also implements `Reranker`
 
     def warmup(self, progress: bool = True) -> int:
         """Compile every (batch, seq) bucket; return how many were compiled."""
@@ -47,7 +48,7 @@ class Encoder(Protocol):
 class Reranker(Protocol):
     """A cross-encoder: token ids of text pairs in, one score per label out. The JAX
     encoder engine implements it for *ForSequenceClassification models (BERT,
-    RoBERTa, XLM-RoBERTa); no worker serves it yet (docs/decisions/0035)."""
+    RoBERTa, XLM-RoBERTa); workers serve it at the rerank and score endpoints."""
 
     name: str
     dim: int  # labels per pair (1 for ms-marco / bge-reranker style models)

@@ -77,6 +77,7 @@ class TorchEncoder:
             raise UnsupportedEncoder("cross-encoders (rerankers) are scored by the JAX "
                                      "engine only")  # fmt: skip
         self.name = name
+        self.task = "embed"
         self.dtype = canonical_dtype(dtype)
         self.device = "cpu"
         self.devices = [self.device]

@@ -69,6 +69,62 @@ class EmbeddingResponse(msgspec.Struct):
     object: str = "list"
 
 
+# ------------------------------------------------------------ rerank / score
+class RerankRequest(_Request, kw_only=True):
+    """The Cohere / Jina shape that vLLM, TEI and infinity serve. `top_n` past the
+    number of documents returns them all; `return_documents` (Cohere's default:
+    off) puts each document's text beside its score."""
+
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    query: Text
+    documents: Annotated[list[Text], Meta(max_length=MAX_LIST * 4)]
+    top_n: Annotated[int, Meta(ge=1)] | None = None
+    return_documents: bool = False
+    user: Annotated[str, Meta(max_length=256)] | None = None
+
+
+class RerankDocument(msgspec.Struct):
+    text: str
+
+
+class RerankResult(msgspec.Struct, omit_defaults=True):
+    index: int  # the document's place in the request
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankResponse(msgspec.Struct):
+    id: str
+    model: str
+    results: list[RerankResult]  # best first
+    usage: Usage
+
+
+class ScoreRequest(_Request, kw_only=True):
+    """vLLM's shape: `text_1` one text scored against every `text_2`, or a list as
+    long as `text_2`, scored pair by pair."""
+
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    text_1: Text | Annotated[list[Text], Meta(max_length=MAX_LIST * 4)]
+    text_2: Text | Annotated[list[Text], Meta(max_length=MAX_LIST * 4)]
+    user: Annotated[str, Meta(max_length=256)] | None = None
+
+
+class ScoreData(msgspec.Struct):
+    index: int
+    score: float
+    object: str = "score"
+
+
+class ScoreResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    data: list[ScoreData]  # in pair order
+    usage: Usage
+    object: str = "list"
+
+
 # ---------------------------------------------------------------- generation
 class StreamOptions(_Request, kw_only=True):
     include_usage: bool = False

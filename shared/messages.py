@@ -35,7 +35,9 @@ class Sampling(msgspec.Struct, array_like=True, gc=False):
 
 
 class EmbedWork(_Msg, tag="embed"):
-    """Embed `inputs` (already tokenized) with `model`."""
+    """Embed `inputs` (already tokenized) with `model`; with `types`, score them: each
+    input is a text pair for a cross-encoder (rerank, score), `types` its token type
+    ids, one per token."""
 
     request_id: str
     model: str
@@ -50,6 +52,7 @@ class EmbedWork(_Msg, tag="embed"):
     # message); "" = every answer goes to `reply` on its own
     reserved: str = ""  # the scheduler that admitted it before tokenizing (`Reserve`):
     # admitted there already, not checked again; "" = admitted on arrival
+    types: list[list[int]] = msgspec.field(default_factory=list)  # [] = embed; else pairs
     dimensions: int = 0  # Matryoshka: keep the first `dimensions` of each vector
     # (renormalised when the model normalises); 0 = the full width
 
@@ -100,7 +103,8 @@ class EmbedResult(_Msg, tag="embed_result"):
     model: str
     version: str
     dim: int
-    vectors: bytes  # float32 little-endian, [len(inputs), dim], L2-normalised
+    vectors: bytes  # float32 little-endian, [len(inputs), dim]: embeddings, or a
+    # cross-encoder's scores (dim = its labels)
     prompt_tokens: int
     timing: Timing
 

@@ -13,7 +13,9 @@ CHAT_COMPLETIONS = "inference.v1.chat.completions"
 MODELS = "inference.v1.models"
 TOKENIZE = "inference.v1.tokenize"
 DETOKENIZE = "inference.v1.detokenize"
-PUBLIC_INFERENCE = (EMBEDDINGS, COMPLETIONS, CHAT_COMPLETIONS, TOKENIZE, DETOKENIZE)
+RERANK = "inference.v1.rerank"
+SCORE = "inference.v1.score"
+PUBLIC_INFERENCE = (EMBEDDINGS, COMPLETIONS, CHAT_COMPLETIONS, TOKENIZE, DETOKENIZE, RERANK, SCORE)
 
 # Telemetry (msgpack records, schemas in shared.telemetry).
 TELEMETRY_REQUESTS = "telemetry.v1.requests"

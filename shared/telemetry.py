@@ -26,6 +26,10 @@ def itl_counts() -> list[int]:
     return [0] * (len(ITL_BUCKETS) + 1)
 
 
+# Endpoints answered by an encoder in one engine call: no generated tokens, no TTFT.
+ENCODER_ENDPOINTS = frozenset({"embeddings", "rerank", "score"})
+
+
 class _Rec(msgspec.Struct, gc=False, tag_field="t", omit_defaults=False):
     pass
 
@@ -34,7 +38,7 @@ class RequestRecord(_Rec, tag="request"):
     """One finished request (any status), published by the gateway."""
 
     request_id: str
-    endpoint: str  # "embeddings" | "completions" | "chat.completions"
+    endpoint: str  # "embeddings" | "rerank" | "score" | "completions" | "chat.completions" ...
     model: str
     version: str
     worker_id: str

@@ -51,7 +51,8 @@ def minilm(jax_cache_dir):
 
     jaxrt.setup(jax_cache_dir)
     enc = EncoderEngine(catalog.bundled_dir(ENCODER), name=ENCODER,
-                     batch_buckets=TEST_BATCH_BUCKETS, seq_buckets=TEST_SEQ_BUCKETS, max_batch=16)
+                        batch_buckets=TEST_BATCH_BUCKETS, seq_buckets=TEST_SEQ_BUCKETS,
+                        max_batch=16)
     enc.warmup(progress=False)
     return enc
 

@@ -1,12 +1,13 @@
 """The embeddings endpoint: validate and tokenize at the edge, format the reply.
 
   1. prepare: decode the body, resolve an encoder model, refuse early (503 for a
-     model not served, 429 when its queue or the work ahead is full), tokenize. A
-     large body, tokenized in a thread, is first admitted by a scheduler by its
-     estimated size (`GatewayAdmission.reserve`) and submitted to that scheduler.
+     model not served, 429 when its queue or the work ahead is full), tokenize
+     (`tokenized`). A large body, tokenized in a thread, is first admitted by a
+     scheduler by its estimated size (`GatewayAdmission.reserve`) and submitted to
+     that scheduler.
   2. whole: submit one EmbedWork (counted in the gateway's own tally of work out),
-     wait for its EmbedResult, check `dimensions` (a Matryoshka model's worker
-     truncates; any other model answers at its full width or not at all).
+     wait for its EmbedResult (`computed`), check `dimensions` (a Matryoshka
+     model's worker truncates; any other model answers at its full width or not at all).
   3. Render the vectors as float lists or base64 float32 (`encoding_format`).
 """
 
@@ -46,64 +47,30 @@ class Embeddings:
         self.config = front.config
 
     async def prepare(self, body: bytes, call: Call) -> EmbedPrepared:
-        front, adm, out = self.front, self.front.admission, call.out
+        front = self.front
         front.check_size(body)
         req = codec.decode(body, EmbeddingRequest, call.msgpack)
         name, version = split_name(req.model)
-        out.model = name
+        call.out.model = name
         entry = await front.models.get(name)
-        size = self._admit(req, entry, body, call.deadline)
-        reserved = ""
-        if size is None:  # on the loop: nothing is read meanwhile
-            ids = tokenize_inputs(req, entry, self.config)
-        else:  # in a thread: the requests read meanwhile see it ahead of them
-            inputs, texts, tokens = size
-            with adm.preparing(name, inputs, tokens):
-                # admitted by the scheduler before the wait, so never refused after it
-                reserved = await adm.reserve(call.wire, name, version, inputs, tokens,
-                                             call.deadline)
-                try:
-                    ids = await front.tokenize(tokenize_inputs, req, entry, self.config)
-                except BaseException:
-                    if reserved:
-                        adm.unreserve(call.wire)
-                    raise
-            if texts:
-                adm.tokens.learn(name, texts, sum(len(x) for x in ids))
-        out.prompt_tokens = sum(len(x) for x in ids)
+        if entry.info.kind != "encoder":
+            raise bad_request(f"model '{name}' generates text; use the completions endpoints")
+        if entry.task == "score":
+            raise bad_request(f"model '{name}' is a cross-encoder (reranker); use the rerank "
+                              f"or score endpoints")  # fmt: skip
+        truncated_width(req, entry)  # a width the model was not trained at: 400 before work
+        limit = entry.info.max_tokens
+        ids, _, reserved = await tokenized(
+            front, call, entry, version, body, lambda: sizes(req, limit),
+            lambda: (tokenize_inputs(req, entry, self.config), []), "inputs")
+        call.out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "",
                          user=user_key(req.user, call.user), reserved=reserved,
                          dimensions=truncated_width(req, entry))
         return EmbedPrepared(req, work)
 
-    def _admit(self, req: EmbeddingRequest, entry: ModelEntry, body: bytes, deadline: float):
-        """The checks before tokenizing (400 for a decoder, 503, 429). A body above
-        INLINE_TOKENIZE is tokenized in a thread, behind others: its estimated size
-        counts in its own check (refused now, not after the wait) and is returned
-        (inputs, texts to learn from, tokens) to be counted while it waits."""
-        adm, name = self.front.admission, entry.info.name
-        if entry.info.kind != "encoder":
-            raise bad_request(f"model '{name}' generates text; use the completions endpoints")
-        truncated_width(req, entry)  # a width the model was not trained at: 400 before work
-        adm.check_served(name)
-        if len(body) <= INLINE_TOKENIZE:
-            adm.shed(name, deadline)
-            return None
-        limit = entry.info.max_tokens
-        inputs, texts, id_tokens = sizes(req, limit)
-        check_count(inputs, self.config)  # the 400 comes first, as on the inline path
-        tokens = id_tokens + adm.tokens.estimate(name, texts, limit)
-        adm.shed(name, deadline, inputs, tokens)
-        return inputs, (texts if not id_tokens else []), tokens
-
     async def whole(self, prep: EmbedPrepared, call: Call) -> EmbeddingResponse:
-        work, out = prep.work, call.out
-        with self.front.admission.sent(work.model, len(work.inputs), out.prompt_tokens):
-            res = await self.front.call(work, call.deadline, out)
-        if not isinstance(res, EmbedResult):
-            raise internal()
-        self.front.admission.computed(work.model, len(work.inputs), out.prompt_tokens)
-        out.version, out.worker_id, out.timing = res.version, res.worker_id, res.timing
+        res = await computed(self.front, prep.work, call)
         check_dimensions(prep.req, res.dim)
         return build_response(prep.req, res)
 
@@ -122,9 +89,54 @@ def sizes(req: EmbeddingRequest, limit: int) -> tuple[int, list[str], int]:
     return 1, texts, min(len(inp), limit)  # one input of token ids
 
 
-def check_count(inputs: int, config: Config) -> None:
+async def tokenized(front: Frontend, call: Call, entry: ModelEntry, version: str, body: bytes,
+                    size, tokenize, what: str) -> tuple[list[list[int]], list[list[int]], str]:
+    """An encoder request's (ids, token types, reservation), admitted before and
+    around its tokenizing (the embeddings, rerank and score endpoints alike): 503 for
+    a model not served, 429 when its queue or the work ahead is full. A body above
+    INLINE_TOKENIZE is tokenized in a thread, behind others: `size()` (inputs, texts
+    to learn from, tokens sent as ids) counts in its own check (refused now, not after
+    the wait), a scheduler reserves its room first, and it counts here while it waits.
+    `tokenize()` gives (ids, types); `what` names the inputs in a count refusal."""
+    adm, name = front.admission, entry.info.name
+    adm.check_served(name)
+    if len(body) <= INLINE_TOKENIZE:  # on the loop: nothing is read meanwhile
+        adm.shed(name, call.deadline)
+        return (*tokenize(), "")
+    inputs, texts, id_tokens = size()
+    check_count(inputs, front.config, what)  # the 400 comes first, as on the inline path
+    tokens = id_tokens + adm.tokens.estimate(name, texts, entry.info.max_tokens)
+    adm.shed(name, call.deadline, inputs, tokens)
+    with adm.preparing(name, inputs, tokens):
+        # admitted by the scheduler before the wait, so never refused after it
+        reserved = await adm.reserve(call.wire, name, version, inputs, tokens, call.deadline)
+        try:
+            ids, types = await front.tokenize(tokenize)
+        except BaseException:
+            if reserved:
+                adm.unreserve(call.wire)
+            raise
+    if texts and not id_tokens:
+        adm.tokens.learn(name, texts, sum(len(x) for x in ids))
+    return ids, types, reserved
+
+
+async def computed(front: Frontend, work: EmbedWork, call: Call) -> EmbedResult:
+    """Submit one EmbedWork (counted in the gateway's own tally of work out) and wait
+    for its EmbedResult."""
+    out = call.out
+    with front.admission.sent(work.model, len(work.inputs), out.prompt_tokens):
+        res = await front.call(work, call.deadline, out)
+    if not isinstance(res, EmbedResult):
+        raise internal()
+    front.admission.computed(work.model, len(work.inputs), out.prompt_tokens)
+    out.version, out.worker_id, out.timing = res.version, res.worker_id, res.timing
+    return res
+
+
+def check_count(inputs: int, config: Config, what: str = "inputs") -> None:
     if inputs > config.max_inputs:
-        raise bad_request(f"too many inputs: {inputs}; at most {config.max_inputs} per request")
+        raise bad_request(f"too many {what}: {inputs}; at most {config.max_inputs} per request")
 
 
 def tokenize_inputs(req: EmbeddingRequest, entry: ModelEntry, config: Config) -> list[list[int]]:

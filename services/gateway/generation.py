@@ -96,7 +96,9 @@ class Generation:
         out.model = name
         entry = await self.front.models.get(name)
         if entry.info.kind != "decoder":
-            raise bad_request(f"model '{name}' is an embedding model; use the embeddings endpoint")
+            raise bad_request(f"model '{name}' is a cross-encoder (reranker); use the rerank or "
+                              f"score endpoints" if entry.task == "score" else
+                              f"model '{name}' is an embedding model; use the embeddings endpoint")
         self.front.admission.check_served(name)
         self.front.admission.shed(name)
         if not chat and req.echo:

@@ -35,6 +35,8 @@ class ModelEntry:
     prefix: list[int]  # special tokens around raw token-id input
     suffix: list[int]
     created: int
+    task: str = ""  # encoders: "embed", or "score" for a cross-encoder (reranker)
+    labels: int = 0  # a cross-encoder's scores per pair
     prompts: dict[str, str] = field(default_factory=dict)  # encoders: name -> prefix text
     default_prompt: str | None = None  # encoders: the prompt a request naming none gets
 
@@ -162,12 +164,23 @@ def _load_entry(info: catalog.ModelInfo) -> ModelEntry:
     tok = Tokenizer.from_dir(Path(info.path))
     specials = tok.encode_batch([""])[0]
     prefix, suffix = (specials[:1], specials[1:]) if len(specials) >= 2 else (specials, [])
-    prompts, default = {}, None
-    if info.kind == "encoder":  # sentence-transformers' named prompts ("query: ", ...)
-        from engine.encoder.spec import UnsupportedEncoder, read_prompts
+    if info.kind != "encoder":
+        return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()))
+    spec = _encoder_spec(info)
+    if spec is None:  # its workers exit 78 with the reason, the card says `failed`
+        return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()), "embed")
+    return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()), spec.task,
+                      spec.num_labels, dict(spec.prompts), spec.default_prompt_name)
 
-        try:
-            prompts, default = read_prompts(Path(info.path))
-        except UnsupportedEncoder as exc:  # its workers refuse it too (exit 78)
-            log.warning("model_prompts_unreadable", model=info.name, error=str(exc))
-    return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()), prompts, default)
+
+def _encoder_spec(info: catalog.ModelInfo):
+    """An encoder's spec from its config files alone (pure Python, no weights read):
+    its task, labels and sentence-transformers prompts; None for a model the encoder
+    engines refuse (it reads as an embedder without prompts)."""
+    from engine.encoder.spec import read_spec
+
+    try:
+        return read_spec(info.path)
+    except ValueError as exc:
+        log.warning("model_spec_unreadable", model=info.name, error=str(exc))
+        return None

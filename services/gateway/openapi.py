@@ -17,6 +17,10 @@ from shared.api import (
     EmbeddingRequest,
     EmbeddingResponse,
     ModelList,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -51,7 +55,7 @@ def openapi_document() -> dict:
     types = [EmbeddingRequest, EmbeddingResponse, CompletionRequest, CompletionResponse,
              CompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
              TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse,
-             ModelList, ErrorBody]
+             RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, ModelList, ErrorBody]
     _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     plain = lambda d: {"responses": {"200": {"description": d}, "503": {"description": "not ready"}}}
     return {
@@ -64,6 +68,10 @@ def openapi_document() -> dict:
                                             "CompletionResponse", "CompletionChunk")},
             "/v1/chat/completions": {"post": _op("Create a chat completion", "ChatCompletionRequest",
                                                  "ChatCompletionResponse", "ChatCompletionChunk")},
+            "/v1/rerank": {"post": _op("Rank documents by relevance to a query, with a "
+                                       "cross-encoder", "RerankRequest", "RerankResponse")},
+            "/v1/score": {"post": _op("Score text pairs with a cross-encoder", "ScoreRequest",
+                                      "ScoreResponse")},
             "/v1/tokenize": {"post": _op("Tokenize a prompt, or chat messages through the "
                                          "model's chat template", "TokenizeRequest",
                                          "TokenizeResponse")},

@@ -19,6 +19,7 @@ from services.gateway.call import Call
 from services.gateway.embeddings import Embeddings
 from services.gateway.frontend import Frontend
 from services.gateway.generation import Generation
+from services.gateway.rerank import Pairs
 from services.gateway.tokenize import Tokenize
 from shared import subjects
 
@@ -52,6 +53,8 @@ def routes(front: Frontend) -> list[Route]:
               "/v1/completions"),
         Route(Generation(front, chat=True), "chat-completions", subjects.CHAT_COMPLETIONS,
               "/v1/chat/completions"),
+        Route(Pairs(front), "rerank", subjects.RERANK, "/v1/rerank"),
+        Route(Pairs(front, rerank=False), "score", subjects.SCORE, "/v1/score"),
         Route(Tokenize(front), "tokenize", subjects.TOKENIZE, "/v1/tokenize"),
         Route(Tokenize(front, inverse=True), "detokenize", subjects.DETOKENIZE,
               "/v1/detokenize"),

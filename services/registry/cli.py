@@ -122,7 +122,8 @@ async def _run(args: argparse.Namespace, url: str) -> int:
 
 def serving_warning(model_dir: str | Path) -> str | None:
     """Why no worker would serve this directory, read from its config files alone
-    (the encoder engines' refusals, engine/encoder/spec.py); None when none is known.
+    (the encoder engines' refusals, engine/encoder/spec.py, and the workers' own:
+    services.worker.engines.encoder_refusal); None when none is known.
     A push still goes ahead: the registry stores what it is given."""
     path = Path(model_dir)
     if not (path / "config.json").exists():
@@ -130,16 +131,9 @@ def serving_warning(model_dir: str | Path) -> str | None:
     info = catalog.describe(path.name, path)
     if info.kind != "encoder":
         return None
-    from engine.encoder.config import BertConfig
-    from engine.encoder.spec import UnsupportedEncoder
+    from services.worker.engines import encoder_refusal
 
-    try:
-        BertConfig(path)
-    except UnsupportedEncoder as exc:
-        return str(exc)
-    except KeyError as exc:
-        return f"config.json has no {exc} field"
-    return None
+    return encoder_refusal(path)
 
 
 async def _push(reg: Registry, args) -> int:

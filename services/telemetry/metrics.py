@@ -39,7 +39,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from shared.scaling import LiveDecisions
-from shared.telemetry import ITL_BUCKETS, Heartbeat, RequestRecord, ScaleDecision
+from shared.telemetry import ENCODER_ENDPOINTS, ITL_BUCKETS, Heartbeat, RequestRecord, ScaleDecision
 
 NS = "tensorbus"
 
@@ -266,7 +266,7 @@ class TelemetryMetrics:
             s.batch_size.observe(rec.batch_size)
         s.prompt_tokens.inc(rec.prompt_tokens)
         s.request_prompt_tokens.observe(rec.prompt_tokens)
-        if rec.endpoint != "embeddings":
+        if rec.endpoint not in ENCODER_ENDPOINTS:
             s.generation_tokens.inc(rec.completion_tokens)
             s.request_generation_tokens.observe(rec.completion_tokens)
         if rec.ttft_s > 0:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Mapping
 
-from shared.telemetry import ModelSummary, RequestRecord, Summary
+from shared.telemetry import ENCODER_ENDPOINTS, ModelSummary, RequestRecord, Summary
 
 from .sketch import DDSketch, SlidingWindow
 
@@ -78,7 +78,7 @@ class SummaryWindow:
         acc.input_tokens += rec.prompt_tokens
         acc.output_tokens += rec.completion_tokens
         prefill = rec.compute_s
-        if rec.endpoint != "embeddings" and rec.worker_ttft_s > 0:
+        if rec.endpoint not in ENCODER_ENDPOINTS and rec.worker_ttft_s > 0:
             prefill = min(max(rec.worker_ttft_s - rec.queue_s, 0.0), rec.compute_s)
         acc.prefill_s += prefill
         acc.decode_s += rec.compute_s - prefill

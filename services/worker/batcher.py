@@ -32,7 +32,7 @@ import numpy as np
 
 from services.worker.runner import Gauges, Outbox
 from services.worker.versions import LoadedModels
-from shared.errors import bad_request, deadline_exceeded, internal
+from shared.errors import ServiceError, bad_request, deadline_exceeded, internal
 from shared.logging import get_logger
 from shared.messages import EmbedResult, EmbedWork, Timing
 
@@ -73,6 +73,16 @@ class BatchStats:
 
 
 BATCH_S_WEIGHT = 0.2  # moving-average weight of the newest batch's compute time
+
+
+def run_encoder(engine, inputs: list[list[int]],
+                types: list[list[int]] | None = None) -> np.ndarray:
+    """One engine call: a cross-encoder (`task` "score", `engine.interface.Reranker`)
+    scores `inputs` as text pairs with their token types (all 0 when none are given:
+    the warm-up's probes); an embedder embeds them. [len(inputs), dim] float32."""
+    if engine.task == "score":
+        return engine.score(inputs, types if types is not None else [[0] * len(x) for x in inputs])
+    return engine.embed(inputs)
 
 
 class EncoderRunner:
@@ -237,10 +247,21 @@ class EncoderRunner:
 
     def _compute(self, version: str, batch: list[Pending]) -> BatchOutcome:
         """Runs on the engine thread."""
+        engine = self.models.engine_of(version)
+        scoring = engine.task == "score"
+        keep = [p for p in batch if bool(p.work.types) == scoring]
+        if len(keep) < len(batch):  # never sent by a gateway: it asks the model's own task
+            wrong = [p for p in batch if bool(p.work.types) != scoring]
+            out = self._compute(version, keep) if keep else BatchOutcome([], [], [], version=version)
+            what = "scores text pairs (rerank, score)" if scoring else "embeds texts"
+            out.failed += [(p, bad_request(f"model '{p.work.model}' {what}; this request "
+                                           f"asks for the other")) for p in wrong]  # fmt: skip
+            return out
         flat = [ids for p in batch for ids in p.work.inputs]
+        types = [t for p in batch for t in p.work.types] if scoring else None
         start = time.perf_counter()
         try:
-            vecs = self.models.engine_of(version).embed(flat)  # [sum(inputs), dim]
+            vecs = run_encoder(engine, flat, types)  # [sum(inputs), dim]
             self.steps += 1
         except Exception as exc:  # noqa: BLE001 - reported per request
             if len(batch) == 1:
@@ -250,7 +271,7 @@ class EncoderRunner:
         took, was = end - start, self._batch_s
         self._batch_s = took if was is None else was + BATCH_S_WEIGHT * (took - was)
         out, timings, i = [], [], 0
-        normalize = self.models.engine_of(version).normalize
+        normalize = engine.normalize
         for p in batch:
             k = len(p.work.inputs)
             out.append(matryoshka(vecs[i:i + k], p.work.dimensions, normalize))
@@ -280,10 +301,14 @@ class EncoderRunner:
     async def _publish(self, out: BatchOutcome) -> None:
         """Every request of a batch answered, then one WorkDone per scheduler."""
         done: dict[str, list[str]] = defaultdict(list)
-        failed = [(p, out.error) for p in out.items] if out.error is not None else out.failed
-        for p, exc in failed:
-            log.error("request_failed", request_id=p.work.request_id, error=repr(exc))
-            await self.outbox.error(p.work, internal("the model failed on this input"), out.version)
+        failed = [(p, out.error) for p in out.items] if out.error is not None else []
+        for p, exc in failed + out.failed:
+            if isinstance(exc, ServiceError):  # the request's own fault
+                await self.outbox.error(p.work, exc, out.version)
+            else:
+                log.error("request_failed", request_id=p.work.request_id, error=repr(exc))
+                await self.outbox.error(p.work, internal("the model failed on this input"),
+                                        out.version)
             done[p.work.sched_id].append(p.work.request_id)
         if out.error is None:
             for p, vecs, timing in zip(out.items, out.vectors, out.timings):

@@ -88,16 +88,28 @@ def check_encoder(info: catalog.ModelInfo) -> None:
     sentence-transformers modules or pooling (read from its config files alone)."""
     if info.kind != "encoder":
         return
+    why = encoder_refusal(info.path)
+    if why is not None:
+        raise bad_config(f"{info.name}: {why}")
+
+
+def encoder_refusal(path: str | Path) -> str | None:
+    """Why no worker would serve the encoder in `path`, in one line, from its config
+    files alone (no jax, no weights); None when one would. Also what `registry push`
+    warns of."""
     from engine.encoder.config import BertConfig
     from engine.encoder.spec import UnsupportedEncoder
 
     try:
-        task = BertConfig(info.path).spec.task
+        spec = BertConfig(path).spec
     except UnsupportedEncoder as exc:
-        raise bad_config(f"{info.name}: {exc}") from None
-    if task == "score":  # the engine scores pairs; no endpoint sends it any yet
-        raise bad_config(f"{info.name}: a cross-encoder (reranker); workers do not serve "
-                         f"/v1/rerank or /v1/score yet, and would not embed with it")  # fmt: skip
+        return str(exc)
+    except KeyError as exc:
+        return f"config.json has no {exc} field"
+    if spec.task == "score" and spec.num_labels != 1:  # rerank and score: one per pair
+        return (f"a cross-encoder with {spec.num_labels} labels; the rerank and score "
+                f"endpoints serve cross-encoders that give one score per pair")
+    return None
 
 
 def check_decoder(info: catalog.ModelInfo, engine: str) -> None:

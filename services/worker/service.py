@@ -41,7 +41,7 @@ from nats.aio.msg import Msg
 from services.lifecycle import Lifecycle
 from services.micro import ServiceHealth, add_service
 from services.registry.source import LOCAL, ModelSource
-from services.worker.batcher import EncoderRunner
+from services.worker.batcher import EncoderRunner, run_encoder
 from services.worker.generation import DecoderRunner
 from services.worker.memory import MemoryProbe, rss_bytes
 from services.worker.priority import lower_threads
@@ -71,11 +71,11 @@ def time_encoder(engine, max_batch: int) -> Cost | None:
     batch = max(1, max_batch)
     book = CostBook()
     try:
-        engine.embed([[1] * PROBE_TOKENS[0]])  # untimed: whatever a first call costs
+        run_encoder(engine, [[1] * PROBE_TOKENS[0]])  # untimed: whatever a first call costs
         for n in PROBE_TOKENS:
             n = min(n, engine.max_tokens)
             t0 = time.perf_counter()
-            engine.embed([[1] * n for _ in range(batch)])
+            run_encoder(engine, [[1] * n for _ in range(batch)])
             book.observe("probe", time.perf_counter() - t0, batch * n)
     except Exception as exc:  # noqa: BLE001 - a broken engine fails its requests, not its start
         log.warning("warmup_timing_failed", error=f"{type(exc).__name__}: {exc}")

@@ -50,7 +50,7 @@ def jax_f32() -> EncoderEngine:
     cache = Path(os.environ.get("TENSORBUS_TEST_CACHE", ".data/test-jax-cache")).resolve()
     jaxrt.setup(cache)
     enc = EncoderEngine(model_dir(), dtype="float32", batch_buckets=BATCH_BUCKETS,
-                     seq_buckets=SEQ_BUCKETS, max_batch=MAX_BATCH)  # fmt: skip
+                        seq_buckets=SEQ_BUCKETS, max_batch=MAX_BATCH)  # fmt: skip
     assert enc.warmup(progress=False) == len(BATCH_BUCKETS) * len(SEQ_BUCKETS)
     return enc
 
@@ -114,7 +114,7 @@ def test_rejects_inputs_no_bucket_holds(jax_f32):
 def test_jax_half_precision_matches_sentence_transformers(dtype, ids, reference):
     # One batch bucket and the shortest useful seq set: half the compile time.
     enc = EncoderEngine(model_dir(), dtype=dtype, batch_buckets=(16,), seq_buckets=(64,),
-                     max_batch=16)  # fmt: skip
+                        max_batch=16)  # fmt: skip
     assert enc.seq_buckets == (64, 256)  # the model's limit is always a bucket
     assert enc.params["layers"][0]["qkv_w"].dtype == np.dtype(dtype)
     _check(enc.embed(ids), reference, 0.999)

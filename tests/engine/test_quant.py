@@ -68,7 +68,7 @@ def test_quantized_minilm_tracks_sentence_transformers(minilm_case, mode, min_co
     ids, reference = minilm_case
     f32 = EncoderEngine(model_dir(), batch_buckets=(16,), seq_buckets=(16, 64, 256), max_batch=16)
     enc = EncoderEngine(model_dir(), batch_buckets=(16,), seq_buckets=(16, 64, 256), max_batch=16,
-                     quant=mode)  # fmt: skip
+                        quant=mode)  # fmt: skip
     cos = _cosine(enc.embed(ids), reference)
     assert cos.min() >= min_cosine, f"worst cosine {cos.min():.5f}"
     assert enc.weight_bytes <= max_bytes * f32.weight_bytes

@@ -246,7 +246,7 @@ async def test_first_start_seeds_the_registry_and_serves_the_real_encoder(
 
     def factory(info: catalog.ModelInfo, version: str) -> EncoderEngine:
         return EncoderEngine(info.path, name=info.name, batch_buckets=TEST_BATCH_BUCKETS,
-                          seq_buckets=TEST_SEQ_BUCKETS, max_batch=16)
+                             seq_buckets=TEST_SEQ_BUCKETS, max_batch=16)
 
     name = catalog.ENCODER
     info = catalog.resolve(name)

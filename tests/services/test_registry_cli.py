@@ -54,6 +54,14 @@ async def test_push_warns_when_workers_would_refuse_the_model(cli, tmp_path):
     assert rc == 0 and out.startswith(f"pushed {name}@2")
     warning = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warning) == 1 and "exit 78" in warning[0] and "ELECTRA" in warning[0]
+    # a cross-encoder has no single relevance score with several labels
+    (model / "modules.json").unlink(missing_ok=True)
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "bert", "architectures": ["BertForSequenceClassification"],
+        "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1, "num_labels": 3}))
+    rc, _, err = await cli("push", str(model), "--name", name, "--no-progress")
+    warning = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert rc == 0 and len(warning) == 1 and "a cross-encoder with 3 labels" in warning[0]
 
 
 async def test_push_show_list(cli, tmp_path):

@@ -124,8 +124,8 @@ def _unserved_encoder(d: Path, config: dict, st_modules: bool = True) -> Path:
     ({"model_type": "deberta-v2", "architectures": ["DebertaV2Model"]}, True,
      "disentangled attention"),
     ({"model_type": "bert", "architectures": ["BertForSequenceClassification"],
-      "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1, "num_labels": 1},
-     False, "a cross-encoder (reranker); workers do not serve /v1/rerank"),
+      "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 1, "num_labels": 3},
+     False, "a cross-encoder with 3 labels; the rerank and score endpoints serve"),
 ])  # fmt: skip
 def test_worker_exits_78_on_an_encoder_it_does_not_serve(tmp_path, config, st_modules, says):
     d = _unserved_encoder(tmp_path / "m", config, st_modules)

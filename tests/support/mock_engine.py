@@ -28,6 +28,7 @@ class MockEncoder:
                  fail_on: int | None = None, per_batch_s: float = 0.0,
                  per_token_s: float = 0.0) -> None:
         self.name = name
+        self.task = "embed"
         self.dim = dim
         self.normalize = True
         self.max_tokens = 256
