@@ -34,8 +34,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     request_timeout_s: float = 30.0  # default deadline of a request: its wait (queue, cold-start hold) up to its first token
     stall_timeout_s: float = 30.0  # a generation that has started ends (504) when no token comes for this long
     max_generation_s: float = 600.0  # longest a request may take in all, and the most a client may ask for (Tensorbus-Timeout)
-    max_inputs: int = 256  # embedding inputs per request
+    max_inputs: int = 4096  # embedding inputs per request
     max_payload: int = 1_048_576  # largest request body accepted (bytes); the bus's own max_payload instead when that is smaller
+    max_body: int = 33_554_432  # largest embeddings body over HTTP (bytes): split into works that each fit the bus
     max_n: int = 4  # generation choices per request
     max_header_bytes: int = 16_384  # HTTP header bytes accepted
     # --- scheduler

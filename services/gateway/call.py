@@ -41,6 +41,8 @@ class Call:
     _finished: bool = False
     _log_tokens: Mapping[str, Any] | None = None
     end_by: float = 0.0  # time.time() by which a generation must have ended
+    parts: list[str] = field(default_factory=list)  # ids of the works it was cut into
+    over_bus: bool = False  # a NATS request: its whole answer goes back as one bus message
 
     @classmethod
     def open(cls, front: Frontend, endpoint: str, *, client_id: str | None,
@@ -89,8 +91,10 @@ class Call:
         self.out.status, self.out.error_code = 499, "client_closed"
 
     async def cancel(self, reason: str) -> None:
-        """Tell the scheduler and worker to drop the request (held, queued or running)."""
-        await self.front.inbox.cancel(self.wire, reason)
+        """Tell the scheduler and worker to drop the request (held, queued or running),
+        and every part it was cut into (services/gateway/split.py)."""
+        for rid in [self.wire, *self.parts]:
+            await self.front.inbox.cancel(rid, reason)
 
     def detach(self) -> None:
         self.detached = True

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING
 from services.gateway import codec
 from services.gateway.frontend import INLINE_TOKENIZE, Frontend, user_key
 from services.gateway.models import ModelEntry, split_name
+from services.gateway.split import computed_in_parts, cuts
 from shared.api import Embedding, EmbeddingRequest, EmbeddingResponse, Usage
 from shared.config import Config
-from shared.errors import bad_request, internal
+from shared.errors import bad_request, internal, too_large
 from shared.messages import EmbedResult, EmbedWork
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 class EmbedPrepared:
     req: EmbeddingRequest
     work: EmbedWork
+    dim: int = 0  # the model's vector width, from its config (0: unknown)
     stream: bool = False  # embeddings are always answered whole
 
 
@@ -48,7 +50,9 @@ class Embeddings:
 
     async def prepare(self, body: bytes, call: Call) -> EmbedPrepared:
         front = self.front
-        front.check_size(body)
+        # Over HTTP a body larger than the bus is cut into parts; over NATS it came
+        # in one message, bounded as any other.
+        front.check_size(body, 0 if call.over_bus else self.config.max_body)
         req = codec.decode(body, EmbeddingRequest, call.msgpack)
         name, version = split_name(req.model)
         call.out.model = name
@@ -67,10 +71,18 @@ class Embeddings:
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "",
                          user=user_key(req.user, call.user), reserved=reserved,
                          dimensions=truncated_width(req, entry))
-        return EmbedPrepared(req, work)
+        prep = EmbedPrepared(req, work, truncated_width(req, entry) or entry.dim)
+        if call.over_bus:
+            check_answer_fits(prep, call.msgpack, front.bus_limit())
+        return prep
 
     async def whole(self, prep: EmbedPrepared, call: Call) -> EmbeddingResponse:
-        res = await computed(self.front, prep.work, call)
+        work, front = prep.work, self.front
+        parts = cuts(work.inputs, prep.dim, front.bus_limit())
+        if len(parts) == 1:
+            res = await computed(front, work, call)
+        else:  # larger than one bus message, one way or the other
+            res = await computed_in_parts(front, work, parts, call, computed)
         check_dimensions(prep.req, res.dim)
         return build_response(prep.req, res)
 
@@ -124,14 +136,33 @@ async def tokenized(front: Frontend, call: Call, entry: ModelEntry, version: str
 async def computed(front: Frontend, work: EmbedWork, call: Call) -> EmbedResult:
     """Submit one EmbedWork (counted in the gateway's own tally of work out) and wait
     for its EmbedResult."""
-    out = call.out
-    with front.admission.sent(work.model, len(work.inputs), out.prompt_tokens):
+    out, tokens = call.out, sum(len(x) for x in work.inputs)
+    with front.admission.sent(work.model, len(work.inputs), tokens):
         res = await front.call(work, call.deadline, out)
     if not isinstance(res, EmbedResult):
         raise internal()
-    front.admission.computed(work.model, len(work.inputs), out.prompt_tokens)
+    front.admission.computed(work.model, len(work.inputs), tokens)
     out.version, out.worker_id, out.timing = res.version, res.worker_id, res.timing
     return res
+
+
+# Bytes one vector component takes in a reply, at most: a JSON float (shortest
+# repr, comma), a msgpack float64, a base64 float32.
+COMPONENT_BYTES = {"json": 13, "msgpack": 9, "base64": 6}
+
+
+def check_answer_fits(prep: EmbedPrepared, msgpack: bool, limit: int) -> None:
+    """A NATS request's answer is one bus message: refuse up front (413), before any
+    work, one whose vectors cannot fit. HTTP requests have no such bound (their
+    works are cut into parts that fit: services/gateway/split.py)."""
+    fmt = "base64" if prep.req.encoding_format == "base64" else "msgpack" if msgpack else "json"
+    size = len(prep.work.inputs) * prep.dim * COMPONENT_BYTES[fmt]
+    if prep.dim and size > limit:
+        raise too_large(
+            f"the answer would take about {size} bytes ({len(prep.work.inputs)} vectors of "
+            f"{prep.dim}) and one bus message carries at most {limit}: send fewer inputs, "
+            f"ask for encoding_format base64, or use the HTTP API, which takes up to "
+            f"TENSORBUS_MAX_BODY")
 
 
 def check_count(inputs: int, config: Config, what: str = "inputs") -> None:

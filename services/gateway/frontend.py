@@ -144,10 +144,16 @@ class Frontend:
         self.statuses = {m.model: m for m in status.models}
         self.admission.observe_status(status)
 
-    def check_size(self, body: bytes) -> None:
-        if len(body) > self.config.max_payload:
-            raise too_large(f"the request body is {len(body)} bytes; "
-                            f"the limit is {self.config.max_payload}")
+    def check_size(self, body: bytes, limit: int = 0) -> None:
+        limit = limit or self.config.max_payload
+        if len(body) > limit:
+            raise too_large(f"the request body is {len(body)} bytes; the limit is {limit}")
+
+    def bus_limit(self) -> int:
+        """The largest message the bus carries now: what the connected nats-server
+        announced (a reconnect may land on another), else TENSORBUS_MAX_PAYLOAD."""
+        bus = self.nc.max_payload
+        return bus if bus > 0 else self.config.max_payload
 
     # ------------------------------------------------------------------ models
     def model_list(self) -> ModelList:

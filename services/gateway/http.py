@@ -76,18 +76,22 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
             raise ServiceError(431, f"the request headers take {size} bytes; the limit is "
                                f"{config.max_header_bytes}", code="headers_too_large")
 
-    def body_limit() -> tuple[int, str]:
+    def body_limit(cut: bool) -> tuple[int, str]:
         """(bytes, name) of the largest body taken: TENSORBUS_MAX_PAYLOAD, or the bus's
         own max_payload when smaller (what the connected nats-server announced, read
         per request: a reconnect may land on another server). A NATS client cannot
-        send more than that either, so both transports meet one limit, as a 413."""
+        send more than that either, so both transports meet one limit, as a 413.
+        An endpoint that cuts large requests into parts (`cut`: embeddings) takes
+        bodies up to TENSORBUS_MAX_BODY over HTTP."""
+        if cut:
+            return config.max_body, "TENSORBUS_MAX_BODY"
         bus = front.nc.max_payload
         if 0 < bus < config.max_payload:
             return bus, "the message bus's max_payload"
         return config.max_payload, "TENSORBUS_MAX_PAYLOAD"
 
-    async def read_body(request: Request) -> bytes:
-        limit, name = body_limit()
+    async def read_body(request: Request, cut: bool) -> bytes:
+        limit, name = body_limit(cut)
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise too_large(f"the request body is {declared} bytes; the limit is {limit} bytes "
@@ -100,14 +104,14 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def serve(pipe: Pipeline, request: Request) -> Response:
+    async def serve(pipe: Pipeline, cut: bool, request: Request) -> Response:
         call = Call.open(front, pipe.name, client_id=request.headers.get("x-request-id"),
                          timeout_s=_timeout(request), user=request.headers.get(USER_HEADER, ""))
         metrics.in_flight.inc()
         try:
             async with call.guarded():
                 try:
-                    return await answer(pipe, request, call)
+                    return await answer(pipe, cut, request, call)
                 except ClientDisconnect:
                     call.closed_by_client()
                     await call.cancel("client disconnected")  # frees a held or queued one
@@ -118,12 +122,12 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
                 metrics.in_flight.dec()
                 metrics.requests.labels(pipe.name, str(call.out.status)).inc()
 
-    async def answer(pipe: Pipeline, request: Request, call: Call) -> Response:
+    async def answer(pipe: Pipeline, cut: bool, request: Request, call: Call) -> Response:
         check_headers(request)
         if not authorised(request):
             raise ServiceError(401, "a valid API key is required (Authorization: Bearer KEY)",
                                code="invalid_api_key")
-        prep = await pipe.prepare(await read_body(request), call)
+        prep = await pipe.prepare(await read_body(request, cut), call)
         if not prep.stream:
             resp = await _unless_gone(request, pipe.whole(prep, call))
             return Response(_json.encode(resp), media_type="application/json",
@@ -159,7 +163,7 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
         return JSONResponse(spec)
 
     routes = [
-        *(Route(r.path, partial(serve, r.pipeline), methods=["POST"]) for r in pipeline_routes),
+        *(Route(r.path, partial(serve, r.pipeline, r.cut), methods=["POST"]) for r in pipeline_routes),
         Route("/v1/models", models, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),

@@ -39,6 +39,7 @@ class ModelEntry:
     labels: int = 0  # a cross-encoder's scores per pair
     prompts: dict[str, str] = field(default_factory=dict)  # encoders: name -> prefix text
     default_prompt: str | None = None  # encoders: the prompt a request naming none gets
+    dim: int = 0  # encoders: the width of their vectors (0: unknown)
 
 
 def split_name(model: str) -> tuple[str, str]:
@@ -166,21 +167,22 @@ def _load_entry(info: catalog.ModelInfo) -> ModelEntry:
     prefix, suffix = (specials[:1], specials[1:]) if len(specials) >= 2 else (specials, [])
     if info.kind != "encoder":
         return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()))
-    spec = _encoder_spec(info)
-    if spec is None:  # its workers exit 78 with the reason, the card says `failed`
+    cfg = _encoder_config(info)
+    if cfg is None:  # its workers exit 78 with the reason, the card says `failed`
         return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()), "embed")
+    spec = cfg.spec
     return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()), spec.task,
-                      spec.num_labels, dict(spec.prompts), spec.default_prompt_name)
+                      spec.num_labels, dict(spec.prompts), spec.default_prompt_name, cfg.dim)
 
 
-def _encoder_spec(info: catalog.ModelInfo):
-    """An encoder's spec from its config files alone (pure Python, no weights read):
-    its task, labels and sentence-transformers prompts; None for a model the encoder
-    engines refuse (it reads as an embedder without prompts)."""
-    from engine.encoder.spec import read_spec
+def _encoder_config(info: catalog.ModelInfo):
+    """An encoder's config and spec from its files alone (pure Python, no weights
+    read): task, labels, prompts and width; None for a model the encoder engines
+    refuse (it reads as an embedder without prompts)."""
+    from engine.encoder.config import BertConfig
 
     try:
-        return read_spec(info.path)
-    except ValueError as exc:
+        return BertConfig(info.path)
+    except (ValueError, KeyError) as exc:
         log.warning("model_spec_unreadable", model=info.name, error=str(exc))
         return None

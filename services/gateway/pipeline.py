@@ -44,11 +44,12 @@ class Route:
     endpoint: str  # the nats.micro endpoint name (`nats micro stats`)
     subject: str
     path: str
+    cut: bool = False  # HTTP bodies past the bus's max_payload are cut into parts (embeddings)
 
 
 def routes(front: Frontend) -> list[Route]:
     return [
-        Route(Embeddings(front), "embeddings", subjects.EMBEDDINGS, "/v1/embeddings"),
+        Route(Embeddings(front), "embeddings", subjects.EMBEDDINGS, "/v1/embeddings", cut=True),
         Route(Generation(front, chat=False), "completions", subjects.COMPLETIONS,
               "/v1/completions"),
         Route(Generation(front, chat=True), "chat-completions", subjects.CHAT_COMPLETIONS,

@@ -32,7 +32,7 @@ from services.micro import ServiceHealth, add_service
 from shared import VERSION, subjects
 from shared.config import Config
 from shared.api import STREAM_DONE
-from shared.errors import ServiceError, bad_request
+from shared.errors import ServiceError, bad_request, too_large
 from shared.logging import get_logger
 from shared.messages import fleet_status_decoder, sched_load_decoder
 from shared.telemetry import ScaleDecision, heartbeat_decoder, record_decoder
@@ -150,13 +150,17 @@ class Gateway(Lifecycle):
         mp = codec.is_msgpack(hdrs)
         call = Call.open(self.front, pipe.name, client_id=client_id, timeout_s=_timeout(hdrs),
                          msgpack=mp, user=hdrs.get(USER_HEADER, ""))
+        call.over_bus = True
         async with call.guarded():
             prep = await pipe.prepare(msg.data, call)
             if prep.stream:
                 await self._stream(msg, pipe, prep, call)
             else:
-                resp = await pipe.whole(prep, call)
-                await self._respond(msg, codec.encode(resp, mp), mp, call.out.version)
+                body = codec.encode(await pipe.whole(prep, call), mp)
+                if len(body) > self.nc.max_payload > 0:  # estimated ahead; this is the backstop
+                    raise too_large(f"the answer takes {len(body)} bytes and one bus message "
+                                    f"carries at most {self.nc.max_payload}: ask for less")
+                await self._respond(msg, body, mp, call.out.version)
         if call.error is not None:
             await self._respond_error(msg, call.error, mp)
         return call.out.status < 400

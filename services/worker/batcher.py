@@ -32,7 +32,7 @@ import numpy as np
 
 from services.worker.runner import Gauges, Outbox
 from services.worker.versions import LoadedModels
-from shared.errors import ServiceError, bad_request, deadline_exceeded, internal
+from shared.errors import ServiceError, bad_request, deadline_exceeded, internal, too_large
 from shared.logging import get_logger
 from shared.messages import EmbedResult, EmbedWork, Timing
 
@@ -298,6 +298,19 @@ class EncoderRunner:
         merged.failed = [(o.items[0], o.error) for o in failed]
         return merged
 
+    def _refusal(self, work: EmbedWork, vecs) -> ServiceError | None:
+        """What keeps computed vectors from their requester: a width wider than the
+        model's, or an answer larger than one bus message (a gateway cuts large
+        requests into parts that fit; a NATS client must send fewer inputs)."""
+        if work.dimensions > vecs.shape[1]:
+            return bad_request(f"'dimensions' is {work.dimensions}; model '{work.model}' "
+                               f"embeds in {vecs.shape[1]}")
+        size, limit = vecs.shape[0] * vecs.shape[1] * 4 + RESULT_FRAMING, self.outbox.max_payload
+        if 0 < limit < size:
+            return too_large(f"the answer would take {size} bytes and the bus carries at "
+                             f"most {limit} in one message: send fewer inputs per request")
+        return None
+
     async def _publish(self, out: BatchOutcome) -> None:
         """Every request of a batch answered, then one WorkDone per scheduler."""
         done: dict[str, list[str]] = defaultdict(list)
@@ -313,10 +326,9 @@ class EncoderRunner:
         if out.error is None:
             for p, vecs, timing in zip(out.items, out.vectors, out.timings):
                 w = p.work
-                if w.dimensions > vecs.shape[1]:
-                    await self.outbox.error(w, bad_request(
-                        f"'dimensions' is {w.dimensions}; model '{w.model}' embeds in "
-                        f"{vecs.shape[1]}"), out.version)
+                refused = self._refusal(w, vecs)
+                if refused is not None:
+                    await self.outbox.error(w, refused, out.version)
                     done[w.sched_id].append(w.request_id)
                     continue
                 await self.outbox.publish(w, EmbedResult(
@@ -325,6 +337,9 @@ class EncoderRunner:
                     sum(len(x) for x in w.inputs), timing))
                 done[w.sched_id].append(w.request_id)
         await self.outbox.done(done, max((t.compute for t in out.timings), default=0.0), sum(len(x) for p in out.items for x in p.work.inputs))
+
+
+RESULT_FRAMING = 1024  # bytes an EmbedResult adds to its vectors, at most
 
 
 def matryoshka(vecs, width: int, normalize: bool):

@@ -114,6 +114,11 @@ class Outbox:
         self._flushes: set[asyncio.Task] = set()  # the loop keeps only weak references
         self._held = 0  # inside held(): no flush until it ends
 
+    @property
+    def max_payload(self) -> int:
+        """The largest message the bus carries (0: unknown)."""
+        return self.nc.max_payload
+
     async def publish(self, work: WorkRequest, message) -> None:
         """Stage a result for the requester of `work` (EmbedResult, GenChunk, GenDone)."""
         self._stage(work, message)

@@ -103,7 +103,7 @@ async def test_sse_wire_format_and_limits_and_probes(stack):
         assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
         r = await h.post("/v1/embeddings", json={"model": "all-MiniLM-L6-v2", "input": "x"})
         assert r.status_code == 200 and r.headers["tensorbus-model-version"] == "local"
-        r = await h.post("/v1/embeddings", content=b"{" + b" " * 300_000 + b"}",
+        r = await h.post("/v1/completions", content=b"{" + b" " * 300_000 + b"}",
                          headers={"content-type": "application/json"})
         assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
         r = await h.post("/v1/embeddings", content=b"not json")

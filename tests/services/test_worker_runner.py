@@ -22,6 +22,7 @@ class Recorder:
     """An Outbox that keeps what the runner says."""
 
     worker_id, model = "w-test", "mock-lm"
+    max_payload = 1 << 20  # what the bus carries in one message
 
     def __init__(self) -> None:
         self.messages: list = []
