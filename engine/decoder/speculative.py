@@ -20,14 +20,13 @@ lookup pays on a memory-bound step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 import numpy as np
 
 from engine.decoder.shapes import i32
 from engine.decoder.slots import PagedSlots, PendingStep
 from engine.decoder.verify import verify
+from engine.interface import SpecStats
 from shared.messages import Sampling
 
 NGRAM_LONGEST, NGRAM_SHORTEST = 3, 1
@@ -62,22 +61,6 @@ def propose(tokens: list[int], k: int, longest: int = NGRAM_LONGEST,
     return []
 
 
-@dataclass
-class SpecStats:
-    steps: int = 0  # verify passes run
-    drafted: int = 0  # draft tokens proposed to them
-    accepted: int = 0  # of those, accepted
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Tokens a verify pass emitted on average (accepted drafts plus the bonus)."""
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
-
-
 def _plain(sampling: Sampling) -> bool:
     """Whether a sequence's tokens depend only on its logits and its seed."""
     return (sampling.logprobs < 0 and not sampling.presence_penalty
@@ -99,6 +82,10 @@ class SpeculativeSlots(PagedSlots):
         cfg = self.cfg
         self._verify = jax.jit(lambda params, state, *args: verify(params, cfg, state, *args),
                                donate_argnums=1, **jit_kw)  # fmt: skip
+
+    def speculation(self) -> SpecStats:
+        s = self.spec_stats
+        return SpecStats(s.steps, s.drafted, s.accepted)
 
     def begin(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> None:
         super().begin(slot, prompt, sampling, seed)
