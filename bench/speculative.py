@@ -12,7 +12,7 @@ engine call (verify passes and normal steps together), and tokens per verify pas
 Compiles happen before timing (one warm run per setting). The K values share one
 engine (its `spec_k` is set between runs: each K is its own verify program).
 
-    .venv/bin/python -m bench.speculative --ks 0,3,5 --tokens 96 --repeats 3
+    .venv/bin/python -m bench.speculative --ks 0,2,4 --tokens 80 --repeats 2
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def main(argv=None) -> dict:
     from bench.harness import csv_ints, parser, run_info, write_json
 
     ap = parser(__doc__)
-    ap.add_argument("--ks", type=csv_ints, default=[0, 3, 5], help="draft tokens (0: off)")
-    ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ks", type=csv_ints, default=[0, 2, 4], help="draft tokens (0: off)")
+    ap.add_argument("--tokens", type=int, default=80)
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args(argv)
     from engine import jaxrt
     from engine.chat import ChatTemplate
@@ -107,7 +107,7 @@ def main(argv=None) -> dict:
                     "verify_passes": steps, "calls": calls}  # fmt: skip
             doc["cases"].append(case)
             print(json.dumps(case), flush=True)
-    write_json("speculative", doc)
+    write_json("speculative.json", doc)
     return doc
 
 

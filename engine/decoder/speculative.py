@@ -79,9 +79,11 @@ class SpeculativeSlots(PagedSlots):
         self.spec_stats = SpecStats()
         self._plain = np.zeros(self._slots, bool)
         self._last_step: PendingStep | None = None
-        cfg = self.cfg
-        self._verify = jax.jit(lambda params, state, *args: verify(params, cfg, state, *args),
-                               donate_argnums=1, **jit_kw)  # fmt: skip
+        cfg, kernel = self.cfg, self.attention
+        interpret = jax.devices()[0].platform == "cpu"  # as the decode step runs it
+        self._verify = jax.jit(
+            lambda params, state, *args: verify(params, cfg, state, *args, kernel, interpret),
+            donate_argnums=1, **jit_kw)  # fmt: skip
 
     def speculation(self) -> SpecStats:
         s = self.spec_stats
@@ -98,16 +100,16 @@ class SpeculativeSlots(PagedSlots):
         return "step 1" if kind == "verify" else f"{kind} {size}"
 
     def _verify_compiles(self) -> list[tuple[str, int, int]]:
-        return [("verify", self.spec_k + 1, c) for c in self.contexts] if self.spec_k else []
+        return [("verify", self.spec_k + 1, w) for w in self.windows] if self.spec_k else []
 
-    def _verify_lowering(self, params: dict, size: int, ctx: int):
-        args = (i32(size), i32(), i32(), i32(ctx // self.block), i32())
+    def _verify_lowering(self, params: dict, size: int, window: int):
+        args = (i32(size), i32(), i32(), i32(window // self.block), i32())
         return lambda: self._verify.lower(params, self._state_spec, *args)
 
-    def _run_verify(self, slot: int, fed, offset: int, length: int, ctx: int):
+    def _run_verify(self, slot: int, fed, offset: int, length: int, window: int):
         fed = np.asarray(fed, np.int32)  # [T]
-        table = np.array(self._tables[slot, : ctx // self.block])  # [NC]
-        run = self._program("verify", len(fed), ctx)
+        table = np.array(self._tables[slot, : window // self.block])  # [NW]
+        run = self._program("verify", len(fed), window)
         self._state, out = run(self._params_for("step 1"), self._state, fed, np.int32(offset),
                                np.int32(length), table, np.int32(slot))  # fmt: skip
         return out
@@ -141,8 +143,9 @@ class SpeculativeSlots(PagedSlots):
             return None
         fed = np.zeros(self.spec_k + 1, np.int32)
         fed[0], fed[1 : 1 + len(draft)] = tokens[-1], draft
-        _, ctx = self._choose("verify", len(fed), self.context_for(length + len(draft)))
-        out = np.asarray(self._run_verify(slot, fed, length - 1, 1 + len(draft), ctx))
+        need = length + len(draft)
+        _, window = self._choose("verify", len(fed), next(w for w in self.windows if w >= need))
+        out = np.asarray(self._run_verify(slot, fed, length - 1, 1 + len(draft), window))
         accepted = int(out[-1])
         got = out[: accepted + 1].tolist()
         self._lengths[slot] = min(length + len(got), self._max_context)
