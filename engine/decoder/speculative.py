@@ -141,10 +141,11 @@ class SpeculativeSlots(PagedSlots):
             draft = draft[: self._room(slot, length + len(draft)) - length]
         if not draft:
             return None
-        fed = np.zeros(self.spec_k + 1, np.int32)
-        fed[0], fed[1 : 1 + len(draft)] = tokens[-1], draft
         need = length + len(draft)
-        _, window = self._choose("verify", len(fed), next(w for w in self.windows if w >= need))
+        size, window = self._choose("verify", self.spec_k + 1,
+                                    next(w for w in self.windows if w >= need))
+        fed = np.zeros(size, np.int32)  # a larger compiled pass pads the same draft
+        fed[0], fed[1 : 1 + len(draft)] = tokens[-1], draft
         out = np.asarray(self._run_verify(slot, fed, length - 1, 1 + len(draft), window))
         accepted = int(out[-1])
         got = out[: accepted + 1].tolist()

@@ -578,3 +578,21 @@ def test_speculative_decoding_counters_read_as_vllm_names_them():
     assert value("tensorbus_spec_decode_num_accepted_tokens_total") == 70
     m.expire_workers(100.0)
     assert value("tensorbus_spec_decode_num_drafts_total") is None
+
+
+def test_model_card_reads_speculation_over_live_workers():
+    """Acceptance (accepted / draft tokens) and tokens per verify pass, summed over
+    the model's workers' heartbeats; 0 when none speculated."""
+    from types import SimpleNamespace
+
+    from services.gateway.models import _speculation
+
+    def worker(drafts, drafted, accepted):
+        return SimpleNamespace(hb=msgspec.structs.replace(
+            _heartbeat("w", "lm"), spec_decode_drafts=drafts,
+            spec_decode_draft_tokens=drafted, spec_decode_accepted_tokens=accepted))
+
+    assert _speculation([worker(0, 0, 0)]) == {"spec_decode_acceptance": 0.0,
+                                               "spec_decode_tokens_per_step": 0.0}
+    got = _speculation([worker(10, 40, 30), worker(10, 40, 10)])
+    assert got == {"spec_decode_acceptance": 0.5, "spec_decode_tokens_per_step": 3.0}
