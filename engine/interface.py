@@ -65,6 +65,10 @@ class Reranker(Protocol):
 class PendingStep(Protocol):
     """A dispatched decode step."""
 
+    # Slot -> its further tokens, after its entry in `result()` (a speculative step's
+    # accepted drafts and bonus token); empty for an engine that does not speculate.
+    more: dict[int, list[int]]
+
     def result(self) -> np.ndarray:
         """[slots] int32: the token each slot drew (waits for the step if needed)."""
 
@@ -79,6 +83,24 @@ class CacheStats:
     queries: int  # prompt tokens looked up in the prefix cache, since start
     hits: int  # of those, tokens whose K/V was reused instead of computed
     preemptions: int  # sequences whose cache was taken back mid-decode, since start
+
+
+@dataclass
+class SpecStats:
+    """A decoder's speculative decoding since start (all 0: off, or not supported)."""
+
+    steps: int = 0  # verify passes run
+    drafted: int = 0  # draft tokens proposed to them
+    accepted: int = 0  # of those, accepted
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a verify pass emitted on average (accepted drafts plus the bonus)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
 class Decoder(Protocol):
@@ -156,6 +178,9 @@ class Decoder(Protocol):
 
     def cache_stats(self) -> CacheStats: ...
 
+    def speculation(self) -> SpecStats:
+        """Its speculative decoding counts, since start."""
+
     def held_prefixes(self, limit: int) -> list[int]:
         """Short keys (shared.prefix) of the prompt prefixes cached, at most `limit`."""
 
@@ -216,3 +241,6 @@ class WholePrompt:
     def cache_stats(self) -> CacheStats:
         held = round(self.kv_usage * self.slots)
         return CacheStats(self.slots, held, 0, 0, 0, 0)
+
+    def speculation(self) -> SpecStats:
+        return SpecStats()  # never speculates

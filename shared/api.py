@@ -333,6 +333,10 @@ class ModelCard(msgspec.Struct):
     # (a model serves once its first are compiled; larger shapes join as they finish).
     programs_compiled: int = 0
     programs_total: int = 0
+    # Decoders speculating (TENSORBUS_SPECULATIVE), over live workers since they
+    # started: accepted draft tokens / draft tokens, and tokens per verify pass.
+    spec_decode_acceptance: float = 0.0
+    spec_decode_tokens_per_step: float = 0.0
 
 
 class ModelList(msgspec.Struct):

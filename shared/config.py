@@ -83,6 +83,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     prefill_chunk: int = 512  # decoder: most prompt tokens computed between two decode steps
     prefix_cache: bool = True  # decoder: reuse cached K/V of shared prompt prefixes
     prefill_per_step: int = 2  # decoder: prompts admitted per decode step
+    speculative: str = "off"  # decoder (jax engine): prompt-lookup speculation of a lone stream: off | ngram:K (K draft tokens per step), as VALUE[,MODEL=VALUE...]
     heartbeat_s: float = 0.5  # heartbeat interval
     # --- telemetry
     metrics_port: int = 9400  # Prometheus /metrics of the whole fleet

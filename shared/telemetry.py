@@ -91,6 +91,9 @@ class Heartbeat(_Rec, tag="heartbeat"):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens whose K/V was reused
     preemptions: int = 0  # sequences preempted to free KV cache blocks
+    spec_decode_drafts: int = 0  # speculative verify passes (one draft each)
+    spec_decode_draft_tokens: int = 0  # draft tokens they checked
+    spec_decode_accepted_tokens: int = 0  # of those, accepted
     # Prefix-aware routing: tokens per keyed block, and the short keys
     # (shared.prefix.short) of the prompt prefixes the serving engine holds, bounded.
     prefix_block: int = 0

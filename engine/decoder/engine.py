@@ -51,6 +51,7 @@ import numpy as np
 from engine.decoder import attention as attention_kernel
 from engine.decoder import steps
 from engine.decoder import shapes
+from engine.decoder.shapes import i32
 from engine.decoder.config import load_config
 from engine.decoder.kvcache import (
     SlotSampling,
@@ -59,8 +60,9 @@ from engine.decoder.kvcache import (
     init_decode_state,
 )
 from engine.decoder.model import param_bytes
-from engine.decoder.programs import Programs
-from engine.decoder.slots import PagedSlots, PendingStep, slot_sampling
+from engine.decoder.programs import Programs, lower_weakly
+from engine.decoder.slots import PendingStep, slot_sampling
+from engine.decoder.speculative import SpeculativeSlots
 from shared.logging import get_logger
 from shared.messages import Sampling
 
@@ -70,7 +72,7 @@ COMPILE_AHEAD = ("all", "first", "lazy")
 GREEDY = Sampling(temperature=0.0)
 
 
-class DecoderEngine(PagedSlots):
+class DecoderEngine(SpeculativeSlots):
     def __init__(
         self,
         model_dir: str | Path,
@@ -91,6 +93,7 @@ class DecoderEngine(PagedSlots):
         forms_cache: str | Path | None = "",
         compile_ahead: str = "lazy",
         attention: str = "auto",
+        speculative: int = 0,
     ) -> None:
         """kv_blocks: pool size (0: enough for every slot to hold a full context, the
         memory of the old fixed rows); prefill_chunk: longest prefill piece (0: the
@@ -101,9 +104,9 @@ class DecoderEngine(PagedSlots):
         compile_ahead: what `warmup` compiles before it returns: "all" shapes, or the
         first a request needs, the rest on a background thread ("first") or each
         where it is first needed ("lazy": tests and benchmarks compile only what they
-        run). attention: the
-        decode step's paged attention (engine/decoder/attention.py: auto, xla,
-        pallas)."""
+        run). attention: the decode step's paged attention (engine/decoder/attention.py:
+        auto, xla, pallas). speculative: draft tokens per step of a lone stream's
+        prompt-lookup speculation (engine/decoder/speculative.py; 0: off)."""
         from engine import forms, sharding
         from engine.jaxrt import device_name, dtype_name, parse_dtype
         from engine.quant import check_mode
@@ -164,6 +167,7 @@ class DecoderEngine(PagedSlots):
             donate_argnums=1, **out,
         )  # fmt: skip
         self._state_spec = shapes.spec(self._state)
+        self._init_speculation(speculative, out)
         self.programs = Programs(name)
         self.step_counts: dict[int, int] = {}  # batch bucket -> decode steps run at it
         self.weight_bytes = sum(param_bytes(t) for t in self._forms.values())
@@ -171,8 +175,9 @@ class DecoderEngine(PagedSlots):
             "decoder_loaded", model=name, family=self.cfg.family, dtype=self._dtype,
             quant=self.quant, forms=list(self._forms), devices=self.devices,
             slots=self._slots, max_context=self._max_context, buckets=list(self.buckets),
-            windows=list(self.windows), batches=list(self.batches), attention=self.attention, contexts=list(self.contexts), kv_block=self.block,
-            kv_blocks=blocks, param_bytes=self.weight_bytes,
+            windows=list(self.windows), batches=list(self.batches), attention=self.attention,
+            contexts=list(self.contexts), kv_block=self.block, kv_blocks=blocks,
+            speculative=self.spec_k, param_bytes=self.weight_bytes,
             cache_bytes=cache_bytes(self._state), seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
 
@@ -263,14 +268,14 @@ class DecoderEngine(PagedSlots):
         pre = [("prefill", b, c) for c in self.contexts for b in self.buckets if c >= b]
         step = sorted((("step", b, w) for b in self.batches for w in self.windows),
                       key=lambda k: (k[1] * k[2], k[1]))  # fmt: skip
-        return pre + step
+        return pre + step + self._verify_compiles()
 
     def first_compiles(self) -> list[tuple[str, int, int]]:
         """What a first request needs: one stream's step at the smallest window, and
         each prefill bucket at the smallest context (a longer prompt is chunked)."""
         c0 = self.contexts[0]
         return [("step", 1, self.windows[0])] + [
-            ("prefill", b, c0) for b in self.buckets if b <= c0]
+            ("prefill", b, c0) for b in self.buckets if b <= c0] + self._verify_compiles()[:1]
 
     def warmup(self, progress: bool = True) -> int:
         """Compile what `compile_ahead` says (engine/decoder/programs.py) and run it
@@ -289,6 +294,8 @@ class DecoderEngine(PagedSlots):
                 # The dummy row: its table is all scratch, its state row nobody's.
                 jax.block_until_ready(self._run_chunk(self._slots, [0] * size, 0, size, other,
                                                       self._warm_sampling, np.uint32(0)))
+            elif kind == "verify":  # the dummy row again
+                jax.block_until_ready(self._run_verify(self._slots, [0] * size, 0, 1, other))
             else:
                 jax.block_until_ready(self._run_step(size, other)[0])
         if background:
@@ -300,7 +307,7 @@ class DecoderEngine(PagedSlots):
             order = ones + [k for k in self.compiles if k not in set(ones)]
             rest = [k for k in order if k not in set(jobs)]
             self.programs.start_background(
-                [(self._key(*k), functools.partial(_lower_weakly, ref, k)) for k in rest])
+                [(self._key(*k), functools.partial(lower_weakly, ref, k)) for k in rest])
         log.info("decoder_warm", model=self.name, compiled=len(jobs), background=background,
                  total=len(self.compiles), seconds=round(time.perf_counter() - t0, 3))
         return len(jobs)
@@ -315,16 +322,15 @@ class DecoderEngine(PagedSlots):
 
     # ------------------------------------------------------------- programs
     def _key(self, kind: str, size: int, other: int):
-        form = self.compute_forms[f"{kind} {size}"]
-        return (kind, size, other, form)
+        return (kind, size, other, self.compute_forms[self._form_bucket(kind, size)])
 
     def _lowering(self, kind: str, size: int, other: int):
         """A function that lowers the program of one shape (not called here)."""
-        params = self._params_for(f"{kind} {size}")
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
+        params = self._params_for(self._form_bucket(kind, size))
+        if kind == "verify":
+            return self._verify_lowering(params, size, other)
         if kind == "step":
-            nw = other // self.block
-            args = (i32(size), i32(size, nw), jax.ShapeDtypeStruct((size,), np.bool_))
+            args = (i32(size), i32(size, other // self.block), jax.ShapeDtypeStruct((size,), bool))
             return lambda: self._generate.lower(params, self._state_spec, *args)
         u32 = jax.ShapeDtypeStruct((), np.uint32)
         args = (i32(size), i32(), i32(), i32(other // self.block), i32(),
@@ -342,7 +348,8 @@ class DecoderEngine(PagedSlots):
         cost = None
         for key in self.programs.keys():
             k, s, o, form = key
-            if (k == kind and s >= size and o >= other and form == self.compute_forms[f"{k} {s}"]
+            if (k == kind and s >= size and o >= other
+                    and form == self.compute_forms[self._form_bucket(k, s)]
                     and (cost is None or s * o < cost)):
                 best, cost = (s, o), s * o
         return best
@@ -429,6 +436,8 @@ class DecoderEngine(PagedSlots):
         them from the returned step's `preempted`.
         """
         preempted = self.make_room()
+        if (done := self._speculate(preempted)) is not None:
+            return done
         live = np.flatnonzero(self._active)
         began = self._order[live].copy()  # which sequence each live slot held
         batch, window = self._step_shape(len(live), self.window_for())
@@ -436,11 +445,6 @@ class DecoderEngine(PagedSlots):
         pending = PendingStep(tokens, rows, self._slots, preempted,
                               lambda host, lp: self._note(live, began, host, lp))
         self._advance()
+        self._last_step = pending
         return pending
 
-
-def _lower_weakly(ref: "weakref.ref[DecoderEngine]", shape: tuple[str, int, int]):
-    engine = ref()
-    if engine is None:
-        raise LookupError("the engine was dropped")
-    return engine._lowering(*shape)()

@@ -124,3 +124,12 @@ class Programs:
     def stop(self) -> None:
         """Compile nothing more in the background (the engine is being dropped)."""
         self._stop.set()
+
+
+def lower_weakly(ref, shape: tuple[str, int, int]):
+    """The lowered program of `shape` of the engine `ref` (a weakref) names;
+    LookupError when that engine was dropped (its background compiles stop)."""
+    engine = ref()
+    if engine is None:
+        raise LookupError("the engine was dropped")
+    return engine._lowering(*shape)()

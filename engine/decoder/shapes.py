@@ -4,6 +4,12 @@ decode batch buckets and attention windows (whole KV blocks)."""
 from __future__ import annotations
 
 import jax
+import numpy as np
+
+
+def i32(*shape: int) -> jax.ShapeDtypeStruct:
+    """An int32 argument of `shape`, for lowering."""
+    return jax.ShapeDtypeStruct(shape, np.int32)
 
 
 def round_up(n: int, block: int) -> int:

@@ -47,6 +47,9 @@ class PendingStep:
         self._on_result = on_result
         self.preempted = preempted  # slots freed to make room before it (not in it)
         self.batch = len(rows) // len(tokens)  # the batch bucket it ran at
+        # Slot -> its tokens after its entry in `result()`: a speculative step's
+        # accepted drafts emit several (engine/decoder/speculative.py).
+        self.more: dict[int, list[int]] = {}
 
     def result(self) -> np.ndarray:
         """[SLOTS] int32: each slot's token (slots not in the step: ignore)."""

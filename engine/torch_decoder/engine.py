@@ -52,6 +52,7 @@ class DoneStep:
 
     def __init__(self, tokens: np.ndarray) -> None:
         self._tokens = tokens  # [SLOTS] int32
+        self.more: dict[int, list[int]] = {}  # no speculation: one token per slot
 
     def result(self) -> np.ndarray:
         return self._tokens

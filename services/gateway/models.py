@@ -151,7 +151,18 @@ class ModelTable:
                          ready_workers=len(ready), state=state,
                          programs_compiled=sum(w.hb.programs_compiled for w in workers),
                          programs_total=sum(w.hb.programs_total for w in workers),
+                         **_speculation(workers),
                          reason=status.reason if state == "failed" and status else "")
+
+
+def _speculation(workers) -> dict[str, float]:
+    """The model card's speculative decoding figures over `workers`' heartbeats."""
+    drafts = sum(w.hb.spec_decode_drafts for w in workers)
+    drafted = sum(w.hb.spec_decode_draft_tokens for w in workers)
+    accepted = sum(w.hb.spec_decode_accepted_tokens for w in workers)
+    return {"spec_decode_acceptance": round(accepted / drafted, 4) if drafted else 0.0,
+            "spec_decode_tokens_per_step": round((accepted + drafts) / drafts, 4) if drafts
+            else 0.0}
 
 
 def _bundled_kind(name: str) -> str:

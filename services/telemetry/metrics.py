@@ -59,7 +59,8 @@ class _Seen:
     device: str = ""
     running: int = 0
     waiting: int = 0
-    counted: tuple[int, int, int] = (0, 0, 0)  # prefix queries, hits, preemptions so far
+    # prefix queries, hits, preemptions, speculative drafts, draft and accepted tokens so far
+    counted: tuple[int, ...] = (0,) * 6
 
 
 class TokenGapHistogram:
@@ -203,6 +204,14 @@ class TelemetryMetrics:
             "prefix_cache_hits", "Prompt tokens found in the prefix cache (K/V reused).")
         self.w_preemptions = worker_counter(
             "num_preemptions", "Sequences preempted to free KV cache blocks.")
+        # vLLM's speculative decoding counters: acceptance rate is accepted / draft
+        # tokens, accepted tokens per verify pass accepted / drafts.
+        self.w_spec_drafts = worker_counter(
+            "spec_decode_num_drafts", "Speculative verify passes (one draft each).")
+        self.w_spec_draft_tokens = worker_counter(
+            "spec_decode_num_draft_tokens", "Draft tokens checked by verify passes.")
+        self.w_spec_accepted = worker_counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted by verify passes.")
         self.w_mem_used = worker_gauge("worker_memory_used_bytes",
                                        "Memory in use (device where reported, else host RSS).")
         self.w_mem_limit = worker_gauge("worker_memory_limit_bytes",
@@ -308,10 +317,12 @@ class TelemetryMetrics:
             self._drop(w)
         elif old is not None and old.state != hb.state:
             self.w_up.remove(w, old.model, old.state)
-        counted = old.counted if old is not None and old.model == m else (0, 0, 0)
+        counted = old.counted if old is not None and old.model == m else (0,) * 6
         self._workers[w] = _Seen(m, hb.state, now, hb.queue_depth, hb.device, hb.running,
                                  hb.waiting, (hb.prefix_cache_queries, hb.prefix_cache_hits,
-                                              hb.preemptions))
+                                              hb.preemptions, hb.spec_decode_drafts,
+                                              hb.spec_decode_draft_tokens,
+                                              hb.spec_decode_accepted_tokens))
         self._models.add(m)
         self.w_up.labels(w, m, hb.state).set(1)
         self.w_queue.labels(w, m).set(hb.queue_depth)
@@ -326,8 +337,7 @@ class TelemetryMetrics:
         self.w_waiting.labels(w, m).set(hb.waiting)
         self.w_blocks.labels(w, m).set(hb.kv_blocks_total)
         # The worker reports totals since it started; the counters move by the change.
-        for c, new, was in zip((self.w_prefix_queries, self.w_prefix_hits, self.w_preemptions),
-                               self._workers[w].counted, counted):
+        for c, new, was in zip(self._worker_counters(), self._workers[w].counted, counted):
             c.labels(w, m).inc(max(new - was, 0))
         self._refresh_model(m)
 
@@ -367,10 +377,14 @@ class TelemetryMetrics:
         self.w_up.remove(worker, seen.model, seen.state)
         for g in (self.w_queue, self.w_in_flight, self.w_occupancy, self.w_rss, self.w_kv,
                   self.w_slots, self.w_mem_used, self.w_mem_limit, self.w_running,
-                  self.w_waiting, self.w_blocks, self.w_prefix_queries, self.w_prefix_hits,
-                  self.w_preemptions):
+                  self.w_waiting, self.w_blocks, *self._worker_counters()):
             g.remove(worker, seen.model)
         self._refresh_model(seen.model)
+
+    def _worker_counters(self) -> tuple[Counter, ...]:
+        """The per-worker counters, in `_Seen.counted`'s order."""
+        return (self.w_prefix_queries, self.w_prefix_hits, self.w_preemptions,
+                self.w_spec_drafts, self.w_spec_draft_tokens, self.w_spec_accepted)
 
     def _refresh_model(self, model: str) -> None:
         # Fleet gauges stay at 0 once every worker of a model is gone (KEDA reads 0,

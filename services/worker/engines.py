@@ -1,7 +1,8 @@
 """Which engine a worker builds for a model: kind from the model's files, backend
 from `TENSORBUS_ENGINE`, precision from `TENSORBUS_DTYPE`, devices from
 `TENSORBUS_TENSOR_PARALLEL`, stored weights from `TENSORBUS_QUANT` and how they are
-multiplied from `TENSORBUS_QUANT_FORM` and `TENSORBUS_WEIGHT_BUDGET_MB` (all per model).
+multiplied from `TENSORBUS_QUANT_FORM` and `TENSORBUS_WEIGHT_BUDGET_MB`, a decoder's
+speculation from `TENSORBUS_SPECULATIVE` (all per model).
 
 The serving layer sees engines only through engine/interface.py; this is the one
 place that picks an implementation.
@@ -68,6 +69,18 @@ def form_settings(config: Config, model: str, kind: str) -> tuple[str, int]:
     if budget < 0:
         raise bad_config(f"TENSORBUS_WEIGHT_BUDGET_MB={budget_text!r} for {model}: use a number >= 0")
     return form, int(budget * 2**20)
+
+
+def speculative_settings(config: Config, model: str) -> int:
+    """Draft tokens per step of `model`'s prompt-lookup speculation (0: off); exits
+    78 on a value the engine does not know."""
+    from engine.decoder.speculative import parse
+
+    text = _per_model(config, "speculative", model, "off")
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise bad_config(f"TENSORBUS_SPECULATIVE={text!r} for {model}: {exc}") from None
 
 
 def _check_gguf_blocks(info: catalog.ModelInfo) -> None:
@@ -161,6 +174,7 @@ def engine_settings(config: Config, model: str,
     engines do not serve."""
     tp, quant = parallel_settings(config, model)
     form_settings(config, model, "decoder")  # the encoder's narrower check: at build
+    speculative_settings(config, model)
     engine = _per_model(config, "engine", model, "jax")
     dtype = _per_model(config, "dtype", model, "float32")
     if engine not in ENGINES:
@@ -225,4 +239,5 @@ def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp
                          prefill_chunk=config.prefill_chunk, prefix_cache=config.prefix_cache,
                          compile_ahead=config.compile_ahead, attention=config.attention,
                          tensor_parallel=tp, quant=quant, quant_form=form,
-                         weight_budget=budget, **kw)  # fmt: skip
+                         weight_budget=budget,
+                         speculative=speculative_settings(config, info.name), **kw)  # fmt: skip

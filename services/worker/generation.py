@@ -127,6 +127,9 @@ class DecoderRunner:
                       prefix_cache_queries=self.counters["prefix_queries"],
                       prefix_cache_hits=self.counters["prefix_hits"],
                       preemptions=self.counters["preemptions"],
+                      spec_steps=self.counters["spec_steps"],
+                      spec_drafted=self.counters["spec_drafted"],
+                      spec_accepted=self.counters["spec_accepted"],
                       **self._prefix_summary(serving))
 
     @staticmethod
@@ -148,6 +151,12 @@ class DecoderRunner:
             self.counters["prefix_queries"] += stats.queries - lane.seen[0]
             self.counters["prefix_hits"] += stats.hits - lane.seen[1]
             lane.seen = (stats.queries, stats.hits)
+            spec = lane.engine.speculation()
+            now = (spec.steps, spec.drafted, spec.accepted)
+            for name, new, was in zip(("spec_steps", "spec_drafted", "spec_accepted"), now,
+                                      lane.spec_seen):  # fmt: skip
+                self.counters[name] += new - was
+            lane.spec_seen = now
 
     # -------------------------------------------------------------- requests
     def submit(self, work: GenerateWork) -> None:
@@ -220,6 +229,8 @@ class DecoderRunner:
                 if self.sched.fail(seq):  # its other choices stop too
                     await self.outbox.error(seq.work, internal("the model failed on this prompt"))
                 continue
+            if seq.finish is not None:
+                continue  # it ended on an earlier token of the same speculative step
             self.generated += 1
             await self._say(self.output.accept(seq, tok, now))
 
@@ -282,7 +293,8 @@ def _execute(plan: StepPlan) -> StepResult:
         preempted = engine.make_room()
         pending = engine.step_async() if engine.active_slots else None
         tokens = lane.pending.result() if lane.pending is not None else None  # [slots]
-        lanes.append(LaneStep(lane, pending, tokens, preempted))
+        more = lane.pending.more if lane.pending is not None else {}
+        lanes.append(LaneStep(lane, pending, tokens, preempted, more))
     return StepResult(firsts, lanes)
 
 

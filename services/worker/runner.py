@@ -45,6 +45,9 @@ class Gauges:
     prefix_cache_queries: int = 0  # prompt tokens looked up, since start
     prefix_cache_hits: int = 0  # of those, tokens reused
     preemptions: int = 0  # since start
+    spec_steps: int = 0  # speculative verify passes, since start
+    spec_drafted: int = 0  # draft tokens they checked
+    spec_accepted: int = 0  # of those, accepted
     prefix_block: int = 0  # decoders: tokens per prefix key (0: none)
     prefix_keys: list[int] = field(default_factory=list)  # short keys of cached prefixes
 

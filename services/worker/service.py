@@ -344,6 +344,8 @@ class Worker(Lifecycle):
             waiting=load.waiting, kv_blocks_total=load.kv_blocks_total,
             kv_blocks_used=load.kv_blocks_used, prefix_cache_queries=load.prefix_cache_queries,
             prefix_cache_hits=load.prefix_cache_hits, preemptions=load.preemptions,
+            spec_decode_drafts=load.spec_steps, spec_decode_draft_tokens=load.spec_drafted,
+            spec_decode_accepted_tokens=load.spec_accepted,
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
             devices=list(engine.devices) if engine is not None else [],
             start_s=self.start_s, programs_compiled=compiled, programs_total=total,

@@ -551,3 +551,48 @@ def test_decoder_cache_metrics_read_as_vllm_names_them():
     m.expire_workers(100.0)  # both silent: their series go, the fleet gauges read 0
     assert value("tensorbus_prefix_cache_hits_total", worker="w1", model="lm") is None
     assert value("tensorbus_model_num_requests_running", model="lm") == 0
+
+
+def test_speculative_decoding_counters_read_as_vllm_names_them():
+    """Verify passes, draft tokens and accepted tokens per worker, moving by what
+    each heartbeat adds; gone with the worker."""
+    from prometheus_client import CollectorRegistry
+
+    from services.telemetry.metrics import TelemetryMetrics
+
+    reg = CollectorRegistry()
+    m = TelemetryMetrics(reg, expiry_s=60)
+
+    def beat(drafts, drafted, accepted, now):
+        m.observe_heartbeat(msgspec.structs.replace(
+            _heartbeat("w1", "lm"), spec_decode_drafts=drafts,
+            spec_decode_draft_tokens=drafted, spec_decode_accepted_tokens=accepted), now)
+
+    def value(name):
+        return reg.get_sample_value(name, {"worker": "w1", "model": "lm"})
+
+    beat(10, 40, 25, 0.0)
+    beat(30, 120, 70, 1.0)
+    assert value("tensorbus_spec_decode_num_drafts_total") == 30
+    assert value("tensorbus_spec_decode_num_draft_tokens_total") == 120
+    assert value("tensorbus_spec_decode_num_accepted_tokens_total") == 70
+    m.expire_workers(100.0)
+    assert value("tensorbus_spec_decode_num_drafts_total") is None
+
+
+def test_model_card_reads_speculation_over_live_workers():
+    """Acceptance (accepted / draft tokens) and tokens per verify pass, summed over
+    the model's workers' heartbeats; 0 when none speculated."""
+    from types import SimpleNamespace
+
+    from services.gateway.models import _speculation
+
+    def worker(drafts, drafted, accepted):
+        return SimpleNamespace(hb=msgspec.structs.replace(
+            _heartbeat("w", "lm"), spec_decode_drafts=drafts,
+            spec_decode_draft_tokens=drafted, spec_decode_accepted_tokens=accepted))
+
+    assert _speculation([worker(0, 0, 0)]) == {"spec_decode_acceptance": 0.0,
+                                               "spec_decode_tokens_per_step": 0.0}
+    got = _speculation([worker(10, 40, 30), worker(10, 40, 10)])
+    assert got == {"spec_decode_acceptance": 0.5, "spec_decode_tokens_per_step": 3.0}

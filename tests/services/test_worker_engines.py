@@ -77,6 +77,7 @@ def test_engine_setting_picks_the_decoder_backend_per_model(tmp_path):
     ({"TENSORBUS_QUANT": "gguf"}, "encoders are not read from GGUF"),
     ({"TENSORBUS_MODEL": catalog.DEMO_LM, "TENSORBUS_QUANT": "gguf"}, "has none"),
     ({"TENSORBUS_ENGINE": "torch", "TENSORBUS_QUANT": "int8"}, "need TENSORBUS_ENGINE=jax"),
+    ({"TENSORBUS_SPECULATIVE": "off,all-MiniLM-L6-v2=eagle:3"}, "use off or ngram:K"),
 ])  # fmt: skip
 def test_worker_exits_78_when_the_model_cannot_split_or_quantize_so(env, says):
     done = _worker(env)
@@ -100,6 +101,18 @@ def test_quantized_and_split_settings_reach_the_jax_engine(tmp_path):
     with pytest.raises(SystemExit) as exit_info:  # one CPU device in this process
         build_engine(cfg.with_(tensor_parallel="2"), info)
     assert exit_info.value.code == EX_CONFIG
+
+
+def test_speculation_setting_reaches_the_jax_engine_per_model(tmp_path):
+    from services.worker.engines import build_engine
+    from tests.support.tiny_models import build
+
+    build("llama", tmp_path, positions=32)
+    info = catalog.describe("tiny", tmp_path)
+    cfg = Config.from_env({}, data_dir=str(tmp_path / "data"), decode_slots=2, max_context=32)
+    assert build_engine(cfg, info).spec_k == 0  # off by default
+    assert build_engine(cfg.with_(speculative="off,tiny=ngram:3"), info).spec_k == 3
+    assert build_engine(cfg.with_(speculative="ngram:2,other=off"), info).spec_k == 2
 
 
 def _unserved_encoder(d: Path, config: dict, st_modules: bool = True) -> Path:

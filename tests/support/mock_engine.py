@@ -72,6 +72,7 @@ class LetterTokenizer:
 class _Step:
     def __init__(self, tokens: np.ndarray) -> None:
         self._tokens = tokens
+        self.more: dict[int, list[int]] = {}
 
     def result(self) -> np.ndarray:
         return self._tokens

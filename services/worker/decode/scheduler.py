@@ -49,6 +49,7 @@ class Lane:
     pending: object = None  # the dispatched decode step (a PendingStep), not yet read
     dispatched: int = 0  # decode steps dispatched so far (the pending one's number)
     seen: tuple[int, int] = (0, 0)  # the engine's prefix-cache queries and hits, counted
+    spec_seen: tuple[int, int, int] = (0, 0, 0)  # its speculation counts, counted
 
     @classmethod
     def of(cls, version: str, engine) -> "Lane":
@@ -115,6 +116,7 @@ class LaneStep:
     dispatched: object  # the new PendingStep, or None when no slot was live
     tokens: object  # [slots] int32 of the step read (the one before), or None
     preempted: list[int]  # slots the engine took back to make room
+    more: dict[int, list[int]] = field(default_factory=dict)  # slot -> further tokens read
 
 
 @dataclass
@@ -132,7 +134,8 @@ class StepScheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # holding a slot, prompt not done, oldest first
         self.requests: dict[str, Request] = {}
-        self.counters = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0}
+        self.counters = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0,
+                         "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0}
 
     # ------------------------------------------------------------- versions
     def follow(self, engines: dict[str, object]) -> None:
@@ -296,6 +299,7 @@ class StepScheduler:
             for slot, seq in lane.active.items():
                 if seq.finish is None and seq.live and seq.joined <= step_no:
                     out.append((seq, int(ls.tokens[slot])))  # tokens: [slots] int32
+                    out.extend((seq, t) for t in ls.more.get(slot, ()))  # accepted drafts
         if now_wall:
             for seq, tok in out:
                 st = self.requests.get(seq.work.request_id)

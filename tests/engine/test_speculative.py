@@ -1,0 +1,105 @@
+"""Prompt-lookup speculation: the same tokens as without it, fewer steps.
+
+Greedy tokens equal transformers' with drafts actually accepted (a repeating prompt
+on a tiny model whose greedy output falls into loops); seeded sampling draws the
+same tokens with speculation on and off; a sequence joining and leaving beside a
+speculating one (the step turns normal while two are live) keeps both correct."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+from engine.decoder import DecoderEngine
+from engine.decoder.speculative import parse, propose
+from engine.decoder.static import prefill_insert
+from shared.messages import Sampling
+from tests.support.tiny_models import build, hf_greedy
+
+GREEDY = Sampling(temperature=0.0)
+REPEATING = [5, 17, 300, 42, 9, 11] * 4
+OTHER = list(range(40, 49))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama-spec")
+    return out, build("llama", out, positions=128)
+
+
+def _engine(path, k: int) -> DecoderEngine:
+    return DecoderEngine(path, "tiny", slots=4, max_context=96, prefill_buckets=(16, 32),
+                         decode_windows=(32, 64), speculative=k)  # fmt: skip
+
+
+def _step(engine: DecoderEngine) -> dict[int, list[int]]:
+    """One step -> each live slot's tokens (several when drafts were accepted)."""
+    live = [int(s) for s in engine._active.nonzero()[0]]
+    pending = engine.step_async()
+    tokens = pending.result()
+    return {s: [int(tokens[s])] + pending.more.get(s, []) for s in live}
+
+
+def _generate(engine, slot, prompt, sampling, seed, n) -> list[int]:
+    out = [prefill_insert(engine, slot, prompt, sampling, seed)]
+    while len(out) < n:
+        out += _step(engine)[slot]
+    engine.free(slot)
+    return out[:n]
+
+
+def test_parse_and_propose():
+    assert parse("") == parse("off") == 0 and parse("ngram:4") == 4 and parse("NGRAM:1") == 1
+    for bad in ("ngram", "ngram:0", "ngram:x", "eagle:3", "ngram:17"):
+        with pytest.raises(ValueError, match="ngram:K"):
+            parse(bad)
+    # The latest earlier occurrence of the longest matching tail wins.
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]
+    assert propose([4, 2, 3, 5, 1, 2, 3], 3) == [5, 1, 2]  # "2 3" after 3 failed
+    assert propose([6, 1, 7, 1], 4) == [7, 1]  # "1": what followed, up to the end
+    assert propose([1, 2, 3], 4) == [] and propose([], 4) == []
+
+
+def test_greedy_equals_transformers_with_drafts_accepted(llama):
+    path, ref = llama
+    engine = _engine(path, k=4)
+    n = 48
+    assert _generate(engine, 2, REPEATING, GREEDY, 0, n) == hf_greedy(ref, REPEATING, n)
+    stats = engine.spec_stats
+    assert stats.accepted > 0 and stats.steps > 0
+    # Fewer steps than tokens: the accepted drafts came for free.
+    assert stats.steps + sum(engine.step_counts.values()) < n - 1
+
+
+def test_seeded_sampling_draws_the_same_tokens_on_and_off(llama):
+    path, _ = llama
+    hot = Sampling(temperature=0.5, top_k=40, top_p=0.95)
+    off = _generate(_engine(path, k=0), 0, REPEATING, hot, 1234, 40)
+    engine = _engine(path, k=3)
+    assert _generate(engine, 1, REPEATING, hot, 1234, 40) == off
+    assert engine.spec_stats.accepted > 0
+
+
+def test_a_sequence_joining_and_leaving_beside_a_speculating_one(llama):
+    path, ref = llama
+    engine = _engine(path, k=4)
+    a = [prefill_insert(engine, 0, REPEATING, GREEDY, 0)]
+    while len(a) < 10:
+        a += _step(engine)[0]
+    spec_before = engine.spec_stats.steps
+    assert spec_before > 0
+    b = [prefill_insert(engine, 3, OTHER, GREEDY, 0)]  # joins: two live, normal steps
+    for _ in range(6):
+        got = _step(engine)
+        a += got[0]
+        b += got[3]
+    assert engine.spec_stats.steps == spec_before
+    engine.free(3)  # leaves: the first speculates again
+    while len(a) < 50:
+        a += _step(engine)[0]
+    assert engine.spec_stats.steps > spec_before
+    assert a[:50] == hf_greedy(ref, REPEATING, 50)
+    assert b == hf_greedy(ref, OTHER, 7)
