@@ -152,6 +152,11 @@ class Decoder(Protocol):
     def check_prompt(self, prompt: list[int]) -> None:
         """ValueError, with a message for the user, if `prompt` cannot be served."""
 
+    def prompt_logprobs(self, tokens: list[int], top: int) -> list[tuple[int, float, list]]:
+        """For each token after the first: (token, logprob given those before it, the
+        `top` most likely (token, logprob) there, best first); ValueError where the
+        engine does not compute them."""
+
     def compile_progress(self) -> tuple[int, int]:
         """(programs compiled, programs it serves); (0, 0) for an engine that does
         not compile ahead (the model card reports it)."""

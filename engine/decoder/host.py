@@ -105,6 +105,13 @@ class DecoderHost:
                 f"left to generate)"
             )
 
+    def prompt_logprobs(self, tokens: list[int], top: int) -> list[tuple[int, float, list]]:
+        """Each prompt token's logprob given those before it, and the `top` most
+        likely there (engine/decoder/scoring.py); one pass, no slot touched."""
+        from engine.decoder.scoring import prompt_logprobs
+
+        return prompt_logprobs(self.params, self.cfg, tokens, top)
+
     def step(self) -> np.ndarray:
         """One decode step for every slot -> [slots] int32 (free slots: ignore)."""
         return self.step_async().result()

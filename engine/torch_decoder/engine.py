@@ -68,6 +68,10 @@ class TorchDecoder(DecoderHost, WholePrompt):
     """`engine.interface.Decoder` in eager torch, same constructor as `DecoderEngine`
     (its bucket and window arguments are accepted and unused: nothing compiles)."""
 
+    def prompt_logprobs(self, tokens: list[int], top: int) -> list:
+        raise ValueError("prompt logprobs ('echo' with 'logprobs') are computed by the JAX "
+                         "engine only: serve this model with TENSORBUS_ENGINE=jax")
+
     def __init__(
         self,
         model_dir: str | Path,

@@ -63,6 +63,22 @@ def test_prompt_logits_match_transformers(pair):
         np.testing.assert_allclose(ours, _hf_logits(ref, prompt), atol=1e-4, rtol=0)
 
 
+def test_prompt_logprobs_match_transformers(pair):
+    """`echo` with `logprobs`: each prompt token's log-softmax given the ones before it,
+    and the top alternatives there, as transformers' logits say."""
+    ref, engine = pair
+    for prompt in PROMPTS[:3]:
+        got = engine.prompt_logprobs(prompt, 5)
+        want = torch.log_softmax(torch.tensor(_hf_logits(ref, prompt)), -1).numpy()
+        assert [t for t, _, _ in got] == prompt[1:]
+        np.testing.assert_allclose([lp for _, lp, _ in got],
+                                   [want[i, t] for i, t in enumerate(prompt[1:])], atol=1e-4)
+        for i, (_, _, top) in enumerate(got):
+            assert [t for t, _ in top] == list(np.argsort(-want[i])[:5])
+            np.testing.assert_allclose([v for _, v in top], np.sort(want[i])[::-1][:5], atol=1e-4)
+    assert engine.prompt_logprobs([7], 3) == []
+
+
 def test_decode_logits_match_transformers_for_mixed_lengths(pair):
     """One decode step over slots holding prompts of different lengths."""
     ref, engine = pair

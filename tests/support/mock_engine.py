@@ -83,6 +83,9 @@ class MockDecoder(WholePrompt):
     one letter repeated, and two versions with other tags are told apart by eye).
     `gate` holds its decode steps on the engine thread; `entered` is set when one waits."""
 
+    def prompt_logprobs(self, tokens: list[int], top: int) -> list:
+        raise ValueError("the mock decoder computes no prompt logprobs")
+
     def __init__(self, name: str = "mock-lm", tag: int = 0, slots: int = 2,
                  max_context: int = 64) -> None:
         self.name = name
