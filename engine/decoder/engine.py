@@ -89,6 +89,7 @@ class DecoderEngine(PagedSlots):
         quant_form: str = "auto",
         weight_budget: int = 0,
         forms_cache: str | Path | None = "",
+        weights_cache: str | Path | None = "",
         compile_ahead: str = "lazy",
         attention: str = "auto",
     ) -> None:
@@ -97,7 +98,8 @@ class DecoderEngine(PagedSlots):
         largest bucket). quant_form: auto (the fastest allowed per bucket, chosen at
         `warmup`) or one of engine/forms.py's forms; weight_budget: bytes all held
         forms' weights may take (0: the float32 size of the weights); forms_cache:
-        the choice's file ("": beside the compilation cache; None: not kept).
+        the choice's file ("": beside the compilation cache; None: not kept);
+        weights_cache: the prepared weights' folder (engine/prepared.py), "" and None alike.
         compile_ahead: what `warmup` compiles before it returns: "all" shapes, or the
         first a request needs, the rest on a background thread ("first") or each
         where it is first needed ("lazy": tests and benchmarks compile only what they
@@ -137,7 +139,7 @@ class DecoderEngine(PagedSlots):
         self.contexts = tuple(sorted(ctx))
         self.device = device_name()
         self.attention = attention_kernel.pick(attention, jax.devices()[0].platform)
-        self._load_forms(weight_budget, forms_cache)
+        self._load_forms(weight_budget, forms_cache, weights_cache)
         blocks = int(kv_blocks) or self._slots * self._max_blocks + 1
         self._init_slots(blocks, prefix_cache)
         self._state = init_decode_state(self.cfg, self._slots, blocks, self.block, self._jdtype)
@@ -176,17 +178,17 @@ class DecoderEngine(PagedSlots):
             cache_bytes=cache_bytes(self._state), seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
 
-    def _load_forms(self, budget: int, cache) -> None:
+    def _load_forms(self, budget: int, cache, weights_cache) -> None:
         """Weights in every compute form this engine may run (engine/forms.py); until
         `select_forms` every bucket runs the forced form, or the stored one."""
-        from engine import forms, quant, sharding
+        from engine import forms, prepared, quant, sharding
         from engine.decoder.model import load_param_forms
 
         want = ("float",) if self.quant == "none" else ("dequant",)
         if self.quant == "int8" and self.quant_form in ("auto", "w8a8"):
             want += ("w8a8",)
         trees = load_param_forms(self.model_dir, self.cfg, self._jdtype, self.quant, want,
-                                 self._mesh)  # fmt: skip
+                                 self._mesh, prepared.directory(weights_cache))  # fmt: skip
         sizes = {f: param_bytes(t) for f, t in trees.items()}
         if self.quant != "none":
             sizes["float"] = quant.float_bytes(trees["dequant"], self._jdtype)
