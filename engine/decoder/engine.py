@@ -269,10 +269,11 @@ class DecoderEngine(PagedSlots):
 
     def first_compiles(self) -> list[tuple[str, int, int]]:
         """What a first request needs: one stream's step at the smallest window, and
-        each prefill bucket at the smallest context (a longer prompt is chunked)."""
+        the largest prefill bucket at the smallest context, standing in for the
+        smaller ones until they join (each costs ~1 s at start even when cached)."""
         c0 = self.contexts[0]
-        return [("step", 1, self.windows[0])] + [
-            ("prefill", b, c0) for b in self.buckets if b <= c0]
+        prefill = max(b for b in self.buckets if b <= c0)
+        return [("step", 1, self.windows[0]), ("prefill", prefill, c0)]
 
     def warmup(self, progress: bool = True) -> int:
         """Compile what `compile_ahead` says (engine/decoder/programs.py) and run it
