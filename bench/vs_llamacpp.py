@@ -191,7 +191,7 @@ async def wait_ready(url: str, limit: float = 120) -> None:
 
 
 async def main_async(args) -> dict:
-    conc = [int(c) for c in args.concurrency.split(",")]
+    conc = [int(c) for c in args.concurrency.split(",") if c]  # "": the start figures only
     doc: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": MODEL, "fleet": args.fleet,
                  "max_tokens": args.max_tokens, "seconds": args.seconds, "runs": {}}
     out_dir = Path(args.out).parent if args.out else Path(tempfile.mkdtemp())

@@ -5,19 +5,20 @@ file's blocks dequantized to float32, q/k rows un-permuted, matrices transposed 
 fused, quantized forms built) takes seconds each start; reading the result back
 takes a fraction of one. So:
 
-1. `key(sources, fields)`: the identity of what would be built. Each source file's
-   resolved path, size, modification time and a SHA-256 of its first MiB (a GGUF or
-   safetensors header, with the tokenizer and tensor table); the form's fields
-   (family, config, quantization, forms); and a hash of the code that builds the
-   trees, so an update that changes their layout never reads an old entry.
-2. `load_or_build(directory, sources, fields, build)`: the entry named by the key if
-   there is one, read as safetensors (`engine.weights.read_safetensors`: a JSON
-   header and raw bytes; nothing is unpickled), else `build()`, written as one
-   safetensors file (a temporary file, then a rename: a reader never sees half a
-   file, and two workers writing the same entry both leave a whole one).
-3. A new entry replaces the entries of the same source files under other keys (a
-   changed file, another form), and the oldest entries go while the directory holds
-   more than `MAX_BYTES`.
+1. `key(sources, fields, folder)`: the identity of what would be built: each source
+   file's size and SHA-256 (hashed once per file: `content_hash` remembers it by the
+   file's path, size, modification time and inode), the form's fields (family,
+   config, quantization, forms) and a hash of the code that builds the trees, so an
+   update that changes their layout never reads an old entry. Bytes, not paths: the
+   registry's fetched copy of the bundled file finds the entry the bundled file made.
+2. `load_or_build(folder, sources, fields, build)`: the entry named by the key if
+   there is one, read as safetensors (a JSON header and raw little-endian bytes;
+   nothing is unpickled), else `build()`, written as one safetensors file (a
+   temporary file, then a rename: a reader never sees half a file, and two workers
+   writing the same entry both leave a whole one). A changed source file gets a new
+   key; an unreadable entry is built again.
+3. After a write, the least recently used entries go while the folder holds more
+   than `MAX_BYTES` (a read counts as a use).
 
 A tree is dicts, lists, numpy arrays, None and `engine.quant.QWeight`s; its shape is
 kept in the file's metadata as JSON, with each array named there by its tensor.
@@ -38,9 +39,9 @@ from shared.logging import get_logger
 log = get_logger(__name__)
 
 DIR_NAME = "prepared-weights"  # inside the JAX compilation cache directory
+INDEX_NAME = "sources.json"  # source file (path, size, time, inode) -> its SHA-256
 MAX_BYTES = 8 << 30  # all entries together; the oldest go first
 FORMAT = 1
-HEAD_BYTES = 1 << 20
 # Modules whose code decides what a built tree holds.
 _CODE = ("engine/prepared.py", "engine/gguf.py", "engine/weights.py", "engine/quant.py",
          "engine/decoder/model.py", "engine/decoder/llama.py", "engine/decoder/gpt2.py")  # fmt: skip
@@ -62,12 +63,39 @@ def directory(explicit: str | os.PathLike | None = "") -> Path | None:
     return Path(cache_dir) / DIR_NAME if cache_dir else None
 
 
-def _file_identity(path: Path) -> dict:
-    st = path.stat()
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
     with path.open("rb") as f:
-        head = hashlib.sha256(f.read(HEAD_BYTES)).hexdigest()
-    return {"path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "head": head}  # fmt: skip
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def content_hash(path: Path, folder: Path) -> str:
+    """SHA-256 of a source file's bytes, remembered in `folder` by the file's path,
+    size, modification time and inode, so a file is read for it once: a copy of the
+    same bytes elsewhere (the registry's fetched copy of a bundled file) has the same
+    hash and finds the same entry."""
+    st = path.stat()
+    where = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+    index_path = folder / INDEX_NAME
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if where in index:
+        return index[where]
+    # Files no longer where they were are forgotten: the index stays small.
+    index = {k: v for k, v in index.items() if Path(k.rsplit("|", 3)[0]).exists()}
+    digest = index[where] = _sha256(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = index_path.with_name(f".{INDEX_NAME}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(index, indent=1, sort_keys=True))
+        os.replace(tmp, index_path)
+    except OSError as exc:  # a read-only folder: hashed again next time
+        log.warning("prepared_weights_index_not_kept", path=str(index_path), error=str(exc))
+    return digest
 
 
 def _code_hash() -> str:
@@ -77,17 +105,14 @@ def _code_hash() -> str:
     return h.hexdigest()
 
 
-def source_tag(sources: Iterable[Path]) -> str:
-    """The part of an entry's name that names its source files (not their contents)."""
-    text = "\n".join(sorted(str(Path(p).resolve()) for p in sources))
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def key(sources: Iterable[Path], fields: dict) -> str:
-    doc = {"format": FORMAT, "code": _code_hash(), "fields": fields,
-           "sources": [_file_identity(Path(p)) for p in sources]}  # fmt: skip
+def key(sources: Iterable[Path], fields: dict, folder: Path) -> str:
+    """The entry's name: the format, the building code, the form's fields and each
+    source file's size and content hash (not its path or time)."""
+    files = [{"size": Path(p).stat().st_size, "sha256": content_hash(Path(p), folder)}
+             for p in sources]  # fmt: skip
+    doc = {"format": FORMAT, "code": _code_hash(), "fields": fields, "sources": files}
     text = json.dumps(doc, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:24]
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 # --- a tree as named arrays plus a JSON skeleton
@@ -204,20 +229,15 @@ def read(path: Path) -> dict[str, Tree]:
     return unflatten(arrays, json.loads(header["__metadata__"]["skeleton"]))
 
 
-def _evict(folder: Path, keep: Path, tag: str) -> None:
-    """Entries of the same sources under other keys go; then the oldest while the
-    folder holds more than MAX_BYTES."""
+def _evict(folder: Path, keep: Path) -> None:
+    """The least recently used entries go while the folder holds more than MAX_BYTES."""
     entries = []
     for p in folder.glob("*.safetensors"):
-        if p == keep:
-            continue
-        if p.name.startswith(tag + "-"):
-            p.unlink(missing_ok=True)
-            log.info("prepared_weights_removed", path=str(p), reason="replaced")
-            continue
         try:
-            entries.append((p.stat().st_mtime, p.stat().st_size, p))
-        except FileNotFoundError:
+            if p != keep:
+                st = p.stat()
+                entries.append((st.st_mtime, st.st_size, p))
+        except FileNotFoundError:  # another worker evicted it
             continue
     total = keep.stat().st_size + sum(size for _, size, _ in entries)
     for _, size, p in sorted(entries):
@@ -225,7 +245,7 @@ def _evict(folder: Path, keep: Path, tag: str) -> None:
             break
         p.unlink(missing_ok=True)
         total -= size
-        log.info("prepared_weights_removed", path=str(p), reason="size")
+        log.info("prepared_weights_removed", path=str(p))
 
 
 def load_or_build(folder: Path | None, sources: list[Path], fields: dict,
@@ -234,8 +254,7 @@ def load_or_build(folder: Path | None, sources: list[Path], fields: dict,
     "built, not kept" (no folder, or the trees or the disk would not take it)."""
     if folder is None:
         return build(), "built, not kept"
-    tag = source_tag(sources)
-    path = folder / f"{tag}-{key(sources, fields)}.safetensors"
+    path = folder / f"{key(sources, fields, folder)}.safetensors"
     if path.exists():
         try:
             trees = read(path)
@@ -250,7 +269,7 @@ def load_or_build(folder: Path | None, sources: list[Path], fields: dict,
         arrays, skeleton = flatten(trees)
         write(path, arrays, {"skeleton": json.dumps(skeleton), "fields": json.dumps(fields,
               default=str)})  # fmt: skip
-        _evict(folder, path, tag)
+        _evict(folder, path)
     except (OSError, TypeError) as exc:
         log.warning("prepared_weights_not_kept", path=str(path), error=str(exc))
         return trees, "built, not kept"

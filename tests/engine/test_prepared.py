@@ -55,21 +55,27 @@ def test_written_on_the_first_load_and_read_bit_for_bit_on_the_second(smollm2_di
         assert np.array_equal(entry["float.embed"], fresh["float"]["embed"])
 
 
-def test_a_changed_source_is_built_again_and_its_old_entry_goes(smollm2_file, tmp_path):
+def test_a_changed_source_is_built_again(smollm2_file, tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     source = model / smollm2_file.name
-    shutil.copyfile(smollm2_file, source)
+    shutil.copyfile(smollm2_file, source)  # the same bytes elsewhere: a fresh cache here
     cfg, folder = load_config(model), tmp_path / "prepared"
-    _, how = load_host_forms(model, cfg, "none", ("float",), folder)
+    first, how = load_host_forms(model, cfg, "none", ("float",), folder)
     [old] = _entries(folder)
     assert how == "built"
     st = source.stat()
-    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # a new copy
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched, same bytes
     _, how = load_host_forms(model, cfg, "none", ("float",), folder)
-    [new] = _entries(folder)
-    assert how == "built" and new != old
+    assert how == "cache"
+    with source.open("r+b") as f:  # the last tensor's last bytes (output_norm, float32)
+        f.seek(-4, os.SEEK_END)
+        f.write(np.float32(0.5).tobytes())
+    changed, how = load_host_forms(model, cfg, "none", ("float",), folder)
+    assert how == "built" and len(_entries(folder)) == 2
+    assert not np.array_equal(changed["float"]["norm_w"], first["float"]["norm_w"])
     # A damaged entry is built again, not trusted.
+    [new] = [e for e in _entries(folder) if e != old]
     new.write_bytes(new.read_bytes()[: 1 << 20])
     _, how = load_host_forms(model, cfg, "none", ("float",), folder)
     assert how == "built" and new.stat().st_size > 1 << 20
