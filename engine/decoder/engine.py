@@ -268,12 +268,12 @@ class DecoderEngine(PagedSlots):
         return pre + step
 
     def first_compiles(self) -> list[tuple[str, int, int]]:
-        """What a first request needs: one stream's step at the smallest window, and
-        the largest prefill bucket at the smallest context, standing in for the
-        smaller ones until they join (each costs ~1 s at start even when cached)."""
+        """What a first request needs: one stream's step at the smallest window, the
+        smallest and largest prefill buckets at the smallest context (the largest
+        stands in for those between until they join: each costs ~1 s even cached)."""
         c0 = self.contexts[0]
-        prefill = max(b for b in self.buckets if b <= c0)
-        return [("step", 1, self.windows[0]), ("prefill", prefill, c0)]
+        ends = sorted({self.buckets[0], max(b for b in self.buckets if b <= c0)})
+        return [("step", 1, self.windows[0])] + [("prefill", b, c0) for b in ends]
 
     def warmup(self, progress: bool = True) -> int:
         """Compile what `compile_ahead` says (engine/decoder/programs.py) and run it
