@@ -135,12 +135,13 @@ async def first_token_after(url: str, t0: float, model: str, limit: float = 600)
                 if time.perf_counter() - t0 > limit:
                     raise
                 await asyncio.sleep(0.2)  # polling a process that is starting: nothing to wait on
-        while True:  # a request held past its deadline gets a 504: the next one waits on
+        while True:  # a request held past its deadline gets a 504 (or a 429 when what is left
+            # of it cannot hold the prompt): the next one waits on
             try:
                 res = await one_stream(client, url, model, 4)
                 break
             except httpx.HTTPStatusError as exc:
-                if exc.response.status_code not in (503, 504) or time.perf_counter() - t0 > limit:
+                if exc.response.status_code not in (429, 503, 504) or time.perf_counter() - t0 > limit:
                     raise
     return round(time.perf_counter() - t0 - res["seconds"] + res["ttft"], 2)
 
