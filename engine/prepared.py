@@ -44,7 +44,8 @@ MAX_BYTES = 8 << 30  # all entries together; the oldest go first
 FORMAT = 1
 # Modules whose code decides what a built tree holds.
 _CODE = ("engine/prepared.py", "engine/gguf.py", "engine/weights.py", "engine/quant.py",
-         "engine/decoder/model.py", "engine/decoder/llama.py", "engine/decoder/gpt2.py")  # fmt: skip
+         "engine/decoder/model.py", "engine/decoder/llama.py",
+         "engine/decoder/gpt2.py")  # fmt: skip
 _ROOT = Path(__file__).resolve().parent.parent
 
 Tree = dict
@@ -133,9 +134,10 @@ def flatten(trees: dict[str, Tree]) -> tuple[dict[str, np.ndarray], dict]:
         if isinstance(node, list):
             return {"l": [walk(v, f"{name}.{i}") for i, v in enumerate(node)]}
         if isinstance(node, QWeight):
-            return {"q": {"q": walk(node.q, f"{name}.q"), "scale": walk(node.scale, f"{name}.scale"),
-                          "offset": walk(node.offset, f"{name}.offset"), "axis": node.axis,
-                          "bits": node.bits, "group": node.group, "compute": node.compute}}  # fmt: skip
+            parts = {f: walk(getattr(node, f), f"{name}.{f}") for f in ("q", "scale", "offset")}
+            static = {"axis": node.axis, "bits": node.bits, "group": node.group,
+                      "compute": node.compute}  # fmt: skip
+            return {"q": {**parts, **static}}
         if isinstance(node, np.ndarray):
             arrays[name] = np.ascontiguousarray(node)
             return {"t": name}
