@@ -135,12 +135,13 @@ async def first_token_after(url: str, t0: float, model: str, limit: float = 600)
                 if time.perf_counter() - t0 > limit:
                     raise
                 await asyncio.sleep(0.2)  # polling a process that is starting: nothing to wait on
-        while True:  # a request held past its deadline gets a 504: the next one waits on
+        while True:  # a request held past its deadline gets a 504 (or a 429 when what is left
+            # of it cannot hold the prompt): the next one waits on
             try:
                 res = await one_stream(client, url, model, 4)
                 break
             except httpx.HTTPStatusError as exc:
-                if exc.response.status_code not in (503, 504) or time.perf_counter() - t0 > limit:
+                if exc.response.status_code not in (429, 503, 504) or time.perf_counter() - t0 > limit:
                     raise
     return round(time.perf_counter() - t0 - res["seconds"] + res["ttft"], 2)
 
@@ -191,7 +192,7 @@ async def wait_ready(url: str, limit: float = 120) -> None:
 
 
 async def main_async(args) -> dict:
-    conc = [int(c) for c in args.concurrency.split(",")]
+    conc = [int(c) for c in args.concurrency.split(",") if c]  # "": the start figures only
     doc: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "model": MODEL, "fleet": args.fleet,
                  "max_tokens": args.max_tokens, "seconds": args.seconds, "runs": {}}
     out_dir = Path(args.out).parent if args.out else Path(tempfile.mkdtemp())

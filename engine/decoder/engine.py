@@ -91,22 +91,22 @@ class DecoderEngine(SpeculativeSlots):
         quant_form: str = "auto",
         weight_budget: int = 0,
         forms_cache: str | Path | None = "",
+        weights_cache: str | Path | None = "",
         compile_ahead: str = "lazy",
         attention: str = "auto",
         speculative: int = 0,
     ) -> None:
-        """kv_blocks: pool size (0: enough for every slot to hold a full context, the
-        memory of the old fixed rows); prefill_chunk: longest prefill piece (0: the
-        largest bucket). quant_form: auto (the fastest allowed per bucket, chosen at
-        `warmup`) or one of engine/forms.py's forms; weight_budget: bytes all held
-        forms' weights may take (0: the float32 size of the weights); forms_cache:
-        the choice's file ("": beside the compilation cache; None: not kept).
-        compile_ahead: what `warmup` compiles before it returns: "all" shapes, or the
-        first a request needs, the rest on a background thread ("first") or each
-        where it is first needed ("lazy": tests and benchmarks compile only what they
-        run). attention: the decode step's paged attention (engine/decoder/attention.py:
-        auto, xla, pallas). speculative: draft tokens per step of a lone stream's
-        prompt-lookup speculation (engine/decoder/speculative.py; 0: off)."""
+        """kv_blocks: pool size (0: every slot can hold a full context); prefill_chunk:
+        longest prefill piece (0: the largest bucket). quant_form: auto (the fastest
+        allowed per bucket, chosen at `warmup`) or one of engine/forms.py's; weight_budget:
+        bytes all held forms' weights may take (0: float32 size); forms_cache: the
+        choice's file ("": beside the compilation cache; None: not kept); weights_cache:
+        the prepared weights' folder (engine/prepared.py), "" and None alike.
+        compile_ahead: what `warmup` compiles before it returns: "all", or what a first
+        request needs, the rest on a background thread ("first") or where first needed
+        ("lazy": tests and benchmarks). attention: the decode step's paged attention
+        (engine/decoder/attention.py). speculative: draft tokens per step of a lone
+        stream's prompt-lookup speculation (engine/decoder/speculative.py; 0: off)."""
         from engine import forms, sharding
         from engine.jaxrt import device_name, dtype_name, parse_dtype
         from engine.quant import check_mode
@@ -140,7 +140,7 @@ class DecoderEngine(SpeculativeSlots):
         self.contexts = tuple(sorted(ctx))
         self.device = device_name()
         self.attention = attention_kernel.pick(attention, jax.devices()[0].platform)
-        self._load_forms(weight_budget, forms_cache)
+        self._load_forms(weight_budget, forms_cache, weights_cache)
         blocks = int(kv_blocks) or self._slots * self._max_blocks + 1
         self._init_slots(blocks, prefix_cache)
         self._state = init_decode_state(self.cfg, self._slots, blocks, self.block, self._jdtype)
@@ -155,17 +155,12 @@ class DecoderEngine(SpeculativeSlots):
             out = {"out_shardings": (state_sharding, sharding.replicated(self._mesh))}
         cfg = self.cfg
         # state is the argument after params in both: donated, so updated in place.
-        self._prefill = jax.jit(
-            lambda params, state, *args: steps.prefill_chunk(params, cfg, state, *args),
-            donate_argnums=1, **out,
-        )  # fmt: skip
+        self._prefill = jax.jit(lambda params, state, *args: steps.prefill_chunk(
+            params, cfg, state, *args), donate_argnums=1, **out)  # fmt: skip
         # The Pallas kernel is written for GPUs; elsewhere it runs interpreted (tests).
         kernel, interpret = self.attention, jax.devices()[0].platform == "cpu"
-        self._generate = jax.jit(
-            lambda params, state, *args: steps.generate(params, cfg, state, *args, kernel,
-                                                        interpret),
-            donate_argnums=1, **out,
-        )  # fmt: skip
+        self._generate = jax.jit(lambda params, state, *args: steps.generate(
+            params, cfg, state, *args, kernel, interpret), donate_argnums=1, **out)  # fmt: skip
         self._state_spec = shapes.spec(self._state)
         self._init_speculation(speculative, out)
         self.programs = Programs(name)
@@ -181,17 +176,17 @@ class DecoderEngine(SpeculativeSlots):
             cache_bytes=cache_bytes(self._state), seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
 
-    def _load_forms(self, budget: int, cache) -> None:
+    def _load_forms(self, budget: int, cache, weights_cache) -> None:
         """Weights in every compute form this engine may run (engine/forms.py); until
         `select_forms` every bucket runs the forced form, or the stored one."""
-        from engine import forms, quant, sharding
+        from engine import forms, prepared, quant, sharding
         from engine.decoder.model import load_param_forms
 
         want = ("float",) if self.quant == "none" else ("dequant",)
         if self.quant == "int8" and self.quant_form in ("auto", "w8a8"):
             want += ("w8a8",)
         trees = load_param_forms(self.model_dir, self.cfg, self._jdtype, self.quant, want,
-                                 self._mesh)  # fmt: skip
+                                 self._mesh, prepared.directory(weights_cache))  # fmt: skip
         sizes = {f: param_bytes(t) for f, t in trees.items()}
         if self.quant != "none":
             sizes["float"] = quant.float_bytes(trees["dequant"], self._jdtype)
@@ -271,11 +266,13 @@ class DecoderEngine(SpeculativeSlots):
         return pre + step + self._verify_compiles()
 
     def first_compiles(self) -> list[tuple[str, int, int]]:
-        """What a first request needs: one stream's step at the smallest window, and
-        each prefill bucket at the smallest context (a longer prompt is chunked)."""
+        """What a first request needs: one stream's step at the smallest window, the
+        smallest and largest prefill buckets at the smallest context (the largest
+        stands in for those between until they join: each costs ~1 s even cached)."""
         c0 = self.contexts[0]
+        ends = sorted({self.buckets[0], max(b for b in self.buckets if b <= c0)})
         return [("step", 1, self.windows[0])] + [
-            ("prefill", b, c0) for b in self.buckets if b <= c0] + self._verify_compiles()[:1]
+            ("prefill", b, c0) for b in ends] + self._verify_compiles()[:1]
 
     def warmup(self, progress: bool = True) -> int:
         """Compile what `compile_ahead` says (engine/decoder/programs.py) and run it

@@ -13,6 +13,7 @@ owns the layer loop and where keys and values go:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -46,11 +47,51 @@ def load_params(
 
 
 def load_param_forms(
-    model_dir: str | Path, cfg: DecoderConfig, dtype, quant: str, forms, mesh=None
+    model_dir: str | Path, cfg: DecoderConfig, dtype, quant: str, forms, mesh=None,
+    cache: Path | None = None,
 ) -> dict[str, dict]:
     """One parameter pytree per compute form (engine/forms.py), from one read of the
     weights: "dequant" (the stored `quant` weights), "float" (those dequantized, or
-    the float weights when `quant` is none), "w8a8" (int8 per output channel)."""
+    the float weights when `quant` is none), "w8a8" (int8 per output channel).
+    `cache`: a folder of prepared weights (engine/prepared.py) the host trees are
+    read from, or written to when they are built."""
+    from engine import quant as q
+    from engine import sharding
+
+    host, _ = load_host_forms(model_dir, cfg, quant, forms, cache)
+    out = {}
+    if quant == "none":
+        out["float"] = q.cast_tree(host["float"], dtype)
+    elif "dequant" in host:
+        out["dequant"] = q.cast_tree(host["dequant"], dtype)
+        if "float" in forms:
+            out["float"] = q.dequantize_tree(out["dequant"], dtype)
+    if "w8a8" in host:
+        out["w8a8"] = q.cast_tree(host["w8a8"], dtype)
+    out = {f: t for f, t in out.items() if f in forms}
+    return out if mesh is None else {f: sharding.place(t, mesh) for f, t in out.items()}
+
+
+def load_host_forms(model_dir: str | Path, cfg: DecoderConfig, quant: str, forms,
+                    cache: Path | None = None) -> tuple[dict[str, dict], str]:
+    """The host (numpy) trees `load_param_forms` casts and places, keyed "float"
+    (quant none), "dequant" and "w8a8"; and how they came: "cache", "built" (and
+    kept in `cache`) or "built, not kept" (engine/prepared.py)."""
+    from engine import prepared
+    from engine.weights import weight_files
+
+    hosts = {"float"} if quant == "none" else set()
+    if quant != "none" and ("dequant" in forms or "float" in forms):
+        hosts.add("dequant")
+    if quant != "none" and "w8a8" in forms:
+        hosts.add("w8a8")
+    fields = {"config": dataclasses.asdict(cfg), "quant": quant, "forms": sorted(hosts)}
+    return prepared.load_or_build(cache, weight_files(model_dir), fields,
+                                  lambda: _build_host_forms(model_dir, cfg, quant, hosts))
+
+
+def _build_host_forms(model_dir: str | Path, cfg: DecoderConfig, quant: str,
+                      hosts: set[str]) -> dict[str, dict]:
     from engine import quant as q
     from engine import sharding
     from engine.weights import load_weights, strip_prefix
@@ -65,18 +106,14 @@ def load_param_forms(
                 if name in lp:
                     lp[name] = sharding.shard_major(lp[name], parts, cfg.tensor_parallel)
     out = {}
-    if quant == "none":
-        out["float"] = q.cast_tree(tree, dtype)
-    elif "dequant" in forms or "float" in forms:
+    if "float" in hosts:
+        out["float"] = tree
+    if "dequant" in hosts:
         how = gguf_blocks(model_dir, cfg) if quant == "gguf" else quant
-        out["dequant"] = q.cast_tree(q.quantize_tree(tree, how, fam.QUANT_AXES), dtype)
-        if "float" in forms:
-            out["float"] = q.dequantize_tree(out["dequant"], dtype)
-    if "w8a8" in forms and quant != "none":
-        out["w8a8"] = q.cast_tree(
-            q.quantize_tree(_fold_mlp_norm(tree, cfg), "w8a8", fam.QUANT_AXES), dtype)
-    out = {f: t for f, t in out.items() if f in forms}
-    return out if mesh is None else {f: sharding.place(t, mesh) for f, t in out.items()}
+        out["dequant"] = q.quantize_tree(tree, how, fam.QUANT_AXES)
+    if "w8a8" in hosts:
+        out["w8a8"] = q.quantize_tree(_fold_mlp_norm(tree, cfg), "w8a8", fam.QUANT_AXES)
+    return out
 
 
 # Tree weight -> the Hugging Face tensors it is made of (layer 0 stands for all).
