@@ -8,7 +8,7 @@ Unknown fields are refused so that a typo is a 400, not a silently ignored optio
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -98,9 +98,28 @@ class _Sampling(_Request, kw_only=True):
     # token id (a string key in JSON) -> bias added to its logit
     logit_bias: Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKENS)] | None = None
+    response_format: "ResponseFormat | None" = None  # structured outputs
 
 
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+
+
+class JsonSchemaFormat(_Request, kw_only=True):
+    """`response_format.json_schema`: OpenAI's shape. `schema` is checked by the
+    gateway (services/gateway/structured.py); `strict` is accepted either way: the
+    schema is always enforced."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: Annotated[str, Meta(max_length=MAX_STRING)] | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request, kw_only=True):
+    """Structured outputs: `json_object` (any JSON object) or `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):

@@ -35,6 +35,7 @@ from services.gateway import codec
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
 from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
+from services.gateway.structured import grammar_for
 from shared.api import (
     ChatChoice,
     ChatChunkChoice,
@@ -126,7 +127,11 @@ class Generation:
                     raise
         max_tokens = _max_tokens(req, chat, len(prompt), limit)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        sampling = _sampling(req, generation_defaults(entry.info.path), _top_logprobs(req, chat))
+        sampling = _sampling(req, generation_defaults(entry.info.path), _top_logprobs(req, chat),
+                             grammar_for(req.response_format))
+        if sampling.grammar and req.ignore_eos:
+            raise bad_request("'ignore_eos' cannot be used with 'response_format': a "
+                              "structured output ends at its grammar's end")
         _check_tokens(sampling, entry.tokenizer.vocab_size)
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
@@ -386,7 +391,7 @@ def _top_logprobs(req, chat: bool) -> int:
     return -1 if req.logprobs is None else req.logprobs
 
 
-def _sampling(req, defaults: dict[str, float], logprobs: int = -1) -> Sampling:
+def _sampling(req, defaults: dict[str, float], logprobs: int = -1, grammar: str = "") -> Sampling:
     """The request's sampling fields; those it leaves unset from the model's
     defaults, then OpenAI's."""
     def pick(key: str):
@@ -402,7 +407,8 @@ def _sampling(req, defaults: dict[str, float], logprobs: int = -1) -> Sampling:
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=float(pick("repetition_penalty")) or 1.0,
                     logit_bias=sorted((req.logit_bias or {}).items()),
-                    stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs)
+                    stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs,
+                    grammar=grammar)
 
 
 def _check_tokens(sampling: Sampling, vocab: int) -> None:
