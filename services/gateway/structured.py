@@ -44,23 +44,31 @@ def grammar_for(fmt: ResponseFormat | None) -> str:
         elif schema is False:
             raise bad_request("'response_format.json_schema.schema' is false: nothing "
                               "can match it")
-    return _compiled(json.dumps(schema, sort_keys=True))
+    return schema_grammar(schema)
+
+
+def schema_grammar(schema: dict, where: str = "'response_format' schema") -> str:
+    """The grammar of JSON valid against `schema`, or a 400 naming what `where`
+    (the field that holds the schema) uses that cannot be enforced."""
+    # Property order kept (no sort_keys): the model writes the properties in it.
+    return _compiled(json.dumps(schema), where)
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled(schema_text: str) -> str:
+def _compiled(schema_text: str, where: str) -> str:
     import llguidance
 
     schema = json.loads(schema_text)
-    schema.pop("x-guidance", None)
+    if isinstance(schema, dict):
+        schema.pop("x-guidance", None)
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     except ValueError as exc:
-        raise bad_request(f"'response_format' schema is not valid: {exc}") from None
+        raise bad_request(f"{where} is not valid: {exc}") from None
     err = llguidance.LLMatcher.validate_grammar(grammar)
     if err:
-        raise bad_request(f"'response_format' schema uses what structured outputs do not "
-                          f"support: {_short(err)}")
+        raise bad_request(f"{where} uses what structured outputs do not support: "
+                          f"{_short(err)}")
     return grammar
 
 
