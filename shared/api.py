@@ -164,13 +164,14 @@ class NamedToolChoice(_Request, kw_only=True):
     function: FunctionRef
 
 
-class FunctionCall(_Request, kw_only=True):
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: FunctionName
     arguments: Text  # JSON text, as the model wrote it
 
 
-class ToolCall(_Request, kw_only=True):
-    """A call the assistant made: in a reply, and in the messages sent back."""
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A call the assistant made: in a reply, and in the messages sent back (every
+    field written out: `type` too, as OpenAI's replies carry it)."""
 
     id: Annotated[str, Meta(max_length=256)]
     type: Literal["function"] = "function"

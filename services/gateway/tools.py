@@ -4,7 +4,8 @@
      chat. "auto" (the default with tools): the model may answer or call; its text
      is parsed afterwards. "required": a grammar forces a JSON list of calls, each
      `{"name": <one of the tools>, "arguments": <valid against its parameters>}`
-     (one call when `parallel_tool_calls` is false). A named function: a grammar
+     (one call when `parallel_tool_calls` is false, else at most
+     MAX_PARALLEL_CALLS). A named function: a grammar
      forces its arguments object. So forced arguments always parse against the
      function's schema (services/gateway/structured.py; a schema that cannot be
      enforced is a 400 naming the tool).
@@ -34,6 +35,8 @@ from shared.api import (
     ToolCall, ToolCallDelta)
 from shared.errors import bad_request
 
+# Calls one forced reply may hold: bounded, so a small model cannot loop on calls.
+MAX_PARALLEL_CALLS = 8
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 TOOL_PROMPT = (
     "You can call functions. They are, as JSON:\n{tools}\n"
@@ -96,9 +99,8 @@ def plan(req: ChatCompletionRequest) -> ToolPlan | None:
                  for t in tools]  # fmt: skip
         for i, t in enumerate(tools):  # a refusal names the tool, not the list
             schema_grammar(_parameters(t), f"tools[{i}].function.parameters")
-        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-        if not parallel:
-            schema["maxItems"] = 1
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
+                  "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
         return ToolPlan("required", tools, "", parallel, schema_grammar(schema, "'tools'"))
     return ToolPlan("auto", tools, "", parallel)
 
