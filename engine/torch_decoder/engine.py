@@ -129,7 +129,8 @@ class TorchDecoder(DecoderHost, WholePrompt):
     def check_sampling(self, sampling: Sampling) -> None:
         """This engine samples with temperature, top-k and top-p only: a request that
         asks for more is refused (a 400 naming the fields), never served without them."""
-        asked = [name for name, off in UNSUPPORTED if getattr(sampling, name) != off]
+        asked = [name if name != "grammar" else "response_format (or a forced tool call)"
+                 for name, off in UNSUPPORTED if getattr(sampling, name) != off]
         if asked:
             raise ValueError(f"{', '.join(asked)}: not supported by the torch engine "
                              f"serving {self.name}")
