@@ -39,30 +39,39 @@ class MaskedPrograms:
             donate_argnums=1, **out)  # fmt: skip
         self.programs = Programs(f"{engine.name}-masked")
 
-    def _get(self, kind: str, size: int, other: int, lower):
+    def _job(self, kind: str, size: int, other: int):
+        """(key, lower) of the masked program of one shape."""
         engine = self._engine
         bucket = f"{kind} {size}"
         params = engine._params_for(bucket)
-        key = (kind, size, other, engine.compute_forms[bucket])
-        return self.programs.get(key, lambda: lower(params))
+        lower = self._lower_step if kind == "step" else self._lower_prefill
+        return (kind, size, other, engine.compute_forms[bucket]), lambda: lower(params, size, other)
+
+    def start_background(self, shapes: list[tuple[str, int, int]]) -> None:
+        """Compile the masked programs of `shapes` on a thread of their own."""
+        self.programs.start_background([self._job(*s) for s in shapes])
 
     def step(self, batch: int, window: int):
         """The masked step at (batch bucket, window): (params, state, rows, tables,
         live, masks [B, W] int32) -> (state, packed)."""
+        return self.programs.get(*self._job("step", batch, window))
+
+    def prefill(self, bucket: int, ctx: int):
+        """The masked prefill chunk: the engine's arguments, then the mask [W] int32."""
+        return self.programs.get(*self._job("prefill", bucket, ctx))
+
+    def _lower_step(self, params, batch: int, window: int):
         engine = self._engine
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
         args = (i32(batch), i32(batch, window // engine.block),
                 jax.ShapeDtypeStruct((batch,), np.bool_), i32(batch, self.width))
-        return self._get("step", batch, window,
-                         lambda params: self._generate.lower(params, engine._state_spec, *args))
+        return self._generate.lower(params, engine._state_spec, *args)
 
-    def prefill(self, bucket: int, ctx: int):
-        """The masked prefill chunk: the engine's arguments, then the mask [W] int32."""
+    def _lower_prefill(self, params, bucket: int, ctx: int):
         engine = self._engine
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
         sampling = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                 engine._warm_sampling)
         args = (i32(bucket), i32(), i32(), i32(ctx // engine.block), i32(), sampling,
                 jax.ShapeDtypeStruct((), np.uint32), i32(self.width))
-        return self._get("prefill", bucket, ctx,
-                         lambda params: self._prefill.lower(params, engine._state_spec, *args))
+        return self._prefill.lower(params, engine._state_spec, *args)

@@ -25,6 +25,7 @@ unconstrained rather than masking every token.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import numpy as np
@@ -65,6 +66,7 @@ class SlotGrammars:
         self._tokenizer = None  # llguidance.LLTokenizer, built at the first grammar
         self._executor = None
         self._programs = None  # engine.decoder.constrained.MaskedPrograms, likewise
+        self._lock = threading.Lock()  # both may be built by `prepare_background`
         self.syncs = 0  # steps read early because a constrained step needed their tokens
         self.masked_steps = 0  # step parts run with a mask
         self.masks = 0  # masks computed (rows), for the mask's cost per token
@@ -91,6 +93,10 @@ class SlotGrammars:
         return mask_words(max(self._engine.cfg.vocab_size, self.tokenizer().vocab_size))
 
     def tokenizer(self):
+        with self._lock:
+            return self._tokenizer_locked()
+
+    def _tokenizer_locked(self):
         if self._tokenizer is None:
             import llguidance
 
@@ -168,8 +174,27 @@ class SlotGrammars:
         return lambda *args: exe(*args, mask)
 
     def programs(self):
-        if self._programs is None:
-            from engine.decoder.constrained import MaskedPrograms
+        width = self.width
+        with self._lock:
+            if self._programs is None:
+                from engine.decoder.constrained import MaskedPrograms
 
-            self._programs = MaskedPrograms(self._engine, self.width)
-        return self._programs
+                self._programs = MaskedPrograms(self._engine, width)
+            return self._programs
+
+    def prepare_background(self) -> None:
+        """After warm-up, when the engine compiles ahead: build the tokenizer tables
+        and compile the masked twins of a first request's programs on a thread, so
+        the first constrained request does not wait for them. A thread that cannot
+        (no tokenizer) leaves them to be built where first needed."""
+        engine = self._engine
+        if engine.compile_ahead == "lazy" or engine.tokenizer is None:
+            return
+
+        def work() -> None:
+            try:
+                self.programs().start_background(engine.first_compiles())
+            except Exception as exc:  # noqa: BLE001 - built again where first needed
+                log.warning("grammar_prepare_failed", model=engine.name, error=repr(exc))
+
+        threading.Thread(target=work, name=f"grammar-{engine.name}", daemon=True).start()
