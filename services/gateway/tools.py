@@ -16,10 +16,10 @@
      written as the JSON list the prompt asks for, and tool results as user turns
      in `<tool_response>` tags.
   3. `reply` (whole) and `ToolStream` (streamed): the text becomes `tool_calls`
-     with `finish_reason: "tool_calls"`. A named function's arguments stream as
-     argument deltas, as OpenAI streams them; "required" and "auto" calls come as
-     one delta per call once the choice ends ("auto" streams plain content as it
-     comes when its text cannot start a call).
+     with `finish_reason: "tool_calls"`. Forced calls (named, "required") stream
+     as argument deltas, as OpenAI streams them; "auto" calls come as one delta
+     per call once the choice ends ("auto" streams plain content as it comes when
+     its text cannot start a call).
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def _calls(value, names: set[str]) -> list[tuple[str, str]] | None:
             return None
         args = item.get("arguments", item.get("parameters", {}))
         out.append((item["name"], args if isinstance(args, str)
-                    else json.dumps(args, ensure_ascii=False)))
+                    else json.dumps(args, ensure_ascii=False, separators=(",", ":"))))
     return out or None
 
 
@@ -169,6 +169,17 @@ def parse(tp: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]] | 
     names = {t.function.name for t in tp.tools}
     if tp.mode == "named":
         return None, [(tp.name, text)]
+    if tp.mode == "required":  # the arguments as generated, as they were streamed
+        deltas = _ForcedCalls().feed(text)
+        names = {d.index: d.function.name for d in deltas if d.id}
+        calls = [(names[i], "".join(d.function.arguments for d in deltas if d.index == i))
+                 for i in sorted(names)]
+        try:
+            if calls and all(isinstance(json.loads(a), dict) for _, a in calls):
+                return None, calls
+        except ValueError:
+            pass
+        return text, None
     tagged = _TAGGED.findall(text)
     try:
         if tagged:
@@ -203,6 +214,60 @@ def reply(tp: ToolPlan, text: str, finish: str | None):
     return content, tool_calls, ("tool_calls" if finish == "stop" else finish)
 
 
+_CALL_OPENS = re.compile(r'\}?[\[,]\{"name":"([^"\\]*)","arguments":')
+
+
+class _ForcedCalls:
+    """A `required` reply, as generated: the grammar writes the list compactly,
+    `[{"name":"f","arguments":{...}},...]`, so each call's start and the end of its
+    arguments are found by scanning (strings and nesting tracked); the arguments
+    stream as they come."""
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.calls = 0
+        self.depth = -1  # inside a call's arguments: its nesting (-1: between calls)
+        self.string = self.escape = False
+
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        self.buf += text
+        out: list[ToolCallDelta] = []
+        while self.buf:
+            if self.depth < 0:
+                m = _CALL_OPENS.match(self.buf)
+                if m is None:
+                    break  # the next call's opening is not all here yet (or the end)
+                out.append(ToolCallDelta(self.calls, _call_id(), "function",
+                                         FunctionDelta(m.group(1), "")))
+                self.calls += 1
+                self.buf, self.depth = self.buf[m.end():], 0
+                continue
+            n = self._scan()
+            piece, self.buf = self.buf[:n], self.buf[n:]
+            if piece:
+                out.append(ToolCallDelta(self.calls - 1, function=FunctionDelta(arguments=piece)))
+        return out
+
+    def _scan(self) -> int:
+        """How much of `buf` belongs to the current arguments (all of it, or up to
+        where they close, which sets depth to -1)."""
+        for i, ch in enumerate(self.buf):
+            if self.string:
+                self.escape, self.string = (False, True) if self.escape else (
+                    ch == "\\", ch != '"')
+                continue
+            if ch == '"':
+                self.string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.depth = -1
+                    return i + 1
+        return len(self.buf)
+
+
 class ToolStream:
     """A streamed chat's choices turned into content and tool-call deltas."""
 
@@ -211,6 +276,7 @@ class ToolStream:
         self._held = [""] * n
         self._plain = [False] * n  # auto: this choice is content, streamed as it comes
         self._id: list[str | None] = [None] * n
+        self._forced = [_ForcedCalls() for _ in range(n)] if tp.mode == "required" else []
 
     def feed(self, index: int, text: str, finish: str | None) -> tuple[ChatDelta | None, str | None]:
         """The delta for a piece of choice `index` (None: nothing to send yet), and
@@ -224,6 +290,10 @@ class ToolStream:
                 call = ToolCallDelta(0, function=FunctionDelta(arguments=text))
             reason = "tool_calls" if finish == "stop" else finish
             return (ChatDelta(tool_calls=[call]) if text or self._id[index] else None), reason
+        if self._forced:
+            calls = self._forced[index].feed(text)
+            reason = "tool_calls" if finish == "stop" else finish
+            return (ChatDelta(tool_calls=calls) if calls else None), reason
         if self._plain[index]:
             return (ChatDelta(content=text) if text else None), finish
         self._held[index] += text

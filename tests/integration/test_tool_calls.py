@@ -126,19 +126,25 @@ async def test_required_calls_validate_and_the_tool_loop_goes_on(client, tiny):
     assert plain.choices[0].message.tool_calls is None
 
 
-async def test_required_streams_its_calls_at_the_end(client, tiny):
+async def test_required_streams_argument_deltas(client, tiny):
     engine, _ = tiny
+    body = dict(model=engine.name, messages=ASK, max_tokens=640, temperature=1.0, seed=5,
+                tools=[WEATHER, TIME], tool_choice="required")
+    whole = await client.chat.completions.create(**body)
     deltas, reasons = [], []
-    async for ch in await client.chat.completions.create(
-            model=engine.name, messages=ASK, max_tokens=640, temperature=1.0, seed=5,
-            tools=[WEATHER, TIME], tool_choice="required", stream=True):
+    async for ch in await client.chat.completions.create(**body, stream=True):
         if ch.choices:
             deltas += ch.choices[0].delta.tool_calls or []
             reasons.append(ch.choices[0].finish_reason)
-    assert reasons[-1] == "tool_calls" and deltas
-    assert [d.index for d in deltas] == list(range(len(deltas)))
-    for d in deltas:
-        jsonschema.validate(json.loads(d.function.arguments), SCHEMAS[d.function.name])
+    assert reasons[-1] == "tool_calls"
+    names = {d.index: d.function.name for d in deltas if d.id}
+    assert sorted(names) == list(range(len(names)))
+    args = {i: "".join(d.function.arguments or "" for d in deltas if d.index == i) for i in names}
+    for i, name in names.items():
+        jsonschema.validate(json.loads(args[i]), SCHEMAS[name])
+    # The same seed draws the same calls as the whole reply.
+    assert [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls
+            ] == [(names[i], args[i]) for i in sorted(names)]
 
 
 @pytest.mark.parametrize("body,needle", [

@@ -134,3 +134,25 @@ def test_streamed_auto_holds_what_may_be_a_call_and_streams_content():
     delta, reason = stream.feed(1, "Hello", None)
     assert delta.content == "Hello" and reason is None
     assert stream.feed(1, " there", "stop")[0].content == " there"
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_streamed_required_calls_come_as_argument_deltas(step):
+    required = tools.plan(_req(tools=[WEATHER, TIME], tool_choice="required"))
+    text = ('[{"name":"get_weather","arguments":{"city":"R\\"o}{[","n":[1,{"a":2}]}},'
+            '{"name":"get_time","arguments":{}}]')
+    stream = tools.ToolStream(required, 1)
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    deltas, reasons = [], []
+    for i, piece in enumerate(pieces):
+        delta, reason = stream.feed(0, piece, "stop" if i == len(pieces) - 1 else None)
+        deltas += delta.tool_calls if delta else []
+        reasons.append(reason)
+    assert reasons[-1] == "tool_calls"
+    names = {d.index: d.function.name for d in deltas if d.id}
+    args = {i: "".join(d.function.arguments for d in deltas if d.index == i) for i in names}
+    assert names == {0: "get_weather", 1: "get_time"}
+    assert [json.loads(args[i]) for i in (0, 1)] == [
+        {"city": 'R"o}{[', "n": [1, {"a": 2}]}, {}]
+    if step < 1000:  # the arguments came in pieces, not whole at the end
+        assert sum(1 for d in deltas if d.index == 0 and not d.id) > 1
