@@ -209,3 +209,22 @@ def test_generated_schemas_validate_and_nearly_all_complete(roomy):
 
     check()
     assert seen["all"] == 48 and seen["stop"] >= 0.95 * seen["all"], seen
+
+
+def test_a_rerun_feeds_its_tokens_to_the_grammar_again(tiny):
+    """A preempted sequence re-runs from its prompt plus its tokens so far
+    (`generated`): its matcher is fed them again, so it goes on as it would have."""
+    _, engine = tiny
+    s = Sampling(temperature=0.0, grammar=_schema_grammar(SCHEMAS[1]))
+    full = _generate(engine, {0: (s, 0)}, raw=True)[0]
+    assert full[-1] in engine.eos_token_ids and len(full) > 6
+    k = len(full) // 2
+    engine.begin(1, PROMPT + full[:k], s, 0, generated=k)
+    first = None
+    while first is None:
+        first = engine.prefill_step(1)
+    rest = [first]
+    while rest[-1] not in engine.eos_token_ids:
+        rest.append(int(engine.step()[1]))
+    engine.free(1)
+    assert full[:k] + rest == full
