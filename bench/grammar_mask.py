@@ -87,7 +87,6 @@ def _byte_vocab(tok):
 
 def llguidance_run(tok, eos):
     import llguidance
-    import numpy as np
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
     ll = llguidance.LLTokenizer(tok.backend.to_str(), eos_token=eos)
