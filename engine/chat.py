@@ -68,8 +68,9 @@ def _message(m: Any) -> dict:
     """A dict or a Struct with role/content (shared.api.ChatMessage) -> plain dict."""
     get = m.get if isinstance(m, dict) else lambda k, d=None: getattr(m, k, d)
     out = {"role": get("role"), "content": get("content") or ""}
-    if get("name"):
-        out["name"] = get("name")
+    for key in ("name", "tool_calls", "tool_call_id"):  # the last two: tool-aware templates
+        if get(key):
+            out[key] = get(key)
     return out
 
 
@@ -87,6 +88,8 @@ class ChatTemplate:
     def __init__(self, source: str | None = None, **special_tokens: str) -> None:
         self.source = source or FALLBACK_TEMPLATE
         self.is_fallback = source is None
+        # Whether the template renders `tools` itself (else the caller describes them).
+        self.knows_tools = "tools" in self.source
         self.special = {k: special_tokens.get(k, "") for k in _SPECIAL_KEYS}
         self.special.update(special_tokens)
 
@@ -119,11 +122,13 @@ class ChatTemplate:
         header = read_header(path)
         return cls(chat_template(header), **special_tokens(header))
 
-    def render(self, messages: Iterable[Any], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Iterable[Any], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
+        """`tools`: OpenAI's tool dicts, for a template that `knows_tools`."""
         msgs = [_message(m) for m in messages]
         try:
             return _compile(self.source).render(
-                messages=msgs, add_generation_prompt=add_generation_prompt, tools=None,
+                messages=msgs, add_generation_prompt=add_generation_prompt, tools=tools or None,
                 **self.special,
             )  # fmt: skip
         except TemplateError:
@@ -132,10 +137,10 @@ class ChatTemplate:
             raise TemplateError(f"chat template failed: {exc}") from exc
 
     def encode(self, tokenizer, messages: Iterable[Any],
-               add_generation_prompt: bool = True) -> list[int]:  # fmt: skip
+               add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
         """Render and tokenize. A template that writes the BOS token itself must not
         get a second one from the tokenizer's post-processor."""
-        text = self.render(messages, add_generation_prompt)
+        text = self.render(messages, add_generation_prompt, tools)
         bos = self.special.get("bos_token", "")
         return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 

@@ -8,7 +8,7 @@ Unknown fields are refused so that a typo is a 400, not a silently ignored optio
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -164,9 +164,28 @@ class _Sampling(_Request, kw_only=True):
     # token id (a string key in JSON) -> bias added to its logit
     logit_bias: Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKENS)] | None = None
+    response_format: "ResponseFormat | None" = None  # structured outputs
 
 
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+
+
+class JsonSchemaFormat(_Request, kw_only=True):
+    """`response_format.json_schema`: OpenAI's shape. `schema` is checked by the
+    gateway (services/gateway/structured.py); `strict` is accepted either way: the
+    schema is always enforced."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: Annotated[str, Meta(max_length=MAX_STRING)] | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request, kw_only=True):
+    """Structured outputs: `json_object` (any JSON object) or `json_schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -185,10 +204,66 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: Text | None = None
 
 
+# ------------------------------------------------------------------ tools
+FunctionName = Annotated[str, Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9_.-]+$")]
+MAX_TOOLS = 128
+
+
+class FunctionDef(_Request, kw_only=True):
+    name: FunctionName
+    description: Annotated[str, Meta(max_length=MAX_STRING)] | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema (None: no arguments)
+    strict: bool | None = None  # accepted; the schema is always enforced when forced
+
+
+class Tool(_Request, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionRef(_Request, kw_only=True):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request, kw_only=True):
+    type: Literal["function"]
+    function: FunctionRef
+
+
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: FunctionName
+    arguments: Text  # JSON text, as the model wrote it
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A call the assistant made: in a reply, and in the messages sent back (every
+    field written out: `type` too, as OpenAI's replies carry it)."""
+
+    id: Annotated[str, Meta(max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A streamed piece of a tool call: the first carries id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatMessage(_Request, kw_only=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | Annotated[list[ContentPart], Meta(max_length=MAX_LIST)] | None = None
     name: Annotated[str, Meta(max_length=256)] | None = None
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOLS)] | None = None  # assistant
+    tool_call_id: Annotated[str, Meta(max_length=256)] | None = None  # tool: the call answered
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -196,6 +271,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None  # needs `logprobs`
+    # services/gateway/tools.py: rendered, enforced (required, named) and parsed
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # --------------------------------------------------------------- logprobs
@@ -243,6 +322,7 @@ class CompletionResponse(msgspec.Struct):
 class ResponseMessage(msgspec.Struct):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -265,6 +345,7 @@ class ChatCompletionResponse(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -32,6 +32,9 @@ class Sampling(msgspec.Struct, array_like=True, gc=False):
     logit_bias: list[tuple[int, float]] = msgspec.field(default_factory=list)  # (token, bias)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)  # end a choice as EOS does
     logprobs: int = -1  # top logprobs per token (-1: none; 0: the sampled token's only)
+    # Structured outputs: the llguidance grammar (its JSON form) every token must
+    # follow, built and validated by the gateway from `response_format`; "" = none.
+    grammar: str = ""
 
 
 class EmbedWork(_Msg, tag="embed"):

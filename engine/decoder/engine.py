@@ -366,16 +366,18 @@ class DecoderEngine(SpeculativeSlots):
         end = job.done + n
         bucket = self.bucket_for(n)
         bucket, ctx = self._choose("prefill", bucket, self.context_for(max(end, bucket)))
+        mask = self.grammar.first_mask(slot) if end == len(job.prompt) else None
         token = self._run_chunk(slot, job.prompt[job.done : end], job.done, bucket, ctx,
-                                job.sampling, job.seed)
+                                job.sampling, job.seed, mask)
         return self._prefilled(slot, end, token)
 
     def _run_chunk(self, slot: int, piece: list[int], offset: int, bucket: int, ctx: int,
-                   sampling: SlotSampling, seed) -> jax.Array:
+                   sampling: SlotSampling, seed, mask=None) -> jax.Array:
         padded = np.zeros(bucket, np.int32)  # padded: [T]
         padded[: len(piece)] = piece
         table = np.array(self._tables[slot, : ctx // self.block])  # [NC]
-        run = self._program("prefill", bucket, ctx)
+        run = (self._program("prefill", bucket, ctx) if mask is None
+               else self.grammar.prefill_program(bucket, ctx, mask))  # structured outputs
         self._state, token = run(
             self._params_for(f"prefill {bucket}"), self._state, padded, np.int32(offset),
             np.int32(len(piece)), table, np.int32(slot), sampling, seed,
@@ -393,6 +395,7 @@ class DecoderEngine(SpeculativeSlots):
         rows = np.full(parts * batch, self._slots, np.int32)  # [parts x B]
         rows[: len(live)] = live
         params, run = self._params_for(f"step {batch}"), self._program("step", batch, window)
+        run = self.grammar.step_program(run, batch, window, rows)  # itself when unconstrained
         out = []
         for part in rows.reshape(parts, batch):
             tables = self._tables[part, : window // self.block]  # [B, NW] (a copy)
@@ -441,6 +444,7 @@ class DecoderEngine(SpeculativeSlots):
         tokens, rows = self._run_step(batch, window)
         pending = PendingStep(tokens, rows, self._slots, preempted,
                               lambda host, lp: self._note(live, began, host, lp))
+        self.grammar.dispatched(pending)
         self._advance()
         self._last_step = pending
         return pending

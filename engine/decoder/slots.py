@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from engine.decoder.blocks import SCRATCH, BlockPool, prefix_keys
+from engine.decoder.grammar import SlotGrammars
 from engine.decoder.host import DecoderHost
 from engine.decoder.kvcache import MAX_BIAS, SlotSampling
 from engine.decoder.sampling import MAX_LOGPROBS
@@ -110,6 +111,7 @@ class PagedSlots(DecoderHost):
         # Each slot's last token's logprobs ([1 + 2K] int32 as steps.pack packs them),
         # kept only for sequences that asked for them.
         self._logprobs: list[np.ndarray | None] = [None] * self._slots
+        self.grammar = SlotGrammars(self)  # structured outputs' matchers, per slot
 
     # ------------------------------------------------------------- the pool
     @property
@@ -152,8 +154,11 @@ class PagedSlots(DecoderHost):
         need = self.pool.need(self._reuse_keys(prompt), self.pool.blocks_for(len(prompt) + 1))
         return need + int(self._active.sum()) + len(self._jobs) <= self.pool.available
 
-    def begin(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> None:
-        """Give `slot` its blocks (reusing a cached prefix); `prefill_step` computes it."""
+    def begin(self, slot: int, prompt: list[int], sampling: Sampling, seed: int,
+              generated: int = 0) -> None:
+        """Give `slot` its blocks (reusing a cached prefix); `prefill_step` computes it.
+        `generated`: how many of the prompt's last tokens the sequence generated
+        before it was preempted (its grammar's matcher is fed them again)."""
         self.check_slot(slot)
         self.check_prompt(prompt)
         if self._held[slot]:
@@ -173,6 +178,7 @@ class PagedSlots(DecoderHost):
         self._tokens[slot] = list(prompt)
         self._top[slot] = min(sampling.logprobs, MAX_LOGPROBS)
         self._logprobs[slot] = None
+        self.grammar.begin(slot, sampling.grammar, prompt[len(prompt) - generated:])
         self._jobs[slot] = _Prefill(list(prompt), reused * self.block,
                                     slot_sampling(sampling, self.cfg.vocab_size, prompt),
                                     np.uint32(seed % 2**32), prefix_keys(prompt, self.block))
@@ -197,6 +203,7 @@ class PagedSlots(DecoderHost):
         token = int(packed[0])
         self._start(slot, len(job.prompt))
         self._tokens[slot].append(token)
+        self.grammar.consume(slot, token)
         self._logprobs[slot] = packed[1:] if self._top[slot] >= 0 else None
         return token
 
@@ -232,6 +239,7 @@ class PagedSlots(DecoderHost):
         for slot, order in zip(live.tolist(), began.tolist()):
             if self._held[slot] and self._order[slot] == order:
                 self._tokens[slot].append(int(host[slot]))
+                self.grammar.consume(slot, int(host[slot]))
                 if self._top[slot] >= 0:
                     self._logprobs[slot] = logprobs[slot]
 
@@ -270,4 +278,5 @@ class PagedSlots(DecoderHost):
         self._held[slot] = []
         self._tables[slot, :] = SCRATCH
         self._jobs.pop(slot, None)
+        self.grammar.free(slot)
         self._clear(slot)

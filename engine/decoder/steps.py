@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from engine.decoder.config import DecoderConfig
+from engine.decoder.grammar import apply_mask
 from engine.decoder.kvcache import DecodeState, SlotSampling, start_slot
 from engine.decoder.model import decode_forward, forward_chunk, last_logits
 from engine.decoder.sampling import controlled, sample, seed_key, token_logprobs
@@ -30,7 +31,7 @@ from engine.decoder.sampling import controlled, sample, seed_key, token_logprobs
 
 def prefill_chunk(
     params: dict, cfg: DecoderConfig, state: DecodeState, padded_tokens, offset, length,
-    table, slot, sampling: SlotSampling, seed,
+    table, slot, sampling: SlotSampling, seed, mask=None,
 ):  # fmt: skip
     """padded_tokens: [T] int32, offset, length: [] int32, table: [NC] int32,
     seed: [] uint32 -> (state, packed: [2 + 2K] int32, the token drawn after the
@@ -46,6 +47,8 @@ def prefill_chunk(
         one(sampling.presence), one(sampling.frequency), one(sampling.repetition),
         one(sampling.bias_ids), one(sampling.bias_vals),
     )  # fmt: skip
+    if mask is not None:  # structured outputs (engine/decoder/constrained.py)
+        logits = apply_mask(logits, mask[None])
     token = sample(
         logits, key[None], one(end), one(sampling.temperature),
         one(sampling.top_k), one(sampling.top_p), one(sampling.min_p),
@@ -62,7 +65,7 @@ def pack(raw, tokens, want):
 
 
 def generate(params: dict, cfg: DecoderConfig, state: DecodeState, rows, tables, live,
-             kernel: str = "xla", interpret: bool = False):
+             kernel: str = "xla", interpret: bool = False, mask=None):
     """rows: [B] int32 (slots; padding names the dummy row), tables: [B, NW] int32,
     live: [B] bool -> (state, packed: [B, 2 + 2K] int32, row i's token and logprobs
     for slot rows[i]).
@@ -76,6 +79,8 @@ def generate(params: dict, cfg: DecoderConfig, state: DecodeState, rows, tables,
         state.frequency[rows], state.repetition[rows], state.bias_ids[rows],
         state.bias_vals[rows],
     )  # fmt: skip
+    if mask is not None:  # [B, W] int32 bits (engine/decoder/constrained.py)
+        logits = apply_mask(logits, mask)
     # The drawn tokens sit one past the ones just fed.
     tokens = sample(
         logits, state.keys[rows], at + 1, state.temperature[rows], state.top_k[rows],

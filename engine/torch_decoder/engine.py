@@ -44,7 +44,7 @@ log = get_logger(__name__)
 # Sampling fields this engine does not implement, with the value that means "off".
 UNSUPPORTED = (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                ("repetition_penalty", 1.0), ("min_p", 0.0), ("logit_bias", []),
-               ("logprobs", -1))
+               ("logprobs", -1), ("grammar", ""))
 
 
 class DoneStep:
@@ -134,7 +134,8 @@ class TorchDecoder(DecoderHost, WholePrompt):
     def check_sampling(self, sampling: Sampling) -> None:
         """This engine samples with temperature, top-k and top-p only: a request that
         asks for more is refused (a 400 naming the fields), never served without them."""
-        asked = [name for name, off in UNSUPPORTED if getattr(sampling, name) != off]
+        asked = [name if name != "grammar" else "response_format (or a forced tool call)"
+                 for name, off in UNSUPPORTED if getattr(sampling, name) != off]
         if asked:
             raise ValueError(f"{', '.join(asked)}: not supported by the torch engine "
                              f"serving {self.name}")

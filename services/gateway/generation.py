@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator
 
-from services.gateway import codec
+from services.gateway import codec, tools
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
 from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
+from services.gateway.structured import grammar_for
 from shared.api import (
     ChatChoice,
     ChatChunkChoice,
@@ -46,7 +47,6 @@ from shared.api import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
-    ResponseMessage,
     Usage,
 )
 from shared.errors import bad_request
@@ -66,6 +66,7 @@ class Prepared:
     include_usage: bool
     continuous_usage: bool = False  # usage so far on every chunk (vLLM's stream option)
     tokenizer: object = None  # engine.tokenizer.Tokenizer: logprobs' token texts
+    tools: object = None  # services.gateway.tools.ToolPlan: chat with tools
 
     @property
     def logprobs(self) -> bool:
@@ -109,7 +110,8 @@ class Generation:
             raise bad_request("'stream_options' is only allowed when 'stream' is true")
         if req.n > self.config.max_n:
             raise bad_request(f"'n' is {req.n}; at most {self.config.max_n} choices per request")
-        render = self._chat_prompt if chat else self._prompt
+        tp = tools.plan(req) if chat else None
+        render = functools.partial(chat_prompt_of, tp=tp) if chat else self._prompt
         limit = min(entry.info.max_tokens, self.config.max_context)
         reserved = ""
         if len(body) <= INLINE_TOKENIZE:
@@ -128,7 +130,11 @@ class Generation:
                     raise
         max_tokens = _max_tokens(req, chat, len(prompt), limit)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        sampling = _sampling(req, generation_defaults(entry.info.path), _top_logprobs(req, chat))
+        sampling = _sampling(req, generation_defaults(entry.info.path), _top_logprobs(req, chat),
+                             tp.grammar if tp else grammar_for(req.response_format))
+        if sampling.grammar and req.ignore_eos:
+            raise bad_request("'ignore_eos' cannot be used with 'response_format': a "
+                              "structured output ends at its grammar's end")
         _check_tokens(sampling, entry.tokenizer.vocab_size)
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
@@ -138,7 +144,7 @@ class Generation:
         opts = req.stream_options
         return Prepared(req, chat, work, req.model, int(time.time()),
                         bool(opts and opts.include_usage),
-                        bool(opts and opts.continuous_usage_stats), entry.tokenizer)
+                        bool(opts and opts.continuous_usage_stats), entry.tokenizer, tp)
 
     @staticmethod
     def _fits(prompt: list[int], name: str, limit: int) -> list[int]:
@@ -176,9 +182,6 @@ class Generation:
         if not ids:
             raise bad_request("'prompt' is empty")
         return list(ids)
-
-    def _chat_prompt(self, req: ChatCompletionRequest, entry: ModelEntry) -> list[int]:
-        return chat_prompt(req.messages, entry)
 
     # ---------------------------------------------------------------- events
     async def events(self, prep: Prepared, call: Call) -> AsyncIterator[list[GenChunk | GenDone]]:
@@ -233,7 +236,7 @@ class Generation:
         usage = _usage(done)
         render = Logprobs(prep.tokenizer, prep.work.n, prep.logprobs)
         if prep.chat:
-            choices = [ChatChoice(i, ResponseMessage("assistant", "".join(t)), _reason(finish[i]),
+            choices = [ChatChoice(i, *tools.message(prep.tools, "".join(t), _reason(finish[i])),
                                   render.chat(lps[i]))
                        for i, t in enumerate(texts)]
             return ChatCompletionResponse(id=f"chatcmpl-{prep.work.request_id}", created=prep.created,
@@ -254,6 +257,7 @@ class Generation:
         started = False
         prompt, generated = len(prep.work.prompt), 0
         render = Logprobs(prep.tokenizer, prep.work.n, prep.logprobs)
+        calls = tools.ToolStream(prep.tools, prep.work.n) if prep.tools else None
         async for batch in self.events(prep, call):
             ready: list[object] = []
             if prep.chat and not started:
@@ -274,6 +278,11 @@ class Generation:
                               total_tokens=prompt + generated) if prep.continuous_usage else None
                 if prep.chat:
                     delta = ChatDelta(content=ev.text) if ev.text else ChatDelta()
+                    if calls is not None:  # content and tool-call deltas
+                        delta, reason = calls.feed(ev.index, ev.text, reason)
+                        if delta is None and reason is None and not ev.logprobs:
+                            continue
+                        delta = delta or ChatDelta()
                     choice = ChatChunkChoice(ev.index, delta, reason, render.chat(ev.logprobs))
                     ready.append(ChatCompletionChunk(cid, created, model, [choice], usage=usage))
                 else:
@@ -318,12 +327,21 @@ def chat_template(model_dir: str):
     return ChatTemplate.from_dir(model_dir)
 
 
-def chat_prompt(messages: list, entry: ModelEntry, add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_of(req: ChatCompletionRequest, entry: ModelEntry, tp=None) -> list[int]:
+    return chat_prompt(req.messages, entry, tp=tp)
+
+
+def chat_prompt(messages: list, entry: ModelEntry, add_generation_prompt: bool = True,
+                tp: tools.ToolPlan | None = None) -> list[int]:
     """Chat messages (shared.api.ChatMessage) rendered with the model's chat template
-    and tokenized; a template that refuses them is a 400."""
-    plain = [{"role": m.role, "content": _content(m.content)} for m in messages]
+    (with the request's tools: services.gateway.tools) and tokenized; a template
+    that refuses them is a 400."""
+    contents = [_content(m.content) for m in messages]
     try:
-        return chat_template(entry.info.path).encode(entry.tokenizer, plain, add_generation_prompt)
+        template = chat_template(entry.info.path)
+        plain = tools.template_messages(messages, contents, tp, template.knows_tools)
+        given = tp.dicts() if tp is not None and template.knows_tools else None
+        return template.encode(entry.tokenizer, plain, add_generation_prompt, given)
     except ValueError as exc:
         raise bad_request(f"cannot render the chat: {exc}") from None
 
@@ -388,7 +406,7 @@ def _top_logprobs(req, chat: bool) -> int:
     return -1 if req.logprobs is None else req.logprobs
 
 
-def _sampling(req, defaults: dict[str, float], logprobs: int = -1) -> Sampling:
+def _sampling(req, defaults: dict[str, float], logprobs: int = -1, grammar: str = "") -> Sampling:
     """The request's sampling fields; those it leaves unset from the model's
     defaults, then OpenAI's."""
     def pick(key: str):
@@ -404,7 +422,8 @@ def _sampling(req, defaults: dict[str, float], logprobs: int = -1) -> Sampling:
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=float(pick("repetition_penalty")) or 1.0,
                     logit_bias=sorted((req.logit_bias or {}).items()),
-                    stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs)
+                    stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs,
+                    grammar=grammar)
 
 
 def _check_tokens(sampling: Sampling, vocab: int) -> None:

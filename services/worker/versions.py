@@ -303,6 +303,9 @@ class HotSwap(Generic[E]):
         engine = self.factory(info, version)
         if warm:
             engine.warmup(False)
+            grammar = getattr(engine, "grammar", None)  # structured outputs' tables and
+            if grammar is not None:  # masked programs, built ahead (docs/decisions/0048)
+                grammar.prepare_background()
         return engine
 
     async def _fetch(self, version: str) -> catalog.ModelInfo:

@@ -104,3 +104,25 @@ async def test_openai_client_over_http_gets_the_reference_answer(stack, smollm2)
             parts.append(chunk.choices[0].delta.content or "")
     assert "".join(parts) == refs[q][0]
     await client.close()
+
+
+async def test_structured_output_parses_into_a_pydantic_model(stack):
+    """The openai client's `parse` helper sends the model's strict JSON schema; the
+    answer is constrained to it token by token, so it always parses; greedy SmolLM2
+    fills it in sensibly."""
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        country: str = Field(max_length=32)
+        capital: str = Field(max_length=32)
+
+    client = openai.AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0)
+    resp = await client.chat.completions.parse(
+        model=catalog.SMOLLM2, messages=_messages("What is the capital of France? Answer in JSON."),
+        max_tokens=48, temperature=0, response_format=Capital)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop", choice.message.content
+    assert isinstance(choice.message.parsed, Capital)
+    assert "Paris" in choice.message.parsed.capital
+    await client.close()

@@ -28,9 +28,10 @@ class PoolDecoder(MockDecoder):
     def can_admit(self, prompt: list[int]) -> bool:
         return self.room is None or len(prompt) <= self.room
 
-    def begin(self, slot: int, prompt: list[int], sampling, seed: int) -> None:
+    def begin(self, slot: int, prompt: list[int], sampling, seed: int, **kw) -> None:
         super().begin(slot, prompt, sampling, seed)
         self.begun.append((slot, list(prompt), seed))
+        self.generated = kw.get("generated")  # a constrained re-run's tokens so far
         if self.room is not None:
             self.room -= len(prompt)
 
@@ -150,6 +151,30 @@ def test_preempted_sequences_go_back_to_the_front_oldest_first_with_their_tokens
     assert ids(adm.admitted) == [("b", 0), ("c", 0)]
     assert engine.begun[-2][1] == [3, 4, 7]  # its prompt plus its token so far
     assert b.admitted == NOW + 1  # still counted from its first admission
+
+
+def test_a_constrained_rerun_tells_the_engine_how_many_tokens_it_generated():
+    """Its grammar's matcher must be fed them again (engine/decoder/grammar.py); an
+    unconstrained sequence's `begin` gets no such argument (engines without
+    structured outputs take none)."""
+    engine = PoolDecoder(slots=1)
+    sched, _ = scheduler(**{"1": engine})
+    w = work("json")
+    w.sampling = Sampling(temperature=0, grammar='{"grammars": []}')
+    sched.add(w, NOW, seed=0)
+    _, adm = sched.schedule(time.time(), NOW)
+    assert engine.generated == 0
+    lane = sched.lanes["1"]
+    prefilled(sched, *adm.admitted)
+    adm.admitted[0].tokens += [7, 8]
+    sched.requeue(StepResult([], [LaneStep(lane, object(), None, [0])]))
+    sched.schedule(time.time(), NOW + 1)
+    assert engine.begun[-1][1] == [3, 4, 7, 8] and engine.generated == 2
+    plain = PoolDecoder(slots=1)
+    sched, _ = scheduler(**{"1": plain})
+    sched.add(work("plain"), NOW, seed=0)
+    sched.schedule(time.time(), NOW)
+    assert plain.begun and plain.generated is None
 
 
 def test_cancelled_and_expired_waiting_work_retires_without_an_engine_step():

@@ -236,7 +236,9 @@ class StepScheduler:
                 continue
             st.version = version
             # Host bookkeeping only (no device work), and no engine call runs now.
-            lane.engine.begin(slot, prompt, seq.work.sampling, seq.seed)
+            # A constrained re-run's matcher is fed its tokens so far again.
+            again = {"generated": len(seq.tokens)} if seq.work.sampling.grammar else {}
+            lane.engine.begin(slot, prompt, seq.work.sampling, seq.seed, **again)
             seq.lane, seq.slot = lane, slot
             seq.admitted = seq.admitted or now
             lane.active[slot] = seq

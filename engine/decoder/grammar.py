@@ -1,0 +1,200 @@
+"""Structured outputs on the host: one llguidance matcher per constrained slot, and
+the token masks the masked programs apply inside the step (docs/decisions/0048).
+
+  1. `begin(slot, grammar, replay)`: a request's grammar (llguidance's JSON form,
+     built and validated by the gateway) is noted; nothing is compiled on the
+     caller's thread (the scheduler calls `begin` from the event loop).
+  2. `first_mask(slot)`, from `prefill_step` on the engine thread: the matcher is
+     built (a preempted sequence's generated tokens, `replay`, fed back to it) and
+     the mask of its first token computed; the last prompt chunk runs the masked
+     prefill (engine/decoder/constrained.py).
+  3. Every token a constrained slot gets (the prefill's first, each step's as it
+     reaches the host) advances its matcher (`consume`).
+  4. `step_program`: a step with no constrained row runs the engine's own program,
+     untouched: no mask, no wait. A step with one first reads the step before it
+     (the tokens the masks depend on; so constrained steps do not overlap the
+     host's work with the device's), then computes every constrained row's mask
+     at once (llguidance's executor, on its own threads; the GIL is released) and
+     runs the masked program; unconstrained rows get an all-allowed mask.
+
+When a grammar is complete the matcher allows only EOS, so the sequence ends as
+any other does at EOS, with finish_reason "stop". A matcher in an error state
+(it cannot be, fed only tokens its masks allowed; guarded anyway) leaves its row
+unconstrained rather than masking every token.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def mask_words(vocab: int) -> int:
+    """int32 words of one row's bit mask (bit j of word i: token 32 i + j)."""
+    return (vocab + 31) // 32
+
+
+def apply_mask(logits, mask):
+    """logits: [B, V] float32, mask: [B, W] int32 bits -> logits, -inf where a
+    row's bit is clear (tokens past the mask's width included)."""
+    import jax.numpy as jnp
+
+    rows, vocab = logits.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(rows, -1)[:, :vocab] != 0
+    if allowed.shape[1] < vocab:
+        allowed = jnp.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+class SlotGrammars:
+    """The matchers of one engine's slots; see the module docstring."""
+
+    def __init__(self, engine) -> None:
+        self._engine = weakref.proxy(engine)
+        slots = engine.slots
+        self._spec = [""] * slots  # slot -> its grammar ("" = unconstrained)
+        self._replay: list[list[int]] = [[] for _ in range(slots)]
+        self._matchers: list[object | None] = [None] * slots
+        self._pending = None  # the last step dispatched (its tokens feed the masks)
+        self._tokenizer = None  # llguidance.LLTokenizer, built at the first grammar
+        self._executor = None
+        self._programs = None  # engine.decoder.constrained.MaskedPrograms, likewise
+        self._lock = threading.Lock()  # both may be built by `prepare_background`
+        self.syncs = 0  # steps read early because a constrained step needed their tokens
+        self.masked_steps = 0  # step parts run with a mask
+        self.masks = 0  # masks computed (rows), for the mask's cost per token
+        self.mask_seconds = 0.0
+
+    # ------------------------------------------------------------- sequences
+    def begin(self, slot: int, grammar: str, replay: list[int]) -> None:
+        self._spec[slot] = grammar
+        self._replay[slot] = list(replay) if grammar else []
+        self._matchers[slot] = None
+
+    def free(self, slot: int) -> None:
+        self._spec[slot] = ""
+        self._replay[slot] = []
+        self._matchers[slot] = None
+
+    def consume(self, slot: int, token: int) -> None:
+        m = self._matchers[slot]
+        if m is not None and not m.is_stopped():
+            m.consume_token(token)
+
+    @property
+    def width(self) -> int:
+        return mask_words(max(self._engine.cfg.vocab_size, self.tokenizer().vocab_size))
+
+    def tokenizer(self):
+        with self._lock:
+            return self._tokenizer_locked()
+
+    def _tokenizer_locked(self):
+        if self._tokenizer is None:
+            import llguidance
+
+            engine = self._engine
+            if engine.tokenizer is None:
+                raise ValueError(f"{engine.name} has no tokenizer: no structured outputs")
+            self._tokenizer = llguidance.LLTokenizer(
+                engine.tokenizer.backend.to_str(), n_vocab=engine.cfg.vocab_size,
+                eos_token=list(engine.eos_token_ids))
+            self._executor = llguidance.LLExecutor()
+        return self._tokenizer
+
+    def first_mask(self, slot: int) -> np.ndarray | None:
+        """[W] int32: the mask of `slot`'s first token (its matcher built now), or
+        None when it has no grammar."""
+        if not self._spec[slot]:
+            return None
+        import llguidance
+
+        m = llguidance.LLMatcher(self.tokenizer(), self._spec[slot], log_level=0)
+        if m.is_error():
+            raise ValueError(f"the grammar does not compile: {m.get_error()}")
+        if self._replay[slot] and not m.consume_tokens(self._replay[slot]):
+            log.warning("grammar_replay_failed", slot=slot, error=m.get_error())
+        self._matchers[slot] = m
+        return self._fill(np.asarray([slot], np.int32))[0]
+
+    def _fill(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), W] int32 masks: all allowed except for constrained rows."""
+        from llguidance.numpy import fill_next_token_bitmask_par
+
+        out = np.full((len(rows), self.width), -1, np.int32)
+        todo = [(self._matchers[s], i) for i, s in enumerate(rows.tolist())
+                if s < len(self._spec) and self._matchers[s] is not None
+                and not self._matchers[s].is_error()]  # fmt: skip
+        if todo:
+            import time
+
+            t0 = time.perf_counter()
+            fill_next_token_bitmask_par(self._executor, todo, out)
+            self.mask_seconds += time.perf_counter() - t0
+            self.masks += len(todo)
+            for _, i in todo:  # never a row with nothing allowed (the draw needs one)
+                if not out[i].any():
+                    out[i] = -1
+        return out
+
+    # ----------------------------------------------------------------- steps
+    def dispatched(self, pending) -> None:
+        self._pending = pending
+
+    def constrained(self, rows: np.ndarray) -> bool:
+        slots = len(self._spec)
+        return any(s < slots and self._spec[s] for s in rows.tolist())
+
+    def step_program(self, run, batch: int, window: int, rows: np.ndarray):
+        """The step to call for `rows` ([parts x B] slots): `run` itself when none is
+        constrained, else the masked program with each part's masks bound."""
+        if not self.constrained(rows):
+            return run
+        if self._pending is not None:
+            self._pending.result()  # its tokens reach the matchers (`consume`)
+            self._pending = None
+            self.syncs += 1
+        exe = self.programs().step(batch, window)
+
+        def masked(params, state, part, tables, live):
+            self.masked_steps += 1
+            return exe(params, state, part, tables, live, self._fill(np.asarray(part)))
+
+        return masked
+
+    def prefill_program(self, bucket: int, ctx: int, mask: np.ndarray):
+        exe = self.programs().prefill(bucket, ctx)
+        return lambda *args: exe(*args, mask)
+
+    def programs(self):
+        width = self.width
+        with self._lock:
+            if self._programs is None:
+                from engine.decoder.constrained import MaskedPrograms
+
+                self._programs = MaskedPrograms(self._engine, width)
+            return self._programs
+
+    def prepare_background(self) -> None:
+        """After warm-up, when the engine compiles ahead: build the tokenizer tables
+        and compile the masked twins of a first request's programs on a thread, so
+        the first constrained request does not wait for them. A thread that cannot
+        (no tokenizer) leaves them to be built where first needed."""
+        engine = self._engine
+        if engine.compile_ahead == "lazy" or engine.tokenizer is None:
+            return
+
+        def work() -> None:
+            try:
+                self.programs().start_background(engine.first_compiles())
+            except Exception as exc:  # noqa: BLE001 - built again where first needed
+                log.warning("grammar_prepare_failed", model=engine.name, error=repr(exc))
+
+        threading.Thread(target=work, name=f"grammar-{engine.name}", daemon=True).start()

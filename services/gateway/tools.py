@@ -1,0 +1,313 @@
+"""Tool calls: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` on chat.
+
+  1. `plan(req)`: what the request asks. `tool_choice` "none" (or no tools): plain
+     chat. "auto" (the default with tools): the model may answer or call; its text
+     is parsed afterwards. "required": a grammar forces a JSON list of calls, each
+     `{"name": <one of the tools>, "arguments": <valid against its parameters>}`
+     (one call when `parallel_tool_calls` is false, else at most
+     MAX_PARALLEL_CALLS). A named function: a grammar
+     forces its arguments object. So forced arguments always parse against the
+     function's schema (services/gateway/structured.py; a schema that cannot be
+     enforced is a 400 naming the tool).
+  2. `template_messages`: the conversation for the chat template. A template that
+     renders tools itself (engine.chat.ChatTemplate.knows_tools) gets `tools`,
+     assistant `tool_calls` and tool messages' `tool_call_id` as transformers
+     passes them. Any other gets TOOL_PROMPT in its system message, earlier calls
+     written as the JSON list the prompt asks for, and tool results as user turns
+     in `<tool_response>` tags.
+  3. `reply` (whole) and `ToolStream` (streamed): the text becomes `tool_calls`
+     with `finish_reason: "tool_calls"`. Forced calls (named, "required") stream
+     as argument deltas, as OpenAI streams them; "auto" calls come as one delta
+     per call once the choice ends ("auto" streams plain content as it comes when
+     its text cannot start a call).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from services.gateway.structured import schema_grammar
+from shared.api import (
+    ChatCompletionRequest, ChatDelta, FunctionCall, FunctionDelta, NamedToolChoice, ResponseMessage,
+    ToolCall, ToolCallDelta)
+from shared.errors import bad_request
+
+# Calls one forced reply may hold: bounded, so a small model cannot loop on calls.
+MAX_PARALLEL_CALLS = 8
+NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+TOOL_PROMPT = (
+    "You can call functions. They are, as JSON:\n{tools}\n"
+    "To call functions, reply with only a JSON list of calls, each "
+    '{{"name": <function name>, "arguments": <an object of its arguments>}}, and nothing '
+    "else. Otherwise answer in plain text.")
+NAMED_PROMPT = "Call the function {name} now: reply with only its arguments, one JSON object."
+_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # "auto" | "required" | "named"
+    tools: tuple  # shared.api.Tool
+    name: str = ""  # the named function
+    parallel: bool = True
+    grammar: str = ""
+
+    def dicts(self) -> list[dict]:
+        return [{"type": "function", "function": {
+            k: v for k, v in (("name", t.function.name), ("description", t.function.description),
+                              ("parameters", t.function.parameters)) if v is not None}}
+            for t in self.tools]  # fmt: skip
+
+
+def _parameters(tool) -> dict:
+    p = tool.function.parameters
+    return NO_ARGUMENTS if not p else p
+
+
+def plan(req: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tool plan (None: plain chat), or a 400 saying what is wrong."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("'tool_choice' needs 'tools'")
+        return None
+    if choice == "none":
+        return None
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) < len(names):
+        raise bad_request("'tools' names a function twice")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise bad_request("'response_format' cannot be combined with 'tools' here; use "
+                          "'tool_choice': 'none' or leave one out")
+    parallel = req.parallel_tool_calls is not False
+    tools = tuple(req.tools)
+    if isinstance(choice, NamedToolChoice):
+        name = choice.function.name
+        if name not in names:
+            raise bad_request(f"'tool_choice' names function '{name}', which 'tools' "
+                              f"does not define")
+        i = names.index(name)
+        grammar = schema_grammar(_parameters(tools[i]), f"tools[{i}].function.parameters")
+        return ToolPlan("named", tools, name, parallel, grammar)
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                                   "arguments": _parameters(t)},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for t in tools]  # fmt: skip
+        for i, t in enumerate(tools):  # a refusal names the tool, not the list
+            schema_grammar(_parameters(t), f"tools[{i}].function.parameters")
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
+                  "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
+        return ToolPlan("required", tools, "", parallel, schema_grammar(schema, "'tools'"))
+    return ToolPlan("auto", tools, "", parallel)
+
+
+def _arguments_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def template_messages(messages: list, contents: list[str], tp: ToolPlan | None,
+                      knows_tools: bool) -> list[dict]:  # fmt: skip
+    """The messages as the chat template gets them (see the module docstring)."""
+    out = []
+    for m, text in zip(messages, contents):
+        d = {"role": m.role, "content": text}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_calls:
+            calls = [{"name": c.function.name, "arguments": _arguments_value(c.function.arguments)}
+                     for c in m.tool_calls]  # fmt: skip
+            if knows_tools:
+                d["tool_calls"] = [{"id": c.id, "type": "function", "function": f}
+                                   for c, f in zip(m.tool_calls, calls)]
+            else:
+                d["content"] = ((text + "\n") if text else "") + json.dumps(calls)
+        if m.role == "tool":
+            if knows_tools:
+                if m.tool_call_id:
+                    d["tool_call_id"] = m.tool_call_id
+            else:
+                d = {"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"}
+        out.append(d)
+    if tp is not None and not knows_tools:
+        prompt = TOOL_PROMPT.format(tools=json.dumps(tp.dicts()))
+        if tp.mode == "named":
+            prompt += "\n" + NAMED_PROMPT.format(name=tp.name)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _calls(value, names: set[str]) -> list[tuple[str, str]] | None:
+    """(name, arguments JSON) of each call in a parsed value: one call object or a
+    list of them; None when it is not that, or names an unknown function."""
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return None
+        args = item.get("arguments", item.get("parameters", {}))
+        out.append((item["name"], args if isinstance(args, str)
+                    else json.dumps(args, ensure_ascii=False, separators=(",", ":"))))
+    return out or None
+
+
+def parse(tp: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
+    """(content, calls) of a choice's whole text."""
+    names = {t.function.name for t in tp.tools}
+    if tp.mode == "named":
+        return None, [(tp.name, text)]
+    if tp.mode == "required":  # the arguments as generated, as they were streamed
+        deltas = _ForcedCalls().feed(text)
+        names = {d.index: d.function.name for d in deltas if d.id}
+        calls = [(names[i], "".join(d.function.arguments for d in deltas if d.index == i))
+                 for i in sorted(names)]
+        try:
+            if calls and all(isinstance(json.loads(a), dict) for _, a in calls):
+                return None, calls
+        except ValueError:
+            pass
+        return text, None
+    tagged = _TAGGED.findall(text)
+    try:
+        if tagged:
+            calls = [c for t in tagged for c in (_calls(json.loads(t), names) or [])]
+            rest = _TAGGED.sub("", text).strip()
+            return (rest or None), (calls or None)
+        stripped = text.strip()
+        if stripped[:1] in ("{", "["):
+            calls = _calls(json.loads(stripped), names)
+            if calls:
+                return None, calls
+    except ValueError:
+        pass
+    return text, None
+
+
+def message(tp: ToolPlan | None, text: str, finish: str | None):
+    """(ResponseMessage, finish_reason) of a whole chat choice."""
+    if tp is None:
+        return ResponseMessage("assistant", text), finish
+    content, calls, reason = reply(tp, text, finish)
+    return ResponseMessage("assistant", content, calls), reason
+
+
+def reply(tp: ToolPlan, text: str, finish: str | None):
+    """(content, tool_calls or None, finish_reason) of a whole choice."""
+    content, calls = parse(tp, text)
+    if not calls:
+        return text, None, finish
+    tool_calls = [ToolCall(id=_call_id(), function=FunctionCall(name=n, arguments=a))
+                  for n, a in calls]
+    return content, tool_calls, ("tool_calls" if finish == "stop" else finish)
+
+
+_CALL_OPENS = re.compile(r'\}?[\[,]\{"name":"([^"\\]*)","arguments":')
+
+
+class _ForcedCalls:
+    """A `required` reply, as generated: the grammar writes the list compactly,
+    `[{"name":"f","arguments":{...}},...]`, so each call's start and the end of its
+    arguments are found by scanning (strings and nesting tracked); the arguments
+    stream as they come."""
+
+    def __init__(self) -> None:
+        self.buf = ""
+        self.calls = 0
+        self.depth = -1  # inside a call's arguments: its nesting (-1: between calls)
+        self.string = self.escape = False
+
+    def feed(self, text: str) -> list[ToolCallDelta]:
+        self.buf += text
+        out: list[ToolCallDelta] = []
+        while self.buf:
+            if self.depth < 0:
+                m = _CALL_OPENS.match(self.buf)
+                if m is None:
+                    break  # the next call's opening is not all here yet (or the end)
+                out.append(ToolCallDelta(self.calls, _call_id(), "function",
+                                         FunctionDelta(m.group(1), "")))
+                self.calls += 1
+                self.buf, self.depth = self.buf[m.end():], 0
+                continue
+            n = self._scan()
+            piece, self.buf = self.buf[:n], self.buf[n:]
+            if piece:
+                out.append(ToolCallDelta(self.calls - 1, function=FunctionDelta(arguments=piece)))
+        return out
+
+    def _scan(self) -> int:
+        """How much of `buf` belongs to the current arguments (all of it, or up to
+        where they close, which sets depth to -1)."""
+        for i, ch in enumerate(self.buf):
+            if self.string:
+                self.escape, self.string = (False, True) if self.escape else (
+                    ch == "\\", ch != '"')
+                continue
+            if ch == '"':
+                self.string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.depth = -1
+                    return i + 1
+        return len(self.buf)
+
+
+class ToolStream:
+    """A streamed chat's choices turned into content and tool-call deltas."""
+
+    def __init__(self, tp: ToolPlan, n: int) -> None:
+        self.tp = tp
+        self._held = [""] * n
+        self._plain = [False] * n  # auto: this choice is content, streamed as it comes
+        self._id: list[str | None] = [None] * n
+        self._forced = [_ForcedCalls() for _ in range(n)] if tp.mode == "required" else []
+
+    def feed(self, index: int, text: str, finish: str | None) -> tuple[ChatDelta | None, str | None]:
+        """The delta for a piece of choice `index` (None: nothing to send yet), and
+        its finish reason."""
+        if self.tp.mode == "named":
+            if self._id[index] is None:
+                self._id[index] = _call_id()
+                call = ToolCallDelta(0, self._id[index], "function",
+                                     FunctionDelta(self.tp.name, text))
+            else:
+                call = ToolCallDelta(0, function=FunctionDelta(arguments=text))
+            reason = "tool_calls" if finish == "stop" else finish
+            return (ChatDelta(tool_calls=[call]) if text or self._id[index] else None), reason
+        if self._forced:
+            calls = self._forced[index].feed(text)
+            reason = "tool_calls" if finish == "stop" else finish
+            return (ChatDelta(tool_calls=calls) if calls else None), reason
+        if self._plain[index]:
+            return (ChatDelta(content=text) if text else None), finish
+        self._held[index] += text
+        held = self._held[index]
+        start = held.lstrip()
+        if self.tp.mode == "auto" and start and not (
+                start[:1] in ("{", "[") or start.startswith("<tool_call>")
+                or "<tool_call>".startswith(start)):
+            self._plain[index] = True
+            return ChatDelta(content=held), finish
+        if finish is None:
+            return None, None
+        content, calls, reason = reply(self.tp, held, finish)
+        deltas = [ToolCallDelta(i, c.id, "function", FunctionDelta(c.function.name,
+                                                                   c.function.arguments))
+                  for i, c in enumerate(calls or [])]  # fmt: skip
+        return ChatDelta(content=content, tool_calls=deltas or None), reason
