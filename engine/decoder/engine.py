@@ -9,8 +9,7 @@ Dataflow of a served sequence:
      `prefill_chunk` tokens, from where the reused prefix or the last chunk ended),
      padded to a length bucket, attends to the sequence's blocks and writes its K/V
      into them. The last chunk draws the first token with the request's own seeded
-     key and makes the slot live. (engine/decoder/static.py's `prefill_insert` does
-     1 and 2 in one call, for tests and benchmarks.)
+     key and makes the slot live (static.py's `prefill_insert`: 1 and 2 in one call).
   3. `make_room()` then `step()`: a live slot whose next token starts a new block
      gets one; when the pool is dry the newest sequence is preempted (its blocks
      go back, the caller re-runs it later from its tokens so far). Then one
