@@ -297,8 +297,8 @@ class ChatLogprobs(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -83,6 +83,8 @@ class GenerateWork(_Msg, tag="generate"):
     # `deadline` bounds the wait for the first token; once tokens flow, these do:
     stall_s: float = 0.0  # no token for this long ends it (0 = no stall bound)
     end_by: float = 0.0  # UNIX seconds: it ends by then, whatever it produces (0 = no bound)
+    prompt_logprobs: int = -1  # echo with logprobs: the prompt's too, with this many top
+    # alternatives at each position (-1: none)
 
 
 WorkRequest = EmbedWork | GenerateWork
@@ -133,6 +135,8 @@ class GenChunk(_Msg, tag="chunk"):
     version: str = ""  # the model version generating this request (every chunk says it)
     logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)  # one per token in
     # `tokens`, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)  # on a
+    # choice's first chunk, when asked for: the prompt's tokens after its first
 
 
 class GenDone(_Msg, tag="done"):

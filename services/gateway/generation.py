@@ -25,14 +25,13 @@
 from __future__ import annotations
 
 import functools
-import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, AsyncIterator
 
-from services.gateway import codec, tools
+from services.gateway import codec, params, tools
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
+from services.gateway.echo import Echo, joined
 from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
 from services.gateway.structured import grammar_for
@@ -50,7 +49,7 @@ from shared.api import (
     Usage,
 )
 from shared.errors import bad_request
-from shared.messages import GenChunk, GenDone, GenerateWork, Sampling, TokenLogprob
+from shared.messages import GenChunk, GenDone, GenerateWork, TokenLogprob
 
 if TYPE_CHECKING:
     from services.gateway.call import Call
@@ -102,8 +101,6 @@ class Generation:
                               f"model '{name}' is an embedding model; use the embeddings endpoint")
         self.front.admission.check_served(name)
         self.front.admission.shed(name)
-        if not chat and req.echo:
-            raise bad_request("'echo' is not supported; send the prompt back yourself")
         if chat and req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true")
         if req.stream_options is not None and not req.stream:
@@ -128,19 +125,21 @@ class Generation:
                     if reserved:
                         self.front.admission.unreserve(rid)
                     raise
-        max_tokens = _max_tokens(req, chat, len(prompt), limit)
+        max_tokens = params.max_tokens(req, chat, len(prompt), limit)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        sampling = _sampling(req, generation_defaults(entry.info.path), _top_logprobs(req, chat),
-                             tp.grammar if tp else grammar_for(req.response_format))
+        sampling = params.sampling(req, params.generation_defaults(entry.info.path),
+                                   params.top_logprobs(req, chat),
+                                   tp.grammar if tp else grammar_for(req.response_format))
         if sampling.grammar and req.ignore_eos:
             raise bad_request("'ignore_eos' cannot be used with 'response_format': a "
                               "structured output ends at its grammar's end")
-        _check_tokens(sampling, entry.tokenizer.vocab_size)
+        params.check_tokens(sampling, entry.tokenizer.vocab_size)
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
                             req.stream, deadline, "", ignore_eos=req.ignore_eos,
                             user=user_key(req.user, call.user), reserved=reserved,
-                            stall_s=self.config.stall_timeout_s, end_by=call.end_by)
+                            stall_s=self.config.stall_timeout_s, end_by=call.end_by,
+                            prompt_logprobs=_prompt_logprobs(req, chat))
         opts = req.stream_options
         return Prepared(req, chat, work, req.model, int(time.time()),
                         bool(opts and opts.include_usage),
@@ -222,6 +221,7 @@ class Generation:
         out = call.out
         texts = [[] for _ in range(prep.work.n)]
         lps: list[list[TokenLogprob]] = [[] for _ in range(prep.work.n)]
+        heads: list[list[TokenLogprob]] = [[] for _ in range(prep.work.n)]
         finish: list[str | None] = [None] * prep.work.n
         done = None
         async for batch in self.events(prep, call):
@@ -229,6 +229,7 @@ class Generation:
                 if isinstance(ev, GenChunk):
                     texts[ev.index].append(ev.text)
                     lps[ev.index] += ev.logprobs
+                    heads[ev.index] += ev.prompt_logprobs  # echo: on its first chunk
                     finish[ev.index] = ev.finish_reason or finish[ev.index]
                 else:
                     done = ev
@@ -241,8 +242,11 @@ class Generation:
                        for i, t in enumerate(texts)]
             return ChatCompletionResponse(id=f"chatcmpl-{prep.work.request_id}", created=prep.created,
                                           model=prep.model, choices=choices, usage=usage)
-        choices = [CompletionChoice(i, "".join(t), _reason(finish[i]), render.completion(i, lps[i]))
-                   for i, t in enumerate(texts)]
+        echo, first = Echo(prep.req, prep.work.prompt, prep.tokenizer), prep.work.prompt[:1]
+        choices = [CompletionChoice(
+            i, echo.text + "".join(t), _reason(finish[i]),
+            joined(render.prompt(i, first[0], heads[i]) if echo.on else None,
+                   render.completion(i, lps[i]))) for i, t in enumerate(texts)]
         return CompletionResponse(id=f"cmpl-{prep.work.request_id}", created=prep.created,
                                   model=prep.model, choices=choices, usage=usage)
 
@@ -258,6 +262,7 @@ class Generation:
         prompt, generated = len(prep.work.prompt), 0
         render = Logprobs(prep.tokenizer, prep.work.n, prep.logprobs)
         calls = tools.ToolStream(prep.tools, prep.work.n) if prep.tools else None
+        echo = Echo(None if prep.chat else prep.req, prep.work.prompt, prep.tokenizer)
         async for batch in self.events(prep, call):
             ready: list[object] = []
             if prep.chat and not started:
@@ -286,8 +291,11 @@ class Generation:
                     choice = ChatChunkChoice(ev.index, delta, reason, render.chat(ev.logprobs))
                     ready.append(ChatCompletionChunk(cid, created, model, [choice], usage=usage))
                 else:
-                    choice = CompletionChoice(ev.index, ev.text, reason,
-                                              render.completion(ev.index, ev.logprobs))
+                    head = echo.first(ev)  # echo: the prompt goes in front of its first
+                    lp = joined(echo.logprobs(render, ev.index, ev) if head else None,
+                                render.completion(ev.index, ev.logprobs))
+                    choice = CompletionChoice(ev.index, echo.text + ev.text if head else ev.text,
+                                              reason, lp)
                     ready.append(CompletionChunk(cid, created, model, [choice], usage=usage))
             if ready:
                 yield ready
@@ -315,7 +323,7 @@ def coalesced(batch: list[GenChunk | GenDone]) -> list[GenChunk | GenDone]:
         have = out[i]
         out[i] = GenChunk(ev.request_id, ev.index, have.text + ev.text, have.tokens + ev.tokens,
                           ev.finish_reason or have.finish_reason, ev.attempt, ev.version,
-                          have.logprobs + ev.logprobs)
+                          have.logprobs + ev.logprobs, have.prompt_logprobs + ev.prompt_logprobs)
     return out
 
 
@@ -360,80 +368,10 @@ def _content(content: str | list | None) -> str:
     return "\n".join(part.text for part in content)
 
 
-def _max_tokens(req, chat: bool, prompt: int, limit: int) -> int:
-    """The request's token budget; when it asks for more than the context leaves,
-    a 400 naming both numbers (never a silent clamp). Unset: what the context leaves."""
-    field = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
-    asked = (req.max_completion_tokens if chat else None) or req.max_tokens
-    if asked is None:
-        return limit - prompt
-    if prompt + asked > limit:
-        raise bad_request(
-            f"'{field}' is {asked} and the prompt has {prompt} tokens: {prompt + asked} "
-            f"tokens in all, over the model's context of {limit} tokens (at most "
-            f"{limit - prompt} can be generated for this prompt)",
-            code="context_length_exceeded")
-    return asked
-
-
-# OpenAI's defaults, used when neither the request nor the model's
-# generation_config.json sets a field.
-SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-                     "repetition_penalty": 1.0}
-
-
-@functools.lru_cache(maxsize=64)
-def generation_defaults(model_dir: str) -> dict[str, float]:
-    """The sampling defaults the model's authors ship in `generation_config.json`
-    (as vLLM applies them): those of SAMPLING_DEFAULTS it sets, with valid values."""
-    path = Path(model_dir) / "generation_config.json"
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    out: dict[str, float] = {}
-    for key in SAMPLING_DEFAULTS:
-        value = cfg.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = value
-    return out
-
-
-def _top_logprobs(req, chat: bool) -> int:
-    """Top logprobs per token the request wants: -1 none, 0 the sampled token's only."""
-    if chat:
-        return (req.top_logprobs or 0) if req.logprobs else -1
-    return -1 if req.logprobs is None else req.logprobs
-
-
-def _sampling(req, defaults: dict[str, float], logprobs: int = -1, grammar: str = "") -> Sampling:
-    """The request's sampling fields; those it leaves unset from the model's
-    defaults, then OpenAI's."""
-    def pick(key: str):
-        value = getattr(req, key)
-        if value is None:
-            value = defaults.get(key, SAMPLING_DEFAULTS[key])
-        return value
-
-    return Sampling(temperature=max(0.0, float(pick("temperature"))),
-                    top_p=min(1.0, float(pick("top_p"))) or 1.0, top_k=int(pick("top_k")),
-                    seed=req.seed, min_p=min(1.0, max(0.0, float(pick("min_p")))),
-                    presence_penalty=req.presence_penalty or 0.0,
-                    frequency_penalty=req.frequency_penalty or 0.0,
-                    repetition_penalty=float(pick("repetition_penalty")) or 1.0,
-                    logit_bias=sorted((req.logit_bias or {}).items()),
-                    stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs,
-                    grammar=grammar)
-
-
-def _check_tokens(sampling: Sampling, vocab: int) -> None:
-    """Token ids in `logit_bias` and `stop_token_ids` must name tokens of the model."""
-    for field, ids in (("logit_bias", [t for t, _ in sampling.logit_bias]),
-                       ("stop_token_ids", sampling.stop_token_ids)):
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise bad_request(f"'{field}' names token id {bad}, outside the vocabulary of "
-                              f"{vocab} tokens")
+def _prompt_logprobs(req, chat: bool) -> int:
+    """Top alternatives per prompt token a completions `echo` with `logprobs` wants
+    (services/gateway/echo.py); -1: none."""
+    return req.logprobs if not chat and req.echo and req.logprobs is not None else -1
 
 
 def _reason(reason: str | None) -> str | None:

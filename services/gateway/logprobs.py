@@ -42,6 +42,20 @@ class Logprobs:
             content.append(ChatTokenLogprob(text, self._lp(e.logprob), list(text.encode()), top))
         return ChatLogprobs(content)
 
+    def prompt(self, index: int, first: int, entries: list[TokenLogprob]) -> CompletionLogprobs | None:
+        """An echoed prompt's logprobs: its first token (`first`) with none, then
+        `entries` (each later token given those before it)."""
+        if not self.on:
+            return None
+        text = self._text(first)
+        head = CompletionLogprobs([text], [None], [None], [self.offsets[index]])
+        self.offsets[index] += len(text)
+        rest = self.completion(index, entries)
+        return CompletionLogprobs(head.tokens + rest.tokens,
+                                  head.token_logprobs + rest.token_logprobs,
+                                  head.top_logprobs + rest.top_logprobs,
+                                  head.text_offset + rest.text_offset)
+
     def completion(self, index: int, entries: list[TokenLogprob]) -> CompletionLogprobs | None:
         if not self.on:
             return None

@@ -46,7 +46,7 @@ from services.worker.versions import LoadedModels
 from shared.admission import GenCostBook
 from shared.errors import ServiceError, internal
 from shared.logging import get_logger
-from shared.messages import GenerateWork
+from shared.messages import GenerateWork, TokenLogprob
 
 log = get_logger("worker.generation")
 
@@ -175,10 +175,29 @@ class DecoderRunner:
             self._spawn(self.outbox.refuse(work, ServiceError(400, str(exc))))
             return
         seed = work.sampling.seed if work.sampling.seed is not None else random.getrandbits(32)
-        self.sched.add(work, now, seed)
-        self.output.add(work, now)
         self._idle.clear()
+        if work.prompt_logprobs >= 0:  # echo with logprobs: the prompt scored first
+            self._spawn(self._scored(work, engine, now, seed))
+            return
+        self._add(work, now, seed)
+
+    def _add(self, work: GenerateWork, now: float, seed: int, prompt_logprobs=()) -> None:
+        self.sched.add(work, now, seed)
+        self.output.add(work, now, prompt_logprobs)
         self._wake.set()
+
+    async def _scored(self, work: GenerateWork, engine, now: float, seed: int) -> None:
+        """The prompt's logprobs, computed on the engine thread between steps, then
+        the request joins the queue (they ride in each choice's first chunk)."""
+        loop = asyncio.get_running_loop()
+        try:
+            got = await loop.run_in_executor(self.executor, engine.prompt_logprobs,
+                                             work.prompt, work.prompt_logprobs)
+        except ValueError as exc:
+            await self.outbox.refuse(work, ServiceError(400, str(exc)))
+            self._wake.set()
+            return
+        self._add(work, now, seed, [TokenLogprob(t, lp, top) for t, lp, top in got])
 
     def cancel(self, request_id: str) -> None:
         if self.sched.cancel(request_id):

@@ -46,6 +46,9 @@ def tiny(tmp_path_factory, jax_cache_dir):
     chat_ids = ChatTemplate.from_dir(path).encode(engine.tokenizer, CHAT)
     refs["chat"] = hf_greedy(model, chat_ids, NEW)
     refs["chat_logprobs"] = _hf_logprobs(model, chat_ids, refs["chat"])
+    with torch.no_grad():  # the prompt's own: before each of its tokens after the first
+        logits = model(torch.tensor([PROMPT])).logits[0].float()
+    refs["prompt_logprobs"] = torch.log_softmax(logits, -1)[:-1].numpy()
     return model, engine, str(path), refs
 
 
@@ -259,3 +262,40 @@ async def test_tokenize_and_detokenize_over_http_and_nats(stack, tiny):
         for endpoint, body, status, needle in bad:
             r = await http.post(f"/v1/{endpoint}", json=body)
             assert r.status_code == status and needle in r.json()["error"]["message"], r.text
+
+
+async def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, tiny):
+    """lm-evaluation-harness's local-completions: `echo` and `logprobs` score the
+    prompt's own tokens; the first has none (nothing before it)."""
+    _, engine, _, refs = tiny
+    got = await client.completions.create(model=engine.name, prompt=PROMPT, max_tokens=NEW,
+                                          temperature=0, echo=True, logprobs=2)
+    choice = got.choices[0]
+    prompt_text = engine.tokenizer.decode(PROMPT, skip_special_tokens=False)
+    assert choice.text == prompt_text + engine.tokenizer.decode(refs["greedy"])
+    lp, n = choice.logprobs, len(PROMPT)
+    assert len(lp.tokens) == n + NEW and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = refs["prompt_logprobs"]
+    np.testing.assert_allclose(lp.token_logprobs[1:n], [want[i, t] for i, t in
+                                                        enumerate(PROMPT[1:])], atol=1e-3)
+    for i in range(1, n):  # the two best at each prompt position, and the prompt's own
+        best = {engine.tokenizer.decode([int(t)], skip_special_tokens=False)
+                for t in np.argsort(-want[i - 1])[:2]}
+        assert best <= set(lp.top_logprobs[i]) and lp.tokens[i] in lp.top_logprobs[i]
+    gen = lp.token_logprobs[n:]  # then the generated tokens', as without echo
+    np.testing.assert_allclose(gen, [refs["logprobs"][i, t] for i, t in
+                                     enumerate(refs["greedy"])], atol=1e-3)
+    assert lp.text_offset[n] == sum(len(t) for t in lp.tokens[:n])
+
+
+async def test_echo_streams_the_prompt_first_and_without_logprobs_too(client, tiny):
+    _, engine, _, refs = tiny
+    text = "the quick brown fox"
+    stream = await client.completions.create(model=engine.name, prompt=text, max_tokens=NEW,
+                                             temperature=0, echo=True, stream=True)
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].text.startswith(text)
+    whole = await client.completions.create(model=engine.name, prompt=text, max_tokens=NEW,
+                                            temperature=0, echo=True)
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in chunks if c.choices)
+    assert whole.choices[0].text.startswith(text) and whole.choices[0].logprobs is None

@@ -52,6 +52,7 @@ class Stream:
     text: list[str] = field(default_factory=list)  # unsent text (non-streaming)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # unsent, when asked for
     noted: float = 0.0  # perf_counter of its latest progress chunk (non-streaming)
+    prompt: list[TokenLogprob] = field(default_factory=list)  # echo: rides its first chunk
 
 
 @dataclass(eq=False)
@@ -64,6 +65,7 @@ class RequestOutput:
     itl_n: int = 0
     itl_counts: list[int] = field(default_factory=itl_counts)  # per-token gaps, bucketed
     streams: dict[int, Stream] = field(default_factory=dict)  # choice index -> stream
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # echo, when asked
 
 
 class OutputProcessor:
@@ -72,15 +74,17 @@ class OutputProcessor:
         self.model = model
         self.requests: dict[str, RequestOutput] = {}
 
-    def add(self, work: GenerateWork, arrived: float) -> None:
-        self.requests[work.request_id] = RequestOutput(arrived)
+    def add(self, work: GenerateWork, arrived: float, prompt_logprobs=()) -> None:
+        """`prompt_logprobs`: the prompt's (echo), for each choice's first chunk."""
+        self.requests[work.request_id] = RequestOutput(arrived, prompt_logprobs=list(prompt_logprobs))
 
     def accept(self, seq: Sequence, tok: int, now: float) -> list[Say]:
         """One token of `seq` (on its lane), read at `now` (perf_counter)."""
         st = self.requests[seq.work.request_id]
         stream = st.streams.get(seq.index)
         if stream is None:
-            stream = st.streams[seq.index] = Stream(_detokenizer(seq.lane.engine, seq.work))
+            stream = st.streams[seq.index] = Stream(_detokenizer(seq.lane.engine, seq.work),
+                                                    prompt=st.prompt_logprobs)
         if stream.generated == 0:
             if not st.first_at:
                 st.first_at, st.admitted = now, seq.admitted
@@ -114,8 +118,10 @@ class OutputProcessor:
         if stream.noted and (w.stall_s <= 0 or now - stream.noted < w.stall_s / 4):
             return []
         stream.noted = now
-        return [Say(w, GenChunk(w.request_id, seq.index, "", 0, None, w.attempt,
-                                seq.lane.version))]
+        chunk = GenChunk(w.request_id, seq.index, "", 0, None, w.attempt, seq.lane.version,
+                         prompt_logprobs=stream.prompt)
+        stream.prompt = []
+        return [Say(w, chunk)]
 
     @staticmethod
     def _check(seq: Sequence, stream: Stream, tok: int) -> str:
@@ -139,9 +145,9 @@ class OutputProcessor:
     def _chunk(seq: Sequence, stream: Stream, text: str) -> Say:
         w = seq.work
         chunk = GenChunk(w.request_id, seq.index, text, stream.unsent, seq.finish,
-                         w.attempt, seq.lane.version, stream.logprobs)
+                         w.attempt, seq.lane.version, stream.logprobs, stream.prompt)
         stream.unsent = 0
-        stream.logprobs = []
+        stream.logprobs, stream.prompt = [], []
         return Say(w, chunk)
 
     def close(self, req: Request, version: str, running: int, now: float) -> list[Say]:
