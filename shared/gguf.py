@@ -44,6 +44,7 @@ class Header:
     version: int
     metadata: dict[str, Any]
     tensors: dict[str, tuple[tuple[int, ...], int]]  # name -> (shape [out, in] order, ggml type)
+    size: int = 0  # bytes of the header: its first `size` bytes read alone as this header
 
     @property
     def architecture(self) -> str:
@@ -110,7 +111,7 @@ def _parse(path: str, buf) -> Header:
         raise GGUFError(f"{path}: truncated or damaged GGUF header ({exc})") from None
     if "general.architecture" not in meta:
         raise GGUFError(f"{path} names no general.architecture")
-    return Header(path, version, meta, tensors)
+    return Header(path, version, meta, tensors, pos)
 
 
 def _string(buf, pos: int) -> tuple[str, int]:
