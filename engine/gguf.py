@@ -5,13 +5,16 @@ chat template, so the rest of the engine sees what a Hugging Face directory give
    metadata to config.json keys.
 2. Weights: every tensor is dequantized with the `gguf` package (Q4_1, Q8_0, the
    K-quants Q4_K / Q5_K / Q6_K, ... to float32), renamed to the Hugging Face names,
-   and in Llama files q_proj / k_proj get their rows un-permuted: llama.cpp's converter reorders each head's rows from the two-halves
-   RoPE layout transformers uses to interleaved pairs; the inverse is transformers'
+   and in Llama files q_proj / k_proj get their rows un-permuted: llama.cpp's
+   converter reorders each head's rows from the two-halves RoPE layout transformers uses to interleaved pairs; the inverse is transformers'
    own (`LlamaTensorProcessor._reverse_permute_weights`).
 3. Tokenizer: the vocabulary, merges and token types (`tokenizer.ggml.*`) rebuilt
    as a `tokenizers` byte-level BPE with the pre-tokenizer llama.cpp applies for the
    file's `tokenizer.ggml.pre` (SmolLM's digits-first, GPT-2's, Llama 3's
-   `llama-bpe`, Qwen2's), control tokens as special added tokens.
+   `llama-bpe`, Qwen2's), control tokens as special added tokens. A SentencePiece
+   vocabulary (`tokenizer.ggml.model` = `llama`: Llama 2, Mistral, Gemma) becomes
+   a BPE whose merges are every split of a token into two tokens, best score first
+   (SentencePiece's own rule), with byte fallback (`gguf_spm.py`).
 4. Chat template: `tokenizer.chat_template`, with the special tokens' text.
 """
 
@@ -135,13 +138,18 @@ def _byte_alphabet() -> set[str]:
 
 
 def build_tokenizer(header: Header):
-    """`tokenizers.Tokenizer` for the file's byte-level BPE vocabulary."""
+    """`tokenizers.Tokenizer` for the file's vocabulary (byte-level BPE or SentencePiece)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     m = header.metadata
     kind, pre = m.get("tokenizer.ggml.model"), m.get("tokenizer.ggml.pre", "(none)")
+    if kind == "llama":
+        from engine.gguf_spm import build_sentencepiece
+
+        return build_sentencepiece(header)
     if kind != "gpt2":
-        raise GGUFError(f"{header.path}: tokenizer model {kind!r} is not supported (gpt2 is)")
+        raise GGUFError(f"{header.path}: tokenizer model {kind!r} is not supported "
+                        f"(gpt2 and llama are)")
     if pre not in _DIGITS_FIRST | _GPT2 | set(_SPLITS):
         raise GGUFError(f"{header.path}: pre-tokenizer {pre!r} is not supported")
     tokens: list[str] = m["tokenizer.ggml.tokens"]

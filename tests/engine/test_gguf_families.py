@@ -101,8 +101,8 @@ def _write_qwen(path, arch: str, tok_json: dict, seed: int) -> None:
         kq(b + "ffn_up.weight", FFN, HIDDEN, "Q5_K")
         kq(b + "ffn_down.weight", HIDDEN, FFN, "Q6_K")
         if arch == "qwen2":
-            for t, n in (("attn_q.bias", HEADS), ("attn_k.bias", KV_HEADS), ("attn_v.bias", KV_HEADS)):
-                f32(b + t, n * head_dim, scale=0.1)
+            for t, n in (("attn_q", HEADS), ("attn_k", KV_HEADS), ("attn_v", KV_HEADS)):
+                f32(b + t + ".bias", n * head_dim, scale=0.1)
         else:
             f32(b + "attn_q_norm.weight", head_dim, scale=0.05, base=1.0)
             f32(b + "attn_k_norm.weight", head_dim, scale=0.05, base=1.0)
@@ -303,3 +303,58 @@ def test_llama3_rope_freqs_give_transformers_logits(tmp_path, jax_cache_dir):
     with torch.no_grad():
         other = plain(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(other - theirs).max() > 1e-2
+
+
+def _sentencepiece_gguf(path, arch: str, prefix: bool) -> None:
+    """A SentencePiece-style vocabulary as llama.cpp writes one: <unk>, <s>, </s>, the
+    256 byte pieces, then pieces trained here (Metaspace BPE), scored by merge order."""
+    import gguf
+    from tokenizers import SentencePieceBPETokenizer
+
+    trained = SentencePieceBPETokenizer(add_prefix_space=prefix)
+    trained.train_from_iterator([t for t in TEXTS if t] * 5, vocab_size=500,
+                                show_progress=False)
+    pieces = [t for t, _ in sorted(trained.get_vocab().items(), key=lambda kv: kv[1])]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces))]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_scores(scores)
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_space_prefix(prefix)
+    for key, value in ((w.add_context_length, 64), (w.add_embedding_length, 64),
+                       (w.add_feed_forward_length, 128), (w.add_block_count, 1),
+                       (w.add_head_count, 4), (w.add_head_count_kv, 4)):
+        key(value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_sentencepiece_vocabularies_give_transformers_ids(arch, tmp_path):
+    """Llama 2 / Mistral style (a space prefix) and Gemma's (none, rank by position):
+    ids equal those of the tokenizer.json transformers builds from the same file."""
+    from transformers import AutoTokenizer
+
+    d = tmp_path / arch
+    d.mkdir()
+    _sentencepiece_gguf(d / "spm.gguf", arch, prefix=arch == "llama")
+    ref = AutoTokenizer.from_pretrained(str(d), gguf_file="spm.gguf")
+    ours = Tokenizer.from_gguf(d / "spm.gguf")
+    texts = TEXTS + ["  two leading spaces", "ünïcödé ☃ 𝔘 \u0000 control", "<s> and </s> inside"]
+    for text in texts:
+        want = ref.encode(text, add_special_tokens=False)
+        assert ours.encode(text, add_special_tokens=False) == want, text
+        if arch == "llama":
+            assert ours.decode(want) == ref.decode(want, skip_special_tokens=True), text
+        elif "<s>" not in text:  # transformers' Gemma decode drops some byte pieces
+            assert ours.decode(want) == text
+    assert any(t >= 259 for t in ours.encode(TEXTS[1], add_special_tokens=False))
+    assert any(3 <= t < 259 for t in ours.encode("𝔘", add_special_tokens=False))  # bytes
