@@ -6,8 +6,10 @@ chat template, so the rest of the engine sees what a Hugging Face directory give
 2. Weights: every tensor is dequantized with the `gguf` package (Q4_1, Q8_0, the
    K-quants Q4_K / Q5_K / Q6_K, ... to float32), renamed to the Hugging Face names,
    and in Llama files q_proj / k_proj get their rows un-permuted: llama.cpp's
-   converter reorders each head's rows from the two-halves RoPE layout transformers uses to interleaved pairs; the inverse is transformers'
-   own (`LlamaTensorProcessor._reverse_permute_weights`).
+   converter reorders each head's rows from the two-halves RoPE layout transformers
+   uses to interleaved pairs; the inverse is transformers' own
+   (`LlamaTensorProcessor._reverse_permute_weights`). A `rope_freqs` tensor is no
+   weight: `shared.gguf.llama3_scaling` reads it into the config.
 3. Tokenizer: the vocabulary, merges and token types (`tokenizer.ggml.*`) rebuilt
    as a `tokenizers` byte-level BPE with the pre-tokenizer llama.cpp applies for the
    file's `tokenizer.ggml.pre` (SmolLM's digits-first, GPT-2's, Llama 3's

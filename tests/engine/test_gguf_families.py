@@ -348,7 +348,8 @@ def test_sentencepiece_vocabularies_give_transformers_ids(arch, tmp_path):
     _sentencepiece_gguf(d / "spm.gguf", arch, prefix=arch == "llama")
     ref = AutoTokenizer.from_pretrained(str(d), gguf_file="spm.gguf")
     ours = Tokenizer.from_gguf(d / "spm.gguf")
-    texts = TEXTS + ["  two leading spaces", "ünïcödé ☃ 𝔘 \u0000 control", "<s> and </s> inside"]
+    texts = TEXTS + ["  two leading spaces", "ünïcödé ☃ 𝔘 \u0000 control",
+                     "<s> and </s> inside"]
     for text in texts:
         want = ref.encode(text, add_special_tokens=False)
         assert ours.encode(text, add_special_tokens=False) == want, text
