@@ -1,15 +1,22 @@
 """A GGUF file (llama.cpp's format) as a model directory: config, weights, tokenizer,
 chat template, so the rest of the engine sees what a Hugging Face directory gives.
 
-1. Config: `shared.gguf.hf_config` maps the `llama.*` metadata to config.json keys.
-2. Weights: every tensor is dequantized with the `gguf` package (Q4_1, Q8_0, ... to
-   float32), renamed to the Hugging Face names, and q_proj / k_proj get their rows
-   un-permuted: llama.cpp's converter reorders each head's rows from the two-halves
-   RoPE layout transformers uses to interleaved pairs; the inverse is transformers'
-   own (`LlamaTensorProcessor._reverse_permute_weights`).
+1. Config: `shared.gguf.hf_config` maps the `llama.*` / `qwen2.*` / `qwen3.*`
+   metadata to config.json keys.
+2. Weights: every tensor is dequantized with the `gguf` package (Q4_1, Q8_0, the
+   K-quants Q4_K / Q5_K / Q6_K, ... to float32), renamed to the Hugging Face names,
+   and in Llama files q_proj / k_proj get their rows un-permuted: llama.cpp's
+   converter reorders each head's rows from the two-halves RoPE layout transformers
+   uses to interleaved pairs; the inverse is transformers' own
+   (`LlamaTensorProcessor._reverse_permute_weights`). A `rope_freqs` tensor is no
+   weight: `shared.gguf.llama3_scaling` reads it into the config.
 3. Tokenizer: the vocabulary, merges and token types (`tokenizer.ggml.*`) rebuilt
    as a `tokenizers` byte-level BPE with the pre-tokenizer llama.cpp applies for the
-   file's `tokenizer.ggml.pre`, control tokens as special added tokens.
+   file's `tokenizer.ggml.pre` (SmolLM's digits-first, GPT-2's, Llama 3's
+   `llama-bpe`, Qwen2's), control tokens as special added tokens. A SentencePiece
+   vocabulary (`tokenizer.ggml.model` = `llama`: Llama 2, Mistral, Gemma) becomes
+   a BPE whose merges are every split of a token into two tokens, best score first
+   (SentencePiece's own rule), with byte fallback (`gguf_spm.py`).
 4. Chat template: `tokenizer.chat_template`, with the special tokens' text.
 """
 
@@ -43,7 +50,12 @@ _LAYER = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
+# llama.cpp's converter reorders q/k rows for the RoPE it applies to Llama files only;
+# Qwen files keep transformers' order (llama.cpp rotates them the NeoX way).
+_PERMUTED = ("llama",)
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -69,19 +81,23 @@ def load_weights(path: str | Path) -> dict[str, np.ndarray]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    cfg = hf_config(read_header(path))
+    header = read_header(path)
+    cfg = hf_config(header)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    permuted = header.architecture in _PERMUTED
     reader = GGUFReader(str(path))
     out: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":  # the config's rope_scaling (shared.gguf)
+            continue
         name = hf_name(tensor.name)
         if name is None:
             raise GGUFError(f"{path}: tensor {tensor.name!r} has no Llama counterpart")
         # [out, in] (numpy order); a plain F32 tensor comes back as a view of the file
         w = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+        if permuted and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rows(w, heads)
-        elif tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif permuted and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rows(w, kv_heads)
         out[name] = w
     del reader  # its memory map closes with it
@@ -107,6 +123,13 @@ def tensor_types(path: str | Path) -> dict[str, str]:
 # or GPT-2's expression alone. Any other value is refused rather than guessed.
 _DIGITS_FIRST = {"smollm", "starcoder", "refact", "codeshell", "command-r"}
 _GPT2 = {"gpt-2", "olmo", "mpt", "jais"}
+# Values whose split is one regex ahead of a byte-level step without its own, as
+# their tokenizer.json files declare it: Llama 3's (digits in runs of up to three)
+# and Qwen2's (each digit apart).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}%s"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama-bpe": _LLAMA3_SPLIT % "{1,3}", "llama3": _LLAMA3_SPLIT % "{1,3}",
+           "qwen2": _LLAMA3_SPLIT % ""}  # fmt: skip
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -117,25 +140,34 @@ def _byte_alphabet() -> set[str]:
 
 
 def build_tokenizer(header: Header):
-    """`tokenizers.Tokenizer` for the file's byte-level BPE vocabulary."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    """`tokenizers.Tokenizer` for the file's vocabulary (byte-level BPE or SentencePiece)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     m = header.metadata
     kind, pre = m.get("tokenizer.ggml.model"), m.get("tokenizer.ggml.pre", "(none)")
+    if kind == "llama":
+        from engine.gguf_spm import build_sentencepiece
+
+        return build_sentencepiece(header)
     if kind != "gpt2":
-        raise GGUFError(f"{header.path}: tokenizer model {kind!r} is not supported (gpt2 is)")
-    if pre not in _DIGITS_FIRST | _GPT2:
+        raise GGUFError(f"{header.path}: tokenizer model {kind!r} is not supported "
+                        f"(gpt2 and llama are)")
+    if pre not in _DIGITS_FIRST | _GPT2 | set(_SPLITS):
         raise GGUFError(f"{header.path}: pre-tokenizer {pre!r} is not supported")
     tokens: list[str] = m["tokenizer.ggml.tokens"]
     types: list[int] = m.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     vocab = {tok: i for i, tok in enumerate(tokens)}
     merges = [tuple(pair.split(" ", 1)) for pair in m.get("tokenizer.ggml.merges", ())]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if pre in _DIGITS_FIRST else byte_level
-    )  # fmt: skip
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _SPLITS)
+    if pre in _SPLITS:
+        split = pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated", invert=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif pre in _DIGITS_FIRST:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     # A control token spelled outside the byte alphabet cannot be one the BPE emits
     # (a mislabel); it is left as a plain vocabulary entry, as transformers does.

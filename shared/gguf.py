@@ -30,8 +30,11 @@ _STRING, _ARRAY = 8, 9
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
             10: "Q", 11: "q", 12: "d"}  # fmt: skip
 
-# Architectures whose tensors and math are Llama's (llama.cpp writes Mistral as llama).
-SUPPORTED_ARCHS = ("llama",)
+# Architectures whose tensors and math are Llama's (llama.cpp writes Mistral as llama),
+# with Qwen's flags: biases on q/k/v (qwen2), q/k RMSNorm (qwen3).
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
 
 
 class GGUFError(ValueError):
@@ -44,6 +47,8 @@ class Header:
     version: int
     metadata: dict[str, Any]
     tensors: dict[str, tuple[tuple[int, ...], int]]  # name -> (shape [out, in] order, ggml type)
+    size: int = 0  # bytes of the header: its first `size` bytes read alone as this header
+    offsets: dict[str, int] | None = None  # name -> offset of its data in the data section
 
     @property
     def architecture(self) -> str:
@@ -97,20 +102,20 @@ def _parse(path: str, buf) -> Header:
             key, pos = _string(buf, pos)
             (kind,), pos = struct.unpack_from("<I", buf, pos), pos + 4
             meta[key], pos = _value(buf, pos, kind)
-        tensors = {}
+        tensors, offsets = {}, {}
         for _ in range(n_tensors):
             name, pos = _string(buf, pos)
             (dims,) = struct.unpack_from("<I", buf, pos)
             shape = struct.unpack_from(f"<{dims}Q", buf, pos + 4)
             pos += 4 + 8 * dims
-            (ggml_type,) = struct.unpack_from("<I", buf, pos)
-            pos += 12  # type, then the u64 data offset (the engine's reader finds data)
+            ggml_type, offsets[name] = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
             tensors[name] = (tuple(reversed(shape)), ggml_type)
     except (struct.error, UnicodeDecodeError, IndexError) as exc:
         raise GGUFError(f"{path}: truncated or damaged GGUF header ({exc})") from None
     if "general.architecture" not in meta:
         raise GGUFError(f"{path} names no general.architecture")
-    return Header(path, version, meta, tensors)
+    return Header(path, version, meta, tensors, pos, offsets)
 
 
 def _string(buf, pos: int) -> tuple[str, int]:
@@ -145,24 +150,20 @@ def _value(buf, pos: int, kind: int) -> tuple[Any, int]:
 
 
 def hf_config(header: Header) -> dict[str, Any]:
-    """The Hugging Face `config.json` this file stands for (Llama family), key for key
-    what transformers' GGUF loader derives, plus the special token ids."""
+    """The Hugging Face `config.json` this file stands for (Llama, Qwen2, Qwen3), key
+    for key what transformers' GGUF loader derives, plus the special token ids."""
     arch = header.architecture
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(f"{header.path}: GGUF architecture {arch!r} is not supported "
                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")  # fmt: skip
-    if "rope_freqs.weight" in header.tensors:
-        # Llama 3.1-style frequency scaling, as a tensor: ignoring it (as transformers'
-        # GGUF loader does) would serve wrong numbers without a word.
-        raise GGUFError(f"{header.path}: RoPE frequency tensors (rope_freqs) are not supported")
     a, m = header.arch, header.metadata
     hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
     vocab = a("vocab_size") or len(m.get("tokenizer.ggml.tokens") or ()) or None
     if vocab is None:  # counted from the embedding when neither says it
         vocab = header.tensors["token_embd.weight"][0][0]
     cfg: dict[str, Any] = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": arch,
+        "architectures": [_HF_ARCH[arch]],
         "hidden_size": hidden,
         "intermediate_size": int(a("feed_forward_length")),
         "num_hidden_layers": int(a("block_count")),
@@ -177,14 +178,72 @@ def hf_config(header: Header) -> dict[str, Any]:
         # llama.cpp writes no output.weight when the head is the embedding.
         "tie_word_embeddings": "output.weight" not in header.tensors,
     }
+    if arch != "llama":  # Qwen: biases where the file has them, no sliding window
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in header.tensors
+        cfg["use_sliding_window"] = False
     scaling = a("rope.scaling.type")
-    if scaling and scaling != "none":
+    if "rope_freqs.weight" in header.tensors:
+        cfg["rope_scaling"] = llama3_scaling(header, cfg["head_dim"], cfg["rope_theta"])
+    elif scaling and scaling != "none":
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(a("rope.scaling.factor", 1.0))}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         value = m.get(f"tokenizer.ggml.{key.replace('pad_', 'padding_')}")
         if value is not None:
             cfg[key] = int(value)
     return cfg
+
+
+def tensor_f32(header: Header, name: str) -> list[float]:
+    """An F32 tensor's values, read from the file (a header alone has none)."""
+    shape, kind = header.tensors[name]
+    if kind != 0:
+        raise GGUFError(f"{header.path}: {name} is GGML type {kind}, not F32")
+    count = 1
+    for n in shape:
+        count *= n
+    align = int(header.metadata.get("general.alignment", 32))
+    start = -(-header.size // align) * align + (header.offsets or {})[name]
+    with open(header.path, "rb") as f:
+        f.seek(start)
+        data = f.read(4 * count)
+    if len(data) != 4 * count:
+        raise GGUFError(f"{header.path}: {name}'s data is not in the file")
+    return list(struct.unpack(f"<{count}f", data))
+
+
+def llama3_scaling(header: Header, head_dim: int, theta: float) -> dict[str, Any]:
+    """The `rope_scaling` a `rope_freqs` tensor stands for. llama.cpp writes Llama 3.1's
+    scaling as one factor per frequency (1 at high frequencies, `factor` at low ones,
+    a smooth step between, `convert_hf_to_gguf.py`); the step's ends fix low / high
+    frequency factors relative to the original context, which the metadata gives
+    (8192 when absent: the step depends on their ratios alone). The factors are
+    recomputed from what is derived and must match, else the file is refused."""
+    import math
+
+    r = tensor_f32(header, "rope_freqs.weight")
+    inv = [theta ** (-i / head_dim) for i in range(0, head_dim, 2)]
+    factor = max(r)
+    orig = int(header.arch("rope.scaling.original_context_length") or 8192)
+    mid = [(w / (2 * math.pi), (1 / x - 1 / factor) / (1 - 1 / factor))
+           for w, x in zip(inv, r) if 1 + 1e-6 < x < factor - 1e-6]  # (1/wavelength, step)
+    if len(mid) < 2:
+        raise GGUFError(f"{header.path}: rope_freqs has {len(mid)} values between 1 and its "
+                        f"largest; Llama 3's step cannot be read from it")
+    (x0, s0), (x1, s1) = mid[0], mid[-1]
+    a = (s1 - s0) / (x1 - x0)  # step = a / wavelength + b
+    b = s0 - a * x0
+    low, high = -b / a * orig, (1 - b) / a * orig
+    out = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+           "high_freq_factor": high, "original_max_position_embeddings": orig}
+    for w, x in zip(inv, r):
+        wavelen = 2 * math.pi / w
+        step = (orig / wavelen - low) / (high - low)
+        want = factor if wavelen > orig / low else 1.0 if wavelen < orig / high else \
+            1 / ((1 - step) / factor + step)
+        if abs(want - x) > 1e-4 * factor:
+            raise GGUFError(f"{header.path}: rope_freqs does not follow Llama 3's scaling "
+                            f"({x} where {want} was expected)")
+    return out
 
 
 def context_length(header: Header) -> int:

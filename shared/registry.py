@@ -48,6 +48,11 @@ class ModelVersion(msgspec.Struct, frozen=True, kw_only=True):
     lineage: dict[str, str] = {}  # source checkpoint, training data, free keys
     config: dict[str, Any] = {}  # the model's config.json (gguf: derived from its header)
     status: str = READY  # pending while its files upload
+    # What a gateway reads (tokenizer, chat template, configs), fetchable without the
+    # weights: a directory's files other than weights (the same objects as in `files`);
+    # a GGUF file's header, its metadata and tensor table without tensor data, stored
+    # as `NAME/VERSION/.header/FILE`. Empty in records pushed before it existed.
+    tokenizer: list[FileEntry] = []
 
 
 class CanaryGuard(msgspec.Struct, frozen=True, kw_only=True):

@@ -6,8 +6,9 @@ from pathlib import Path
 
 from services.fleet import Fleet
 from services.gateway.frontend import Frontend
-from services.gateway.models import ModelTable, registry_resolver
+from services.gateway.models import ModelTable
 from services.gateway.service import Gateway
+from services.gateway.versions import RegistryVersions
 from services.lifecycle import serve
 from services.registry.store import Registry, open_or_none
 from shared.config import Config
@@ -18,7 +19,7 @@ def frontend(nc, config: Config, registry: Registry | None) -> Frontend:
     """The gateway's core, resolving unbundled model names through the registry."""
     fleet = Fleet(expiry_s=config.worker_expiry_s)
     cache = Path(config.data_dir) / "gateway-models"
-    return Frontend(nc, config, fleet, ModelTable(fleet, registry_resolver(registry, cache, fleet)))
+    return Frontend(nc, config, fleet, ModelTable(fleet, RegistryVersions(registry, cache, fleet)))
 
 
 async def build(nc, config: Config):

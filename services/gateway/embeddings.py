@@ -56,7 +56,8 @@ class Embeddings:
         req = codec.decode(body, EmbeddingRequest, call.msgpack)
         name, version = split_name(req.model)
         call.out.model = name
-        entry = await front.models.get(name)
+        user = user_key(req.user, call.user)
+        entry, version = await front.models.choose(name, version, user)
         if entry.info.kind != "encoder":
             raise bad_request(f"model '{name}' generates text; use the completions endpoints")
         if entry.task == "score":
@@ -69,7 +70,7 @@ class Embeddings:
             lambda: (tokenize_inputs(req, entry, self.config), []), "inputs")
         call.out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "",
-                         user=user_key(req.user, call.user), reserved=reserved,
+                         user=user, reserved=reserved,
                          dimensions=truncated_width(req, entry))
         prep = EmbedPrepared(req, work, truncated_width(req, entry) or entry.dim)
         if call.over_bus:

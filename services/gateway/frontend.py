@@ -114,6 +114,7 @@ class Frontend:
     async def stop(self) -> None:
         await self.inbox.stop()
         await self.admission.stop()
+        await self.models.stop()
 
     def deadline(self, timeout_s: float | None = None) -> float:
         """When a request must have its answer, or (generation) its first token:

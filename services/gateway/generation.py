@@ -94,7 +94,8 @@ class Generation:
         req = codec.decode(body, self._request_type, call.msgpack)
         name, version = split_name(req.model)
         out.model = name
-        entry = await self.front.models.get(name)
+        user = user_key(req.user, call.user)
+        entry, version = await self.front.models.choose(name, version, user)
         if entry.info.kind != "decoder":
             raise bad_request(f"model '{name}' is a cross-encoder (reranker); use the rerank or "
                               f"score endpoints" if entry.task == "score" else
@@ -137,7 +138,7 @@ class Generation:
         out.prompt_tokens = len(prompt)
         work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
                             req.stream, deadline, "", ignore_eos=req.ignore_eos,
-                            user=user_key(req.user, call.user), reserved=reserved,
+                            user=user, reserved=reserved,
                             stall_s=self.config.stall_timeout_s, end_by=call.end_by,
                             prompt_logprobs=_prompt_logprobs(req, chat))
         opts = req.stream_options

@@ -5,9 +5,9 @@ registry) says which names exist; heartbeats say which are served and ready; the
 schedulers' scale decisions name every model they know (the registry's included, at
 zero workers too) and whether a worker is wanted; the orchestrator's FleetStatus says
 which failed. A model card's `state` comes from all four. A name
-the catalogue lacks is looked up in the registry: a version that ready workers serve
-(else prod, else an earlier prod) is fetched, verified, into the gateway's cache for
-the tokenizer and limits.
+the catalogue lacks is looked up in the registry per request
+(`services.gateway.versions`): the version the request will run on, whose tokenizer
+files alone (never its weights) are fetched, verified, into the gateway's cache.
 """
 
 from __future__ import annotations
@@ -49,74 +49,71 @@ def split_name(model: str) -> tuple[str, str]:
     return name, version
 
 
-# A resolver returns the directory holding a model's tokenizer and config, or None.
-Resolver = Callable[[str], Awaitable["catalog.ModelInfo | None"]]
+@dataclass(frozen=True)
+class Resolved:
+    """A resolver's answer for one request."""
+
+    info: catalog.ModelInfo  # its directory holds the tokenizer, chat template and configs
+    version: str = ""  # the registry version `info` is of; "" = one for every version
+    pin: str = ""  # the version the work names; "" = the scheduler draws (prod or canary)
 
 
-async def catalogue_resolver(name: str) -> catalog.ModelInfo | None:
+# A resolver maps (name, version the client pinned or "", user key) to a Resolved (or a
+# bare ModelInfo, meaning one tokenizer for every version), or None for no such model.
+Resolver = Callable[..., Awaitable["Resolved | catalog.ModelInfo | None"]]
+
+
+async def catalogue_resolver(name: str, version: str = "",
+                             user: str = "") -> catalog.ModelInfo | None:
     return catalog.resolve(name)
 
 
-def registry_resolver(registry, cache_dir: str | Path, fleet: Fleet | None = None,
-                      fallback: Resolver = catalogue_resolver) -> Resolver:
-    """`fallback` first (the catalogue: no download), else a version from the registry.
-
-    The candidates, in order: versions ready workers serve (what requests will run on),
-    prod, earlier prods. A version that cannot be fetched (missing, corrupted) is
-    skipped. Versions of one name are expected to share a tokenizer: the first one
-    resolved tokenizes every version of that name for the life of the gateway."""
-    from services.registry.errors import RegistryError
-    from services.registry.source import ModelSource
-
-    source = ModelSource(registry, Path(cache_dir))
-
-    async def resolve(name: str) -> catalog.ModelInfo | None:
-        info = await fallback(name)
-        if info is not None or registry is None:
-            return info
-        try:
-            aliases = await registry.aliases(name)
-        except RegistryError as exc:
-            log.warning("model_unresolved", model=name, error=str(exc))
-            return None
-        served = [v for w in (fleet.ready(name) if fleet else []) for v in w.hb.versions]
-        for version in dict.fromkeys(served + [aliases.prod] + aliases.previous[::-1]):
-            if not version:
-                continue
-            try:
-                _, path = await source.resolve(name, version)
-            except RegistryError as exc:
-                log.warning("model_version_unusable", model=name, version=version,
-                            error=str(exc))
-                continue
-            log.info("model_from_registry", model=name, version=version)
-            return catalog.describe(name, path)
-        return None
-
-    return resolve
-
-
 class ModelTable:
+    """Model entries (tokenizer, limits) by (name, version): a name the resolver
+    answers with one entry for every version (the catalogue's) is resolved once;
+    registry names are resolved per request (`services.gateway.versions`), so a
+    promoted or canary version is tokenized with its own files."""
+
     def __init__(self, fleet: Fleet, resolver: Resolver = catalogue_resolver) -> None:
         self.fleet = fleet
         self.resolver = resolver
-        self._entries: dict[str, ModelEntry] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._static: dict[str, ModelEntry] = {}  # names with one entry for every version
+        self._entries: dict[tuple[str, str], ModelEntry] = {}
+        self._latest: dict[str, ModelEntry] = {}  # per name, the last entry used (cards)
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
 
     async def get(self, name: str) -> ModelEntry:
-        entry = self._entries.get(name)
+        """The entry an unpinned request of `name` would be tokenized with."""
+        return (await self.choose(name))[0]
+
+    async def choose(self, name: str, version: str = "", user: str = "") -> tuple[ModelEntry, str]:
+        """One request's entry, and the version its work names (`version` as the client
+        pinned it, or the one the registry resolver chose for its tokenizer)."""
+        entry = self._static.get(name)
         if entry is not None:
-            return entry
-        lock = self._locks.setdefault(name, asyncio.Lock())
-        async with lock:
-            if name in self._entries:
-                return self._entries[name]
-            info = await self.resolver(name)
-            if info is None:
-                raise not_found(f"the model '{name}' does not exist")
-            entry = await asyncio.to_thread(_load_entry, info)
-            self._entries[name] = entry
-            return entry
+            return entry, version
+        res = await self.resolver(name, version, user)
+        if res is None:
+            raise not_found(f"the model '{name}' does not exist")
+        if isinstance(res, catalog.ModelInfo):
+            res = Resolved(res, "", version)
+        key = (name, res.version)
+        entry = self._entries.get(key)
+        if entry is None:
+            async with self._locks.setdefault(key, asyncio.Lock()):
+                entry = self._entries.get(key)
+                if entry is None:
+                    entry = await asyncio.to_thread(_load_entry, res.info)
+                    self._entries[key] = entry
+        if not res.version:
+            self._static[name] = entry
+        self._latest[name] = entry
+        return entry, res.pin
+
+    async def stop(self) -> None:
+        stop = getattr(self.resolver, "stop", None)  # the registry resolver's alias watches
+        if stop is not None:
+            await stop()
 
     @staticmethod
     @functools.cache
@@ -126,7 +123,7 @@ class ModelTable:
         return tuple(i.name for i in catalog.bundled())
 
     def known(self) -> list[str]:
-        names = set(self._bundled()) | set(self._entries) | set(self.fleet.models())
+        names = set(self._bundled()) | set(self._latest) | set(self.fleet.models())
         return sorted(names)
 
     def card(self, name: str, decisions, status=None) -> ModelCard:
@@ -143,7 +140,7 @@ class ModelTable:
             state = "starting"
         else:
             state = "scaled_to_zero"
-        entry = self._entries.get(name)
+        entry = self._latest.get(name)
         kind = (entry.info.kind if entry else "") or next((w.hb.kind for w in workers), "") \
             or decisions.kind(name) or _bundled_kind(name)
         return ModelCard(id=name, created=entry.created if entry else int(time.time()),

@@ -65,7 +65,8 @@ class Pairs:
         req = codec.decode(body, self._type, call.msgpack)
         name, version = split_name(req.model)
         call.out.model = name
-        entry = await front.models.get(name)
+        user = user_key(req.user, call.user)
+        entry, version = await front.models.choose(name, version, user)
         check_cross_encoder(entry)
         pairs, each = rerank_pairs(req) if self.rerank else score_pairs(req)
         check_count(len(pairs), front.config, "documents" if self.rerank else "pairs")
@@ -74,7 +75,7 @@ class Pairs:
             lambda: tokenize_pairs(pairs, entry, each), "documents" if self.rerank else "pairs")
         call.out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "", types=types,
-                         user=user_key(req.user, call.user), reserved=reserved)
+                         user=user, reserved=reserved)
         return PairsPrepared(req, work)
 
     async def whole(self, prep: PairsPrepared, call: Call) -> RerankResponse | ScoreResponse:

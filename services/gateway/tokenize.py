@@ -44,9 +44,9 @@ class Tokenize:
     async def prepare(self, body: bytes, call: Call) -> Prepared:
         self.front.check_size(body)
         req = codec.decode(body, self._request_type, call.msgpack)
-        name, _ = split_name(req.model)
+        name, version = split_name(req.model)
         call.out.model = name
-        entry = await self.front.models.get(name)
+        entry, _ = await self.front.models.choose(name, version, call.user)
         run = self._detokenize if self.inverse else self._tokenize
         if len(body) <= INLINE_TOKENIZE:
             return Prepared(run(req, entry))

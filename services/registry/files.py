@@ -20,6 +20,10 @@ from shared.registry import FileEntry, ModelVersion
 
 GGUF = "gguf"
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".h5", ".msgpack",
+                   ".onnx", ".npz", ".ot")
+"""File name endings of weights: a gateway never fetches these (`gateway_files`)."""
+
 VERIFIED_MARKER = ".tensorbus-version.json"
 """Written into a fetched directory after every file matched its sha256."""
 
@@ -60,6 +64,22 @@ def read_gguf(path: Path) -> tuple[gguf.Header, dict]:
         return header, gguf.hf_config(header)
     except (gguf.GGUFError, OSError, KeyError, TypeError) as exc:
         raise RegistryError(f"{path}: {exc}") from None
+
+
+def gateway_files(entries: list[FileEntry]) -> list[FileEntry]:
+    """A directory's files a gateway reads: all but the weights (tokenizer files, chat
+    template, config.json, generation and sentence-transformers configs)."""
+    return [e for e in entries if not PurePosixPath(e.path).name.endswith(WEIGHT_SUFFIXES)]
+
+
+def gguf_header_bytes(path: Path, header: gguf.Header) -> bytes:
+    """The first bytes of a GGUF file up to its tensor data: metadata (tokenizer and
+    chat template included) and tensor table, readable alone as the same header."""
+    with open(path, "rb") as f:
+        data = f.read(header.size)
+    if len(data) != header.size:
+        raise RegistryError(f"{path} changed while it was read")
+    return data
 
 
 def sha256_file(path: Path) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from services.registry.errors import RegistryError
 from shared import subjects
-from shared.registry import NAME_RE
+from shared.registry import NAME_RE, FileEntry, ModelVersion
 
 META_STREAM = f"KV_{subjects.REGISTRY_META}"  # the stream behind the metadata bucket
 META_PREFIX = f"$KV.{subjects.REGISTRY_META}."  # its keys' subjects start with this
@@ -39,6 +39,19 @@ def alias_key(name: str) -> str:
 
 def object_name(name: str, version: str, path: str) -> str:
     return f"{name}/{version}/{path}"
+
+
+HEADER_DIR = ".header"
+"""Where a GGUF version's header object lives (`NAME/VERSION/.header/FILE`): a push
+skips hidden folders, so no pushed file can take that name."""
+
+
+def tokenizer_object_name(mv: ModelVersion, entry: FileEntry) -> str:
+    """The object holding one of `mv.tokenizer`: the version's own file when it is one
+    of `mv.files` (a directory's tokenizer.json), else a GGUF file's header."""
+    if entry in mv.files:
+        return object_name(mv.name, mv.version, entry.path)
+    return object_name(mv.name, mv.version, f"{HEADER_DIR}/{entry.path}")
 
 
 def check_name(what: str, value: str) -> None:

@@ -6,7 +6,9 @@
    take the same version; auto versions retry with the next integer. An explicit
    version whose reservation was abandoned long ago is taken over.
 3. Stream every file into the Object Store as `NAME/VERSION/PATH`, hashing the bytes
-   as they are uploaded.
+   as they are uploaded. The record's `tokenizer` lists what a gateway reads without
+   the weights: a directory's other files; for a GGUF file, its header, uploaded on
+   its own as `NAME/VERSION/.header/FILE`.
 4. Replace the pending record with the ready one (revision-checked update).
 
 Any failure or cancellation after step 2 runs the undo: delete the uploaded objects,
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -28,7 +31,7 @@ from tqdm import tqdm
 
 from services.registry import files as fs
 from services.registry.errors import RegistryError, VersionExists
-from services.registry.keys import check_name, object_name, version_key
+from services.registry.keys import HEADER_DIR, check_name, object_name, version_key
 from shared import catalog, gguf
 from shared.logging import get_logger
 from shared.registry import PENDING, READY, FileEntry, ModelVersion
@@ -85,6 +88,7 @@ class Pusher:
             check_name("version", version)
         path = Path(path)
         header, config = fs.read_gguf(path)
+        head = await asyncio.to_thread(fs.gguf_header_bytes, path, header)
         digest = await asyncio.to_thread(fs.sha256_file, path)
         lineage = {**(lineage or {}), "source_file": path.name, "source_sha256": digest}
         draft = ModelVersion(
@@ -93,24 +97,37 @@ class Pusher:
             lineage=lineage, config=config, status=PENDING,
         )
         return await self._publish(draft, [(path.name, path)], progress,
-                                   explicit=version is not None, expect_sha256=digest)
+                                   explicit=version is not None, expect_sha256=digest,
+                                   header=head)
 
     async def _publish(self, draft: ModelVersion, paths: list[tuple[str, Path]], progress: bool,
-                       explicit: bool, expect_sha256: str | None = None) -> ModelVersion:
-        """Steps 2-4, with the undo on any failure."""
+                       explicit: bool, expect_sha256: str | None = None,
+                       header: bytes | None = None) -> ModelVersion:
+        """Steps 2-4, with the undo on any failure. `header`: a GGUF file's header
+        bytes, stored as its own object for gateways."""
         name = draft.name
         draft, rev = await self._reserve(draft, explicit=explicit)
+        rels = [rel for rel, _ in paths]
+        if header is not None:
+            rels.append(f"{HEADER_DIR}/{paths[0][0]}")
         try:
             entries = await self._upload(draft, paths, progress)
             if expect_sha256 is not None and entries[0].sha256 != expect_sha256:
                 raise RegistryError(f"{paths[0][1]} changed while it was uploaded; try again")
+            if header is None:
+                light = fs.gateway_files(entries)
+            else:
+                reader = fs.HashingReader(io.BytesIO(header))
+                await self._put_file(object_name(name, draft.version, rels[-1]), reader)
+                light = [fs.file_entry(paths[0][0], reader)]
             ready = msgspec.structs.replace(
                 draft, files=entries, total_size=sum(e.size for e in entries), status=READY,
+                tokenizer=light,
             )
             await self._kv.update(version_key(name, draft.version),
                                   msgspec.json.encode(ready), last=rev)
         except BaseException:
-            await asyncio.shield(self._abandon(draft, [rel for rel, _ in paths]))
+            await asyncio.shield(self._abandon(draft, rels))
             raise
         log.info("model_pushed", model=name, version=ready.version, files=len(entries),
                  bytes=ready.total_size, format=ready.format, kind=ready.kind)

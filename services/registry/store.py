@@ -3,6 +3,9 @@
 JetStream holds it all: an Object Store bucket for the files, a KV bucket for the
 version records and aliases (layout in `shared/registry.py`, keys in `keys.py`).
 
+`fetch_tokenizer` does the same with only what a gateway reads (`tokenizer_files`:
+tokenizer, chat template and configs, or a GGUF file's header), never the weights.
+
 Fetch (one version into a model directory):
 1. Read the version's record; only a ready version is fetched.
 2. An already verified copy at the destination is reused as is.
@@ -36,13 +39,14 @@ from tqdm import tqdm
 
 from services.registry import files as fs
 from services.registry.aliases import AliasBook
-from services.registry.errors import ChecksumError, VersionNotFound
+from services.registry.errors import ChecksumError, RegistryError, VersionNotFound
 from services.registry.keys import (
     META_PREFIX,
     META_STREAM,
     check_name,
     name_of,
     object_name,
+    tokenizer_object_name,
     version_key,
     versions_pattern,
 )
@@ -51,7 +55,7 @@ from services.registry.watch import AliasWatch
 from shared import subjects
 from shared.jetstream import replicas
 from shared.logging import get_logger
-from shared.registry import READY, Aliases, AliasChange, CanaryGuard, ModelVersion
+from shared.registry import READY, Aliases, AliasChange, CanaryGuard, FileEntry, ModelVersion
 
 log = get_logger("registry")
 
@@ -169,13 +173,37 @@ class Registry:
         log.info("model_fetched", model=name, version=version, path=str(dest))
         return dest
 
-    async def _download(self, mv: ModelVersion, root: Path, progress: bool) -> None:
+    async def fetch_tokenizer(self, name: str, version: str, dest_dir: str | Path) -> Path:
+        """Download what a gateway reads of a version (`tokenizer_files`), never its
+        weights, into `dest_dir`, verified as `fetch` does."""
+        mv = await self.require(name, version)
+        light = msgspec.structs.replace(mv, files=tokenizer_files(mv))
+        dest = Path(dest_dir)
+        if fs.is_verified_copy(dest, light):
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.fetch-", dir=dest.parent))
+        try:
+            await self._download(light, tmp, False, lambda e: tokenizer_object_name(mv, e))
+            fs.write_marker(tmp, light)
+            _publish_dir(tmp, dest, light)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("tokenizer_fetched", model=name, version=version, path=str(dest),
+                 files=len(light.files), bytes=sum(e.size for e in light.files))
+        return dest
+
+    async def _download(self, mv: ModelVersion, root: Path, progress: bool,
+                        objects=None) -> None:
+        """Every file of `mv` under `root`; `objects(entry)` names each one's object
+        (default: the version's file of that path)."""
         with tqdm(total=mv.total_size, unit="B", unit_scale=True, unit_divisor=1024,
                   desc=f"fetch {mv.name}@{mv.version}", disable=not progress) as bar:
             for entry in mv.files:
                 path = fs.safe_join(root, entry.path)
                 path.parent.mkdir(parents=True, exist_ok=True)
-                obj = object_name(mv.name, mv.version, entry.path)
+                obj = (objects(entry) if objects is not None
+                       else object_name(mv.name, mv.version, entry.path))
                 with open(path, "wb") as f:
                     writer = fs.HashingWriter(f, bar)
                     try:
@@ -228,6 +256,19 @@ class Registry:
 
     async def promote_if_unset(self, name: str, version: str, change: str = "seed") -> bool:
         return await self._aliases.promote_if_unset(name, version, change)
+
+
+def tokenizer_files(mv: ModelVersion) -> list[FileEntry]:
+    """What a gateway fetches of `mv`: its recorded `tokenizer` files. A record from
+    before they were recorded: a directory's files other than weights (the same
+    objects); a GGUF version has no header object, and is refused with the reason."""
+    if mv.tokenizer:
+        return list(mv.tokenizer)
+    if mv.format == fs.GGUF:
+        raise RegistryError(f"{mv.name}@{mv.version} was imported before GGUF headers were "
+                            f"stored on their own, so a gateway cannot read its tokenizer "
+                            f"without the weights; import the file again as a new version")
+    return fs.gateway_files(mv.files)
 
 
 def _actor() -> str:

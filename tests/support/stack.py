@@ -138,7 +138,7 @@ def table_resolver(models: dict[str, str]):
     """A gateway model resolver that knows `models` (name -> dir) besides the catalogue."""
     from shared import catalog
 
-    async def resolve(name: str):
+    async def resolve(name: str, version: str = "", user: str = ""):
         if name in models:
             return catalog.describe(name, models[name])
         return catalog.resolve(name)
@@ -169,14 +169,15 @@ async def running_stack(nats_url: str, models: dict[str, str] | None = None,
         front = None
         if models or registry:
             from services.gateway.frontend import Frontend
-            from services.gateway.models import ModelTable, registry_resolver
+            from services.gateway.models import ModelTable
+            from services.gateway.versions import RegistryVersions
             from services.fleet import Fleet
 
             fleet = Fleet(expiry_s=config.worker_expiry_s)
             resolver = table_resolver(models or {})
             if registry:  # unbundled names: the registry's prod version
-                resolver = registry_resolver(await Registry.open(gnc), cache / "gateway",
-                                             fleet, fallback=resolver)
+                resolver = RegistryVersions(await Registry.open(gnc), cache / "gateway",
+                                            fleet, fallback=resolver)
             front = Frontend(gnc, config, fleet, ModelTable(fleet, resolver))
         gw = Gateway(gnc, config, front)
         s_ready, g_ready = asyncio.Event(), asyncio.Event()
