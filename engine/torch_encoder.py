@@ -76,6 +76,9 @@ class TorchEncoder:
         if self.cfg.spec.task != "embed":
             raise UnsupportedEncoder("cross-encoders (rerankers) are scored by the JAX "
                                      "engine only")  # fmt: skip
+        if self.cfg.family == "decoder":
+            raise UnsupportedEncoder("decoder-based embedders are computed by the JAX "
+                                     "engine only: TENSORBUS_ENGINE=jax")  # fmt: skip
         self.name = name
         self.task = "embed"
         self.dtype = canonical_dtype(dtype)

@@ -75,6 +75,9 @@ class BertConfig:
         cfg = json.loads((d / "config.json").read_text())
         self.spec = read_spec(d)  # refuses an unserved family or module first
         self.family = self.spec.family
+        if self.family == "decoder":
+            self._decoder(d, cfg)
+            return
         self.hidden = int(cfg["hidden_size"])
         self.heads = int(cfg["num_attention_heads"])
         self.intermediate = int(cfg.get("intermediate_size", 4 * self.hidden))
@@ -97,4 +100,21 @@ class BertConfig:
         self.dim = pooled_dim(self.spec, self.hidden)  # width of the served vectors
         # sentence-transformers truncates at max_seq_length (256 for MiniLM), not at
         # the tokenizer file's 128 nor the 512 positions: that is the input limit.
+        self.max_tokens = encoder_limit(d, cfg)
+
+    def _decoder(self, d: Path, cfg: dict) -> None:
+        """A decoder-based embedder: the decoder engine's own config (pure Python)
+        for its layers, the head and limit as any encoder's."""
+        import dataclasses
+
+        from engine.decoder.config import UnsupportedDecoder, from_dict
+
+        try:  # no lm head: the last hidden states are what it pools
+            self.decoder = dataclasses.replace(from_dict(cfg), tie_embeddings=True)
+        except UnsupportedDecoder as exc:
+            raise UnsupportedEncoder(str(exc)) from None
+        self.hidden, self.heads = self.decoder.hidden, self.decoder.heads
+        self.intermediate, self.layers = self.decoder.intermediate, self.decoder.layers
+        self.pad_id = int(cfg.get("pad_token_id") or 0)
+        self.dim = pooled_dim(self.spec, self.hidden)
         self.max_tokens = encoder_limit(d, cfg)

@@ -25,7 +25,7 @@ import numpy as np
 from engine import buckets as bk
 from engine import jaxrt, sharding
 from engine.encoder.config import BertConfig
-from engine.encoder.model import forward, score_forward
+from engine.encoder.model import decoder_forward, forward, score_forward
 from engine.encoder.params import Params, load_params
 from engine.quant import check_mode, tree_bytes
 
@@ -84,6 +84,8 @@ class EncoderEngine:
 
     def _trace(self, params: Params, ids, mask):
         self.traces += 1  # runs at trace time only, never per call
+        if self.cfg.family == "decoder":
+            return decoder_forward(params, ids, mask, self.cfg)
         return forward(params, ids, mask, self.cfg, self.tp)
 
     def _trace_score(self, params: Params, ids, mask, types):

@@ -159,3 +159,16 @@ def score_forward(params: Params, ids, mask, types, cfg: BertConfig, tp: int = 1
     c = params["classifier"]
     h = jnp.tanh(x[:, 0].astype(jnp.float32) @ c["cls_w"] + c["cls_b"])  # [B, D]
     return _HEAD_ACTS[cfg.spec.score_activation](h @ c["out_w"] + c["out_b"])  # [B, L]
+
+
+def decoder_forward(params: Params, ids, mask, cfg: BertConfig):
+    """A decoder-based embedder: ids, mask [B, S] int32 (right padding: a causal
+    model's true tokens never see it) -> [B, dim] float32, the decoder's last hidden
+    states after its final norm, pooled and normalised as `head` says."""
+    from engine.decoder.layers import rms_norm
+    from engine.decoder.model import forward_prompt
+
+    dec, dcfg = params["decoder"], cfg.decoder
+    x = jax.vmap(lambda t: forward_prompt(dec, dcfg, t)[0])(ids)  # [B, S, E]
+    x = rms_norm(x, dec["norm_w"], dcfg.norm_eps)
+    return head(params, x.astype(jnp.float32), mask.astype(jnp.float32), cfg)

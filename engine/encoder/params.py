@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from engine import jaxrt, sharding
@@ -38,6 +40,8 @@ def load_params(
     parameters stay float32; matmul weights take `dtype`, or `quant` (int8 | int4,
     engine/quant.py) for the dense weights and the word embeddings."""
     cfg = BertConfig(model_dir)
+    if cfg.family == "decoder":
+        return _decoder_params(model_dir, cfg, dtype, quant, mesh)
     w = strip_prefix(load_weights(model_dir), COMMON_PREFIXES + ("mpnet.",))
     dt = jaxrt.parse_dtype(dtype)
     start = cfg.position_offset  # first position a token takes (RoBERTa: pad_id + 1)
@@ -105,3 +109,19 @@ def _classifier(w, family: str) -> Params:
     return {"cls_w": f32(inner + ".weight").T, "cls_b": f32(inner + ".bias"),  # [D, D], [D]
             "out_w": f32(outer + ".weight").T, "out_b": f32(outer + ".bias")}  # [D, L], [L]
 
+
+def _decoder_params(model_dir: str | Path, cfg: BertConfig, dtype: str, quant: str,
+                    mesh) -> Params:
+    """A decoder-based embedder: the decoder engine's parameter tree (its own loader:
+    Llama-family names, fused projections) under "decoder", and the
+    sentence-transformers Dense layers under "head" as any encoder's."""
+    from engine.decoder.model import load_params as decoder_params
+    from engine.encoder.spec import UnsupportedEncoder
+
+    if quant != "none" or mesh is not None:
+        raise UnsupportedEncoder("decoder-based embedders run with float weights on one "
+                                 "device (no TENSORBUS_QUANT, no tensor parallelism)")
+    head = [{"head_w": h["w"], "head_b": h["b"]} | ({} if h["r"] is None else {"head_r": h["r"]})
+            for h in dense_weights(model_dir, cfg.spec)]
+    return {"decoder": decoder_params(model_dir, cfg.decoder, jaxrt.parse_dtype(dtype)),
+            "head": jax.tree.map(jnp.asarray, head)}

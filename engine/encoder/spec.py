@@ -30,7 +30,11 @@ from typing import Any
 # padding_idx + 1 (fairseq's convention), BERT from 0; MPNet numbers them as RoBERTa
 # and adds a bucketed relative position bias to every layer's attention scores.
 FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "mpnet": "mpnet"}
-SERVED = "bert, roberta, xlm-roberta, mpnet"
+# Decoder-based embedders (Qwen3-Embedding and the like): a causal decoder's last
+# hidden states, pooled as the model's sentence-transformers modules say (last token),
+# computed by the JAX encoder engine over the decoder engine's layers.
+DECODER_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+SERVED = "bert, roberta, xlm-roberta, mpnet; decoder-based: " + ", ".join(DECODER_FAMILIES)
 
 # Encoder families seen in the wild that are not served, and why (the worker's
 # exit-78 line and the push warning quote this).
@@ -112,10 +116,13 @@ def _read_json(path: Path) -> Any:
 
 
 def family(cfg: dict) -> str:
-    """config.json -> "bert" | "roberta" | "mpnet"; UnsupportedEncoder for anything else."""
+    """config.json -> "bert" | "roberta" | "mpnet" | "decoder" (a decoder-based
+    embedder); UnsupportedEncoder for anything else."""
     model_type = str(cfg.get("model_type") or "").lower().replace("_", "-")
     if model_type in FAMILIES:
         return FAMILIES[model_type]
+    if model_type in DECODER_FAMILIES:
+        return "decoder"
     if model_type in REFUSED_FAMILIES:
         raise UnsupportedEncoder(f"architecture {model_type!r}: {REFUSED_FAMILIES[model_type]}; "
                                  f"served families: {SERVED}")  # fmt: skip
@@ -249,6 +256,9 @@ def read_spec(model_dir: str | Path) -> EncoderSpec:
     cfg = _read_json(d / "config.json")
     fam = family(cfg)
     if _is_cross_encoder(d, cfg):
+        if fam == "decoder":
+            raise UnsupportedEncoder("a decoder-based reranker (it scores by its next-token "
+                                     "logits) is not served; decoder-based embedders are")
         return _cross_encoder(d, cfg, fam)
     prompts, default = read_prompts(d)
     if not (d / "modules.json").exists():

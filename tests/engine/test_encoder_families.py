@@ -236,3 +236,24 @@ def test_legacy_pooling_keys_and_plain_directories(tmp_path):
     (d / "modules.json").unlink()
     spec = read_spec(d)
     assert (spec.pooling, spec.normalize, spec.sentence_transformers) == (("mean",), False, False)
+
+
+def test_a_decoder_based_embedder_matches_sentence_transformers(tmp_path):
+    """Qwen3-Embedding style: a causal decoder's last hidden states (after its final
+    norm), last-token pooling, Normalize; the JAX encoder engine over the decoder
+    engine's layers, batched with right padding, against sentence-transformers."""
+    from shared import catalog
+
+    st = tiny_encoders.build_decoder_embedder(tmp_path)
+    d = tmp_path / "st"
+    assert catalog.describe("qwen3-embed", d).kind == "encoder"
+    texts = ["the quick brown fox", "a stream of tokens, one by one, and more of them",
+             "dog", "the lazy dog jumps over the quick brown fox again and again"]
+    ids = st.tokenizer(texts)["input_ids"]
+    engine = EncoderEngine(d, name="qwen3-embed", batch_buckets=(1, 4), seq_buckets=(16,))
+    got = engine.embed(ids)
+    want = st.encode(texts)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert engine.dim == want.shape[1] and engine.normalize
+    with pytest.raises(UnsupportedEncoder, match="JAX engine only"):
+        TorchEncoder(d, name="qwen3-embed")

@@ -109,3 +109,38 @@ def build_cross_encoder(out_dir: Path, family: str = "bert", num_labels: int = 1
     _hf_model(family, hf, seed, num_labels=num_labels)
     CrossEncoder(str(hf), max_length=MAX_SEQ, device="cpu").save(str(ce_dir))
     return CrossEncoder(str(ce_dir), device="cpu")
+
+
+def build_decoder_embedder(out_dir: Path, seed: int = 0):
+    """A tiny Qwen3-Embedding-style model saved to `out_dir/st`: a Qwen3 decoder (its
+    norm weights perturbed), last-token pooling, Normalize; returned loaded back from
+    disk, the reference. Its BPE tokenizer pads on the right with its EOS token."""
+    import json
+
+    import torch
+    import transformers as tf
+    from sentence_transformers import SentenceTransformer, models
+
+    from tests.support.tiny_models import VOCAB, write_tokenizer
+
+    hf, st_dir = out_dir / "hf", out_dir / "st"
+    torch.manual_seed(seed)
+    cfg = tf.Qwen3Config(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=8, max_position_embeddings=128, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0, initializer_range=0.2)
+    model = tf.Qwen3Model(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.3 + 1.0)
+    model.save_pretrained(str(hf))
+    write_tokenizer(hf)
+    (hf / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "padding_side": "right",
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    modules = [models.Transformer(str(hf), max_seq_length=MAX_SEQ),
+               models.Pooling(HIDDEN, pooling_mode="lasttoken"), models.Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(st_dir))
+    return SentenceTransformer(str(st_dir), device="cpu")
