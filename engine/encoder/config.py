@@ -113,6 +113,8 @@ class BertConfig:
             self.decoder = dataclasses.replace(from_dict(cfg), tie_embeddings=True)
         except UnsupportedDecoder as exc:
             raise UnsupportedEncoder(str(exc)) from None
+        except KeyError as exc:
+            raise UnsupportedEncoder(f"config.json lacks {exc} for a decoder-based embedder") from None
         self.hidden, self.heads = self.decoder.hidden, self.decoder.heads
         self.intermediate, self.layers = self.decoder.intermediate, self.decoder.layers
         self.pad_id = int(cfg.get("pad_token_id") or 0)

@@ -191,7 +191,11 @@ MODULES = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.mo
     ({"model_type": "electra", "architectures": ["ElectraModel"]}, "ELECTRA"),
     ({"model_type": "nomic_bert", "architectures": ["NomicBertModel"]}, "rotary positions"),
     ({"model_type": "modernbert", "architectures": ["ModernBertModel"]}, "ModernBERT"),
-    ({"model_type": "qwen3", "architectures": ["Qwen3Model"]}, "'qwen3' (Qwen3Model)"),
+    ({"model_type": "gpt_neox", "architectures": ["GPTNeoXModel"]}, "'gpt-neox' (GPTNeoXModel)"),
+    ({"model_type": "qwen3", "architectures": ["Qwen3Model"]}, "lacks 'hidden_size'"),
+    ({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+      "num_hidden_layers": 1, "num_attention_heads": 2,
+      "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope scaling 'yarn'"),
     ({**BERT_CFG, "position_embedding_type": "relative_key"}, "absolute positions only"),
     ({**BERT_CFG, "hidden_act": "swish"}, "hidden_act 'swish'"),
 ])  # fmt: skip
