@@ -153,7 +153,8 @@ def site_config(site: str, leaf_listen: int | None = None, hub: str = "",
     JetStream domain (the site's registry and telemetry stay its own), and either a
     leafnode listener for the other sites (`leaf_listen`, the hub) or a remote to the
     hub (`hub`, e.g. "nats-leaf://hub:7422"), redialled every 100 ms while cut."""
-    lines = [DEFAULT_CONF, f"server_name: tensorbus-{site}",
+    lines = [f"# Site {site} (docs/operations.md, Two sites)", DEFAULT_CONF.split("\n", 1)[1],
+             f"server_name: tensorbus-{site}",
              f"jetstream {{ domain: {site} }}"]
     if leaf_listen is not None:
         # Not advertised: a leaf redials the address it was given (a relay, a load
