@@ -30,15 +30,15 @@ FAR = "far-only-encoder"  # served at site b alone
 
 
 @asynccontextmanager
-async def two_sites(tmp_path, delay_s: float = 0.0):
+async def two_sites(tmp_path, delay_s: float = 0.0, **settings):
     """(relay, stack at a, stack at b, records heard at a, records heard at b)."""
     sites = NatsSites(tmp_path / "nats", link_port=free_port())
     relay = Relay(sites.leaf_port, delay_s=delay_s, port=sites.link_port)
     await relay.start()
     with sites.start(die_with_parent=True):
         far = {FAR: str(catalog.bundled_dir(catalog.ENCODER))}  # its tokenizer, for the gateways
-        async with running_stack(sites.hub.url, far, site="a") as a, \
-                running_stack(sites.leaf.url, far, site="b") as b:
+        async with running_stack(sites.hub.url, far, site="a", **settings) as a, \
+                running_stack(sites.leaf.url, far, site="b", **settings) as b:
             heard: tuple[list, list] = ([], [])
             for st, into in zip((a, b), heard):
                 async def keep(msg, into=into):
@@ -90,6 +90,22 @@ async def test_requests_stay_at_their_site_and_spill_when_it_has_no_worker(tmp_p
         await a.stop_worker("wa")  # A's only worker of the model goes away
         await wait_until(lambda: "wa" not in a.scheduler.fleet.workers)
         assert await burst(a, heard_a, 20) == ["b"] * 20  # spilled to B, all answered
+
+
+async def test_requests_spill_when_their_sites_workers_are_at_capacity(tmp_path):
+    held = MockEncoder()
+    held.gate.clear()  # A's worker computes nothing: what it takes stays outstanding
+    async with two_sites(tmp_path, max_queue_per_worker=2) as (relay, a, b, heard_a, _):
+        await a.add_worker(held, "wa")
+        await b.add_worker(MockEncoder(), "wb")
+        await wait_until(lambda: sees(a, "wb"))
+        asked = asyncio.gather(burst(a, heard_a, 2), burst(a, heard_a, 2))
+        # Two fill wa to the bound, two go to B; A's two finish once wa computes.
+        await wait_until(lambda: a.scheduler.dispatched == 4)
+        assert a.scheduler.load.get("wa") == 2  # at the bound while B took the rest
+        held.gate.set()
+        sites = sorted(sum(await asked, []))
+        assert sites == ["a", "a", "b", "b"]
 
 
 async def test_a_cut_link_leaves_each_site_serving_its_own(tmp_path):
