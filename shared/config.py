@@ -27,6 +27,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     nats_tls_ca: str = ""  # CA file that signed the server's certificate (tls.conf); empty = the system's CAs (SSL_CERT_FILE)
     nats_tls_cert: str = ""  # client certificate file for mutual TLS (tls-mtls.conf); empty = none
     nats_tls_key: str = ""  # its private key file; empty = inside the certificate file
+    site: str = ""  # the site this process runs at (workers announce it; schedulers prefer workers at their own); "" = one site
     # --- gateway
     http_host: str = "127.0.0.1"  # HTTP bind address; 0.0.0.0 only on purpose
     http_port: int = 8000  # OpenAI-compatible HTTP API

@@ -147,6 +147,68 @@ class NatsCluster:
         self.stop()
 
 
+def site_config(site: str, leaf_listen: int | None = None, hub: str = "",
+                host: str = "127.0.0.1") -> str:
+    """A nats-server config for one site (docs/decisions/0054-sites.md): its own
+    JetStream domain (the site's registry and telemetry stay its own), and either a
+    leafnode listener for the other sites (`leaf_listen`, the hub) or a remote to the
+    hub (`hub`, e.g. "nats-leaf://hub:7422"), redialled every 100 ms while cut."""
+    lines = [f"# Site {site} (docs/operations.md, Two sites)", DEFAULT_CONF.split("\n", 1)[1],
+             f"server_name: tensorbus-{site}",
+             f"jetstream {{ domain: {site} }}"]
+    if leaf_listen is not None:
+        # Not advertised: a leaf redials the address it was given (a relay, a load
+        # balancer), never the listener's own behind it.
+        lines.append(f'leafnodes {{ listen: "{host}:{leaf_listen}", no_advertise: true }}')
+    if hub:
+        lines.append(f'leafnodes {{ reconnect: "100ms", remotes: [ {{ url: "{hub}" }} ] }}')
+    return "\n".join(lines) + "\n"
+
+
+class NatsSites:
+    """Two sites joined by a leafnode (tests): `hub` listens for leafnodes on
+    `leaf_port`; `leaf` dials `link_port` (the hub's leafnode port unless a test puts
+    a relay there, to delay or cut the link)."""
+
+    def __init__(self, store_dir: str | Path, sites: tuple[str, str] = ("a", "b"),
+                 link_port: int | None = None, leaf_port: int | None = None) -> None:
+        store = Path(store_dir)
+        store.mkdir(parents=True, exist_ok=True)
+        self.sites = sites
+        self.leaf_port = leaf_port or free_port()
+        self.link_port = link_port or self.leaf_port
+        confs = [site_config(sites[0], leaf_listen=self.leaf_port),
+                 site_config(sites[1], hub=f"nats-leaf://127.0.0.1:{self.link_port}")]
+        self.servers = []
+        for site, text in zip(sites, confs):
+            conf = store / f"{site}.conf"
+            conf.write_text(text)
+            self.servers.append(NatsServer(store / site, config=str(conf)))
+
+    @property
+    def hub(self) -> NatsServer:
+        return self.servers[0]
+
+    @property
+    def leaf(self) -> NatsServer:
+        return self.servers[1]
+
+    def start(self, die_with_parent: bool = False) -> "NatsSites":
+        for server in self.servers:
+            server.start(die_with_parent)
+        return self
+
+    def stop(self) -> None:
+        for server in reversed(self.servers):
+            server.stop()
+
+    def __enter__(self) -> "NatsSites":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
 DEFAULT_CONF = """# Written by `tensorbus nats`; edit TENSORBUS_* settings instead.
 # Requests up to 8 MB reach the gateway, which answers 413 above its own
 # TENSORBUS_MAX_PAYLOAD (1 MB) instead of the client library refusing to send.

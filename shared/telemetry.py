@@ -57,6 +57,7 @@ class RequestRecord(_Rec, tag="request"):
     hold_s: float = 0.0  # time held waiting for a cold start (scheduler -> first ready worker)
     worker_ttft_s: float = 0.0  # worker receipt -> its first token (the worker's share of ttft_s)
     itl_counts: list[int] = msgspec.field(default_factory=list)  # gaps per ITL_BUCKETS (+Inf last)
+    site: str = ""  # the answering worker's site, as its heartbeats gave it ("" = one site or none)
 
 
 class Heartbeat(_Rec, tag="heartbeat"):
@@ -116,6 +117,7 @@ class Heartbeat(_Rec, tag="heartbeat"):
     programs_compiled: int = 0
     programs_total: int = 0
     start_s: float = 0.0  # seconds from the worker's start to ready (loading, warm-up; 0 = not ready yet)
+    site: str = ""  # TENSORBUS_SITE of the worker ("" = one site): schedulers prefer their own
 
 
 class ScaleDecision(_Rec, tag="scale"):

@@ -209,6 +209,11 @@ class Frontend:
             self.inbox.close(rid)
 
     # --------------------------------------------------------------- telemetry
+    def _site_of(self, worker_id: str) -> str:
+        """The site the answering worker's heartbeats announce ("" unknown or one site)."""
+        view = self.fleet.workers.get(worker_id) if worker_id else None
+        return view.hb.site if view is not None else ""
+
     async def record(self, rid: str, out: Outcome, started: float) -> None:
         t = out.timing
         # TTFT as a client sees it: from this gateway's receipt (tokenizing, both hops
@@ -221,7 +226,7 @@ class Frontend:
             compute_s=t.compute, prompt_tokens=out.prompt_tokens,
             completion_tokens=out.completion_tokens, ttft_s=ttft, itl_s=t.itl_mean,
             batch_size=t.batch_size, finished_at=time.time(), hold_s=out.hold_s,
-            worker_ttft_s=t.ttft, itl_counts=t.itl_counts)
+            worker_ttft_s=t.ttft, itl_counts=t.itl_counts, site=self._site_of(out.worker_id))
         log.debug("request_finished", request_id=rid, status=out.status, version=out.version,
                   worker=out.worker_id, total_s=round(rec.total_s, 6), hold_s=out.hold_s)
         try:

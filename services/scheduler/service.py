@@ -29,6 +29,8 @@ Dataflow of one request:
      (a scheduler whose view lags a promotion never sends work back to the old one).
      When no ready worker holds the drawn version yet (a canary still loading, a
      promotion in progress), prod is used, and failing that any ready worker.
+     Workers at this scheduler's own site come first; other sites' only when none
+     of its own has room (services.scheduler.sites).
   5. The worker replies to the gateway directly and tells this scheduler which
      requests finished (`WorkDone`, with the batch's engine time: the model's cost),
      so the outstanding count per worker stays exact.
@@ -64,6 +66,7 @@ from services.scheduler.decisions import ScaleDecisions
 from services.scheduler.holds import Holds
 from services.scheduler.loads import LoadReports
 from services.scheduler.routed import Routed
+from services.scheduler.sites import at_site
 from shared import VERSION, prefix, subjects
 from shared.config import Config
 from shared.errors import ServiceError
@@ -252,6 +255,8 @@ class Scheduler(Lifecycle):
     async def _dispatch(self, work: WorkRequest, ready: list[WorkerView],
                         since: float | None = None) -> None:
         sent = work
+        ready = at_site(ready, self.config.site, lambda w: self._load_of(w)[0],
+                        self.config.max_queue_per_worker)
         if not work.version:
             pin, ready = self._route_version(work.model, ready, work.user)
             if pin:  # the worker runs the drawn canary, not its own prod

@@ -350,7 +350,7 @@ class Worker(Lifecycle):
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
             devices=list(engine.devices) if engine is not None else [],
             start_s=self.start_s, programs_compiled=compiled, programs_total=total,
-            **self._cost_fields())
+            site=self.config.site, **self._cost_fields())
 
     def _cost_fields(self) -> dict[str, float]:
         """The heartbeat's cost: an encoder's from warm-up; a decoder's as its runner
