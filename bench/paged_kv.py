@@ -133,6 +133,19 @@ def prefix(args) -> dict:
             "ttft_p50_s": round(statistics.median(ttft), 4),
             "ttft_p99_s": round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 4),
             "hit_rate": round(s.hits / s.queries, 3) if s.queries else 0.0}
+        if cached:  # the same questions without the system prompt, on the same engine
+            alone = []
+            for q in questions:
+                t0 = time.perf_counter()
+                eng.begin(0, q, _greedy(), 0)
+                while eng.prefill_step(0) is None:
+                    pass
+                alone.append(time.perf_counter() - t0)
+                eng.free(0)
+            out["question_alone"] = {"ttft_p50_s": round(statistics.median(alone), 4)}
+    on, off = out["on"]["ttft_p50_s"], out["off"]["ttft_p50_s"]
+    out["cached_over_alone"] = round(on / out["question_alone"]["ttft_p50_s"], 2)
+    out["fresh_over_cached"] = round(off / on, 2)
     return out
 
 
