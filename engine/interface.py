@@ -152,6 +152,10 @@ class Decoder(Protocol):
     def check_prompt(self, prompt: list[int]) -> None:
         """ValueError, with a message for the user, if `prompt` cannot be served."""
 
+    def check_sampling(self, sampling: Sampling) -> None:
+        """ValueError, naming them, when the request asks for controls this engine
+        does not apply (never served without them)."""
+
     def prompt_logprobs(self, tokens: list[int], top: int) -> list[tuple[int, float, list]]:
         """For each token after the first: (token, logprob given those before it, the
         `top` most likely (token, logprob) there, best first); ValueError where the

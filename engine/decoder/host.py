@@ -105,6 +105,10 @@ class DecoderHost:
                 f"left to generate)"
             )
 
+    def check_sampling(self, sampling) -> None:
+        """ValueError naming the sampling controls this engine does not apply (the
+        JAX engine applies every one)."""
+
     def prompt_logprobs(self, tokens: list[int], top: int) -> list[tuple[int, float, list]]:
         """Each prompt token's logprob given those before it, and the `top` most
         likely there (engine/decoder/scoring.py); one pass, no slot touched."""

@@ -169,8 +169,7 @@ class DecoderRunner:
         engine = self.models.engines.get(self.models.resolve(work.version))
         try:
             engine.check_prompt(work.prompt)
-            if hasattr(engine, "check_sampling"):  # an engine without every control
-                engine.check_sampling(work.sampling)
+            engine.check_sampling(work.sampling)  # an engine without every control: 400
         except ValueError as exc:
             self._spawn(self.outbox.refuse(work, ServiceError(400, str(exc))))
             return

@@ -86,6 +86,9 @@ class MockDecoder(WholePrompt):
     def prompt_logprobs(self, tokens: list[int], top: int) -> list:
         raise ValueError("the mock decoder computes no prompt logprobs")
 
+    def check_sampling(self, sampling) -> None:
+        """The mock samples nothing: every request is greedy over its script."""
+
     def __init__(self, name: str = "mock-lm", tag: int = 0, slots: int = 2,
                  max_context: int = 64) -> None:
         self.name = name
