@@ -62,8 +62,9 @@ def propose(tokens: list[int], k: int, longest: int = NGRAM_LONGEST,
 
 
 def _plain(sampling: Sampling) -> bool:
-    """Whether a sequence's tokens depend only on its logits and its seed."""
-    return (sampling.logprobs < 0 and not sampling.presence_penalty
+    """Whether a sequence's tokens depend only on its logits and its seed (a grammar's
+    mask depends on its tokens too: a constrained sequence takes the masked step)."""
+    return (sampling.logprobs < 0 and not sampling.grammar and not sampling.presence_penalty
             and not sampling.frequency_penalty and sampling.repetition_penalty in (0.0, 1.0)
             and not any(b for _, b in sampling.logit_bias))  # fmt: skip
 
@@ -89,8 +90,9 @@ class SpeculativeSlots(PagedSlots):
         s = self.spec_stats
         return SpecStats(s.steps, s.drafted, s.accepted)
 
-    def begin(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> None:
-        super().begin(slot, prompt, sampling, seed)
+    def begin(self, slot: int, prompt: list[int], sampling: Sampling, seed: int,
+              generated: int = 0) -> None:
+        super().begin(slot, prompt, sampling, seed, generated)
         self._plain[slot] = _plain(sampling)
 
     @staticmethod

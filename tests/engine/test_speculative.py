@@ -103,3 +103,30 @@ def test_a_sequence_joining_and_leaving_beside_a_speculating_one(llama):
     assert engine.spec_stats.steps > spec_before
     assert a[:50] == hf_greedy(ref, REPEATING, 50)
     assert b == hf_greedy(ref, OTHER, 7)
+
+
+def test_a_constrained_sequence_is_never_drafted_for(llama):
+    """A grammar's mask depends on the tokens drawn: a lone constrained stream on a
+    speculating engine takes the masked step, so its JSON validates and nothing is
+    drafted for it; the same stream on an engine without speculation agrees."""
+    import json
+
+    import jsonschema
+
+    from services.gateway.structured import grammar_for
+    from shared.api import JsonSchemaFormat, ResponseFormat
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    fmt = ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(name="t", schema=schema))
+    constrained = Sampling(temperature=0.0, grammar=grammar_for(fmt))
+    path, _ = llama
+    engine, plain = _engine(path, k=4), _engine(path, k=0)
+    got = _generate(engine, 1, REPEATING, constrained, 0, 24)
+    assert got == _generate(plain, 1, REPEATING, constrained, 0, 24)
+    assert engine.spec_stats.steps == 0
+    eos = set(engine.eos_token_ids)
+    text = engine.tokenizer.decode([t for t in got if t not in eos][: next(
+        (i for i, t in enumerate(got) if t in eos), len(got))])
+    if any(t in eos for t in got):  # it finished: the object is whole
+        jsonschema.validate(json.loads(text), schema)
