@@ -171,6 +171,47 @@ async def close(nc: Client, timeout: float = 5.0) -> None:
                     error=str(exc) or type(exc).__name__)
 
 
+class Links:
+    """A connection's ups and downs as its service sees them: `up` is set while it is
+    connected, and `on_drop` callbacks run when it drops (before reconnecting). It
+    chains the callbacks the connection was opened with (shared.bus's logging)."""
+
+    def __init__(self, nc: Client) -> None:
+        self.up = asyncio.Event()
+        if nc.is_connected:
+            self.up.set()
+        self.drops = 0
+        self.on_drop: list = []  # plain functions, called on the event loop
+        was_down, was_up = nc._disconnected_cb, nc._reconnected_cb
+
+        async def down() -> None:
+            self.up.clear()
+            self.drops += 1
+            for fn in self.on_drop:
+                fn()
+            if was_down is not None:
+                await was_down()
+
+        async def back() -> None:
+            # nats-py calls this once the subscriptions are sent again and its buffer
+            # is flushed: what is published now has a path, and replies a way back.
+            self.up.set()
+            if was_up is not None:
+                await was_up()
+
+        nc._disconnected_cb, nc._reconnected_cb = down, back
+
+    async def wait_up(self, until: float) -> bool:
+        """Wait until connected, or until `until` (UNIX seconds); whether it is."""
+        if self.up.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self.up.wait(), max(0.0, until - time.time()))
+        except TimeoutError:
+            pass
+        return self.up.is_set()
+
+
 def stop_event() -> asyncio.Event:
     """An Event set by SIGINT or SIGTERM (call inside the running loop)."""
     ev = asyncio.Event()

@@ -116,6 +116,9 @@ class Heartbeat(_Rec, tag="heartbeat"):
     programs_compiled: int = 0
     programs_total: int = 0
     start_s: float = 0.0  # seconds from the worker's start to ready (loading, warm-up; 0 = not ready yet)
+    # Times its bus connection dropped: a rise tells the scheduler that work it sent
+    # meanwhile may have been lost with the path, and is sent again.
+    reconnects: int = 0
 
 
 class ScaleDecision(_Rec, tag="scale"):
