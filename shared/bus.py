@@ -177,6 +177,7 @@ class Links:
     chains the callbacks the connection was opened with (shared.bus's logging)."""
 
     def __init__(self, nc: Client) -> None:
+        self.nc = nc
         self.up = asyncio.Event()
         if nc.is_connected:
             self.up.set()
@@ -203,13 +204,15 @@ class Links:
 
     async def wait_up(self, until: float) -> bool:
         """Wait until connected, or until `until` (UNIX seconds); whether it is."""
-        if self.up.is_set():
+        if self.nc.is_connected:
             return True
+        # Dropped, its callback not run yet: the reconnection's callback sets it again.
+        self.up.clear()
         try:
             await asyncio.wait_for(self.up.wait(), max(0.0, until - time.time()))
         except TimeoutError:
             pass
-        return self.up.is_set()
+        return self.nc.is_connected
 
 
 def stop_event() -> asyncio.Event:

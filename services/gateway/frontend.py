@@ -31,6 +31,7 @@ from services.fleet import Fleet
 from services.gateway.admission import GatewayAdmission
 from services.gateway.inbox import PathLost, ReplyInbox
 from services.gateway.models import ModelTable
+from services.gateway.recorder import Recorder
 from shared import subjects
 from shared.bus import Links
 from shared.api import ModelList
@@ -105,6 +106,7 @@ class Frontend:
         self.inbox = ReplyInbox(nc)
         self.links = Links(nc)  # a dropped connection: retryable requests ask again
         self.links.on_drop.append(self.inbox.path_lost)
+        self.recorder = Recorder(nc, self.links)  # request records, acked when stored
         self.admission = GatewayAdmission(nc, config, self.fleet, self.inbox.cancel)
         self._tokenizing = asyncio.Semaphore(2)  # large inputs tokenized at once
         self.decisions = LiveDecisions()  # the schedulers' scale decisions (model cards)
@@ -113,8 +115,10 @@ class Frontend:
     async def start(self) -> None:
         await self.inbox.start()
         await self.admission.start()
+        self.recorder.start()
 
     async def stop(self) -> None:
+        await self.recorder.stop()
         await self.inbox.stop()
         await self.admission.stop()
 
@@ -230,7 +234,7 @@ class Frontend:
             raise deadline_exceeded()
 
     # --------------------------------------------------------------- telemetry
-    async def record(self, rid: str, out: Outcome, started: float) -> None:
+    async def record(self, rid: str, out: Outcome, started: float, wire: str = "") -> None:
         t = out.timing
         # TTFT as a client sees it: from this gateway's receipt (tokenizing, both hops
         # and any cold-start hold included) to the first chunk reaching it.
@@ -245,7 +249,4 @@ class Frontend:
             worker_ttft_s=t.ttft, itl_counts=t.itl_counts)
         log.debug("request_finished", request_id=rid, status=out.status, version=out.version,
                   worker=out.worker_id, total_s=round(rec.total_s, 6), hold_s=out.hold_s)
-        try:
-            await self.nc.publish(subjects.TELEMETRY_REQUESTS, encode_record(rec))
-        except Exception as exc:  # noqa: BLE001 - telemetry never fails a request
-            log.warning("telemetry_publish_failed", error=str(exc))
+        self.recorder.put(wire or new_request_id(), encode_record(rec))

@@ -15,8 +15,13 @@ import httpx
 import numpy as np
 import pytest
 
+from services.telemetry.stream import ensure_stream, stream_config
+from shared import subjects
+from shared.bus import close
 from shared.natsd import NatsCluster
+from shared.telemetry import record_decoder
 from tests.reliability.conftest import ENCODER
+from tests.support.cluster import js_ready, until
 from tests.support.stack import running_stack, wait_until
 
 CLIENTS = 4
@@ -36,9 +41,36 @@ def member(cluster: NatsCluster, nc) -> int:
 
 
 @pytest.fixture
-def cluster(tmp_path):
+async def cluster(tmp_path):
+    """A formed cluster with the TELEMETRY stream on all three members."""
     with NatsCluster(tmp_path / "nats", 3).start(die_with_parent=True) as c:
+        nc = await js_ready(c.url)
+        try:
+            await until(lambda: ensure_stream(nc.jetstream(), stream_config(), 3))
+        finally:
+            await close(nc)
         yield c
+
+
+async def stored_records(url: str, want: int) -> Counter[str]:
+    """The gateway's records on the TELEMETRY stream, per request id (the load's)."""
+    nc = await js_ready(url)
+    seen: Counter[str] = Counter()
+    try:
+        sub = await nc.jetstream().subscribe(subjects.TELEMETRY_REQUESTS, ordered_consumer=True)
+        end = time.monotonic() + 30
+        while sum(seen.values()) < want and time.monotonic() < end:
+            try:
+                msg = await sub.next_msg(timeout=1)
+            except TimeoutError:
+                continue
+            rec = record_decoder.decode(msg.data)
+            if rec.request_id.startswith("nl-"):
+                seen[rec.request_id] += 1
+        await sub.unsubscribe()
+    finally:
+        await close(nc)
+    return seen
 
 
 async def test_losing_the_gateways_and_the_workers_server_under_load(cluster, minilm,
@@ -121,4 +153,8 @@ async def test_losing_the_gateways_and_the_workers_server_under_load(cluster, mi
         assert all(n == 1 for n in sent.values())
         assert set(answered) == set(sent) and all(n == 1 for n in answered.values())
         assert wrong == []
+        # every request's record stored once on the stream, none lost with a server
+        records = await stored_records(cluster.url, len(answered))
+        assert records == answered, set(records) ^ set(answered)
+        assert st.gateway.front.recorder.lost == 0
         assert all(f["recovered_s"] < 15 for f in FIGURES.values()), FIGURES
