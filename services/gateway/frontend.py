@@ -107,6 +107,7 @@ class Frontend:
         self.links = Links(nc)  # a dropped connection: retryable requests ask again
         self.links.on_drop.append(self.inbox.path_lost)
         self.recorder = Recorder(nc, self.links)  # request records, acked when stored
+        self.retried = 0  # calls submitted again after their connection dropped
         self.admission = GatewayAdmission(nc, config, self.fleet, self.inbox.cancel)
         self._tokenizing = asyncio.Semaphore(2)  # large inputs tokenized at once
         self.decisions = LiveDecisions()  # the schedulers' scale decisions (model cards)
@@ -223,6 +224,7 @@ class Frontend:
             except PathLost:
                 await self._reconnected(deadline)
                 log.warning("request_retried", wire_id=rid, reason="connection_lost")
+                self.retried += 1
                 await self.submit(work, reply)
                 return await self.inbox.next_result(q, rid, out)
         finally:

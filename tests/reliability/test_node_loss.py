@@ -137,7 +137,9 @@ async def test_losing_the_gateways_and_the_workers_server_under_load(cluster, mi
             after = sum(answered.values())
             await wait_until(lambda: sum(answered.values()) >= after + 2 * CLIENTS, timeout=30)
             FIGURES[scenario] = {"recovered_s": round(recovered, 2),
-                                 "sent_during": sum(sent.values()) - sent_before}
+                                 "sent_during": sum(sent.values()) - sent_before,
+                                 "gateway_retried": st.gateway.front.retried,
+                                 "redispatched": st.scheduler.redispatched}
 
         async with httpx.AsyncClient(base_url=st.http_url, timeout=60) as http:
             loads = [asyncio.create_task(load(http, n)) for n in range(CLIENTS)]
@@ -148,7 +150,8 @@ async def test_losing_the_gateways_and_the_workers_server_under_load(cluster, mi
                 stop.set()
                 await asyncio.gather(*loads)
 
-        print("node loss:", FIGURES, "sent", sum(sent.values()), "failed", len(failed))
+        print("node loss:", FIGURES, "sent", sum(sent.values()), "failed", len(failed),
+              "records retried", st.gateway.front.recorder.retried)
         assert failed == [], failed
         assert all(n == 1 for n in sent.values())
         assert set(answered) == set(sent) and all(n == 1 for n in answered.values())
