@@ -52,6 +52,8 @@ class Recorder:
         """Send what is queued (within `timeout`), then stop."""
         if self._task is None:
             return
+        if not self.nc.is_connected:  # the bus is gone: do not hold the shutdown
+            timeout = min(timeout, 0.5)
         try:
             await asyncio.wait_for(self._flushed(), timeout)
         except TimeoutError:

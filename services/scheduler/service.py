@@ -261,6 +261,9 @@ class Scheduler(Lifecycle):
         wid = target.worker_id
         # The unpinned original is kept: a re-dispatch draws again.
         now = time.monotonic()
+        old = self.outstanding.get(work.request_id)
+        if old is not None:  # a gateway asked again (its path was lost): counted once
+            self._finished(old)
         self.outstanding[work.request_id] = Outstanding(work, wid, now, keys)
         if keys:
             self.routed.sent(wid, keys)

@@ -156,6 +156,10 @@ async def test_losing_the_gateways_and_the_workers_server_under_load(cluster, mi
         assert all(n == 1 for n in sent.values())
         assert set(answered) == set(sent) and all(n == 1 for n in answered.values())
         assert wrong == []
+        # the scheduler's books balance: a request sent twice is counted once
+        sched = st.scheduler
+        await wait_until(lambda: not sched.outstanding, timeout=10)
+        assert all(n == 0 for n in sched.load.values()), sched.load
         # every request's record stored once on the stream, none lost with a server
         records = await stored_records(cluster.url, len(answered))
         assert records == answered, set(records) ^ set(answered)
