@@ -4,7 +4,8 @@ Connections reconnect forever (a restarted nats-server is an outage, never an ex
 and drain on shutdown so nothing in flight is dropped. Every connection logs in with
 the credentials the config names (`TENSORBUS_NATS_CREDS`, `TENSORBUS_NATS_NKEY_SEED`,
 `TENSORBUS_NATS_TLS_CA|CERT|KEY`, beside a user and password in the URL): services,
-their probes and the CLI alike (`login_options`).
+their probes and the CLI alike (`login_options`). `Links` lets a service act on its
+connection dropping and coming back (what it had out may be lost with the path).
 """
 
 from __future__ import annotations
