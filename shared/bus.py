@@ -4,7 +4,8 @@ Connections reconnect forever (a restarted nats-server is an outage, never an ex
 and drain on shutdown so nothing in flight is dropped. Every connection logs in with
 the credentials the config names (`TENSORBUS_NATS_CREDS`, `TENSORBUS_NATS_NKEY_SEED`,
 `TENSORBUS_NATS_TLS_CA|CERT|KEY`, beside a user and password in the URL): services,
-their probes and the CLI alike (`login_options`).
+their probes and the CLI alike (`login_options`). `Links` lets a service act on its
+connection dropping and coming back (what it had out may be lost with the path).
 """
 
 from __future__ import annotations
@@ -169,6 +170,50 @@ async def close(nc: Client, timeout: float = 5.0) -> None:
     except Exception as exc:  # noqa: BLE001 - shutdown must finish
         log.warning("close_failed", client=nc.options.get("name"),
                     error=str(exc) or type(exc).__name__)
+
+
+class Links:
+    """A connection's ups and downs as its service sees them: `up` is set while it is
+    connected, and `on_drop` callbacks run when it drops (before reconnecting). It
+    chains the callbacks the connection was opened with (shared.bus's logging)."""
+
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self.up = asyncio.Event()
+        if nc.is_connected:
+            self.up.set()
+        self.drops = 0
+        self.on_drop: list = []  # plain functions, called on the event loop
+        was_down, was_up = nc._disconnected_cb, nc._reconnected_cb
+
+        async def down() -> None:
+            self.up.clear()
+            self.drops += 1
+            for fn in self.on_drop:
+                fn()
+            if was_down is not None:
+                await was_down()
+
+        async def back() -> None:
+            # nats-py calls this once the subscriptions are sent again and its buffer
+            # is flushed: what is published now has a path, and replies a way back.
+            self.up.set()
+            if was_up is not None:
+                await was_up()
+
+        nc._disconnected_cb, nc._reconnected_cb = down, back
+
+    async def wait_up(self, until: float) -> bool:
+        """Wait until connected, or until `until` (UNIX seconds); whether it is."""
+        if self.nc.is_connected:
+            return True
+        # Dropped, its callback not run yet: the reconnection's callback sets it again.
+        self.up.clear()
+        try:
+            await asyncio.wait_for(self.up.wait(), max(0.0, until - time.time()))
+        except TimeoutError:
+            pass
+        return self.nc.is_connected
 
 
 def stop_event() -> asyncio.Event:

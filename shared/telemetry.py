@@ -118,6 +118,9 @@ class Heartbeat(_Rec, tag="heartbeat"):
     programs_total: int = 0
     start_s: float = 0.0  # seconds from the worker's start to ready (loading, warm-up; 0 = not ready yet)
     site: str = ""  # TENSORBUS_SITE of the worker ("" = one site): schedulers prefer their own
+    # Times its bus connection dropped: a rise tells the scheduler that work it sent
+    # meanwhile may have been lost with the path, and is sent again.
+    reconnects: int = 0
 
 
 class ScaleDecision(_Rec, tag="scale"):

@@ -103,4 +103,4 @@ class Call:
         """Publish the request's telemetry record, once."""
         if not self._finished:
             self._finished = True
-            await self.front.record(self.rid, self.out, self.started)
+            await self.front.record(self.rid, self.out, self.started, self.wire)

@@ -29,12 +29,14 @@ from nats.aio.client import Client
 
 from services.fleet import Fleet
 from services.gateway.admission import GatewayAdmission
-from services.gateway.inbox import ReplyInbox
+from services.gateway.inbox import PathLost, ReplyInbox
 from services.gateway.models import ModelTable
+from services.gateway.recorder import Recorder
 from shared import subjects
+from shared.bus import Links
 from shared.api import ModelList
 from shared.config import Config
-from shared.errors import too_large, unavailable
+from shared.errors import deadline_exceeded, too_large, unavailable
 from shared.logging import get_logger
 from shared.messages import ModelStatus, Timing, encode
 from shared.scaling import LiveDecisions
@@ -102,6 +104,10 @@ class Frontend:
         self.fleet = fleet or Fleet(expiry_s=config.worker_expiry_s)
         self.models = models or ModelTable(self.fleet)
         self.inbox = ReplyInbox(nc)
+        self.links = Links(nc)  # a dropped connection: retryable requests ask again
+        self.links.on_drop.append(self.inbox.path_lost)
+        self.recorder = Recorder(nc, self.links)  # request records, acked when stored
+        self.retried = 0  # calls submitted again after their connection dropped
         self.admission = GatewayAdmission(nc, config, self.fleet, self.inbox.cancel)
         self._tokenizing = asyncio.Semaphore(2)  # large inputs tokenized at once
         self.decisions = LiveDecisions()  # the schedulers' scale decisions (model cards)
@@ -110,8 +116,10 @@ class Frontend:
     async def start(self) -> None:
         await self.inbox.start()
         await self.admission.start()
+        self.recorder.start()
 
     async def stop(self) -> None:
+        await self.recorder.stop()
         await self.inbox.stop()
         await self.admission.stop()
         await self.models.stop()
@@ -196,17 +204,37 @@ class Frontend:
 
     async def call(self, work, deadline: float, out: Outcome | None = None):
         """Submit work and wait for its single answer (`dispatched`, inlined: this is
-        every embeddings request's path)."""
+        every embeddings request's path).
+
+        The work is idempotent (an embedding is the same whoever computes it, however
+        often): a call made while the bus is reconnecting waits for it (within its
+        deadline), and one whose connection drops while it is out is submitted once
+        more after the reconnection, under the same id. The first answer is the one
+        the client gets; a second finds its queue closed and is dropped
+        (docs/decisions/0053-node-loss.md)."""
         rid, model = work.request_id, work.model
-        reply, q = self.inbox.open(rid, deadline)
+        reply, q = self.inbox.open(rid, deadline, retry=True)
         waiting = self.admission.waiting
         waiting[model] += 1
         try:
+            if not self.nc.is_connected:
+                await self._reconnected(deadline)
             await self.submit(work, reply)
-            return await self.inbox.next_result(q, rid, out)
+            try:
+                return await self.inbox.next_result(q, rid, out)
+            except PathLost:
+                await self._reconnected(deadline)
+                log.warning("request_retried", wire_id=rid, reason="connection_lost")
+                self.retried += 1
+                await self.submit(work, reply)
+                return await self.inbox.next_result(q, rid, out)
         finally:
             waiting[model] -= 1
             self.inbox.close(rid)
+
+    async def _reconnected(self, deadline: float) -> None:
+        if not await self.links.wait_up(deadline):
+            raise deadline_exceeded()
 
     # --------------------------------------------------------------- telemetry
     def _site_of(self, worker_id: str) -> str:
@@ -214,7 +242,7 @@ class Frontend:
         view = self.fleet.workers.get(worker_id) if worker_id else None
         return view.hb.site if view is not None else ""
 
-    async def record(self, rid: str, out: Outcome, started: float) -> None:
+    async def record(self, rid: str, out: Outcome, started: float, wire: str = "") -> None:
         t = out.timing
         # TTFT as a client sees it: from this gateway's receipt (tokenizing, both hops
         # and any cold-start hold included) to the first chunk reaching it.
@@ -229,7 +257,4 @@ class Frontend:
             worker_ttft_s=t.ttft, itl_counts=t.itl_counts, site=self._site_of(out.worker_id))
         log.debug("request_finished", request_id=rid, status=out.status, version=out.version,
                   worker=out.worker_id, total_s=round(rec.total_s, 6), hold_s=out.hold_s)
-        try:
-            await self.nc.publish(subjects.TELEMETRY_REQUESTS, encode_record(rec))
-        except Exception as exc:  # noqa: BLE001 - telemetry never fails a request
-            log.warning("telemetry_publish_failed", error=str(exc))
+        self.recorder.put(wire or new_request_id(), encode_record(rec))

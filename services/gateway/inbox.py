@@ -69,6 +69,12 @@ class Expired:
     seconds: float  # that bound, for the message
 
 
+class PathLost(Exception):
+    """Queued for a retryable request when the gateway's connection dropped while it
+    was out: its answer may have been lost with that path (services.gateway.frontend
+    `call` asks once more)."""
+
+
 @dataclass(slots=True)
 class Clock:
     """A request's time: `deadline` (UNIX seconds) until its first token; after it,
@@ -100,6 +106,7 @@ class ReplyInbox:
         self.group = subjects.reply_group(self.prefix)  # where workers send Results
         self._queues: dict[str, asyncio.Queue] = {}
         self._clocks: dict[str, Clock] = {}
+        self._retryable: set[str] = set()  # open requests a lost path may retry once
         self._sub = None
 
     async def start(self) -> None:
@@ -113,11 +120,14 @@ class ReplyInbox:
             self._sub = None
 
     def open(self, request_id: str, deadline: float, stall_s: float = 0.0,
-             end_by: float = 0.0) -> tuple[str, asyncio.Queue]:
+             end_by: float = 0.0, retry: bool = False) -> tuple[str, asyncio.Queue]:
         """The request's reply subject and queue; an `Expired` is queued when its
-        time (a `Clock` of these bounds, UNIX seconds) is up."""
+        time (a `Clock` of these bounds, UNIX seconds) is up; with `retry`, a
+        `PathLost` when the connection drops (`path_lost`)."""
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
+        if retry:
+            self._retryable.add(request_id)
         clock = self._clocks[request_id] = Clock(q, deadline, stall_s, end_by)
         self._arm(clock)
         return f"{self.prefix}.{request_id}", q
@@ -148,7 +158,14 @@ class ReplyInbox:
             clock.handle.cancel()
             self._arm(clock)
 
+    def path_lost(self) -> None:
+        """The connection dropped: every retryable request out now is told (once)."""
+        for rid in self._retryable:
+            self._queues[rid].put_nowait(PathLost())
+        self._retryable.clear()
+
     def close(self, request_id: str) -> None:
+        self._retryable.discard(request_id)
         self._queues.pop(request_id, None)
         clock = self._clocks.pop(request_id, None)
         if clock is not None and clock.handle is not None:
@@ -260,7 +277,7 @@ def as_service_error(err: WorkError) -> ServiceError:
 def _taken(item, out: Outcome | None):
     """A queued item as a result: None for a hold notice (noted in `out`), an error
     raised as ServiceError."""
-    if isinstance(item, ServiceError):
+    if isinstance(item, (ServiceError, PathLost)):
         raise item
     if isinstance(item, WorkError):
         if out is not None and item.version:  # a version's failure counts against it

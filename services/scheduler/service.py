@@ -133,6 +133,7 @@ class Scheduler(Lifecycle):
         self.rng = random.Random()
         self.dispatched = 0
         self.redispatched = 0
+        self._reconnects: dict[str, int] = {}  # worker_id -> its latest `reconnects`
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, ready: asyncio.Event | None = None) -> None:
@@ -265,6 +266,9 @@ class Scheduler(Lifecycle):
         wid = target.worker_id
         # The unpinned original is kept: a re-dispatch draws again.
         now = time.monotonic()
+        old = self.outstanding.get(work.request_id)
+        if old is not None:  # a gateway asked again (its path was lost): counted once
+            self._finished(old)
         self.outstanding[work.request_id] = Outstanding(work, wid, now, keys)
         if keys:
             self.routed.sent(wid, keys)
@@ -355,6 +359,12 @@ class Scheduler(Lifecycle):
         # will not, so its outstanding work goes elsewhere (a no-op when it has none).
         if hb.state in ("stopped", "unhealthy") or view.stalled:
             await self._recover(hb.worker_id, "worker stalled" if view.stalled else f"worker {hb.state}")
+        elif hb.reconnects > self._reconnects.setdefault(hb.worker_id, hb.reconnects):
+            # Its connection dropped since its last heartbeat: what went to it, or came
+            # back from it, through the lost server may be gone. Sent again (idempotent:
+            # the gateway takes the first answer, a worker ignores a stream it runs).
+            self._reconnects[hb.worker_id] = hb.reconnects
+            await self._recover(hb.worker_id, "worker reconnected")
 
     async def _on_fleet_status(self, msg: Msg) -> None:
         try:

@@ -1,8 +1,10 @@
 """The JetStream stream `TELEMETRY`: every `telemetry.v1.>` record, kept for replay.
 
 Limits retention, oldest discarded first, so the stream never grows past its bounds
-and never pushes back on a publisher. Publishers use plain core NATS publish; the
-server stores what the stream captures without the publisher waiting for it.
+and never pushes back on a publisher. Heartbeats and decisions go out as plain core NATS
+publishes, stored without the publisher waiting; the gateway's request records are
+JetStream publishes, acknowledged and retried off the request path
+(services.gateway.recorder), so a lost server loses none.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from services.worker.priority import lower_threads
 from services.worker.runner import Gauges, Outbox, Runner
 from services.worker.versions import EngineFactory, HotSwap, LoadedModels
 from shared import VERSION, subjects
+from shared.bus import Links
 from shared.admission import Cost, CostBook, GenCost
 from shared.config import Config
 from shared.errors import ServiceError
@@ -146,6 +147,7 @@ class Worker(Lifecycle):
                  source: ModelSource | None = None,
                  engine_factory: EngineFactory | None = None, time_warmup: bool = True) -> None:
         self.nc = nc
+        self.links = Links(nc)  # its drops go out in heartbeats (`reconnects`)
         self.config = config
         self.id = worker_id or config.worker_id or default_worker_id()
         self.model = engine.name if engine is not None else (model or config.model)
@@ -350,7 +352,7 @@ class Worker(Lifecycle):
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
             devices=list(engine.devices) if engine is not None else [],
             start_s=self.start_s, programs_compiled=compiled, programs_total=total,
-            site=self.config.site, **self._cost_fields())
+            site=self.config.site, reconnects=self.links.drops, **self._cost_fields())
 
     def _cost_fields(self) -> dict[str, float]:
         """The heartbeat's cost: an encoder's from warm-up; a decoder's as its runner

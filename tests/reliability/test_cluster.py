@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import nats
 import pytest
 
 from services.registry.store import Registry
@@ -22,6 +21,7 @@ from services.telemetry.stream import ensure_stream, stream_config
 from shared.bus import close, open_client
 from shared.jetstream import STREAMS, cluster_size, replicas
 from shared.natsd import ROUTE_PORT_OFFSET, NatsCluster, free_port, wait_listening
+from tests.support.cluster import js_ready, until
 
 KV_STREAM = STREAMS[0]
 
@@ -32,39 +32,6 @@ def tiny_model(root):
     (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_positions": 64}))
     (d / "model.safetensors").write_bytes(bytes(range(256)) * 700)  # > one 128 KiB chunk
     return d
-
-
-async def quiet(*_a) -> None:
-    return None
-
-
-async def js_ready(url: str, timeout: float = 20.0) -> nats.aio.client.Client:
-    """A connection as the services make it (shared.bus) once the cluster has formed:
-    every member announced and JetStream answering (its meta leader elected)."""
-    nc = await open_client(url, name="cluster-test", error_cb=quiet, reconnect_time_wait=0.1,
-                           max_reconnect_attempts=-1)
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            msg = await nc.request("$JS.API.INFO", b"", timeout=0.25)
-            if b'"error"' not in msg.data and cluster_size(nc) == 3:
-                return nc
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError):
-            pass
-        assert time.monotonic() < end, f"the cluster never formed ({cluster_size(nc)} members)"
-        await asyncio.sleep(0.05)
-
-
-async def until(fn, timeout: float = 20.0):
-    """fn()'s result once it stops raising (an election in progress), within `timeout`."""
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            return await fn()
-        except Exception:  # noqa: BLE001 - no leader yet: try again
-            if time.monotonic() > end:
-                raise
-            await asyncio.sleep(0.1)
 
 
 async def test_assets_get_three_replicas_and_survive_losing_a_server(tmp_path, monkeypatch):

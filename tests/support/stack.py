@@ -24,8 +24,18 @@ from services.registry.source import ModelSource
 from services.registry.store import Registry
 from services.scheduler.service import Scheduler
 from services.worker.service import Worker
+from shared import bus
 from shared.bus import close
 from shared.config import Config
+
+
+async def _connect(url: str, name: str):
+    """One service's connection: a single server as nats.connect makes it; a server
+    list (a cluster) as the processes make it (shared.bus: reconnecting forever), tried
+    in the order given, so a test decides which member each service starts on."""
+    if "," not in url:
+        return await nats.connect(url, name=name)
+    return await bus.connect(url, name, dont_randomize=True)
 
 
 async def wait_until(cond, timeout: float = 30.0, interval: float = 0.01) -> None:
@@ -66,10 +76,11 @@ class Stack:
 
     async def add_worker(self, engine, worker_id: str, kind: str = "encoder",
                          wait_ready: bool = True, worker_cls=Worker,
-                         time_warmup: bool = False) -> Worker:
+                         time_warmup: bool = False, url: str | None = None) -> Worker:
         """`time_warmup`: time the engine at warm-up as a worker process does (off by
-        default: test doubles count their engine calls, and the timing would be some)."""
-        nc = await nats.connect(self.config.nats_url, name=worker_id)
+        default: test doubles count their engine calls, and the timing would be some).
+        `url`: the worker's own server list (default: the stack's)."""
+        nc = await _connect(url or self.config.nats_url, worker_id)
         self._exit.push_async_callback(close, nc)
         w = worker_cls(nc, self.config, engine, kind=kind, worker_id=worker_id,
                        time_warmup=time_warmup)
@@ -148,7 +159,10 @@ def table_resolver(models: dict[str, str]):
 
 @asynccontextmanager
 async def running_stack(nats_url: str, models: dict[str, str] | None = None,
-                        registry: bool = False, scale_interval_s: float = 0.5, **overrides):
+                        registry: bool = False, scale_interval_s: float = 0.5,
+                        urls: dict[str, str] | None = None, **overrides):
+    """`urls`: a server list of its own for "client", "gateway" or "scheduler" (a
+    cluster's members in the order that service tries them)."""
     # Decoders compile the rest of their shapes where first needed, not on a
     # background thread: a test runs few shapes, and the suite shares two cores.
     base = dict(nats_url=nats_url, heartbeat_s=0.1, worker_expiry_s=1.0, log_format="json",
@@ -158,7 +172,7 @@ async def running_stack(nats_url: str, models: dict[str, str] | None = None,
     async with AsyncExitStack() as ex:
         ncs = []
         for name in ("client", "gateway", "scheduler"):
-            nc = await nats.connect(nats_url, name=name)
+            nc = await _connect((urls or {}).get(name, nats_url), name)
             ex.push_async_callback(close, nc)
             ncs.append(nc)
         client, gnc, snc = ncs
