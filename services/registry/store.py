@@ -159,17 +159,7 @@ class Registry:
         directory that is renamed to `dest_dir` only after every sha256 matched.
         """
         mv = await self.require(name, version)
-        dest = Path(dest_dir)
-        if fs.is_verified_copy(dest, mv):
-            return dest
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.fetch-", dir=dest.parent))
-        try:
-            await self._download(mv, tmp, progress)
-            fs.write_marker(tmp, mv)
-            _publish_dir(tmp, dest, mv)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        dest = await self._fetch_into(mv, Path(dest_dir), progress)
         log.info("model_fetched", model=name, version=version, path=str(dest))
         return dest
 
@@ -178,19 +168,26 @@ class Registry:
         weights, into `dest_dir`, verified as `fetch` does."""
         mv = await self.require(name, version)
         light = msgspec.structs.replace(mv, files=tokenizer_files(mv))
-        dest = Path(dest_dir)
-        if fs.is_verified_copy(dest, light):
+        dest = await self._fetch_into(light, Path(dest_dir), False,
+                                      lambda e: tokenizer_object_name(mv, e))
+        log.info("tokenizer_fetched", model=name, version=version, path=str(dest),
+                 files=len(light.files), bytes=sum(e.size for e in light.files))
+        return dest
+
+    async def _fetch_into(self, mv: ModelVersion, dest: Path, progress: bool,
+                          objects=None) -> Path:
+        """`mv`'s files into `dest`, through a temporary sibling renamed into place
+        once every sha256 matched; a verified copy already there is kept."""
+        if fs.is_verified_copy(dest, mv):
             return dest
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.fetch-", dir=dest.parent))
         try:
-            await self._download(light, tmp, False, lambda e: tokenizer_object_name(mv, e))
-            fs.write_marker(tmp, light)
-            _publish_dir(tmp, dest, light)
+            await self._download(mv, tmp, progress, objects)
+            fs.write_marker(tmp, mv)
+            _publish_dir(tmp, dest, mv)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        log.info("tokenizer_fetched", model=name, version=version, path=str(dest),
-                 files=len(light.files), bytes=sum(e.size for e in light.files))
         return dest
 
     async def _download(self, mv: ModelVersion, root: Path, progress: bool,
