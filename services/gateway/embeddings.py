@@ -235,14 +235,14 @@ def prompt_text(req: EmbeddingRequest, entry: ModelEntry) -> str:
         name = next((n for n in ROLE_PROMPTS[role] if n in prompts), None)
         if name is None:
             raise bad_request(f"model '{entry.info.name}' has no prompt for input_type "
-                              f"{role!r} (its prompts: {', '.join(sorted(prompts))}); "
+                              f"'{role}' (its prompts: {', '.join(sorted(prompts))}); "
                               f"name one with 'prompt_name'")
     if name is None:
         name = entry.default_prompt
         return prompts.get(name, "") if name is not None else ""
     if name not in prompts:
         known = ", ".join(sorted(prompts)) or "none"
-        raise bad_request(f"model '{entry.info.name}' has no prompt named {name!r} "
+        raise bad_request(f"model '{entry.info.name}' has no prompt named '{name}' "
                           f"(its prompts: {known})")
     return prompts[name]
 

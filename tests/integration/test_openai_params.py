@@ -201,7 +201,9 @@ async def test_completion_logprobs_are_transformers_log_softmax(client, tiny):
     pieces = [ch.choices[0].logprobs async for ch in streamed if ch.choices]
     assert sum((p.tokens for p in pieces), []) == lp.tokens
     assert sum((p.text_offset for p in pieces), []) == lp.text_offset
-    np.testing.assert_allclose(sum((p.token_logprobs for p in pieces), []), lp.token_logprobs)
+    # The two ran side by side, so possibly in different batch shapes: float32 noise.
+    np.testing.assert_allclose(sum((p.token_logprobs for p in pieces), []), lp.token_logprobs,
+                               atol=1e-5)
 
 
 async def test_chat_logprobs_whole_and_streamed(client, tiny):

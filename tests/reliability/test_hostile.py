@@ -125,7 +125,6 @@ CATALOGUE = [
     # Refused with both numbers, never clamped in silence (as vLLM answers it).
     Case("max_tokens far past the context", C, J(comp(max_tokens=10**30, ignore_eos=True)), 400,
          "'max_tokens' is 1000000000000000000000000000000"),
-    Case("echo (unsupported)", C, J(comp(echo=True)), 400, "echo"),
     Case("presence_penalty out of range", C, J(comp(presence_penalty=2.5)), 400, "presence_penalty"),
     # ---- models
     Case("unknown model", E, J(emb(model="no-such-model")), 404, "no-such-model", "model_not_found"),
