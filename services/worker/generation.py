@@ -74,6 +74,7 @@ class DecoderRunner:
         self._idle.set()
         self._stepped = asyncio.Condition()
         self._tasks: set[asyncio.Task] = set()
+        self._scoring: dict[str, bool] = {}  # echo requests whose prompt is scored -> cancelled
         models.on_change(self._follow)
         self._follow()
 
@@ -189,6 +190,7 @@ class DecoderRunner:
         """The prompt's logprobs, computed on the engine thread between steps, then
         the request joins the queue (they ride in each choice's first chunk)."""
         loop = asyncio.get_running_loop()
+        self._scoring[work.request_id] = False
         try:
             got = await loop.run_in_executor(self.executor, engine.prompt_logprobs,
                                              work.prompt, work.prompt_logprobs)
@@ -196,10 +198,18 @@ class DecoderRunner:
             await self.outbox.refuse(work, ServiceError(400, str(exc)))
             self._wake.set()
             return
+        finally:
+            cancelled = self._scoring.pop(work.request_id, False)
+        if cancelled:  # its client left meanwhile: nothing generated, its scheduler told
+            await self.outbox.done({work.sched_id: [work.request_id]})
+            self._wake.set()
+            return
         self._add(work, now, seed, [TokenLogprob(t, lp, top) for t, lp, top in got])
 
     def cancel(self, request_id: str) -> None:
-        if self.sched.cancel(request_id):
+        if request_id in self._scoring:  # not queued yet: dropped once its scoring ends
+            self._scoring[request_id] = True
+        elif self.sched.cancel(request_id):
             self._wake.set()
 
     async def drain(self) -> None:
