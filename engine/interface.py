@@ -168,9 +168,12 @@ class Decoder(Protocol):
     def can_admit(self, prompt: list[int]) -> bool:
         """Whether the cache has room to `begin` this prompt now."""
 
-    def begin(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int) -> None:
+    def begin(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int,
+              generated: int = 0) -> None:
         """Reserve `slot` and the prompt's cache; `prefill_step` computes it. Sampling
-        draws come from `seed` alone, whatever the slot and the other sequences."""
+        draws come from `seed` alone, whatever the slot and the other sequences.
+        `generated`: how many of the prompt's last tokens a preempted sequence had
+        generated (a grammar's matcher is fed them again)."""
 
     def prefilling(self, slot: int) -> int:
         """Prompt tokens `slot` has still to compute (0 when none)."""
@@ -227,7 +230,8 @@ class WholePrompt:
     def can_admit(self, prompt: list[int]) -> bool:
         return True
 
-    def begin(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int) -> None:
+    def begin(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int,
+              generated: int = 0) -> None:  # no grammar here (check_sampling refuses it)
         self.check_prompt(prompt)
         self.__dict__.setdefault("_begun", {})[slot] = (list(prompt), sampling, seed)
 

@@ -37,6 +37,7 @@ import asyncio
 import random
 import time
 from concurrent.futures import Executor
+from typing import TYPE_CHECKING
 
 from services.worker.decode.output import OutputProcessor, Say
 from services.worker.decode.scheduler import (
@@ -47,6 +48,9 @@ from shared.admission import GenCostBook
 from shared.errors import ServiceError, internal
 from shared.logging import get_logger
 from shared.messages import GenerateWork, TokenLogprob
+
+if TYPE_CHECKING:
+    from engine.interface import Decoder
 
 log = get_logger("worker.generation")
 
@@ -75,6 +79,7 @@ class DecoderRunner:
         self._stepped = asyncio.Condition()
         self._tasks: set[asyncio.Task] = set()
         self._scoring: dict[str, bool] = {}  # echo requests whose prompt is scored -> cancelled
+        self._closed = False  # drained: `run` ends once nothing is held
         models.on_change(self._follow)
         self._follow()
 
@@ -213,6 +218,8 @@ class DecoderRunner:
             self._wake.set()
 
     async def drain(self) -> None:
+        """Answer what is held, then end `run` (the worker stopped taking work first)."""
+        self._closed = True
         self._wake.set()
         await self._idle.wait()
 
@@ -223,9 +230,12 @@ class DecoderRunner:
             async with self.outbox.held():
                 await self._retire()  # cancelled or expired meanwhile
             if not self.sched.busy:
-                self._idle.set()
+                if not self._scoring:  # an echo prompt being scored is held work too
+                    self._idle.set()
                 self._wake.clear()
                 await self._notify()
+                if self._closed and self._idle.is_set():
+                    return
                 await self._wake.wait()
                 continue
             plan, adm = self.sched.schedule(time.time(), time.perf_counter())
@@ -334,7 +344,7 @@ def _measured(plan: StepPlan, result: StepResult) -> tuple[int, int, int]:
     return sum(n for _, n in plan.prefill), len(plan.prefill), rows
 
 
-def _free_slots(slots: list[tuple[object, int]]) -> None:
+def _free_slots(slots: list[tuple[Decoder, int]]) -> None:
     """Runs on the engine thread."""
     for engine, slot in slots:
         engine.free(slot)

@@ -14,10 +14,13 @@ from shared.bus import connect
 from services.supervisor import wait_ready
 from tests.support import orchestration as fleet
 
-TOKENS = 200  # a few seconds of decoding: the streams are mid-way when honcho stops
+# Short enough to finish inside honcho's 5 s between its SIGTERM and its SIGKILL even on
+# a loaded machine (a stream longer than that grace cannot finish by design), long
+# enough that the streams are still running when honcho stops.
+TOKENS = 48
 
 
-async def _stream(nc, started: asyncio.Event, i: int) -> list[bytes]:
+async def _stream(nc, started: asyncio.Event, i: int, out: list[bytes]) -> list[bytes]:
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     body = {"model": fleet.DEMO_LM, "prompt": f"Stream {i} says", "max_tokens": TOKENS,
@@ -25,7 +28,6 @@ async def _stream(nc, started: asyncio.Event, i: int) -> list[bytes]:
             "stream_options": {"include_usage": True}}
     await nc.publish(subjects.COMPLETIONS, msgspec.json.encode(body), reply=inbox,
                      headers={"Tensorbus-Timeout": "120"})
-    out = []
     while True:
         msg = await sub.next_msg(timeout=120)
         out.append(msg.data)
@@ -44,11 +46,16 @@ async def test_stopping_honcho_lets_running_streams_finish(tmp_path, jax_cache_d
         nc = await connect(h.url, "shutdown-client")
         await wait_ready(nc, fleet.DEMO_LM, 1, timeout=300)
         started = [asyncio.Event() for _ in range(3)]
-        streams = [asyncio.create_task(_stream(nc, ev, i)) for i, ev in enumerate(started)]
+        got: list[list[bytes]] = [[] for _ in started]
+        streams = [asyncio.create_task(_stream(nc, ev, i, got[i]))
+                   for i, ev in enumerate(started)]
         for ev in started:
             await ev.wait()
         h.popen.send_signal(signal.SIGINT)  # Ctrl-C: honcho stops every process
+        at_stop = [len(g) for g in got]
         results = await asyncio.gather(*streams)
+        # The stop really landed mid-way: chunks kept coming after it.
+        assert any(len(g) > n for g, n in zip(got, at_stop)), at_stop
         for chunks in results:
             assert chunks[-1] == b"[DONE]"
             bodies = [msgspec.json.decode(c) for c in chunks[:-1]]

@@ -139,3 +139,24 @@ async def test_work_sent_again_while_it_runs_is_answered_once_and_the_runner_liv
         assert out.finished.count("a") == 1 and not task.done()
     finally:
         task.cancel()
+
+
+async def test_drain_answers_what_is_held_and_then_the_loop_ends():
+    """A stopping worker drains its runner: the request in a step finishes whole, and
+    the runner's loop then returns by itself (the worker's task group can close)."""
+    v1 = MockDecoder(tag=0, slots=2)
+    out = Recorder()
+    runner = DecoderRunner(LoadedModels(v1, "1", kind="decoder"), out, ThreadPoolExecutor(1),
+                           prefill_per_step=4)
+    task = asyncio.create_task(runner.run())
+    try:
+        v1.gate.clear()
+        runner.submit(work("a", max_tokens=4))
+        await asyncio.to_thread(v1.entered.wait, 5)  # "a" is in a decode step
+        drained = asyncio.create_task(runner.drain())
+        v1.gate.set()
+        await asyncio.wait_for(drained, 5)
+        assert out.texts("a") == {0: ("aaaa", {"1"})} and out.finished == ["a"]
+        await asyncio.wait_for(task, 5)  # the loop ended: no cancel needed
+    finally:
+        task.cancel()

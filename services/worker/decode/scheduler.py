@@ -31,10 +31,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from shared.errors import ServiceError
 from shared.messages import GenerateWork
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from engine.interface import Decoder, PendingStep
 
 
 @dataclass(eq=False)
@@ -42,17 +47,17 @@ class Lane:
     """One loaded version's engine and the sequences in its KV slots."""
 
     version: str
-    engine: object
+    engine: Decoder
     eos: frozenset[int]
     max_context: int  # tokens per slot, prompt and generated together
     active: dict[int, "Sequence"] = field(default_factory=dict)  # slot -> sequence
-    pending: object = None  # the dispatched decode step (a PendingStep), not yet read
+    pending: PendingStep | None = None  # the dispatched decode step (a PendingStep), not yet read
     dispatched: int = 0  # decode steps dispatched so far (the pending one's number)
     seen: tuple[int, int] = (0, 0)  # the engine's prefix-cache queries and hits, counted
     spec_seen: tuple[int, int, int] = (0, 0, 0)  # its speculation counts, counted
 
     @classmethod
-    def of(cls, version: str, engine) -> "Lane":
+    def of(cls, version: str, engine: Decoder) -> "Lane":
         return cls(version, engine, frozenset(engine.eos_token_ids), engine.max_context)
 
     def free_slot(self) -> int | None:
@@ -113,15 +118,15 @@ class LaneStep:
     """What the engine thread did for one lane."""
 
     lane: Lane
-    dispatched: object  # the new PendingStep, or None when no slot was live
-    tokens: object  # [slots] int32 of the step read (the one before), or None
+    dispatched: PendingStep | None  # None when no slot was live
+    tokens: np.ndarray | None  # [slots] int32 of the step read (the one before)
     preempted: list[int]  # slots the engine took back to make room
     more: dict[int, list[int]] = field(default_factory=dict)  # slot -> further tokens read
 
 
 @dataclass
 class StepResult:
-    firsts: list[tuple[Sequence, object]]  # (sequence, first token | the exception)
+    firsts: list[tuple[Sequence, int | BaseException]]  # (sequence, first token | the error)
     lanes: list[LaneStep]
 
 
@@ -138,7 +143,7 @@ class StepScheduler:
                          "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0}
 
     # ------------------------------------------------------------- versions
-    def follow(self, engines: dict[str, object]) -> None:
+    def follow(self, engines: dict[str, Decoder]) -> None:
         """A lane per loaded engine; none for one dropped. A busy lane keeps its
         engine until idle (its sequences finish where they started)."""
         for version, engine in engines.items():
@@ -277,11 +282,12 @@ class StepScheduler:
         self._drop(seq, st, adm)
 
     # ------------------------------------------------------------- after a step
-    def update(self, result: StepResult, now_wall: float = 0.0) -> list[tuple[Sequence, object]]:
+    def update(self, result: StepResult,
+               now_wall: float = 0.0) -> list[tuple[Sequence, int | BaseException]]:
         """(sequence, token or prefill exception) in the order to process them:
         first tokens, oldest prompt first, then each lane's step by slot. A request
         with a token notes `now_wall` (UNIX seconds) as its latest token's time."""
-        out: list[tuple[Sequence, object]] = []
+        out: list[tuple[Sequence, int | BaseException]] = []
         for seq, first in result.firsts:
             if isinstance(first, BaseException):
                 out.append((seq, first))
