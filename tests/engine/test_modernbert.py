@@ -103,6 +103,17 @@ def test_each_modernbert_part_is_what_makes_it_agree(embedder, broken):
     assert _cosine(enc.embed(_ids(d, st, TEXTS)), reference).min() < 0.9999
 
 
+def test_quantized_and_bfloat16_weights_stay_close(embedder):
+    """The int8 weight quantization and bfloat16 read the same parameter names as
+    BERT's: near the float32 reference, not equal to it."""
+    _, d, st = embedder
+    reference = st.encode(TEXTS, convert_to_numpy=True)
+    ids = _ids(d, st, TEXTS)
+    for kw in (dict(quant="int8"), dict(dtype="bfloat16")):
+        got = EncoderEngine(d, name="modernbert", **KW, **kw).embed(ids)
+        assert _cosine(got, reference).min() >= 0.999, kw
+
+
 def test_the_torch_engine_refuses_modernbert(embedder):
     _, d, _ = embedder
     with pytest.raises(UnsupportedEncoder, match="ModernBERT is computed by the JAX engine only"):
