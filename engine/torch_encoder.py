@@ -79,6 +79,9 @@ class TorchEncoder:
         if self.cfg.family == "decoder":
             raise UnsupportedEncoder("decoder-based embedders are computed by the JAX "
                                      "engine only: TENSORBUS_ENGINE=jax")  # fmt: skip
+        if self.cfg.family == "modernbert":
+            raise UnsupportedEncoder("ModernBERT is computed by the JAX engine only: "
+                                     "TENSORBUS_ENGINE=jax")  # fmt: skip
         self.name = name
         self.task = "embed"
         self.dtype = canonical_dtype(dtype)

@@ -1,11 +1,12 @@
-"""Encoder engine: BERT, RoBERTa / XLM-RoBERTa and MPNet sentence encoders and
-cross-encoders in JAX.
+"""Encoder engine: BERT, RoBERTa / XLM-RoBERTa, MPNet and ModernBERT sentence encoders
+and cross-encoders, and decoder-based embedders, in JAX.
 
   config.py  the config.json fields the math needs, dtypes, MPNet's position buckets
   spec.py    how the model was trained to be used: sentence-transformers' pooling,
              Dense, Normalize and prompts, or a cross-encoder's head
   params.py  weights -> the parameter pytree
   model.py   the forward functions: `forward` (embeddings), `score_forward` (pairs)
+  modernbert.py  ModernBERT's weights, transformer and classifier head
   engine.py  `EncoderEngine`, what a worker calls
 
 config.py and spec.py are pure Python: the worker's checks, the registry's push and

@@ -78,6 +78,9 @@ class BertConfig:
         if self.family == "decoder":
             self._decoder(d, cfg)
             return
+        if self.family == "modernbert":
+            self._modernbert(d, cfg)
+            return
         self.hidden = int(cfg["hidden_size"])
         self.heads = int(cfg["num_attention_heads"])
         self.intermediate = int(cfg.get("intermediate_size", 4 * self.hidden))
@@ -120,3 +123,50 @@ class BertConfig:
         self.pad_id = int(cfg.get("pad_token_id") or 0)
         self.dim = pooled_dim(self.spec, self.hidden)
         self.max_tokens = encoder_limit(d, cfg)
+
+    def _modernbert(self, d: Path, cfg: dict) -> None:
+        """ModernBERT (engine/encoder/modernbert.py): pre-norm layers, rotary positions
+        with one theta for global layers and another for local (sliding-window) ones,
+        GeGLU MLPs, LayerNorms and dense layers with or without biases. Both the
+        configs on the hub (`global_attn_every_n_layers`, `global_rope_theta`) and
+        those transformers >= 5 writes (`layer_types`, `rope_parameters`) are read."""
+        self.hidden = int(cfg.get("hidden_size", 768))
+        self.heads = int(cfg.get("num_attention_heads", 12))
+        self.intermediate = int(cfg.get("intermediate_size", 1152))
+        self.layers = int(cfg.get("num_hidden_layers", 22))
+        self.eps = float(cfg.get("norm_eps", 1e-5))
+        self.act = str(cfg.get("hidden_activation", "gelu"))
+        self.head_act = str(cfg.get("classifier_activation", "gelu"))
+        for what, act in (("hidden_activation", self.act), ("classifier_activation", self.head_act)):
+            if act not in ACTIVATIONS:
+                raise UnsupportedEncoder(f"ModernBERT {what} {act!r} is not one of "
+                                         f"{', '.join(ACTIVATIONS)}")  # fmt: skip
+        self.classifier_pooling = str(cfg.get("classifier_pooling", "cls"))
+        if self.classifier_pooling not in ("cls", "mean"):
+            raise UnsupportedEncoder(f"ModernBERT classifier_pooling "
+                                     f"{self.classifier_pooling!r}: cls or mean are served")
+        every = int(cfg.get("global_attn_every_n_layers") or 3)
+        types = cfg.get("layer_types") or ["full_attention" if i % every == 0 else
+                                           "sliding_attention" for i in range(self.layers)]
+        self.global_layers = tuple(t == "full_attention" for t in types)  # per layer
+        self.window = int(cfg.get("local_attention", 128)) // 2  # sees +/- this many tokens
+        self.rope_theta = _rope_thetas(cfg)  # (global, local)
+        self.pad_id = int(cfg.get("pad_token_id") or 0)
+        self.max_positions = int(cfg.get("max_position_embeddings", 8192))
+        self.position_offset = 0
+        self.dim = pooled_dim(self.spec, self.hidden)
+        self.max_tokens = encoder_limit(d, cfg)
+
+
+def _rope_thetas(cfg: dict) -> tuple[float, float]:
+    """ModernBERT's (global, local) RoPE bases; only unscaled RoPE is computed."""
+    params = cfg.get("rope_parameters") or {}
+    scaled = [p.get("rope_type") for p in params.values() if isinstance(p, dict)]
+    if cfg.get("rope_scaling") or any(t not in (None, "default") for t in scaled):
+        raise UnsupportedEncoder("ModernBERT with rope scaling is not computed by the encoder "
+                                 "engine (plain rotary positions only)")  # fmt: skip
+    full = (params.get("full_attention") or {}).get("rope_theta")
+    glob = float(full or cfg.get("global_rope_theta") or 160000.0)
+    local = (params.get("sliding_attention") or {}).get("rope_theta")
+    local = local or cfg.get("local_rope_theta", 10000.0)
+    return glob, float(local if local is not None else glob)  # None: the global base

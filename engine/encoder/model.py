@@ -7,7 +7,9 @@ the mask (CLS, mean, max, mean/sqrt(len), weighted mean, last token, concatenate
 sentence-transformers' order), its Dense layers, and L2 normalisation when it has a
 Normalize module. `score_forward` is a cross-encoder's: the same transformer over a
 text pair, then its sequence-classification head. BERT and RoBERTa / XLM-RoBERTa
-differ only in where positions start (engine/encoder/config.py). Matmuls run in the
+differ only in where positions start (engine/encoder/config.py); ModernBERT's
+transformer and classifier are its own (engine/encoder/modernbert.py), the
+sentence-transformers head is shared. Matmuls run in the
 model dtype; LayerNorm, softmax, pooling and the head in float32.
 """
 
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.encoder import modernbert
 from engine.encoder.config import BertConfig, relative_buckets
 from engine.encoder.params import Params
 from engine.quant import QWeight, take_rows
@@ -126,6 +129,8 @@ def encode(params: Params, ids, mask, cfg: BertConfig, tp: int = 1, types=None):
     """ids, mask (and a pair's token types): [B, S] int32 -> (token states [B, S, D]
     in the model dtype, mask [B, S] float32). `tp`: devices the heads are split over
     (the layout of the fused QKV columns)."""
+    if cfg.family == "modernbert":  # pre-norm, rotary, local attention, GeGLU
+        return modernbert.encode(params, ids, mask, cfg)
     s = ids.shape[1]
     word, pos = params["word"], params["pos"]  # pos: [P, D] in the model dtype
     x = take_rows(word, ids, jnp.float32).astype(jnp.float32) + pos[:s].astype(jnp.float32)
@@ -155,7 +160,10 @@ def score_forward(params: Params, ids, mask, types, cfg: BertConfig, tp: int = 1
     """A cross-encoder: ids, mask, token types of text pairs: [B, S] int32 -> [B, L]
     float32 scores. CLS state -> dense, tanh (BERT's pooler; RoBERTa's classifier
     head has the same shape) -> L logits -> the model's activation."""
-    x, _ = encode(params, ids, mask, cfg, tp, types)
+    x, m = encode(params, ids, mask, cfg, tp, types)
+    if cfg.family == "modernbert":  # no token types; its own head
+        logits = modernbert.classify(params, x.astype(jnp.float32), m, cfg)
+        return _HEAD_ACTS[cfg.spec.score_activation](logits)  # [B, L]
     c = params["classifier"]
     h = jnp.tanh(x[:, 0].astype(jnp.float32) @ c["cls_w"] + c["cls_b"])  # [B, D]
     return _HEAD_ACTS[cfg.spec.score_activation](h @ c["out_w"] + c["out_b"])  # [B, L]

@@ -43,6 +43,10 @@ def load_params(
     if cfg.family == "decoder":
         return _decoder_params(model_dir, cfg, dtype, quant, mesh)
     w = strip_prefix(load_weights(model_dir), COMMON_PREFIXES + ("mpnet.",))
+    if cfg.family == "modernbert":
+        from engine.encoder import modernbert
+
+        return modernbert.load_params(model_dir, cfg, w, dtype, quant, mesh)
     dt = jaxrt.parse_dtype(dtype)
     start = cfg.position_offset  # first position a token takes (RoBERTa: pad_id + 1)
 

@@ -8,7 +8,8 @@ refused here with `UnsupportedEncoder`, naming what and why; nothing is served w
 a guessed pooling.
 
 Read, in order:
-  1. config.json: `model_type` picks the family (bert, roberta, xlm-roberta, mpnet);
+  1. config.json: `model_type` picks the family (bert, roberta, xlm-roberta, mpnet,
+     modernbert, or a decoder-based embedder);
      other encoder families are refused with the reason.
   2. modules.json: Transformer, then Pooling, Dense and Normalize modules in their
      order; any other module is refused. A directory without modules.json is what
@@ -29,20 +30,21 @@ from typing import Any
 # learned absolute positions. RoBERTa and XLM-RoBERTa number positions from
 # padding_idx + 1 (fairseq's convention), BERT from 0; MPNet numbers them as RoBERTa
 # and adds a bucketed relative position bias to every layer's attention scores.
-FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "mpnet": "mpnet"}
+# ModernBERT (pre-norm, rotary positions, alternating local attention, GeGLU) has its
+# own forward in the JAX engine (engine/encoder/modernbert.py).
+FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "mpnet": "mpnet",
+            "modernbert": "modernbert"}
 # Decoder-based embedders (Qwen3-Embedding and the like): a causal decoder's last
 # hidden states, pooled as the model's sentence-transformers modules say (last token),
 # computed by the JAX encoder engine over the decoder engine's layers.
 DECODER_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
-SERVED = "bert, roberta, xlm-roberta, mpnet; decoder-based: " + ", ".join(DECODER_FAMILIES)
+SERVED = "bert, roberta, xlm-roberta, mpnet, modernbert; decoder-based: " + ", ".join(DECODER_FAMILIES)
 
 # Encoder families seen in the wild that are not served, and why (the worker's
 # exit-78 line and the push warning quote this).
 REFUSED_FAMILIES = {
-    "modernbert": "ModernBERT (rotary positions, alternating local attention, GeGLU) is "
-                  "not implemented by the encoder engines",
     "nomic-bert": "nomic-bert (rotary positions, SwiGLU) is not implemented by the encoder "
-                  "engines",
+                  "engines; its modelling code lives only on the hub (trust_remote_code)",
     "distilbert": "DistilBERT's weight layout is not read by the encoder engines",
     "electra": "ELECTRA's embedding projection is not implemented by the encoder engines",
     "deberta": "DeBERTa's disentangled attention is not implemented by the encoder engines",
@@ -93,7 +95,7 @@ class DenseSpec:
 
 @dataclass(frozen=True)
 class EncoderSpec:
-    family: str  # "bert" | "roberta" (XLM-RoBERTa included) | "mpnet"
+    family: str  # "bert" | "roberta" (XLM-RoBERTa included) | "mpnet" | "modernbert" | "decoder"
     pooling: tuple[str, ...]  # POOLING_MODES, concatenated in this order
     dense: tuple[DenseSpec, ...] = ()
     normalize: bool = False
@@ -116,7 +118,7 @@ def _read_json(path: Path) -> Any:
 
 
 def family(cfg: dict) -> str:
-    """config.json -> "bert" | "roberta" | "mpnet" | "decoder" (a decoder-based
+    """config.json -> "bert" | "roberta" | "mpnet" | "modernbert" | "decoder" (a decoder-based
     embedder); UnsupportedEncoder for anything else."""
     model_type = str(cfg.get("model_type") or "").lower().replace("_", "-")
     if model_type in FAMILIES:

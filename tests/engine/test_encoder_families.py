@@ -189,8 +189,11 @@ MODULES = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.mo
 @pytest.mark.parametrize("config, reason", [
     ({"model_type": "t5", "architectures": ["T5EncoderModel"]}, "T5 encoders"),
     ({"model_type": "electra", "architectures": ["ElectraModel"]}, "ELECTRA"),
-    ({"model_type": "nomic_bert", "architectures": ["NomicBertModel"]}, "rotary positions"),
-    ({"model_type": "modernbert", "architectures": ["ModernBertModel"]}, "ModernBERT"),
+    ({"model_type": "nomic_bert", "architectures": ["NomicBertModel"]},
+     "modelling code lives only on the hub"),
+    ({"model_type": "modernbert", "architectures": ["ModernBertModel"],
+      "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "ModernBERT with rope scaling"),
+    ({"model_type": "modernbert", "hidden_activation": "swish"}, "hidden_activation 'swish'"),
     ({"model_type": "gpt_neox", "architectures": ["GPTNeoXModel"]}, "'gpt-neox' (GPTNeoXModel)"),
     ({"model_type": "qwen3", "architectures": ["Qwen3Model"]}, "lacks 'hidden_size'"),
     ({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,

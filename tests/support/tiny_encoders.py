@@ -42,7 +42,8 @@ def _roberta_tokenizer(out: Path) -> None:
 
 
 def _hf_model(family: str, out: Path, seed: int, num_labels: int = 0):
-    """A tiny `family` ("bert" | "roberta" | "xlm-roberta" | "mpnet") model saved to `out`;
+    """A tiny `family` ("bert" | "roberta" | "xlm-roberta" | "mpnet" | "modernbert")
+    model saved to `out`;
     with `num_labels`, its *ForSequenceClassification (a cross-encoder)."""
     import torch
     import transformers as tf
@@ -55,6 +56,8 @@ def _hf_model(family: str, out: Path, seed: int, num_labels: int = 0):
                  intermediate_size=64, initializer_range=0.2)
     if num_labels:
         shape["num_labels"] = num_labels
+    if family == "modernbert":
+        return _modernbert(out, seed, num_labels)
     prefix = {"bert": "Bert", "roberta": "Roberta", "xlm-roberta": "XLMRoberta",
               "mpnet": "MPNet"}[family]
     cls_model = getattr(tf, prefix + ("ForSequenceClassification" if num_labels else "Model"))
@@ -74,6 +77,46 @@ def _hf_model(family: str, out: Path, seed: int, num_labels: int = 0):
         _roberta_tokenizer(out)
     model.eval()
     model.save_pretrained(str(out))
+
+
+# ModernBERT's local window: a token sees +/- 4 tokens in local layers, so most test
+# texts (and every pair) are longer than the window.
+MODERNBERT_LOCAL_ATTENTION = 8
+
+
+def _modernbert(out: Path, seed: int, num_labels: int = 0, classifier_pooling: str = "cls",
+                **overrides):
+    """A tiny ModernBERT as ModernBERT-base is shaped (global attention every third
+    layer, global and local RoPE bases, no biases) with 4 layers (global, local,
+    local, global), its norm weights perturbed away from 1 so that each counts.
+    The bundled WordPiece vocabulary, without token type ids (as ModernBERT's own
+    tokenizer: the model takes none)."""
+    import torch
+    import transformers as tf
+    from transformers import BertTokenizerFast
+
+    from shared.catalog import ENCODER, bundled_dir
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=30522, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=4,
+              num_attention_heads=4, max_position_embeddings=128,
+              local_attention=MODERNBERT_LOCAL_ATTENTION, global_attn_every_n_layers=3,
+              global_rope_theta=160000.0, local_rope_theta=10000.0, pad_token_id=0,
+              cls_token_id=101, sep_token_id=102, bos_token_id=101, eos_token_id=102,
+              initializer_range=0.2, classifier_pooling=classifier_pooling) | overrides
+    if num_labels:
+        kw["num_labels"] = num_labels
+    cls_model = tf.ModernBertForSequenceClassification if num_labels else tf.ModernBertModel
+    model = cls_model(tf.ModernBertConfig(**kw)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if name.endswith("weight") else 0.0))
+    model.save_pretrained(str(out))
+    BertTokenizerFast.from_pretrained(str(bundled_dir(ENCODER)),
+                                      model_input_names=["input_ids", "attention_mask"]
+                                      ).save_pretrained(str(out))  # fmt: skip
+    return model
 
 
 def build(out_dir: Path, family: str = "bert", pooling: str | tuple[str, ...] = "mean",
@@ -100,13 +143,18 @@ def build(out_dir: Path, family: str = "bert", pooling: str | tuple[str, ...] = 
     return SentenceTransformer(str(st_dir), device="cpu")
 
 
-def build_cross_encoder(out_dir: Path, family: str = "bert", num_labels: int = 1, seed: int = 0):
+def build_cross_encoder(out_dir: Path, family: str = "bert", num_labels: int = 1, seed: int = 0,
+                        classifier_pooling: str = "cls"):
     """Save a tiny cross-encoder (reranker) to `out_dir/ce` with sentence-transformers'
-    CrossEncoder; return it loaded back from disk, the reference for `score`."""
+    CrossEncoder; return it loaded back from disk, the reference for `score`.
+    `classifier_pooling`: ModernBERT's (cls or mean)."""
     from sentence_transformers import CrossEncoder
 
     hf, ce_dir = out_dir / "hf", out_dir / "ce"
-    _hf_model(family, hf, seed, num_labels=num_labels)
+    if family == "modernbert":
+        _modernbert(hf, seed, num_labels, classifier_pooling)
+    else:
+        _hf_model(family, hf, seed, num_labels=num_labels)
     CrossEncoder(str(hf), max_length=MAX_SEQ, device="cpu").save(str(ce_dir))
     return CrossEncoder(str(ce_dir), device="cpu")
 
