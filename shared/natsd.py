@@ -58,16 +58,22 @@ class NatsServer:
     """A nats-server child process (tests, benchmarks)."""
 
     def __init__(self, store_dir: str | Path, port: int | None = None,
-                 config: str | None = None, extra: list[str] | None = None) -> None:
+                 config: str | None = None, extra: list[str] | None = None,
+                 host: str = "127.0.0.1", launcher: list[str] | None = None) -> None:
+        """`host`: the address it listens on for clients. `launcher`: what the command
+        runs under (`ip netns exec NAME`: a server in a network namespace, whose
+        address this process may not reach: start it with `wait=False`)."""
         self.port = port or free_port()
         self.store_dir = Path(store_dir)
         self.config = config
         self.extra = extra
+        self.host = host
+        self.launcher = list(launcher or [])
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     def start(self, die_with_parent: bool = False, wait: bool = True) -> "NatsServer":
         """Start it and wait until it listens (unless `wait` is false). `die_with_parent`:
@@ -76,12 +82,13 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         config = self.config or str(default_config(self.store_dir))
         self.proc = subprocess.Popen(
-            command(self.port, self.store_dir, config=config, extra=self.extra),
+            self.launcher + command(self.port, self.store_dir, host=self.host, config=config,
+                                    extra=self.extra),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             preexec_fn=_die_with_parent if die_with_parent else None,
         )
         if wait:
-            wait_listening(self.port)
+            wait_listening(self.port, self.host)
         return self
 
     def stop(self) -> None:
