@@ -17,6 +17,12 @@ the token masks the masked programs apply inside the step (docs/decisions/0048).
      at once (llguidance's executor, on its own threads; the GIL is released) and
      runs the masked program; unconstrained rows get an all-allowed mask.
 
+A grammar may mark the point after which it constrains nothing (`tool_choice:
+"auto"`'s, once a plain answer has begun: services/gateway/tool_auto.py) with a
+capture named RELEASE: when its matcher reports that capture, the slot's grammar is
+dropped and its next steps run as any unconstrained sequence's (`released` counts
+them).
+
 When a grammar is complete the matcher allows only EOS, so the sequence ends as
 any other does at EOS, with finish_reason "stop". A matcher in an error state
 (it cannot be, fed only tokens its masks allowed; guarded anyway) leaves its row
@@ -33,6 +39,8 @@ import numpy as np
 from shared.logging import get_logger
 
 log = get_logger(__name__)
+
+RELEASE = "tensorbus_release"  # the capture after which a grammar constrains nothing
 
 
 def mask_words(vocab: int) -> int:
@@ -60,6 +68,7 @@ class SlotGrammars:
         self._engine = weakref.proxy(engine)
         slots = engine.slots
         self._spec = [""] * slots  # slot -> its grammar ("" = unconstrained)
+        self._releasable = [False] * slots  # its grammar has the RELEASE capture
         self._replay: list[list[int]] = [[] for _ in range(slots)]
         self._matchers: list[object | None] = [None] * slots
         self._pending = None  # the last step dispatched (its tokens feed the masks)
@@ -71,15 +80,18 @@ class SlotGrammars:
         self.masked_steps = 0  # step parts run with a mask
         self.masks = 0  # masks computed (rows), for the mask's cost per token
         self.mask_seconds = 0.0
+        self.released = 0  # sequences whose grammar was dropped at its RELEASE capture
 
     # ------------------------------------------------------------- sequences
     def begin(self, slot: int, grammar: str, replay: list[int]) -> None:
         self._spec[slot] = grammar
+        self._releasable[slot] = RELEASE in grammar
         self._replay[slot] = list(replay) if grammar else []
         self._matchers[slot] = None
 
     def free(self, slot: int) -> None:
         self._spec[slot] = ""
+        self._releasable[slot] = False
         self._replay[slot] = []
         self._matchers[slot] = None
 
@@ -87,6 +99,16 @@ class SlotGrammars:
         m = self._matchers[slot]
         if m is not None and not m.is_stopped():
             m.consume_token(token)
+            self._release_if_done(slot)
+
+    def _release_if_done(self, slot: int) -> bool:
+        """Drop `slot`'s grammar when it has reached its RELEASE capture."""
+        m = self._matchers[slot]
+        if not self._releasable[slot] or m is None or m.get_capture(RELEASE) is None:
+            return False
+        self.free(slot)
+        self.released += 1
+        return True
 
     @property
     def width(self) -> int:
@@ -122,6 +144,8 @@ class SlotGrammars:
         if self._replay[slot] and not m.consume_tokens(self._replay[slot]):
             log.warning("grammar_replay_failed", slot=slot, error=m.get_error())
         self._matchers[slot] = m
+        if self._release_if_done(slot):  # a preempted plain answer, past its release
+            return None
         return self._fill(np.asarray([slot], np.int32))[0]
 
     def _fill(self, rows: np.ndarray) -> np.ndarray:

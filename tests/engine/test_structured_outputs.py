@@ -228,3 +228,50 @@ def test_a_rerun_feeds_its_tokens_to_the_grammar_again(tiny):
         rest.append(int(engine.step()[1]))
     engine.free(1)
     assert full[:k] + rest == full
+
+
+# ------------------------------------------------------ tool_choice "auto"
+CALL_ARGS = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                    "maximum": 99}},
+             "required": ["a"], "additionalProperties": False}
+
+
+def _auto_grammar(most: int = 8) -> str:
+    from services.gateway.tool_auto import auto_grammar, call_schema
+
+    return auto_grammar([call_schema("f", CALL_ARGS)], most, tagged=False)
+
+
+def test_a_plain_auto_answer_drops_its_grammar_after_it_begins(tiny):
+    """`tool_choice: "auto"`'s grammar (services/gateway/tool_auto.py) lets a plain
+    answer begin and then marks its RELEASE: the sequence's grammar is dropped, so
+    it decodes exactly transformers' greedy tokens with no masked step after."""
+    ref, engine = tiny
+    expected = hf_greedy(ref, PROMPT, 24)
+    first = engine.tokenizer.decode(expected[:1])
+    assert first and first[0] not in " \t\n\r\x0b\x0c[{\ufffd"  # a plain answer's start
+    grammar = engine.grammar
+    released, masked = grammar.released, grammar.masked_steps
+    got = _generate(engine, {0: (Sampling(temperature=0.0, grammar=_auto_grammar()), 0)},
+                    new=24, raw=True)[0]
+    eos = set(engine.eos_token_ids)
+    assert got == expected[: next((i + 1 for i, t in enumerate(expected) if t in eos),
+                                  len(expected))]
+    assert grammar.released == released + 1 and grammar.masked_steps == masked
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_an_auto_call_once_begun_validates(tiny, seed):
+    """Pushed to open a list (a bias on `[`), an auto reply must go on as calls whose
+    arguments validate against the tool's parameters (`jsonschema`)."""
+    _, engine = tiny
+    (bracket,) = engine.tokenizer.encode("[")
+    s = Sampling(temperature=1.0, grammar=_auto_grammar(2), logit_bias=[(bracket, 30.0)])
+    before = engine.grammar.released
+    tokens = _generate(engine, {0: (s, seed)}, new=120)[0]
+    assert tokens is not None and engine.grammar.released == before
+    calls = json.loads(engine.tokenizer.decode(tokens))
+    assert isinstance(calls, list) and 1 <= len(calls) <= 2
+    for call in calls:
+        assert call["name"] == "f"
+        jsonschema.validate(call["arguments"], CALL_ARGS)
