@@ -5,7 +5,8 @@ the token masks the masked programs apply inside the step (docs/decisions/0048).
      built and validated by the gateway) is noted; nothing is compiled on the
      caller's thread (the scheduler calls `begin` from the event loop).
   2. `first_mask(slot)`, from `prefill_step` on the engine thread: the matcher is
-     built (a preempted sequence's generated tokens, `replay`, fed back to it) and
+     built (a copy of the one compiled when the grammar was first seen; a preempted
+     sequence's generated tokens, `replay`, fed back to it) and
      the mask of its first token computed; the last prompt chunk runs the masked
      prefill (engine/decoder/constrained.py).
   3. Every token a constrained slot gets (the prefill's first, each step's as it
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 
@@ -41,6 +43,7 @@ from shared.logging import get_logger
 log = get_logger(__name__)
 
 RELEASE = "tensorbus_release"  # the capture after which a grammar constrains nothing
+COMPILED_KEPT = 64  # compiled grammars kept for the next sequence that brings one again
 
 
 def mask_words(vocab: int) -> int:
@@ -71,6 +74,7 @@ class SlotGrammars:
         self._releasable = [False] * slots  # its grammar has the RELEASE capture
         self._replay: list[list[int]] = [[] for _ in range(slots)]
         self._matchers: list[object | None] = [None] * slots
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> pristine matcher
         self._pending = None  # the last step dispatched (its tokens feed the masks)
         self._tokenizer = None  # llguidance.LLTokenizer, built at the first grammar
         self._executor = None
@@ -81,6 +85,7 @@ class SlotGrammars:
         self.masks = 0  # masks computed (rows), for the mask's cost per token
         self.mask_seconds = 0.0
         self.released = 0  # sequences whose grammar was dropped at its RELEASE capture
+        self.compiles = 0  # grammars compiled (the others' matchers are copies)
 
     # ------------------------------------------------------------- sequences
     def begin(self, slot: int, grammar: str, replay: list[int]) -> None:
@@ -136,17 +141,32 @@ class SlotGrammars:
         None when it has no grammar."""
         if not self._spec[slot]:
             return None
-        import llguidance
-
-        m = llguidance.LLMatcher(self.tokenizer(), self._spec[slot], log_level=0)
-        if m.is_error():
-            raise ValueError(f"the grammar does not compile: {m.get_error()}")
+        m = self._matcher(self._spec[slot])
         if self._replay[slot] and not m.consume_tokens(self._replay[slot]):
             log.warning("grammar_replay_failed", slot=slot, error=m.get_error())
         self._matchers[slot] = m
         if self._release_if_done(slot):  # a preempted plain answer, past its release
             return None
         return self._fill(np.asarray([slot], np.int32))[0]
+
+    def _matcher(self, grammar: str):
+        """A fresh matcher of `grammar`: a copy of the one compiled at its first use
+        (a request's tools or schema usually come again; a copy costs microseconds,
+        a compile milliseconds of the engine thread). The last COMPILED_KEPT kept."""
+        pristine = self._compiled.get(grammar)
+        if pristine is None:
+            import llguidance
+
+            pristine = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+            if pristine.is_error():
+                raise ValueError(f"the grammar does not compile: {pristine.get_error()}")
+            self.compiles += 1
+            self._compiled[grammar] = pristine
+            if len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return pristine.deep_copy()
 
     def _fill(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows), W] int32 masks: all allowed except for constrained rows."""

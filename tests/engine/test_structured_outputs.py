@@ -275,3 +275,14 @@ def test_an_auto_call_once_begun_validates(tiny, seed):
     for call in calls:
         assert call["name"] == "f"
         jsonschema.validate(call["arguments"], CALL_ARGS)
+
+
+def test_a_grammar_seen_again_is_copied_not_compiled(tiny):
+    """Sequences that bring a grammar already compiled get a copy of its matcher."""
+    _, engine = tiny
+    grammar = _auto_grammar(3)
+    before = engine.grammar.compiles
+    plan = {i: (Sampling(temperature=1.0, grammar=grammar), i) for i in range(3)}
+    _generate(engine, plan, new=4)
+    _generate(engine, {3: (Sampling(temperature=1.0, grammar=grammar), 9)}, new=4)
+    assert engine.grammar.compiles == before + 1
