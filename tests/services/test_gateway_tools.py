@@ -212,3 +212,50 @@ def test_streamed_required_calls_come_as_argument_deltas(step):
         {"city": 'R"o}{[', "n": [1, {"a": 2}]}, {}]
     if step < 1000:  # the arguments came in pieces, not whole at the end
         assert sum(1 for d in deltas if d.index == 0 and not d.id) > 1
+
+
+@pytest.fixture(scope="module")
+def smollm2_ll():
+    """llguidance's tokenizer of the bundled SmolLM2 (the grammar's real alphabet)."""
+    import llguidance
+
+    from engine.tokenizer import Tokenizer
+    from shared import catalog
+
+    tok = Tokenizer.from_dir(catalog.bundled_dir(catalog.SMOLLM2))
+    return llguidance.LLTokenizer(tok.backend.to_str(), eos_token=tok.eos_token_ids[0])
+
+
+def _accepts(ll, grammar: str, text: str) -> bool:
+    import llguidance
+
+    m = llguidance.LLMatcher(ll, grammar, log_level=0)
+    ids = ll.tokenize_str(text)
+    return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+
+def test_auto_grammars_force_calls_once_begun(smollm2_ll):
+    """What each auto grammar lets through: answers, and calls only to known tools
+    with arguments valid against their parameters (compact JSON, as forced)."""
+    call = '{"name":"get_weather","arguments":{"city":"Rome"}}'
+    bad = ['{"name":"get_weather","arguments":{"town":"Rome"}}',  # not its parameters
+           '{"name":"nope","arguments":{}}', '{"name": "get_weather", "arguments": {}}']
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    cases = [  # (tagged, response_format, accepted, refused)
+        (False, None, ["It is sunny [mostly].", f"[{call}]", f"\n{call}", ""],
+         [f"[{b}]" for b in bad] + ["[1]", "{}", "{x"]),
+        (True, None, [f"Looking. <tool_call>\n{call}\n</tool_call> Done.", f"[{call}]",
+                      f"<tool_call>{call}</tool_call><tool_call>{call}</tool_call>", "Hi"],
+         [f"<tool_call>{b}</tool_call>" for b in bad] + ["{x"]),
+        (False, fmt, ['{"n":3}', f"[{call}]"], ["It is sunny.", call, '{"n":"3"}']),
+        (True, fmt, ['{"n":3}', f"<tool_call>\n{call}\n</tool_call>"],
+         ["It is sunny.", f"[{call}]", f"Hi <tool_call>{call}</tool_call>"]),
+    ]
+    for tagged, rf, good, refused in cases:
+        body = {"tools": [WEATHER, TIME]} | ({"response_format": rf} if rf else {})
+        grammar = tools.plan(_req(**body), tagged).grammar
+        for text in good:
+            assert _accepts(smollm2_ll, grammar, text), (tagged, rf, text)
+        for text in refused:
+            assert not _accepts(smollm2_ll, grammar, text), (tagged, rf, text)
