@@ -228,16 +228,26 @@ class SlotGrammars:
 
     def prepare_background(self) -> None:
         """After warm-up, when the engine compiles ahead: build the tokenizer tables
-        and compile the masked twins of a first request's programs on a thread, so
-        the first constrained request does not wait for them. A thread that cannot
-        (no tokenizer) leaves them to be built where first needed."""
+        and compile the masked twin of every program the engine serves (a first
+        request's shapes first, then one stream at every window, then the rest, as
+        the engine orders its own), so no constrained step compiles on the engine
+        thread. `compile_ahead: "all"` compiles them here, before the engine serves;
+        "first" on a thread. Where that cannot be done (no tokenizer) they are
+        built where first needed."""
         engine = self._engine
         if engine.compile_ahead == "lazy" or engine.tokenizer is None:
+            return
+        served = [k for k in engine.compiles if k[0] in ("step", "prefill")]
+        first = [k for k in engine.first_compiles() if k in served]
+        ones = [k for k in served if k[0] == "step" and k[1] == 1 and k not in first]
+        shapes = first + ones + [k for k in served if k not in first and k not in ones]
+        if engine.compile_ahead == "all":
+            self.programs().compile(shapes)
             return
 
         def work() -> None:
             try:
-                self.programs().start_background(engine.first_compiles())
+                self.programs().start_background(shapes)
             except Exception as exc:  # noqa: BLE001 - built again where first needed
                 log.warning("grammar_prepare_failed", model=engine.name, error=repr(exc))
 

@@ -286,3 +286,40 @@ def test_a_grammar_seen_again_is_copied_not_compiled(tiny):
     _generate(engine, plan, new=4)
     _generate(engine, {3: (Sampling(temperature=1.0, grammar=grammar), 9)}, new=4)
     assert engine.grammar.compiles == before + 1
+
+
+def test_compiling_ahead_compiles_every_masked_program(tmp_path, monkeypatch):
+    """A worker that compiles ahead compiles the masked twin of every program its
+    engine serves ("all": before it serves; "first": on a thread, a first request's
+    shapes first), so a constrained step of any batch shape compiles nothing on the
+    engine thread (counted)."""
+    import threading
+
+    from engine.decoder.constrained import MaskedPrograms
+
+    build("llama", tmp_path, positions=128)
+    engine = DecoderEngine(tmp_path, "structured", slots=4, max_context=128,
+                           prefill_buckets=(16,), decode_windows=(128,), compile_ahead="all")
+    engine.warmup(progress=False)
+    engine.grammar.prepare_background()
+    masked = engine.grammar.programs().programs
+    served = [k for k in engine.compiles if k[0] in ("step", "prefill")]
+    assert masked.compiled == len(served) == 4  # prefill 16; steps at batch 1, 2, 4
+    plain = engine.programs.compiled
+    plan = {i: (Sampling(temperature=1.0, grammar=_schema_grammar(SCHEMAS[0])), i)
+            for i in range(3)}  # three rows: the batch-4 step
+    _generate(engine, plan, new=8)
+    assert (masked.compiled, engine.programs.compiled) == (len(served), plain)
+
+    shapes, asked = [], threading.Event()
+
+    def record(self, given):
+        shapes.extend(given)
+        asked.set()
+
+    monkeypatch.setattr(MaskedPrograms, "start_background", record)
+    engine.compile_ahead = "first"
+    engine.grammar.prepare_background()
+    assert asked.wait(60)
+    first = [k for k in engine.first_compiles() if k[0] != "verify"]
+    assert shapes[: len(first)] == first and sorted(shapes) == sorted(served)
