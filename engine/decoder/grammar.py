@@ -113,6 +113,7 @@ class SlotGrammars:
             return False
         self.free(slot)
         self.released += 1
+        self._engine.grammar_released(slot)  # it may speculate now
         return True
 
     @property
