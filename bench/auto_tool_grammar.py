@@ -1,11 +1,11 @@
 """Host cost of `tool_choice: "auto"`'s grammar (services/gateway/tool_auto.py,
 docs/decisions/0057) on the bundled SmolLM2 tokenizer (49,152 tokens): the time to
 build it for two tools (the gateway, once per tool set) and to compile it for the
-tokenizer (the engine, once; each sequence gets a copy), and the CPU time of the next-token mask per token while a
-reply is fed token by token: a plain answer (in the untagged grammar only its first
-token is masked, then the engine drops the grammar; the tagged one masks every
-token, watching for a tag), and a call. Run: python -m bench.auto_tool_grammar
-(a few seconds).
+tokenizer (the engine, once; each sequence gets a copy), and the CPU time of the
+next-token mask per token while a reply is fed token by token: a plain answer (in
+the untagged grammar only its first token is masked, then the engine drops the
+grammar; the tagged one masks every token, watching for a tag), and a call.
+Run: python -m bench.auto_tool_grammar (a few seconds).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> None:
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
     from bench.grammar_mask import _smollm2_tokenizer
-    from engine.decoder.grammar import RELEASE
+    from shared.messages import GRAMMAR_RELEASE as RELEASE
     from services.gateway.tool_auto import auto_grammar, call_schema
 
     tok = _smollm2_tokenizer()

@@ -39,10 +39,10 @@ from collections import OrderedDict
 import numpy as np
 
 from shared.logging import get_logger
+from shared.messages import GRAMMAR_RELEASE as RELEASE
 
 log = get_logger(__name__)
 
-RELEASE = "tensorbus_release"  # the capture after which a grammar constrains nothing
 COMPILED_KEPT = 64  # compiled grammars kept for the next sequence that brings one again
 
 

@@ -32,8 +32,8 @@ import json
 from services.gateway.structured import JSON_OPTIONS, schema_grammar
 from shared.api import ToolCallDelta
 from shared.errors import bad_request
+from shared.messages import GRAMMAR_RELEASE as RELEASE
 
-RELEASE = "tensorbus_release"  # the capture at which a grammar constrains nothing more
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 

@@ -1,25 +1,27 @@
 """Tool calls: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` on chat.
 
-  1. `plan(req)`: what the request asks. `tool_choice` "none" (or no tools): plain
-     chat. "auto" (the default with tools): the model may answer or call; its text
-     is parsed afterwards. "required": a grammar forces a JSON list of calls, each
-     `{"name": <one of the tools>, "arguments": <valid against its parameters>}`
-     (one call when `parallel_tool_calls` is false, else at most
-     MAX_PARALLEL_CALLS). A named function: a grammar
-     forces its arguments object. So forced arguments always parse against the
-     function's schema (services/gateway/structured.py; a schema that cannot be
-     enforced is a 400 naming the tool).
+  1. `plan(req, tagged)`: what the request asks. `tool_choice` "none" (or no
+     tools): plain chat. "auto" (the default with tools): the model may answer or
+     call, under the grammar of services/gateway/tool_auto.py (a call, once begun,
+     is forced as below; a plain answer is free, or follows `response_format`).
+     "required": a grammar forces a JSON list of calls, each `{"name": <one of the
+     tools>, "arguments": <valid against its parameters>}` (one call when
+     `parallel_tool_calls` is false, else at most MAX_PARALLEL_CALLS). A named
+     function: a grammar forces its arguments object. So arguments always parse
+     against the function's schema (services/gateway/structured.py; a schema that
+     cannot be enforced is a 400 naming the tool). `response_format` shapes only
+     an auto plain answer (a forced reply is a call, no answer).
   2. `template_messages`: the conversation for the chat template. A template that
-     renders tools itself (engine.chat.ChatTemplate.knows_tools) gets `tools`,
-     assistant `tool_calls` and tool messages' `tool_call_id` as transformers
-     passes them. Any other gets TOOL_PROMPT in its system message, earlier calls
-     written as the JSON list the prompt asks for, and tool results as user turns
-     in `<tool_response>` tags.
+     renders tools itself (engine.chat.ChatTemplate.knows_tools; `tagged`) gets
+     `tools`, assistant `tool_calls` and tool messages' `tool_call_id` as
+     transformers passes them. Any other gets TOOL_PROMPT in its system message,
+     earlier calls written as the JSON list the prompt asks for, and tool results
+     as user turns in `<tool_response>` tags.
   3. `reply` (whole) and `ToolStream` (streamed): the text becomes `tool_calls`
-     with `finish_reason: "tool_calls"`. Forced calls (named, "required") stream
-     as argument deltas, as OpenAI streams them; "auto" calls come as one delta
-     per call once the choice ends ("auto" streams plain content as it comes when
-     its text cannot start a call).
+     with `finish_reason: "tool_calls"`, read by the same scanners whole or in
+     pieces: each call's id and name as soon as its opening is seen, then its
+     arguments as they are generated, as OpenAI streams them; an auto plain answer
+     streams as content as it comes.
 """
 
 from __future__ import annotations
@@ -263,8 +265,9 @@ class ToolStream:
         self.tp = tp
         self._id: list[str | None] = [None] * n
         self._forced = [_ForcedCalls() for _ in range(n)] if tp.mode == "required" else []
-        self._auto = [tool_auto.AutoCalls(tp.tagged, tp.answer, _ForcedCalls) for _ in range(n)] \
-            if tp.mode == "auto" else []  # fmt: skip
+        auto = tp.mode == "auto"
+        self._auto = [tool_auto.AutoCalls(tp.tagged, tp.answer, _ForcedCalls)
+                      for _ in range(n if auto else 0)]  # fmt: skip
         self._called = [False] * n
 
     def feed(self, index: int, text: str, finish: str | None) -> tuple[ChatDelta | None, str | None]:
