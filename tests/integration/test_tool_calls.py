@@ -232,6 +232,16 @@ async def test_auto_calls_validate_and_stream_as_name_then_argument_deltas(clien
             assert not any(d.id for d in mine[1:]) and len(mine) > 2
             assert "".join(d.function.arguments or "" for d in mine) == call.function.arguments
         assert {d.index for d in deltas} == set(range(len(calls)))
+    # The loop goes on: the calls and their results go back, still under `auto`;
+    # without the push, these weights' greedy reply is text.
+    messages = ASK + [{"role": "assistant", "content": None,
+                       "tool_calls": [c.model_dump() for c in calls]}]
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": "21 C"} for c in calls]
+    final = await client.chat.completions.create(model=engine.name, messages=messages,
+                                                  max_tokens=8, temperature=0,
+                                                  tools=[WEATHER, TIME])
+    choice = final.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.tool_calls is None
 
 
 async def test_tools_with_response_format(client, tiny):
