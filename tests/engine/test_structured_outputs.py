@@ -323,3 +323,29 @@ def test_compiling_ahead_compiles_every_masked_program(tmp_path, monkeypatch):
     assert asked.wait(60)
     first = [k for k in engine.first_compiles() if k[0] != "verify"]
     assert shapes[: len(first)] == first and sorted(shapes) == sorted(served)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_tagged_auto_call_once_its_tag_is_written_validates(tiny, seed):
+    """The tagged auto grammar leaves text free until `<tool_call>` is written; a
+    sequence that has written it (fed to the matcher as a preempted sequence's
+    tokens are) must go on with one call that validates, then close the tag."""
+    from services.gateway.tool_auto import auto_grammar, call_schema
+
+    _, engine = tiny
+    grammar = auto_grammar([call_schema("f", CALL_ARGS)], 8, tagged=True)
+    said = engine.tokenizer.encode("Hi <tool_call>")
+    s = Sampling(temperature=1.0, grammar=grammar)
+    engine.begin(0, PROMPT + said, s, seed, generated=len(said))
+    first = None
+    while first is None:
+        first = engine.prefill_step(0)
+    out = [first]
+    while len(out) < 60:
+        out.append(int(engine.step()[0]))
+    engine.free(0)
+    head, closed, _ = engine.tokenizer.decode(out).partition("</tool_call>")
+    assert closed, out
+    call = json.loads(head.strip("\n"))
+    assert call["name"] == "f"
+    jsonschema.validate(call["arguments"], CALL_ARGS)
