@@ -18,6 +18,9 @@ class _Msg(msgspec.Struct, array_like=True, gc=False, tag_field="t", omit_defaul
     pass
 
 
+GRAMMAR_RELEASE = "tensorbus_release"  # see Sampling.grammar
+
+
 class Sampling(msgspec.Struct, array_like=True, gc=False):
     """Sampling parameters of one generation request (already validated)."""
 
@@ -33,7 +36,9 @@ class Sampling(msgspec.Struct, array_like=True, gc=False):
     stop_token_ids: list[int] = msgspec.field(default_factory=list)  # end a choice as EOS does
     logprobs: int = -1  # top logprobs per token (-1: none; 0: the sampled token's only)
     # Structured outputs: the llguidance grammar (its JSON form) every token must
-    # follow, built and validated by the gateway from `response_format`; "" = none.
+    # follow, built and validated by the gateway from `response_format` or `tools`;
+    # "" = none. A grammar with a capture named GRAMMAR_RELEASE constrains nothing
+    # after it: the engine drops the grammar there (docs/decisions/0057).
     grammar: str = ""
 
 

@@ -3,9 +3,11 @@ step with one more argument, each row's token mask (engine/decoder/grammar.py),
 applied to the logits after the penalties and before temperature, top-k, top-p,
 min-p and the draw (so a filter never leaves a row with nothing allowed).
 
-They are separate programs, compiled where first needed and kept apart from the
-engine's own (`Programs` of their own): a step with no constrained row runs the
-engine's program exactly as before. Same donation and shardings as the engine's.
+They are separate programs, kept apart from the engine's own (`Programs` of their
+own): a step with no constrained row runs the engine's program exactly as before.
+A worker that compiles ahead compiles every one after its warm-up
+(`SlotGrammars.prepare_background`); otherwise each is compiled where first
+needed. Same donation and shardings as the engine's.
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ class MaskedPrograms:
     def start_background(self, shapes: list[tuple[str, int, int]]) -> None:
         """Compile the masked programs of `shapes` on a thread of their own."""
         self.programs.start_background([self._job(*s) for s in shapes])
+
+    def compile(self, shapes: list[tuple[str, int, int]]) -> None:
+        """Compile the masked programs of `shapes` now, in order."""
+        for shape in shapes:
+            self.programs.get(*self._job(*shape))
 
     def step(self, batch: int, window: int):
         """The masked step at (batch bucket, window): (params, state, rows, tables,

@@ -5,7 +5,8 @@ the token masks the masked programs apply inside the step (docs/decisions/0048).
      built and validated by the gateway) is noted; nothing is compiled on the
      caller's thread (the scheduler calls `begin` from the event loop).
   2. `first_mask(slot)`, from `prefill_step` on the engine thread: the matcher is
-     built (a preempted sequence's generated tokens, `replay`, fed back to it) and
+     built (a copy of the one compiled when the grammar was first seen; a preempted
+     sequence's generated tokens, `replay`, fed back to it) and
      the mask of its first token computed; the last prompt chunk runs the masked
      prefill (engine/decoder/constrained.py).
   3. Every token a constrained slot gets (the prefill's first, each step's as it
@@ -17,6 +18,12 @@ the token masks the masked programs apply inside the step (docs/decisions/0048).
      at once (llguidance's executor, on its own threads; the GIL is released) and
      runs the masked program; unconstrained rows get an all-allowed mask.
 
+A grammar may mark the point after which it constrains nothing (`tool_choice:
+"auto"`'s, once a plain answer has begun: services/gateway/tool_auto.py) with a
+capture named RELEASE: when its matcher reports that capture, the slot's grammar is
+dropped and its next steps run as any unconstrained sequence's (`released` counts
+them).
+
 When a grammar is complete the matcher allows only EOS, so the sequence ends as
 any other does at EOS, with finish_reason "stop". A matcher in an error state
 (it cannot be, fed only tokens its masks allowed; guarded anyway) leaves its row
@@ -27,12 +34,16 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 
 import numpy as np
 
 from shared.logging import get_logger
+from shared.messages import GRAMMAR_RELEASE as RELEASE
 
 log = get_logger(__name__)
+
+COMPILED_KEPT = 64  # compiled grammars kept for the next sequence that brings one again
 
 
 def mask_words(vocab: int) -> int:
@@ -60,8 +71,10 @@ class SlotGrammars:
         self._engine = weakref.proxy(engine)
         slots = engine.slots
         self._spec = [""] * slots  # slot -> its grammar ("" = unconstrained)
+        self._releasable = [False] * slots  # its grammar has the RELEASE capture
         self._replay: list[list[int]] = [[] for _ in range(slots)]
         self._matchers: list[object | None] = [None] * slots
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> pristine matcher
         self._pending = None  # the last step dispatched (its tokens feed the masks)
         self._tokenizer = None  # llguidance.LLTokenizer, built at the first grammar
         self._executor = None
@@ -71,15 +84,19 @@ class SlotGrammars:
         self.masked_steps = 0  # step parts run with a mask
         self.masks = 0  # masks computed (rows), for the mask's cost per token
         self.mask_seconds = 0.0
+        self.released = 0  # sequences whose grammar was dropped at its RELEASE capture
+        self.compiles = 0  # grammars compiled (the others' matchers are copies)
 
     # ------------------------------------------------------------- sequences
     def begin(self, slot: int, grammar: str, replay: list[int]) -> None:
         self._spec[slot] = grammar
+        self._releasable[slot] = RELEASE in grammar
         self._replay[slot] = list(replay) if grammar else []
         self._matchers[slot] = None
 
     def free(self, slot: int) -> None:
         self._spec[slot] = ""
+        self._releasable[slot] = False
         self._replay[slot] = []
         self._matchers[slot] = None
 
@@ -87,6 +104,17 @@ class SlotGrammars:
         m = self._matchers[slot]
         if m is not None and not m.is_stopped():
             m.consume_token(token)
+            self._release_if_done(slot)
+
+    def _release_if_done(self, slot: int) -> bool:
+        """Drop `slot`'s grammar when it has reached its RELEASE capture."""
+        m = self._matchers[slot]
+        if not self._releasable[slot] or m is None or m.get_capture(RELEASE) is None:
+            return False
+        self.free(slot)
+        self.released += 1
+        self._engine.grammar_released(slot)  # it may speculate now
+        return True
 
     @property
     def width(self) -> int:
@@ -114,15 +142,32 @@ class SlotGrammars:
         None when it has no grammar."""
         if not self._spec[slot]:
             return None
-        import llguidance
-
-        m = llguidance.LLMatcher(self.tokenizer(), self._spec[slot], log_level=0)
-        if m.is_error():
-            raise ValueError(f"the grammar does not compile: {m.get_error()}")
+        m = self._matcher(self._spec[slot])
         if self._replay[slot] and not m.consume_tokens(self._replay[slot]):
             log.warning("grammar_replay_failed", slot=slot, error=m.get_error())
         self._matchers[slot] = m
+        if self._release_if_done(slot):  # a preempted plain answer, past its release
+            return None
         return self._fill(np.asarray([slot], np.int32))[0]
+
+    def _matcher(self, grammar: str):
+        """A fresh matcher of `grammar`: a copy of the one compiled at its first use
+        (a request's tools or schema usually come again; a copy costs microseconds,
+        a compile milliseconds of the engine thread). The last COMPILED_KEPT kept."""
+        pristine = self._compiled.get(grammar)
+        if pristine is None:
+            import llguidance
+
+            pristine = llguidance.LLMatcher(self.tokenizer(), grammar, log_level=0)
+            if pristine.is_error():
+                raise ValueError(f"the grammar does not compile: {pristine.get_error()}")
+            self.compiles += 1
+            self._compiled[grammar] = pristine
+            if len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(grammar)
+        return pristine.deep_copy()
 
     def _fill(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows), W] int32 masks: all allowed except for constrained rows."""
@@ -184,16 +229,26 @@ class SlotGrammars:
 
     def prepare_background(self) -> None:
         """After warm-up, when the engine compiles ahead: build the tokenizer tables
-        and compile the masked twins of a first request's programs on a thread, so
-        the first constrained request does not wait for them. A thread that cannot
-        (no tokenizer) leaves them to be built where first needed."""
+        and compile the masked twin of every program the engine serves (a first
+        request's shapes first, then one stream at every window, then the rest, as
+        the engine orders its own), so no constrained step compiles on the engine
+        thread. `compile_ahead: "all"` compiles them here, before the engine serves;
+        "first" on a thread. Where that cannot be done (no tokenizer) they are
+        built where first needed."""
         engine = self._engine
         if engine.compile_ahead == "lazy" or engine.tokenizer is None:
+            return
+        served = [k for k in engine.compiles if k[0] in ("step", "prefill")]
+        first = [k for k in engine.first_compiles() if k in served]
+        ones = [k for k in served if k[0] == "step" and k[1] == 1 and k not in first]
+        shapes = first + ones + [k for k in served if k not in first and k not in ones]
+        if engine.compile_ahead == "all":
+            self.programs().compile(shapes)
             return
 
         def work() -> None:
             try:
-                self.programs().start_background(engine.first_compiles())
+                self.programs().start_background(shapes)
             except Exception as exc:  # noqa: BLE001 - built again where first needed
                 log.warning("grammar_prepare_failed", model=engine.name, error=repr(exc))
 

@@ -269,6 +269,10 @@ class PagedSlots(DecoderHost):
             self.pool.register(self._held[slot][:full],
                                prefix_keys(tokens[: full * self.block], self.block))
 
+    def grammar_released(self, slot: int) -> None:
+        """`slot`'s grammar was dropped mid-sequence (engine/decoder/grammar.py);
+        nothing to do here (speculation, engine/decoder/speculative.py, may start)."""
+
     def free(self, slot: int) -> None:
         """End the sequence in `slot` (idempotent): its blocks go back to the pool, its
         full ones keyed, so a prompt that continues it reuses them."""

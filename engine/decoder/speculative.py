@@ -21,6 +21,7 @@ lookup pays on a memory-bound step.
 from __future__ import annotations
 
 import jax
+import msgspec
 import numpy as np
 
 from engine.decoder.shapes import i32
@@ -79,6 +80,7 @@ class SpeculativeSlots(PagedSlots):
         self.spec_k = int(k)
         self.spec_stats = SpecStats()
         self._plain = np.zeros(self._slots, bool)
+        self._plain_released = np.zeros(self._slots, bool)  # plain once its grammar is dropped
         self._last_step: PendingStep | None = None
         cfg, kernel = self.cfg, self.attention
         interpret = jax.devices()[0].platform == "cpu"  # as the decode step runs it
@@ -94,6 +96,12 @@ class SpeculativeSlots(PagedSlots):
               generated: int = 0) -> None:
         super().begin(slot, prompt, sampling, seed, generated)
         self._plain[slot] = _plain(sampling)
+        self._plain_released[slot] = _plain(msgspec.structs.replace(sampling, grammar=""))
+
+    def grammar_released(self, slot: int) -> None:
+        """`slot`'s grammar was dropped (engine/decoder/grammar.py, RELEASE): it may
+        speculate from now on, as a sequence that never had one."""
+        self._plain[slot] = self._plain_released[slot]
 
     @staticmethod
     def _form_bucket(kind: str, size: int) -> str:

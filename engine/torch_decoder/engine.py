@@ -134,7 +134,7 @@ class TorchDecoder(DecoderHost, WholePrompt):
     def check_sampling(self, sampling: Sampling) -> None:
         """This engine samples with temperature, top-k and top-p only: a request that
         asks for more is refused (a 400 naming the fields), never served without them."""
-        asked = [name if name != "grammar" else "response_format (or a forced tool call)"
+        asked = [name if name != "grammar" else "response_format (or tools)"
                  for name, off in UNSUPPORTED if getattr(sampling, name) != off]
         if asked:
             raise ValueError(f"{', '.join(asked)}: not supported by the torch engine "

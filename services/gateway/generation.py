@@ -108,7 +108,8 @@ class Generation:
             raise bad_request("'stream_options' is only allowed when 'stream' is true")
         if req.n > self.config.max_n:
             raise bad_request(f"'n' is {req.n}; at most {self.config.max_n} choices per request")
-        tp = tools.plan(req) if chat else None
+        tp = tools.plan(req, bool(req.tools) and chat_template(entry.info.path).knows_tools) \
+            if chat else None  # fmt: skip
         render = functools.partial(chat_prompt_of, tp=tp) if chat else self._prompt
         limit = min(entry.info.max_tokens, self.config.max_context)
         reserved = ""

@@ -29,22 +29,28 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separa
 def grammar_for(fmt: ResponseFormat | None) -> str:
     """The grammar for a request's `response_format` ("" for none or text), or a
     400 naming what is wrong with it."""
+    schema = response_schema(fmt)
+    return "" if schema is None else schema_grammar(schema)
+
+
+def response_schema(fmt: ResponseFormat | None) -> dict | None:
+    """The JSON schema a request's `response_format` asks for (None for none or
+    text), or a 400 naming what is wrong with it."""
     if fmt is None or fmt.type == "text":
         if fmt is not None and fmt.json_schema is not None:
             raise bad_request("'response_format.json_schema' needs type 'json_schema'")
-        return ""
+        return None
     if fmt.type == "json_object":
-        schema = ANY_OBJECT
-    else:
-        if fmt.json_schema is None:
-            raise bad_request("'response_format' of type 'json_schema' needs 'json_schema'")
-        schema = fmt.json_schema.schema
-        if schema is None or schema is True:
-            schema = ANY_OBJECT
-        elif schema is False:
-            raise bad_request("'response_format.json_schema.schema' is false: nothing "
-                              "can match it")
-    return schema_grammar(schema)
+        return ANY_OBJECT
+    if fmt.json_schema is None:
+        raise bad_request("'response_format' of type 'json_schema' needs 'json_schema'")
+    schema = fmt.json_schema.schema
+    if schema is None or schema is True:
+        return ANY_OBJECT
+    if schema is False:
+        raise bad_request("'response_format.json_schema.schema' is false: nothing "
+                          "can match it")
+    return schema
 
 
 def schema_grammar(schema: dict, where: str = "'response_format' schema") -> str:

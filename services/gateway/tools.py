@@ -1,35 +1,39 @@
 """Tool calls: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` on chat.
 
-  1. `plan(req)`: what the request asks. `tool_choice` "none" (or no tools): plain
-     chat. "auto" (the default with tools): the model may answer or call; its text
-     is parsed afterwards. "required": a grammar forces a JSON list of calls, each
-     `{"name": <one of the tools>, "arguments": <valid against its parameters>}`
-     (one call when `parallel_tool_calls` is false, else at most
-     MAX_PARALLEL_CALLS). A named function: a grammar
-     forces its arguments object. So forced arguments always parse against the
-     function's schema (services/gateway/structured.py; a schema that cannot be
-     enforced is a 400 naming the tool).
+  1. `plan(req, tagged)`: what the request asks. `tool_choice` "none" (or no
+     tools): plain chat. "auto" (the default with tools): the model may answer or
+     call, under the grammar of services/gateway/tool_auto.py (a call, once begun,
+     is forced as below; a plain answer is free, or follows `response_format`).
+     "required": a grammar forces a JSON list of calls, each `{"name": <one of the
+     tools>, "arguments": <valid against its parameters>}` (one call when
+     `parallel_tool_calls` is false, else at most MAX_PARALLEL_CALLS). A named
+     function: a grammar forces its arguments object. So arguments always parse
+     against the function's schema (services/gateway/structured.py; a schema that
+     cannot be enforced is a 400 naming the tool). `response_format` shapes only
+     an auto plain answer (a forced reply is a call, no answer).
   2. `template_messages`: the conversation for the chat template. A template that
-     renders tools itself (engine.chat.ChatTemplate.knows_tools) gets `tools`,
-     assistant `tool_calls` and tool messages' `tool_call_id` as transformers
-     passes them. Any other gets TOOL_PROMPT in its system message, earlier calls
-     written as the JSON list the prompt asks for, and tool results as user turns
-     in `<tool_response>` tags.
+     renders tools itself (engine.chat.ChatTemplate.knows_tools; `tagged`) gets
+     `tools`, assistant `tool_calls` and tool messages' `tool_call_id` as
+     transformers passes them. Any other gets TOOL_PROMPT in its system message,
+     earlier calls written as the JSON list the prompt asks for, and tool results
+     as user turns in `<tool_response>` tags.
   3. `reply` (whole) and `ToolStream` (streamed): the text becomes `tool_calls`
-     with `finish_reason: "tool_calls"`. Forced calls (named, "required") stream
-     as argument deltas, as OpenAI streams them; "auto" calls come as one delta
-     per call once the choice ends ("auto" streams plain content as it comes when
-     its text cannot start a call).
+     with `finish_reason: "tool_calls"`, read by the same scanners whole or in
+     pieces: each call's id and name as soon as its opening is seen, then its
+     arguments as they are generated, as OpenAI streams them; an auto plain answer
+     streams as content as it comes.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass
 
-from services.gateway.structured import schema_grammar
+from services.gateway import tool_auto
+from services.gateway.structured import response_schema, schema_grammar
 from shared.api import (
     ChatCompletionRequest, ChatDelta, FunctionCall, FunctionDelta, NamedToolChoice, ResponseMessage,
     ToolCall, ToolCallDelta)
@@ -44,7 +48,6 @@ TOOL_PROMPT = (
     '{{"name": <function name>, "arguments": <an object of its arguments>}}, and nothing '
     "else. Otherwise answer in plain text.")
 NAMED_PROMPT = "Call the function {name} now: reply with only its arguments, one JSON object."
-_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class ToolPlan:
     name: str = ""  # the named function
     parallel: bool = True
     grammar: str = ""
+    tagged: bool = False  # auto: calls may come in <tool_call> tags
+    answer: bool = False  # auto: a plain answer follows response_format's schema
 
     def dicts(self) -> list[dict]:
         return [{"type": "function", "function": {
@@ -67,8 +72,10 @@ def _parameters(tool) -> dict:
     return NO_ARGUMENTS if not p else p
 
 
-def plan(req: ChatCompletionRequest) -> ToolPlan | None:
-    """The request's tool plan (None: plain chat), or a 400 saying what is wrong."""
+def plan(req: ChatCompletionRequest, tagged: bool = False) -> ToolPlan | None:
+    """The request's tool plan (None: plain chat), or a 400 saying what is wrong.
+    `tagged`: the chat template renders tools itself (auto calls may come in
+    `<tool_call>` tags, services/gateway/tool_auto.py)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -79,9 +86,7 @@ def plan(req: ChatCompletionRequest) -> ToolPlan | None:
     names = [t.function.name for t in req.tools]
     if len(set(names)) < len(names):
         raise bad_request("'tools' names a function twice")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request("'response_format' cannot be combined with 'tools' here; use "
-                          "'tool_choice': 'none' or leave one out")
+    answer = response_schema(req.response_format)  # a 400 when it is malformed
     parallel = req.parallel_tool_calls is not False
     tools = tuple(req.tools)
     if isinstance(choice, NamedToolChoice):
@@ -92,17 +97,25 @@ def plan(req: ChatCompletionRequest) -> ToolPlan | None:
         i = names.index(name)
         grammar = schema_grammar(_parameters(tools[i]), f"tools[{i}].function.parameters")
         return ToolPlan("named", tools, name, parallel, grammar)
+    calls = tool_auto.check_tools(tools)  # a refusal names the tool, not the list
+    most = MAX_PARALLEL_CALLS if parallel else 1
     if choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                   "arguments": _parameters(t)},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for t in tools]  # fmt: skip
-        for i, t in enumerate(tools):  # a refusal names the tool, not the list
-            schema_grammar(_parameters(t), f"tools[{i}].function.parameters")
-        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
-                  "maxItems": MAX_PARALLEL_CALLS if parallel else 1}
+        schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1, "maxItems": most}
         return ToolPlan("required", tools, "", parallel, schema_grammar(schema, "'tools'"))
-    return ToolPlan("auto", tools, "", parallel)
+    if answer is not None:
+        schema_grammar(answer)  # its own 400 first
+        if not tagged and answer.get("type") != "object":
+            raise bad_request("'response_format' with 'tools' needs a schema whose root is "
+                              "an object here: a reply that starts with '[' is a list of "
+                              "calls to this model's tool prompt")
+    grammar = _auto_grammar(json.dumps([calls, answer]), most, tagged)
+    return ToolPlan("auto", tools, "", parallel, grammar, tagged, answer is not None)
+
+
+@functools.lru_cache(maxsize=256)
+def _auto_grammar(key: str, most: int, tagged: bool) -> str:
+    calls, answer = json.loads(key)
+    return tool_auto.auto_grammar(calls, most, tagged, answer)
 
 
 def _arguments_value(text: str):
@@ -150,47 +163,24 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _calls(value, names: set[str]) -> list[tuple[str, str]] | None:
-    """(name, arguments JSON) of each call in a parsed value: one call object or a
-    list of them; None when it is not that, or names an unknown function."""
-    items = value if isinstance(value, list) else [value]
-    out = []
-    for item in items:
-        if not isinstance(item, dict) or item.get("name") not in names:
-            return None
-        args = item.get("arguments", item.get("parameters", {}))
-        out.append((item["name"], args if isinstance(args, str)
-                    else json.dumps(args, ensure_ascii=False, separators=(",", ":"))))
-    return out or None
-
-
 def parse(tp: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
-    """(content, calls) of a choice's whole text."""
-    names = {t.function.name for t in tp.tools}
+    """(content, calls) of a choice's whole text, read as it would have been
+    streamed; calls whose arguments are cut short (`length`) leave the text as
+    content."""
     if tp.mode == "named":
         return None, [(tp.name, text)]
-    if tp.mode == "required":  # the arguments as generated, as they were streamed
-        deltas = _ForcedCalls().feed(text)
-        names = {d.index: d.function.name for d in deltas if d.id}
-        calls = [(names[i], "".join(d.function.arguments for d in deltas if d.index == i))
-                 for i in sorted(names)]
-        try:
-            if calls and all(isinstance(json.loads(a), dict) for _, a in calls):
-                return None, calls
-        except ValueError:
-            pass
-        return text, None
-    tagged = _TAGGED.findall(text)
+    if tp.mode == "required":
+        content, deltas = "", _ForcedCalls().feed(text)
+    else:
+        auto = tool_auto.AutoCalls(tp.tagged, tp.answer, _ForcedCalls)
+        content, deltas = auto.feed(text)
+        content += auto.end()
+    names = {d.index: d.function.name for d in deltas if d.id}
+    calls = [(names[i], "".join(d.function.arguments for d in deltas if d.index == i))
+             for i in sorted(names)]
     try:
-        if tagged:
-            calls = [c for t in tagged for c in (_calls(json.loads(t), names) or [])]
-            rest = _TAGGED.sub("", text).strip()
-            return (rest or None), (calls or None)
-        stripped = text.strip()
-        if stripped[:1] in ("{", "["):
-            calls = _calls(json.loads(stripped), names)
-            if calls:
-                return None, calls
+        if all(isinstance(json.loads(a), dict) for _, a in calls):
+            return (content if content.strip() else None), (calls or None)
     except ValueError:
         pass
     return text, None
@@ -214,7 +204,7 @@ def reply(tp: ToolPlan, text: str, finish: str | None):
     return content, tool_calls, ("tool_calls" if finish == "stop" else finish)
 
 
-_CALL_OPENS = re.compile(r'\}?[\[,]\{"name":"([^"\\]*)","arguments":')
+_CALL_OPENS = re.compile(r'(?:\}?[\[,])?\{"name":"([^"\\]*)","arguments":')
 
 
 class _ForcedCalls:
@@ -273,10 +263,12 @@ class ToolStream:
 
     def __init__(self, tp: ToolPlan, n: int) -> None:
         self.tp = tp
-        self._held = [""] * n
-        self._plain = [False] * n  # auto: this choice is content, streamed as it comes
         self._id: list[str | None] = [None] * n
         self._forced = [_ForcedCalls() for _ in range(n)] if tp.mode == "required" else []
+        auto = tp.mode == "auto"
+        self._auto = [tool_auto.AutoCalls(tp.tagged, tp.answer, _ForcedCalls)
+                      for _ in range(n if auto else 0)]  # fmt: skip
+        self._called = [False] * n
 
     def feed(self, index: int, text: str, finish: str | None) -> tuple[ChatDelta | None, str | None]:
         """The delta for a piece of choice `index` (None: nothing to send yet), and
@@ -290,24 +282,15 @@ class ToolStream:
                 call = ToolCallDelta(0, function=FunctionDelta(arguments=text))
             reason = "tool_calls" if finish == "stop" else finish
             return (ChatDelta(tool_calls=[call]) if text or self._id[index] else None), reason
+        content = ""
         if self._forced:
             calls = self._forced[index].feed(text)
-            reason = "tool_calls" if finish == "stop" else finish
-            return (ChatDelta(tool_calls=calls) if calls else None), reason
-        if self._plain[index]:
-            return (ChatDelta(content=text) if text else None), finish
-        self._held[index] += text
-        held = self._held[index]
-        start = held.lstrip()
-        if self.tp.mode == "auto" and start and not (
-                start[:1] in ("{", "[") or start.startswith("<tool_call>")
-                or "<tool_call>".startswith(start)):
-            self._plain[index] = True
-            return ChatDelta(content=held), finish
-        if finish is None:
-            return None, None
-        content, calls, reason = reply(self.tp, held, finish)
-        deltas = [ToolCallDelta(i, c.id, "function", FunctionDelta(c.function.name,
-                                                                   c.function.arguments))
-                  for i, c in enumerate(calls or [])]  # fmt: skip
-        return ChatDelta(content=content, tool_calls=deltas or None), reason
+        else:
+            auto = self._auto[index]
+            content, calls = auto.feed(text)
+            content += auto.end() if finish is not None else ""
+        self._called[index] = self._called[index] or bool(calls) or self.tp.mode == "required"
+        reason = "tool_calls" if finish == "stop" and self._called[index] else finish
+        if not content and not calls:
+            return None, reason
+        return ChatDelta(content=content or None, tool_calls=calls or None), reason

@@ -130,3 +130,20 @@ def test_a_constrained_sequence_is_never_drafted_for(llama):
         (i for i, t in enumerate(got) if t in eos), len(got))])
     if any(t in eos for t in got):  # it finished: the object is whole
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_an_auto_plain_answer_speculates_once_its_grammar_is_dropped(llama):
+    """`tool_choice: "auto"`'s grammar is dropped once a plain answer begins
+    (engine/decoder/grammar.py): from then on the sequence speculates like any
+    other, and its tokens are still transformers' greedy ones."""
+    from services.gateway.tool_auto import auto_grammar, call_schema
+
+    path, ref = llama
+    expected = hf_greedy(ref, REPEATING, 40)
+    engine = _engine(path, k=4)
+    first = engine.tokenizer.decode(expected[:1])
+    assert first and first[0] not in " \t\n\r\x0b\x0c[{\ufffd"  # a plain answer's start
+    grammar = auto_grammar([call_schema("f", {"type": "object"})], 8, tagged=False)
+    got = _generate(engine, 1, REPEATING, Sampling(temperature=0.0, grammar=grammar), 0, 40)
+    assert engine.grammar.released == 1 and engine.spec_stats.accepted > 0
+    assert got == expected

@@ -228,3 +228,124 @@ def test_a_rerun_feeds_its_tokens_to_the_grammar_again(tiny):
         rest.append(int(engine.step()[1]))
     engine.free(1)
     assert full[:k] + rest == full
+
+
+# ------------------------------------------------------ tool_choice "auto"
+CALL_ARGS = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                    "maximum": 99}},
+             "required": ["a"], "additionalProperties": False}
+
+
+def _auto_grammar(most: int = 8) -> str:
+    from services.gateway.tool_auto import auto_grammar, call_schema
+
+    return auto_grammar([call_schema("f", CALL_ARGS)], most, tagged=False)
+
+
+def test_a_plain_auto_answer_drops_its_grammar_after_it_begins(tiny):
+    """`tool_choice: "auto"`'s grammar (services/gateway/tool_auto.py) lets a plain
+    answer begin and then marks its RELEASE: the sequence's grammar is dropped, so
+    it decodes exactly transformers' greedy tokens with no masked step after."""
+    ref, engine = tiny
+    expected = hf_greedy(ref, PROMPT, 24)
+    first = engine.tokenizer.decode(expected[:1])
+    assert first and first[0] not in " \t\n\r\x0b\x0c[{\ufffd"  # a plain answer's start
+    grammar = engine.grammar
+    released, masked = grammar.released, grammar.masked_steps
+    got = _generate(engine, {0: (Sampling(temperature=0.0, grammar=_auto_grammar()), 0)},
+                    new=24, raw=True)[0]
+    eos = set(engine.eos_token_ids)
+    assert got == expected[: next((i + 1 for i, t in enumerate(expected) if t in eos),
+                                  len(expected))]
+    assert grammar.released == released + 1 and grammar.masked_steps == masked
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_an_auto_call_once_begun_validates(tiny, seed):
+    """Pushed to open a list (a bias on `[`), an auto reply must go on as calls whose
+    arguments validate against the tool's parameters (`jsonschema`)."""
+    _, engine = tiny
+    (bracket,) = engine.tokenizer.encode("[")
+    s = Sampling(temperature=1.0, grammar=_auto_grammar(2), logit_bias=[(bracket, 30.0)])
+    before = engine.grammar.released
+    tokens = _generate(engine, {0: (s, seed)}, new=120)[0]
+    assert tokens is not None and engine.grammar.released == before
+    calls = json.loads(engine.tokenizer.decode(tokens))
+    assert isinstance(calls, list) and 1 <= len(calls) <= 2
+    for call in calls:
+        assert call["name"] == "f"
+        jsonschema.validate(call["arguments"], CALL_ARGS)
+
+
+def test_a_grammar_seen_again_is_copied_not_compiled(tiny):
+    """Sequences that bring a grammar already compiled get a copy of its matcher."""
+    _, engine = tiny
+    grammar = _auto_grammar(3)
+    before = engine.grammar.compiles
+    plan = {i: (Sampling(temperature=1.0, grammar=grammar), i) for i in range(3)}
+    _generate(engine, plan, new=4)
+    _generate(engine, {3: (Sampling(temperature=1.0, grammar=grammar), 9)}, new=4)
+    assert engine.grammar.compiles == before + 1
+
+
+def test_compiling_ahead_compiles_every_masked_program(tmp_path, monkeypatch):
+    """A worker that compiles ahead compiles the masked twin of every program its
+    engine serves ("all": before it serves; "first": on a thread, a first request's
+    shapes first), so a constrained step of any batch shape compiles nothing on the
+    engine thread (counted)."""
+    import threading
+
+    from engine.decoder.constrained import MaskedPrograms
+
+    build("llama", tmp_path, positions=128)
+    engine = DecoderEngine(tmp_path, "structured", slots=4, max_context=128,
+                           prefill_buckets=(16,), decode_windows=(128,), compile_ahead="all")
+    engine.warmup(progress=False)
+    engine.grammar.prepare_background()
+    masked = engine.grammar.programs().programs
+    served = [k for k in engine.compiles if k[0] in ("step", "prefill")]
+    assert masked.compiled == len(served) == 4  # prefill 16; steps at batch 1, 2, 4
+    plain = engine.programs.compiled
+    plan = {i: (Sampling(temperature=1.0, grammar=_schema_grammar(SCHEMAS[0])), i)
+            for i in range(3)}  # three rows: the batch-4 step
+    _generate(engine, plan, new=8)
+    assert (masked.compiled, engine.programs.compiled) == (len(served), plain)
+
+    shapes, asked = [], threading.Event()
+
+    def record(self, given):
+        shapes.extend(given)
+        asked.set()
+
+    monkeypatch.setattr(MaskedPrograms, "start_background", record)
+    engine.compile_ahead = "first"
+    engine.grammar.prepare_background()
+    assert asked.wait(60)
+    first = [k for k in engine.first_compiles() if k[0] != "verify"]
+    assert shapes[: len(first)] == first and sorted(shapes) == sorted(served)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_tagged_auto_call_once_its_tag_is_written_validates(tiny, seed):
+    """The tagged auto grammar leaves text free until `<tool_call>` is written; a
+    sequence that has written it (fed to the matcher as a preempted sequence's
+    tokens are) must go on with one call that validates, then close the tag."""
+    from services.gateway.tool_auto import auto_grammar, call_schema
+
+    _, engine = tiny
+    grammar = auto_grammar([call_schema("f", CALL_ARGS)], 8, tagged=True)
+    said = engine.tokenizer.encode("Hi <tool_call>")
+    s = Sampling(temperature=1.0, grammar=grammar)
+    engine.begin(0, PROMPT + said, s, seed, generated=len(said))
+    first = None
+    while first is None:
+        first = engine.prefill_step(0)
+    out = [first]
+    while len(out) < 60:
+        out.append(int(engine.step()[0]))
+    engine.free(0)
+    head, closed, _ = engine.tokenizer.decode(out).partition("</tool_call>")
+    assert closed, out
+    call = json.loads(head.strip("\n"))
+    assert call["name"] == "f"
+    jsonschema.validate(call["arguments"], CALL_ARGS)

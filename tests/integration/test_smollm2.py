@@ -49,8 +49,10 @@ def smollm2(smollm2_dir, smollm2_hf, smollm2_hf_tokenizer, jax_cache_dir):
                    "stop" if eos in new else "length")
     jaxrt.setup(jax_cache_dir)
     engine = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=2, max_context=CONTEXT,
-                           prefill_buckets=(CONTEXT,), decode_windows=())  # fmt: skip
+                           prefill_buckets=(CONTEXT,), decode_windows=(), compile_ahead="all")
     engine.warmup(progress=False)
+    engine.grammar.prepare_background()  # the masked programs too, as a worker does:
+    # compiled inside the structured request, they could outlast its deadline
     return engine, refs
 
 

@@ -1,9 +1,11 @@
 """Tool calls through the whole stack (a real nats-server, gateway, scheduler, worker
 and the JAX engine on tiny random weights; its template knows no tools, so the
 documented tool prompt is used), with the unchanged `openai` client: a named
-function and `required` are forced by the grammar, so even random weights give
-arguments that validate against the function's schema (`jsonschema`), whole and
-streamed; the tool loop's messages (assistant `tool_calls`, `tool` results) are
+function, `required`, and an `auto` reply once it opens a call are forced by the
+grammar, so even random weights give arguments that validate against the
+function's schema (`jsonschema`), whole and streamed; an `auto` plain answer is
+transformers' greedy text for the same prompt; with `response_format` the answer
+follows it; the tool loop's messages (assistant `tool_calls`, `tool` results) are
 accepted; `tool_choice` mistakes are 400s; over NATS the same."""
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ TIME = {"type": "function", "function": {
         "required": ["zone"], "additionalProperties": False}}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "the quick brown fox"}]
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 8}},
+          "required": ["answer"], "additionalProperties": False}
+PLAIN_NEW = 16
+PLAIN_ASK = [{"role": "user", "content": "a stream of tokens"}]  # answered in plain text
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +64,34 @@ def _warm_masked(engine) -> None:
     engine.free(0)
 
 
+@pytest.fixture(scope="module")
+def reference(tiny):
+    """transformers' greedy reply (text, finish_reason) to PLAIN_ASK with the
+    documented tool prompt, from the saved weights and transformers' own tokenizer;
+    computed before the stack runs. Its first character is a plain answer's (the
+    random weights' other prompts open with a byte that is no character)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.chat import ChatTemplate
+    from services.gateway.tools import TOOL_PROMPT
+    from tests.support.tiny_models import hf_greedy
+
+    _, path = tiny
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    text = ChatTemplate.from_dir(path).render(
+        [{"role": "system", "content": TOOL_PROMPT.format(tools=json.dumps([WEATHER, TIME]))}]
+        + PLAIN_ASK)
+    new = hf_greedy(model, tok(text)["input_ids"], PLAIN_NEW)
+    eos = tok.eos_token_id
+    kept = new[: new.index(eos)] if eos in new else new
+    answer = tok.decode(kept)
+    assert answer[:1] not in " \t\n\r\x0b\x0c[{\ufffd"  # a plain answer's start
+    return answer, ("stop" if eos in new else "length")
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def stack(nats_server, tiny):
+async def stack(nats_server, tiny, reference):
     engine, path = tiny
     async with running_stack(nats_server.url, models={engine.name: path}, max_context=CONTEXT,
                              decode_slots=4) as st:
@@ -147,6 +179,95 @@ async def test_required_streams_argument_deltas(client, tiny):
             ] == [(names[i], args[i]) for i in sorted(names)]
 
 
+async def test_auto_plain_answer_is_the_unconstrained_greedy_text(client, tiny, reference):
+    """Under `auto` a plain answer only has its first character checked (not a
+    call's opening), then decodes free: transformers' greedy text, whole and
+    streamed piece by piece."""
+    engine, _ = tiny
+    body = dict(model=engine.name, messages=PLAIN_ASK, max_tokens=PLAIN_NEW, temperature=0,
+                tools=[WEATHER, TIME])
+    whole = await client.chat.completions.create(**body)
+    choice = whole.choices[0]
+    assert (choice.message.content, choice.finish_reason) == reference
+    assert choice.message.tool_calls is None
+    pieces = []
+    async for ch in await client.chat.completions.create(**body, stream=True):
+        if ch.choices and ch.choices[0].delta.content:
+            assert not ch.choices[0].delta.tool_calls
+            pieces.append(ch.choices[0].delta.content)
+    assert "".join(pieces) == reference[0] and len(pieces) > 1
+
+
+def _bias(engine, text: str) -> dict[str, int]:
+    (token,) = engine.tokenizer.encode(text)
+    return {str(token): 30}
+
+
+async def test_auto_calls_validate_and_stream_as_name_then_argument_deltas(client, tiny):
+    """Pushed to open a call (a bias on `[`), an auto reply's calls validate; streamed
+    with the same seed, each call's id and name come first, then its arguments in
+    pieces, and they reassemble to the whole reply's calls."""
+    engine, _ = tiny
+    for seed, parallel in ((4, False), (6, True)):
+        body = dict(model=engine.name, messages=ASK, max_tokens=640, temperature=1.0, seed=seed,
+                    tools=[WEATHER, TIME], parallel_tool_calls=parallel,
+                    logit_bias=_bias(engine, "["))
+        whole = await client.chat.completions.create(**body)
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = choice.message.tool_calls
+        assert calls and (parallel or len(calls) == 1)
+        for call in calls:
+            _valid(call)
+        deltas, reasons = [], []
+        async for ch in await client.chat.completions.create(**body, stream=True):
+            if ch.choices:
+                assert not ch.choices[0].delta.content
+                deltas += ch.choices[0].delta.tool_calls or []
+                reasons.append(ch.choices[0].finish_reason)
+        assert reasons[-1] == "tool_calls"
+        for i, call in enumerate(calls):
+            mine = [d for d in deltas if d.index == i]
+            assert mine[0].id and mine[0].function.name == call.function.name
+            assert not any(d.id for d in mine[1:]) and len(mine) > 2
+            assert "".join(d.function.arguments or "" for d in mine) == call.function.arguments
+        assert {d.index for d in deltas} == set(range(len(calls)))
+    # The loop goes on: the calls and their results go back, still under `auto`;
+    # without the push, these weights' greedy reply is text.
+    messages = ASK + [{"role": "assistant", "content": None,
+                       "tool_calls": [c.model_dump() for c in calls]}]
+    messages += [{"role": "tool", "tool_call_id": c.id, "content": "21 C"} for c in calls]
+    final = await client.chat.completions.create(model=engine.name, messages=messages,
+                                                  max_tokens=8, temperature=0,
+                                                  tools=[WEATHER, TIME])
+    choice = final.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.tool_calls is None
+
+
+async def test_tools_with_response_format(client, tiny):
+    """`auto` with `response_format`: a plain answer follows the format, a call its
+    tool's schema (each branch pushed by a bias on its first character); a forced
+    call ignores the format, as it is no answer."""
+    engine, _ = tiny
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}}
+    base = dict(model=engine.name, messages=ASK, max_tokens=640, temperature=1.0,
+                tools=[WEATHER, TIME], response_format=fmt)
+    for seed in (1, 2):
+        r = await client.chat.completions.create(**base, seed=seed, logit_bias=_bias(engine, "{"))
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop" and choice.message.tool_calls is None
+        jsonschema.validate(json.loads(choice.message.content), ANSWER)
+        r = await client.chat.completions.create(**base, seed=seed, logit_bias=_bias(engine, "["))
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        for call in choice.message.tool_calls:
+            _valid(call)
+    r = await client.chat.completions.create(**base, seed=3, tool_choice="required")
+    assert r.choices[0].finish_reason == "tool_calls"
+    for call in r.choices[0].message.tool_calls:
+        _valid(call)
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"tool_choice": "required"}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
@@ -154,6 +275,8 @@ async def test_required_streams_argument_deltas(client, tiny):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "if": {"required": ["a"]}, "then": {}}}}], "tool_choice": "required"},
      "if"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "array"}}}}, "root is an object"),
 ])
 async def test_tool_mistakes_are_400s(client, stack, tiny, body, needle):
     engine, _ = tiny

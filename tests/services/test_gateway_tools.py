@@ -37,7 +37,9 @@ def test_plans():
     assert tools.plan(_req()) is None
     assert tools.plan(_req(tools=[WEATHER], tool_choice="none")) is None
     auto = tools.plan(_req(tools=[WEATHER, TIME]))
-    assert auto.mode == "auto" and not auto.grammar
+    assert auto.mode == "auto" and auto.grammar and not auto.tagged and not auto.answer
+    tagged = tools.plan(_req(tools=[WEATHER], response_format={"type": "json_object"}), True)
+    assert tagged.tagged and tagged.answer and tagged.grammar != auto.grammar
     named = tools.plan(_req(tools=[WEATHER, TIME],
                             tool_choice={"type": "function", "function": {"name": "get_time"}}))
     assert named.mode == "named" and named.name == "get_time" and named.grammar
@@ -54,7 +56,9 @@ def test_plans():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"not": {"type": "string"}}}}}}],
       "tool_choice": "required"}, "tools[0].function.parameters"),
-    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "array"}}}}, "root is an object"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_schema"}}, "needs 'json_schema'"),
 ])
 def test_bad_tool_requests_are_400s(body, needle):
     with pytest.raises(ServiceError) as err:
@@ -93,18 +97,26 @@ def test_a_template_that_does_not_gets_the_tool_prompt():
 
 
 def test_whole_replies():
+    """Auto replies as the auto grammar writes them: compact JSON calls, alone or as
+    a list, or (a template that knows tools) in tags amid text."""
     auto = tools.plan(_req(tools=[WEATHER, TIME]))
-    for text in ('<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>',
-                 '[{"name": "get_weather", "arguments": {"city": "Rome"}}]',
-                 ' {"name": "get_weather", "arguments": {"city": "Rome"}}'):
-        msg, reason = tools.message(auto, text, "stop")
-        assert reason == "tool_calls" and msg.content is None
-        (call,) = msg.tool_calls
-        assert call.function.name == "get_weather" and call.id.startswith("call_")
-        assert json.loads(call.function.arguments) == {"city": "Rome"}
-    for text in ("It is sunny.", '{"name": "unknown", "arguments": {}}', "[1, 2"):
+    tagged = tools.plan(_req(tools=[WEATHER, TIME]), True)
+    call = '{"name":"get_weather","arguments":{"city":"Rome"}}'
+    for tp, text, content in ((tagged, f"<tool_call>\n{call}\n</tool_call>", None),
+                              (tagged, f"Let me see. <tool_call>{call}</tool_call>",
+                               "Let me see. "),
+                              (auto, f"[{call}]", None), (auto, f" {call}", None)):
+        msg, reason = tools.message(tp, text, "stop")
+        assert reason == "tool_calls" and msg.content == content
+        (got,) = msg.tool_calls
+        assert got.function.name == "get_weather" and got.id.startswith("call_")
+        assert json.loads(got.function.arguments) == {"city": "Rome"}
+    for text in ("It is sunny.", "  <b>sunny</b> <tool_call>", "[1, 2", ""):
         msg, reason = tools.message(auto, text, "stop")
         assert (msg.content, msg.tool_calls, reason) == (text, None, "stop")
+    cut = f'[{call},{{"name":"get_time","arguments":{{"zo'
+    msg, reason = tools.message(auto, cut, "length")  # cut short: the text, as it came
+    assert (msg.content, msg.tool_calls, reason) == (cut, None, "length")
     named = tools.plan(_req(tools=[WEATHER], tool_choice={"type": "function",
                                                           "function": {"name": "get_weather"}}))
     msg, reason = tools.message(named, '{"city":"Oslo"}', "stop")
@@ -124,16 +136,60 @@ def test_streamed_named_arguments_come_as_deltas():
     assert all(d.tool_calls[0].index == 0 for d, _ in pieces)
 
 
-def test_streamed_auto_holds_what_may_be_a_call_and_streams_content():
+def _streamed(tp, text: str, step: int, finish: str = "stop"):
+    """(content, {index: (name, arguments)}, deltas, finish_reason) of `text` fed in
+    pieces of `step` characters."""
+    stream = tools.ToolStream(tp, 1)
+    pieces = [text[i:i + step] for i in range(0, len(text), step)] or [""]
+    content, deltas, reason = "", [], None
+    for i, piece in enumerate(pieces):
+        delta, reason = stream.feed(0, piece, finish if i == len(pieces) - 1 else None)
+        if delta is not None:
+            content += delta.content or ""
+            deltas += delta.tool_calls or []
+    names = {d.index: d.function.name for d in deltas if d.id}
+    calls = {i: (n, "".join(d.function.arguments or "" for d in deltas if d.index == i))
+             for i, n in names.items()}
+    return content, calls, deltas, reason
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_streamed_auto_calls_come_as_name_then_argument_deltas(step):
+    """Whatever the pieces, the streamed reply reassembles to the whole reply's."""
+    weather = '{"name":"get_weather","arguments":{"city":"R\\"o<tool_call>}"}}'
+    time = '{"name":"get_time","arguments":{}}'
+    for tp, text in (
+            (tools.plan(_req(tools=[WEATHER, TIME])), f" [{weather},{time}]"),
+            (tools.plan(_req(tools=[WEATHER, TIME]), True),
+             f"Checking <tool_call>\n{weather}\n</tool_call>\n<tool_call>{time}</tool_call> ok"),
+            (tools.plan(_req(tools=[WEATHER, TIME]), True), f"{weather}")):
+        content, calls, deltas, reason = _streamed(tp, text, step)
+        whole, _ = tools.message(tp, text, "stop")
+        assert reason == "tool_calls"
+        assert content == (whole.content or "")
+        assert [calls[i] for i in sorted(calls)] == [
+            (c.function.name, c.function.arguments) for c in whole.tool_calls]
+        assert json.loads(calls[0][1]) == {"city": 'R"o<tool_call>}'}
+        first = next(d for d in deltas if d.index == 0)
+        assert first.id and first.function.name == "get_weather"  # the name first
+        if step < 5:  # the arguments came in pieces, not whole at the end
+            assert sum(1 for d in deltas if d.index == 0 and not d.id) > 1
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_streamed_auto_answers_are_content_as_they_come(step):
     auto = tools.plan(_req(tools=[WEATHER]))
-    stream = tools.ToolStream(auto, 2)
-    assert stream.feed(0, "<tool", None) == (None, None)
-    assert stream.feed(0, '_call>{"name": "get_weather", ', None) == (None, None)
-    delta, reason = stream.feed(0, '"arguments": {"city": "Rome"}}</tool_call>', "stop")
-    assert reason == "tool_calls" and delta.tool_calls[0].function.name == "get_weather"
-    delta, reason = stream.feed(1, "Hello", None)
-    assert delta.content == "Hello" and reason is None
-    assert stream.feed(1, " there", "stop")[0].content == " there"
+    tagged = tools.plan(_req(tools=[WEATHER]), True)
+    answer = tools.plan(_req(tools=[WEATHER], response_format={"type": "json_object"}))
+    for tp, text in ((auto, "Hello [there] {x}"), (tagged, "a <tool_ b <tool_cal"),
+                     (answer, '{"city":"Rome"}'), (auto, "\n  hi")):
+        content, calls, _, reason = _streamed(tp, text, step)
+        assert (content, calls, reason) == (text, {}, "stop")
+    stream = tools.ToolStream(tagged, 1)
+    delta, _ = stream.feed(0, "Hi <tool", None)  # what may open a tag is held back
+    assert delta.content == "Hi "
+    assert stream.feed(0, "_c", None) == (None, None)
+    assert stream.feed(0, "up", "stop")[0].content == "<tool_cup"
 
 
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
@@ -156,3 +212,50 @@ def test_streamed_required_calls_come_as_argument_deltas(step):
         {"city": 'R"o}{[', "n": [1, {"a": 2}]}, {}]
     if step < 1000:  # the arguments came in pieces, not whole at the end
         assert sum(1 for d in deltas if d.index == 0 and not d.id) > 1
+
+
+@pytest.fixture(scope="module")
+def smollm2_ll():
+    """llguidance's tokenizer of the bundled SmolLM2 (the grammar's real alphabet)."""
+    import llguidance
+
+    from engine.tokenizer import Tokenizer
+    from shared import catalog
+
+    tok = Tokenizer.from_dir(catalog.bundled_dir(catalog.SMOLLM2))
+    return llguidance.LLTokenizer(tok.backend.to_str(), eos_token=tok.eos_token_ids[0])
+
+
+def _accepts(ll, grammar: str, text: str) -> bool:
+    import llguidance
+
+    m = llguidance.LLMatcher(ll, grammar, log_level=0)
+    ids = ll.tokenize_str(text)
+    return m.validate_tokens(ids) == len(ids) and m.consume_tokens(ids) and m.is_accepting()
+
+
+def test_auto_grammars_force_calls_once_begun(smollm2_ll):
+    """What each auto grammar lets through: answers, and calls only to known tools
+    with arguments valid against their parameters (compact JSON, as forced)."""
+    call = '{"name":"get_weather","arguments":{"city":"Rome"}}'
+    bad = ['{"name":"get_weather","arguments":{"town":"Rome"}}',  # not its parameters
+           '{"name":"nope","arguments":{}}', '{"name": "get_weather", "arguments": {}}']
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+    cases = [  # (tagged, response_format, accepted, refused)
+        (False, None, ["It is sunny [mostly].", f"[{call}]", f"\n{call}", ""],
+         [f"[{b}]" for b in bad] + ["[1]", "{}", "{x"]),
+        (True, None, [f"Looking. <tool_call>\n{call}\n</tool_call> Done.", f"[{call}]",
+                      f"<tool_call>{call}</tool_call><tool_call>{call}</tool_call>", "Hi"],
+         [f"<tool_call>{b}</tool_call>" for b in bad] + ["{x"]),
+        (False, fmt, ['{"n":3}', f"[{call}]"], ["It is sunny.", call, '{"n":"3"}']),
+        (True, fmt, ['{"n":3}', f"<tool_call>\n{call}\n</tool_call>"],
+         ["It is sunny.", f"[{call}]", f"Hi <tool_call>{call}</tool_call>"]),
+    ]
+    for tagged, rf, good, refused in cases:
+        body = {"tools": [WEATHER, TIME]} | ({"response_format": rf} if rf else {})
+        grammar = tools.plan(_req(**body), tagged).grammar
+        for text in good:
+            assert _accepts(smollm2_ll, grammar, text), (tagged, rf, text)
+        for text in refused:
+            assert not _accepts(smollm2_ll, grammar, text), (tagged, rf, text)
