@@ -6,13 +6,14 @@ what that costs beside the plain step; the mask's CPU time per token comes from 
 engine's own count. Compiles (the plain and masked programs) happen in an untimed
 first pass.
 
-    .venv/bin/python -m bench.structured --streams 16 --steps 24
+    .venv/bin/python -m bench.structured --streams 16 --steps 24 --rounds 6
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,6 +50,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="alternated rounds; the summary is each mix's median (noisy machines)")
     args = ap.parse_args()
 
     from engine.decoder import DecoderEngine
@@ -64,11 +67,18 @@ def main() -> None:
     for c in mixes:  # compiles, untimed
         _run(engine, args.streams, c, 2, grammar, prompt)
     print(f"streams {args.streams}, steps {args.steps}, temperature 1")
-    for _ in range(2):  # alternated, twice
+    got: dict[int, list[float]] = {c: [] for c in mixes}
+    for _ in range(args.rounds):  # alternated, so load moves every mix alike
         for c in mixes:
             tps, per_mask = _run(engine, args.streams, c, args.steps, grammar, prompt)
+            got[c].append(tps)
             print(f"constrained {c:2d}/{args.streams}: {tps:7.1f} tokens/s"
                   + (f", mask {per_mask:.3f} ms per row" if c else ""))
+    base = statistics.median(got[0])
+    for c in mixes:
+        med = statistics.median(got[c])
+        print(f"median, constrained {c:2d}/{args.streams}: {med:7.1f} tokens/s"
+              + (f" ({100 * (med / base - 1):+.0f} % against none)" if c else ""))
 
 
 if __name__ == "__main__":
