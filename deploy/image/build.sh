@@ -24,7 +24,7 @@ variant=cpu
 for arg in "$@"; do
     case "$arg" in
         --cuda) variant=cuda ;;
-        -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build.sh: unknown argument $arg (use --cuda or nothing)" >&2; exit 2 ;;
     esac
 done
@@ -45,6 +45,10 @@ mkdir -p "$cache"
 
 # A host that refuses the nproc ulimit buildah sets for each RUN step: point
 # CONTAINERS_CONF at a file holding `[containers]` and `default_ulimits = []`.
+
+# One build at a time on this machine: two would debootstrap into the same folder.
+exec 9>"$cache/build.lock"
+flock 9
 
 phase() { echo "phase $1 $2" >&2; }
 now() { date +%s.%N; }
@@ -102,12 +106,13 @@ if [ -n "${PIP_CERT:-}" ]; then
     trust=(--build-arg PIP_CERT=/var/cache/build/ca.pem)
 fi
 t=$(now)
-buildah bud --isolation chroot --layers --pull=never --quiet \
+buildah bud --isolation chroot --layers --force-rm --pull=never --quiet \
     --build-arg "BASE=$base" --volume "$cache/build:/var/cache/build" \
     --build-arg BUILD_CACHE=/var/cache/build "${trust[@]}" \
     -f "$file" -t "$tag" . >/dev/null
 phase bud "$(since "$t")"
 # Earlier builds' images that no tag names any more (a replaced dependency layer is
-# a gigabyte); the layers this build used stay, being the new image's.
-buildah rmi --prune >/dev/null
+# a gigabyte); the layers this build used stay, being the new image's. One still used
+# by a container (a run killed before it removed its own) stays until the next build.
+buildah rmi --prune >/dev/null 2>&1 || true
 echo "$tag"
