@@ -15,8 +15,9 @@
 #    pyproject.toml changes. pip in the build trusts the certificate bundle named by
 #    the host's PIP_CERT, if set.
 #
-# Needs root and Debian's `buildah` and `debootstrap` packages. Prints each phase's
-# time in seconds on stderr (`phase NAME SECONDS`).
+# Needs root and Debian's `buildah` and `debootstrap` packages. Prints the tag and
+# the image's id on stdout, each phase's time in seconds on stderr
+# (`phase NAME SECONDS`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -24,7 +25,7 @@ variant=cpu
 for arg in "$@"; do
     case "$arg" in
         --cuda) variant=cuda ;;
-        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build.sh: unknown argument $arg (use --cuda or nothing)" >&2; exit 2 ;;
     esac
 done
@@ -106,7 +107,9 @@ if [ -n "${PIP_CERT:-}" ]; then
     trust=(--build-arg PIP_CERT=/var/cache/build/ca.pem)
 fi
 t=$(now)
-buildah bud --isolation chroot --layers --force-rm --pull=never --quiet \
+iid=$(mktemp)
+trap 'rm -f "$iid"' EXIT
+buildah bud --iidfile "$iid" --isolation chroot --layers --force-rm --pull=never --quiet \
     --build-arg "BASE=$base" --volume "$cache/build:/var/cache/build" \
     --build-arg BUILD_CACHE=/var/cache/build "${trust[@]}" \
     -f "$file" -t "$tag" . >/dev/null
@@ -115,4 +118,5 @@ phase bud "$(since "$t")"
 # a gigabyte); the layers this build used stay, being the new image's. One still used
 # by a container (a run killed before it removed its own) stays until the next build.
 buildah rmi --prune >/dev/null 2>&1 || true
-echo "$tag"
+# The tag, then the image's id (another build may move the tag later).
+echo "$tag $(sed "s/^sha256://" "$iid")"

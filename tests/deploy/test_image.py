@@ -63,7 +63,9 @@ def image() -> str:
     assert res.returncode == 0, res.stderr[-4000:]
     phases = [line for line in res.stderr.splitlines() if line.startswith("phase ")]
     print("\n".join(phases))  # how long each part took: `pytest -s` shows them
-    return res.stdout.split()[-1]
+    tag, image_id = res.stdout.split()[-2:]
+    assert tag.startswith("tensorbus:")
+    return image_id  # this build's, whichever image the tag names later
 
 
 def manifest_container(name: str) -> dict:
