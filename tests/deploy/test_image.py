@@ -8,9 +8,10 @@
    runAsUser), /data and /tmp from the host (the manifests' emptyDirs), and the
    settings of deploy/k8s's ConfigMap: the gateway and the MiniLM worker with the
    `command` their Deployments give, the scheduler through the image's entrypoint.
-4. The manifests' own readiness probes pass inside the containers, and one
-   embeddings request over HTTP is answered with the vector sentence-transformers
-   computes on the host from the same weights.
+4. The manifests' own readiness probes pass inside the containers, one embeddings
+   request over HTTP is answered with the vector sentence-transformers computes on
+   the host from the same weights, and no service wrote to the image's filesystem
+   (the Deployments run it read-only).
 
 Needs root and Debian's buildah and debootstrap: scripts/test.sh installs them when
 it runs as root (CI does); anywhere else this test fails and says so.
@@ -39,6 +40,7 @@ BUILD = REPO / "deploy" / "image" / "build.sh"
 K8S = REPO / "deploy" / "k8s" / "base"
 UID = 10001
 ENCODER = catalog.ENCODER
+BUILDAH_OWN = {"run", "run/.containerenv"}  # what `buildah run` writes into a container
 TEXTS = ["A container image built from the repository.", "Debian bookworm, debootstrapped."]
 
 # Building a cold image takes minutes (docs/benchmarks.md); a warm one, seconds.
@@ -136,6 +138,21 @@ class Container:
         return subprocess.run(self.argv(command, **env), capture_output=True, text=True,
                               timeout=timeout)
 
+    def written(self) -> list[str]:
+        """What its processes wrote to the image's own filesystem: the container's
+        layer in buildah's overlay storage, where buildah run itself leaves only /run
+        and its marker /run/.containerenv. Nothing else means the Deployments'
+        readOnlyRootFilesystem holds."""
+        mnt = subprocess.run(["buildah", "mount", self.id], check=True, capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+        try:
+            upper = Path(mnt).parent / "diff"
+            assert upper.is_dir(), f"no overlay layer at {upper}: buildah's storage is not overlay"
+            return sorted(str(p.relative_to(upper)) for p in upper.rglob("*")
+                          if p.relative_to(upper).as_posix() not in BUILDAH_OWN)
+        finally:
+            subprocess.run(["buildah", "umount", self.id], capture_output=True, timeout=60)
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -209,6 +226,7 @@ async def test_the_image_runs_the_stack_and_answers_embeddings(image, tmp_path, 
                 assert res.returncode == 0, f"{name} probe {probe}: {res.stdout}{res.stderr}"
             for c in containers:
                 assert c.alive(), f"{c.name} exited:\n{c.log.read_text()[-3000:]}"
+                assert c.written() == [], f"{c.name} wrote outside /data and /tmp"
             print(f"stack ready {ready_s:.1f} s after the containers started")
         finally:
             for c in containers:
