@@ -3,11 +3,12 @@
 1. deploy/image/build.sh builds `tensorbus:<version>` with buildah on a Debian base
    made by debootstrap (both kept under /var/cache/tensorbus-image between runs).
 2. A real nats-server runs on the host, on a free port.
-3. Three containers of the image (`buildah from`), each service started in its own
+3. Four containers of the image (`buildah from`), each service started in its own
    with `buildah run --isolation chroot --network host` as uid 10001 (the manifests'
    runAsUser), /data and /tmp from the host (the manifests' emptyDirs), and the
-   settings of deploy/k8s's ConfigMap: the gateway and the MiniLM worker with the
-   `command` their Deployments give, the scheduler through the image's entrypoint.
+   settings of deploy/k8s's ConfigMap: the gateway, telemetry and the MiniLM worker
+   with the `command` their Deployments give, the scheduler through the image's
+   entrypoint.
 4. The manifests' own readiness probes pass inside the containers, one embeddings
    request over HTTP is answered with the vector sentence-transformers computes on
    the host from the same weights, and no service wrote to the image's filesystem
@@ -186,11 +187,12 @@ async def test_the_image_runs_the_stack_and_answers_embeddings(image, tmp_path, 
         env = config_env(server.port, http_port, metrics_port)
         try:
             started = time.monotonic()
-            scheduler_c = manifest_container("scheduler")
+            scheduler_c, telemetry_c = manifest_container("scheduler"), manifest_container("telemetry")
             for name, command, extra in (
                 ("scheduler", [*entrypoint, "scheduler"], pod_env(scheduler_c, "scheduler-0")),
                 ("worker", worker_c["command"], pod_env(worker_c, "worker-encoder-0")),
                 ("gateway", gateway_c["command"], pod_env(gateway_c, "gateway-0")),
+                ("telemetry", telemetry_c["command"], pod_env(telemetry_c, "telemetry-0")),
             ):
                 c = Container(image, name, tmp_path, env | extra)
                 containers.append(c)
@@ -217,6 +219,11 @@ async def test_the_image_runs_the_stack_and_answers_embeddings(image, tmp_path, 
             want = sentence_transformer.encode(TEXTS, convert_to_numpy=True).astype(np.float64)
             cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
             assert got.shape == want.shape and cos.min() >= 0.9999, cos
+
+            # Telemetry serves the fleet's /metrics (its probes name port 9400; ours differs).
+            async with httpx.AsyncClient(timeout=10) as http:
+                metrics = await http.get(f"http://127.0.0.1:{metrics_port}/metrics")
+            assert metrics.status_code == 200 and "tensorbus_" in metrics.text
 
             # The Deployments' own readiness probes, inside the running containers.
             by_name = {c.name: c for c in containers}
