@@ -4,15 +4,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh dev
-# The metrics tests run a real Prometheus (tests/support/prometheus.py): Debian's.
-if [ ! -x /usr/bin/prometheus ] && ! command -v prometheus >/dev/null; then
+# Debian packages some tests run: a real Prometheus for the metrics tests
+# (tests/support/prometheus.py), buildah and debootstrap to build and run the image
+# (tests/deploy/test_image.py).
+need=()
+[ -x /usr/bin/prometheus ] || command -v prometheus >/dev/null || need+=(prometheus)
+command -v buildah >/dev/null || need+=(buildah)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
-        echo "installing prometheus (Debian package) for the metrics tests ..." >&2
+        echo "installing ${need[*]} (Debian packages) for the tests ..." >&2
         export DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes
         apt-get update -qq >/dev/null
-        apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+        apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
     else
-        echo "the metrics tests need Prometheus: sudo apt-get install prometheus" >&2
+        echo "some tests need ${need[*]}: sudo apt-get install ${need[*]}" >&2
     fi
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

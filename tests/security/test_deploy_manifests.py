@@ -178,6 +178,9 @@ def test_every_tensorbus_setting_is_a_real_one():
 
 def test_scheduler_runs_two_replicas_and_workers_serve_bundled_models():
     assert DEPLOYMENTS["scheduler"]["spec"]["replicas"] == 2
+    # Its probes find this pod's answer by the id, so the id is the pod's name.
+    env = env_of(pod_spec(DEPLOYMENTS["scheduler"])["containers"][0])
+    assert env["TENSORBUS_SCHEDULER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     for name in ("worker-encoder", "worker-decoder"):
         env = env_of(pod_spec(DEPLOYMENTS[name])["containers"][0])
         assert env["TENSORBUS_MODEL"]["value"] in {catalog.ENCODER, catalog.DEMO_LM}
