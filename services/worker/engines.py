@@ -184,7 +184,7 @@ def engine_settings(config: Config, model: str,
         raise bad_config(f"TENSORBUS_DTYPE={dtype!r} for {model}: use one of {', '.join(DTYPES)}")
     if engine == "torch" and importlib.util.find_spec("torch") is None:
         raise bad_config(f"TENSORBUS_ENGINE=torch for {model}: torch is not installed here "
-                         f"(it is the extra `tensorbus[torch]`; the image leaves it out)")
+                         f"(the image leaves it out: pip install torch==2.13.0)")
     if engine == "torch" and (tp > 1 or quant != "none"):
         raise bad_config(f"{model}: the torch engine runs on one device with float weights; "
                          f"TENSORBUS_TENSOR_PARALLEL={tp} and TENSORBUS_QUANT={quant!r} need "

@@ -256,6 +256,6 @@ def test_the_image_carries_every_bundled_model_and_no_torch(image, tmp_path):
         res = c.run(["tensorbus-service", "worker"], timeout=60, TENSORBUS_ENGINE="torch",
                     TENSORBUS_MODEL=ENCODER, TENSORBUS_NATS_URL=f"nats://127.0.0.1:{free_port()}")
         assert res.returncode == 78, res.stdout + res.stderr
-        assert "tensorbus[torch]" in res.stderr
+        assert "torch is not installed here" in res.stderr
     finally:
         c.stop()
