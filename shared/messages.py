@@ -220,6 +220,9 @@ class SchedLoad(_Msg, tag="sched_load"):
     scheduler_id: str
     models: list[ModelLoad]
     at: float  # UNIX seconds
+    # Times its bus connection dropped: a rise tells the gateways that requests they
+    # submitted meanwhile may have been lost with the path, and are submitted again.
+    reconnects: int = 0
 
 
 class Cancel(_Msg, tag="cancel"):

@@ -42,7 +42,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from shared import subjects
-from shared.errors import ServiceError, deadline_exceeded, internal, out_of_time, unavailable
+from shared.errors import ServiceError, deadline_exceeded, internal, out_of_time
 from shared.logging import get_logger
 from shared.messages import (
     Accepted,
@@ -73,6 +73,15 @@ class PathLost(Exception):
     """Queued for a retryable request when the gateway's connection dropped while it
     was out: its answer may have been lost with that path (services.gateway.frontend
     `call` asks once more)."""
+
+
+class NoScheduler(ServiceError):
+    """A submission that found no scheduler subscribed (NATS "no responders"): none
+    runs, or one is between servers (services.gateway.frontend `call` may wait)."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "no scheduler is running; retry shortly", code="no_worker",
+                         retry_after=1.0)
 
 
 @dataclass(slots=True)
@@ -159,7 +168,8 @@ class ReplyInbox:
             self._arm(clock)
 
     def path_lost(self) -> None:
-        """The connection dropped: every retryable request out now is told (once)."""
+        """The connection (or a scheduler's) dropped: every retryable request out now
+        is told (once)."""
         for rid in self._retryable:
             self._queues[rid].put_nowait(PathLost())
         self._retryable.clear()
@@ -261,7 +271,7 @@ class ReplyInbox:
 def _decoded(msg: Msg) -> object:
     """One request's message: its result, or the error it stands for."""
     if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
-        return unavailable("no scheduler is running; retry shortly")
+        return NoScheduler()
     try:
         return result_decoder.decode(msg.data)
     except msgspec.DecodeError:
