@@ -13,8 +13,12 @@ from collections import Counter
 import httpx
 import numpy as np
 
+from shared import subjects
+from shared.bus import close
 from shared.natsd import NatsCluster
+from shared.telemetry import record_decoder
 from tests.reliability.conftest import ENCODER
+from tests.support.cluster import js_ready
 from tests.support.stack import wait_until
 
 CLIENTS = 4
@@ -100,11 +104,13 @@ class _Running:
 
 
 async def lose(cluster: NatsCluster, victim: int, load: Load, scenario: str, clients,
-               more=None) -> float:
+               during=None) -> tuple[float, object]:
     """SIGKILL member `victim` while `load` runs (after a few answers); wait (counted)
     until every connection in `clients` is connected to another member, restart it,
-    and wait for more answers through the new paths. Returns the seconds until every
-    client was connected again."""
+    and wait for more answers through the new paths. `during`: a coroutine function
+    started right after the kill (a registry push in the election), awaited at the
+    end. Returns the seconds until every client was connected again, and what
+    `during` returned."""
     before = load.total()
     await wait_until(lambda: load.total() >= before + 2 * CLIENTS, timeout=30)
     server = cluster.servers[victim]
@@ -112,12 +118,38 @@ async def lose(cluster: NatsCluster, victim: int, load: Load, scenario: str, cli
     load.phase = scenario
     server.proc.send_signal(signal.SIGKILL)
     server.proc.wait()
+    task = asyncio.create_task(during()) if during is not None else None
 
     def back() -> bool:
         return all(nc.is_connected and nc.connected_url.port != server.port for nc in clients)
-    await wait_until(back, timeout=30)
-    recovered = time.monotonic() - killed
-    server.start(die_with_parent=True)
-    after = sum(load.answered.values())
-    await wait_until(lambda: sum(load.answered.values()) >= after + 2 * CLIENTS, timeout=30)
-    return recovered
+    try:
+        await wait_until(back, timeout=30)
+        recovered = time.monotonic() - killed
+        server.start(die_with_parent=True)
+        after = sum(load.answered.values())
+        await wait_until(lambda: sum(load.answered.values()) >= after + 2 * CLIENTS, timeout=30)
+        return recovered, (await asyncio.wait_for(task, 60) if task is not None else None)
+    finally:
+        if task is not None and not task.done():
+            task.cancel()
+
+
+async def stored_records(url: str, want: int, prefix: str) -> Counter[str]:
+    """The gateway's records on the TELEMETRY stream, per request id (the load's)."""
+    nc = await js_ready(url)
+    seen: Counter[str] = Counter()
+    try:
+        sub = await nc.jetstream().subscribe(subjects.TELEMETRY_REQUESTS, ordered_consumer=True)
+        end = time.monotonic() + 30
+        while sum(seen.values()) < want and time.monotonic() < end:
+            try:
+                msg = await sub.next_msg(timeout=1)
+            except TimeoutError:
+                continue
+            rec = record_decoder.decode(msg.data)
+            if rec.request_id.startswith(prefix + "-"):
+                seen[rec.request_id] += 1
+        await sub.unsubscribe()
+    finally:
+        await close(nc)
+    return seen

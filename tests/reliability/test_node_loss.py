@@ -7,17 +7,12 @@ every service is connected again within seconds."""
 
 from __future__ import annotations
 
-import time
-from collections import Counter
-
 import pytest
 
 from services.telemetry.stream import ensure_stream, stream_config
-from shared import subjects
 from shared.bus import close
 from shared.natsd import NatsCluster
-from shared.telemetry import record_decoder
-from tests.reliability.nodeload import TEXTS, Load, lose, member, order
+from tests.reliability.nodeload import TEXTS, Load, lose, member, order, stored_records
 from tests.support.cluster import js_ready, until
 from tests.support.stack import running_stack, wait_until
 
@@ -36,27 +31,6 @@ async def cluster(tmp_path):
         yield c
 
 
-async def stored_records(url: str, want: int, prefix: str) -> Counter[str]:
-    """The gateway's records on the TELEMETRY stream, per request id (the load's)."""
-    nc = await js_ready(url)
-    seen: Counter[str] = Counter()
-    try:
-        sub = await nc.jetstream().subscribe(subjects.TELEMETRY_REQUESTS, ordered_consumer=True)
-        end = time.monotonic() + 30
-        while sum(seen.values()) < want and time.monotonic() < end:
-            try:
-                msg = await sub.next_msg(timeout=1)
-            except TimeoutError:
-                continue
-            rec = record_decoder.decode(msg.data)
-            if rec.request_id.startswith(prefix + "-"):
-                seen[rec.request_id] += 1
-        await sub.unsubscribe()
-    finally:
-        await close(nc)
-    return seen
-
-
 async def losing(cluster, minilm, sentence_transformer, victims: list[str], prefix: str):
     """The stack on three members (gateway 0, scheduler 1, worker 2), the load, and
     the member of each service in `victims` lost in turn; every count checked."""
@@ -71,7 +45,7 @@ async def losing(cluster, minilm, sentence_transformer, victims: list[str], pref
         load = Load(st.http_url, expected, prefix)
         async with load.running():
             for name in victims:
-                recovered = await lose(cluster, member(cluster, services[name]), load,
+                recovered, _ = await lose(cluster, member(cluster, services[name]), load,
                                        f"{name}'s server", [*services.values(), st.client])
                 FIGURES[f"{name}'s server"] = {
                     "recovered_s": round(recovered, 2),
