@@ -137,6 +137,8 @@ class GenChunk(_Msg, tag="chunk"):
     # `tokens`, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)  # on a
     # choice's first chunk, when asked for: the prompt's tokens after its first
+    seq: int = 0  # its number among its choice's chunks of this attempt, from 0: the
+    # gateway drops one it has passed on and ends a stream that lost one
 
 
 class GenDone(_Msg, tag="done"):

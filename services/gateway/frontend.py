@@ -110,7 +110,8 @@ class Frontend:
         self.links.on_drop.append(self.inbox.path_lost)
         self.recorder = Recorder(nc, self.links)  # request records, acked when stored
         self.retried = 0  # calls submitted again after their (or a scheduler's) path dropped
-        self.schedulers = SchedulerLinks(self.inbox.path_lost, config.worker_expiry_s)
+        self.schedulers = SchedulerLinks(lambda: self.inbox.path_lost(own=False),
+                                         config.worker_expiry_s)
         self.admission = GatewayAdmission(nc, config, self.fleet, self.inbox.cancel)
         self._tokenizing = asyncio.Semaphore(2)  # large inputs tokenized at once
         self.decisions = LiveDecisions()  # the schedulers' scale decisions (model cards)
@@ -178,10 +179,12 @@ class Frontend:
 
     # ---------------------------------------------------------------- dispatch
     @contextmanager
-    def dispatched(self, work):
+    def dispatched(self, work, path_lost: bool = False):
         """The request's inbox (a GenerateWork's: its deadline, then its stall and
-        end bounds), open (and counted as waiting) while it is out."""
-        reply, q = self.inbox.open(work.request_id, work.deadline, work.stall_s, work.end_by)
+        end bounds), open (and counted as waiting) while it is out; with `path_lost`,
+        a `PathLost` joins its queue when this gateway's connection drops."""
+        reply, q = self.inbox.open(work.request_id, work.deadline, work.stall_s, work.end_by,
+                                   retry=path_lost)
         waiting = self.admission.waiting
         waiting[work.model] += 1
         try:
@@ -223,13 +226,13 @@ class Frontend:
         waiting[model] += 1
         try:
             if not self.nc.is_connected:
-                await self._reconnected(deadline)
+                await self.reconnected(deadline)
             await self.submit(work, reply)
             for attempt in range(MAX_SUBMITS):
                 try:
                     return await self.inbox.next_result(q, rid, out)
                 except PathLost:  # this gateway's path, or its scheduler's, dropped
-                    await self._reconnected(deadline)
+                    await self.reconnected(deadline)
                     why = "connection_lost"
                 except NoScheduler:  # none subscribed: one between servers comes back?
                     if attempt == MAX_SUBMITS - 1 or not await self.schedulers.back(deadline):
@@ -243,7 +246,7 @@ class Frontend:
             waiting[model] -= 1
             self.inbox.close(rid)
 
-    async def _reconnected(self, deadline: float) -> None:
+    async def reconnected(self, deadline: float) -> None:
         if not await self.links.wait_up(deadline):
             raise deadline_exceeded()
 

@@ -31,7 +31,11 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from services.gateway import codec, params, tools
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
+from services.gateway.continuity import ChunkOrder, stream_broken
 from services.gateway.echo import Echo, joined
+from services.gateway.inbox import PathLost
+
+RESUBMITTED = 1_000  # a stream the gateway submits again counts its attempts from here
 from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
 from services.gateway.structured import grammar_for
@@ -190,11 +194,28 @@ class Generation:
         `out.version` is set from the first."""
         rid, out = prep.work.request_id, call.out
         inbox = self.front.inbox
-        with self.front.dispatched(prep.work) as (reply, q):
+        order = ChunkOrder(prep.work.n)  # each chunk once, in order, or a clear end
+        with self.front.dispatched(prep.work, path_lost=True) as (reply, q):
+            if not self.front.nc.is_connected:  # not sent yet: wait for the bus, in time
+                await self.front.reconnected(prep.work.deadline)
             await self.front.submit(prep.work, reply)
             attempt = None  # the first dispatch attempt heard from owns the stream
             while True:
-                first = await inbox.next_result(q, rid, out)
+                try:
+                    first = await inbox.next_result(q, rid, out)
+                except PathLost as lost:
+                    if order.passed:  # under way: ends now if chunks may be lost
+                        if lost.own:
+                            raise stream_broken(order.passed) from None
+                        continue
+                    # nothing passed on yet: submitted again, as an attempt of its own
+                    # (a first one still alive never mixes with it: `attempt` below)
+                    await self.front.reconnected(prep.work.deadline)
+                    prep.work.attempt += RESUBMITTED
+                    self.front.retried += 1
+                    inbox.retry_again(rid)
+                    await self.front.submit(prep.work, reply)
+                    continue
                 ready, err = inbox.ready_results(q, out) if not q.empty() else ((), None)
                 batch = []
                 for ev in (first, *ready):
@@ -203,6 +224,8 @@ class Generation:
                     if attempt is None:
                         attempt = ev.attempt
                     elif ev.attempt != attempt:
+                        continue
+                    if not order.take(ev):
                         continue
                     out.version = ev.version or out.version
                     if not out.first_token_at and isinstance(ev, GenChunk) and (

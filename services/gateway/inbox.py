@@ -70,9 +70,14 @@ class Expired:
 
 
 class PathLost(Exception):
-    """Queued for a retryable request when the gateway's connection dropped while it
-    was out: its answer may have been lost with that path (services.gateway.frontend
-    `call` asks once more)."""
+    """Queued for a retryable request when the gateway's connection (`own`) or a
+    scheduler's dropped while it was out: its answer may have been lost with that
+    path (services.gateway.frontend `call` asks once more; a stream, see
+    services.gateway.generation `events`)."""
+
+    def __init__(self, own: bool = True) -> None:
+        super().__init__()
+        self.own = own
 
 
 class NoScheduler(ServiceError):
@@ -115,7 +120,7 @@ class ReplyInbox:
         self.group = subjects.reply_group(self.prefix)  # where workers send Results
         self._queues: dict[str, asyncio.Queue] = {}
         self._clocks: dict[str, Clock] = {}
-        self._retryable: set[str] = set()  # open requests a lost path may retry once
+        self._retryable: set[str] = set()  # open requests a lost path may retry (once)
         self._sub = None
 
     async def start(self) -> None:
@@ -132,7 +137,7 @@ class ReplyInbox:
              end_by: float = 0.0, retry: bool = False) -> tuple[str, asyncio.Queue]:
         """The request's reply subject and queue; an `Expired` is queued when its
         time (a `Clock` of these bounds, UNIX seconds) is up; with `retry`, a
-        `PathLost` when the connection drops (`path_lost`)."""
+        `PathLost` when a path drops (`path_lost`)."""
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         if retry:
@@ -167,12 +172,17 @@ class ReplyInbox:
             clock.handle.cancel()
             self._arm(clock)
 
-    def path_lost(self) -> None:
-        """The connection (or a scheduler's) dropped: every retryable request out now
-        is told (once)."""
+    def path_lost(self, own: bool = True) -> None:
+        """This gateway's connection (`own`), or a scheduler's, dropped: every
+        retryable request out now is told, once."""
         for rid in self._retryable:
-            self._queues[rid].put_nowait(PathLost())
+            self._queues[rid].put_nowait(PathLost(own))
         self._retryable.clear()
+
+    def retry_again(self, request_id: str) -> None:
+        """A request submitted again: told again when a path drops."""
+        if request_id in self._queues:
+            self._retryable.add(request_id)
 
     def close(self, request_id: str) -> None:
         self._retryable.discard(request_id)

@@ -7,28 +7,10 @@ every service is connected again within seconds."""
 
 from __future__ import annotations
 
-import pytest
-
-from services.telemetry.stream import ensure_stream, stream_config
-from shared.bus import close
-from shared.natsd import NatsCluster
 from tests.reliability.nodeload import TEXTS, Load, lose, member, order, stored_records
-from tests.support.cluster import js_ready, until
 from tests.support.stack import running_stack, wait_until
 
 FIGURES: dict[str, dict] = {}  # per scenario, for docs/benchmarks.md
-
-
-@pytest.fixture
-async def cluster(tmp_path):
-    """A formed cluster with the TELEMETRY stream on all three members."""
-    with NatsCluster(tmp_path / "nats", 3).start(die_with_parent=True) as c:
-        nc = await js_ready(c.url)
-        try:
-            await until(lambda: ensure_stream(nc.jetstream(), stream_config(), 3))
-        finally:
-            await close(nc)
-        yield c
 
 
 async def losing(cluster, minilm, sentence_transformer, victims: list[str], prefix: str):

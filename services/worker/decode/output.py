@@ -53,6 +53,7 @@ class Stream:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # unsent, when asked for
     noted: float = 0.0  # perf_counter of its latest progress chunk (non-streaming)
     prompt: list[TokenLogprob] = field(default_factory=list)  # echo: rides its first chunk
+    sent: int = 0  # chunks sent (the next one's `seq`)
 
 
 @dataclass(eq=False)
@@ -119,8 +120,8 @@ class OutputProcessor:
             return []
         stream.noted = now
         chunk = GenChunk(w.request_id, seq.index, "", 0, None, w.attempt, seq.lane.version,
-                         prompt_logprobs=stream.prompt)
-        stream.prompt = []
+                         prompt_logprobs=stream.prompt, seq=stream.sent)
+        stream.prompt, stream.sent = [], stream.sent + 1
         return [Say(w, chunk)]
 
     @staticmethod
@@ -145,8 +146,8 @@ class OutputProcessor:
     def _chunk(seq: Sequence, stream: Stream, text: str) -> Say:
         w = seq.work
         chunk = GenChunk(w.request_id, seq.index, text, stream.unsent, seq.finish,
-                         w.attempt, seq.lane.version, stream.logprobs, stream.prompt)
-        stream.unsent = 0
+                         w.attempt, seq.lane.version, stream.logprobs, stream.prompt, stream.sent)
+        stream.unsent, stream.sent = 0, stream.sent + 1
         stream.logprobs, stream.prompt = [], []
         return Say(w, chunk)
 
