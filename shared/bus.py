@@ -190,6 +190,10 @@ class Links:
 
         async def down() -> None:
             self.up.clear()
+            if nc.is_closed:  # closed on purpose (shutdown): no path to recover
+                if was_down is not None:
+                    await was_down()
+                return
             self.drops += 1
             for fn in self.on_drop:
                 fn()

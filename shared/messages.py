@@ -85,6 +85,8 @@ class GenerateWork(_Msg, tag="generate"):
     end_by: float = 0.0  # UNIX seconds: it ends by then, whatever it produces (0 = no bound)
     prompt_logprobs: int = -1  # echo with logprobs: the prompt's too, with this many top
     # alternatives at each position (-1: none)
+    skip: int = 0  # a resumed stream: its first `skip` tokens were delivered already;
+    # generated again (the same: greedy or seeded) and not sent
 
 
 WorkRequest = EmbedWork | GenerateWork

@@ -31,11 +31,8 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from services.gateway import codec, params, tools
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
-from services.gateway.continuity import ChunkOrder, stream_broken
+from services.gateway import continuity
 from services.gateway.echo import Echo, joined
-from services.gateway.inbox import PathLost
-
-RESUBMITTED = 1_000  # a stream the gateway submits again counts its attempts from here
 from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
 from services.gateway.structured import grammar_for
@@ -190,56 +187,11 @@ class Generation:
     # ---------------------------------------------------------------- events
     async def events(self, prep: Prepared, call: Call) -> AsyncIterator[list[GenChunk | GenDone]]:
         """The worker's messages for this request, as lists of those already queued
-        together (one decode step's, or several when this reader fell behind);
-        `out.version` is set from the first."""
-        rid, out = prep.work.request_id, call.out
-        inbox = self.front.inbox
-        order = ChunkOrder(prep.work.n)  # each chunk once, in order, or a clear end
-        with self.front.dispatched(prep.work, path_lost=True) as (reply, q):
-            if not self.front.nc.is_connected:  # not sent yet: wait for the bus, in time
-                await self.front.reconnected(prep.work.deadline)
-            await self.front.submit(prep.work, reply)
-            attempt = None  # the first dispatch attempt heard from owns the stream
-            while True:
-                try:
-                    first = await inbox.next_result(q, rid, out)
-                except PathLost as lost:
-                    if order.passed:  # under way: ends now if chunks may be lost
-                        if lost.own:
-                            raise stream_broken(order.passed) from None
-                        continue
-                    # nothing passed on yet: submitted again, as an attempt of its own
-                    # (a first one still alive never mixes with it: `attempt` below)
-                    await self.front.reconnected(prep.work.deadline)
-                    prep.work.attempt += RESUBMITTED
-                    self.front.retried += 1
-                    inbox.retry_again(rid)
-                    await self.front.submit(prep.work, reply)
-                    continue
-                ready, err = inbox.ready_results(q, out) if not q.empty() else ((), None)
-                batch = []
-                for ev in (first, *ready):
-                    if not isinstance(ev, (GenChunk, GenDone)):
-                        continue
-                    if attempt is None:
-                        attempt = ev.attempt
-                    elif ev.attempt != attempt:
-                        continue
-                    if not order.take(ev):
-                        continue
-                    out.version = ev.version or out.version
-                    if not out.first_token_at and isinstance(ev, GenChunk) and (
-                            ev.tokens or ev.finish_reason):  # not a whole answer's progress note
-                        out.first_token_at = time.perf_counter()
-                    batch.append(ev)
-                    if isinstance(ev, GenDone):
-                        break
-                if batch:
-                    yield batch
-                    if isinstance(batch[-1], GenDone):
-                        return
-                if err is not None:
-                    raise err
+        together (one decode step's, or several when this reader fell behind), each
+        once and in order, a broken path resumed or ended clearly
+        (services.gateway.continuity); `out.version` is set from the first."""
+        async for batch in continuity.events(self.front, prep.work, call.out):
+            yield batch
 
     async def whole(self, prep: Prepared, call: Call):
         out = call.out

@@ -131,8 +131,9 @@ async def test_streams_under_node_loss_end_whole_or_clearly(cluster, decoder):
                 scenario = f"{name}'s server"
                 victim = member(cluster, services[name])
                 on_it = [n for n, nc in services.items() if member(cluster, nc) == victim]
+                resumed = st.gateway.front.resumed
                 recovered, _ = await lose(cluster, victim, load, scenario, conns)
-                FIGURES[scenario] = {
+                FIGURES[scenario] = {"resumed": st.gateway.front.resumed - resumed,
                     "recovered_s": round(recovered, 2), "sent_during": load.during[scenario],
                     "broken": sum(1 for b in load.broken if b[1] == scenario),
                     "services_on_it": on_it}

@@ -41,3 +41,17 @@ def test_a_lost_last_chunk_ends_the_stream_at_its_done():
     with pytest.raises(ServiceError) as err:
         order.take(DONE)
     assert err.value.code == "stream_broken"
+
+
+def test_only_a_deterministic_single_choice_generation_is_resumed():
+    from services.gateway.continuity import resumable
+    from shared.messages import GenerateWork, Sampling
+
+    def work(n=1, temperature=0.0, seed=None, prompt_logprobs=-1) -> GenerateWork:
+        return GenerateWork("r", "m", "", [1, 2], 8, Sampling(temperature=temperature, seed=seed),
+                            [], n, True, 0.0, "", prompt_logprobs=prompt_logprobs)
+
+    assert resumable(work()) and resumable(work(temperature=0.8, seed=7))
+    assert not resumable(work(temperature=0.8))  # a random draw: not the same again
+    assert not resumable(work(n=2))
+    assert not resumable(work(prompt_logprobs=2))

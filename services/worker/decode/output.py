@@ -104,6 +104,11 @@ class OutputProcessor:
             if got is not None:
                 stream.logprobs.append(TokenLogprob(tok, got[0], got[1]))
         text = self._check(seq, stream, tok)
+        if stream.generated <= seq.work.skip and not seq.finish:
+            # resumed: the gateway delivered these already; the detokenizer has run
+            # over them, so the next chunk's text goes on where they stopped
+            stream.unsent, stream.logprobs = 0, []
+            return []
         if seq.work.stream:
             return [self._chunk(seq, stream, text)] if text or seq.finish else []
         stream.text.append(text)
