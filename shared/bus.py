@@ -174,7 +174,8 @@ async def close(nc: Client, timeout: float = 5.0) -> None:
 
 class Links:
     """A connection's ups and downs as its service sees them: `up` is set while it is
-    connected, and `on_drop` callbacks run when it drops (before reconnecting). It
+    connected, `on_drop` callbacks run when it drops (before reconnecting) and
+    `on_back` ones when it is connected again (its subscriptions sent again). It
     chains the callbacks the connection was opened with (shared.bus's logging)."""
 
     def __init__(self, nc: Client) -> None:
@@ -184,10 +185,15 @@ class Links:
             self.up.set()
         self.drops = 0
         self.on_drop: list = []  # plain functions, called on the event loop
+        self.on_back: list = []  # the same, after a reconnection
         was_down, was_up = nc._disconnected_cb, nc._reconnected_cb
 
         async def down() -> None:
             self.up.clear()
+            if nc.is_closed:  # closed on purpose (shutdown): no path to recover
+                if was_down is not None:
+                    await was_down()
+                return
             self.drops += 1
             for fn in self.on_drop:
                 fn()
@@ -198,6 +204,8 @@ class Links:
             # nats-py calls this once the subscriptions are sent again and its buffer
             # is flushed: what is published now has a path, and replies a way back.
             self.up.set()
+            for fn in self.on_back:
+                fn()
             if was_up is not None:
                 await was_up()
 

@@ -90,6 +90,8 @@ class GenerateWork(_Msg, tag="generate"):
     end_by: float = 0.0  # UNIX seconds: it ends by then, whatever it produces (0 = no bound)
     prompt_logprobs: int = -1  # echo with logprobs: the prompt's too, with this many top
     # alternatives at each position (-1: none)
+    skip: int = 0  # a resumed stream: its first `skip` tokens were delivered already;
+    # generated again (the same: greedy or seeded) and not sent
 
 
 WorkRequest = EmbedWork | GenerateWork
@@ -142,6 +144,8 @@ class GenChunk(_Msg, tag="chunk"):
     # `tokens`, when the request asked for logprobs
     prompt_logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)  # on a
     # choice's first chunk, when asked for: the prompt's tokens after its first
+    seq: int = 0  # its number among its choice's chunks of this attempt, from 0: the
+    # gateway drops one it has passed on and ends a stream that lost one
 
 
 class GenDone(_Msg, tag="done"):
@@ -225,6 +229,9 @@ class SchedLoad(_Msg, tag="sched_load"):
     scheduler_id: str
     models: list[ModelLoad]
     at: float  # UNIX seconds
+    # Times its bus connection dropped: a rise tells the gateways that requests they
+    # submitted meanwhile may have been lost with the path, and are submitted again.
+    reconnects: int = 0
 
 
 class Cancel(_Msg, tag="cancel"):

@@ -29,7 +29,8 @@ from nats.aio.client import Client
 
 from services.fleet import Fleet
 from services.gateway.admission import GatewayAdmission
-from services.gateway.inbox import PathLost, ReplyInbox
+from services.gateway.inbox import NoScheduler, PathLost, ReplyInbox
+from services.gateway.schedulers import SchedulerLinks
 from services.gateway.models import ModelTable
 from services.gateway.recorder import Recorder
 from shared import subjects
@@ -73,6 +74,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 INLINE_TOKENIZE = 2_048  # bodies up to this many bytes are tokenized on the event loop
 # (a 6 KB body of eight long inputs takes the tokenizer about a millisecond: on the
 # loop, a burst's first admitted requests would hold every refusal behind them)
+MAX_SUBMITS = 3  # a retryable call is submitted at most this many times
 USER_HEADER = "Tensorbus-User"  # sticky canary key for clients that cannot set `user`
 MAX_USER = 256
 
@@ -107,7 +109,10 @@ class Frontend:
         self.links = Links(nc)  # a dropped connection: retryable requests ask again
         self.links.on_drop.append(self.inbox.path_lost)
         self.recorder = Recorder(nc, self.links)  # request records, acked when stored
-        self.retried = 0  # calls submitted again after their connection dropped
+        self.retried = 0  # calls submitted again after their (or a scheduler's) path dropped
+        self.resumed = 0  # streams resumed after their path broke
+        self.schedulers = SchedulerLinks(lambda: self.inbox.path_lost(own=False),
+                                         config.worker_expiry_s)
         self.admission = GatewayAdmission(nc, config, self.fleet, self.inbox.cancel)
         self._tokenizing = asyncio.Semaphore(2)  # large inputs tokenized at once
         self.decisions = LiveDecisions()  # the schedulers' scale decisions (model cards)
@@ -175,10 +180,12 @@ class Frontend:
 
     # ---------------------------------------------------------------- dispatch
     @contextmanager
-    def dispatched(self, work):
+    def dispatched(self, work, path_lost: bool = False):
         """The request's inbox (a GenerateWork's: its deadline, then its stall and
-        end bounds), open (and counted as waiting) while it is out."""
-        reply, q = self.inbox.open(work.request_id, work.deadline, work.stall_s, work.end_by)
+        end bounds), open (and counted as waiting) while it is out; with `path_lost`,
+        a `PathLost` joins its queue when this gateway's connection drops."""
+        reply, q = self.inbox.open(work.request_id, work.deadline, work.stall_s, work.end_by,
+                                   retry=path_lost)
         waiting = self.admission.waiting
         waiting[work.model] += 1
         try:
@@ -208,31 +215,39 @@ class Frontend:
 
         The work is idempotent (an embedding is the same whoever computes it, however
         often): a call made while the bus is reconnecting waits for it (within its
-        deadline), and one whose connection drops while it is out is submitted once
-        more after the reconnection, under the same id. The first answer is the one
-        the client gets; a second finds its queue closed and is dropped
-        (docs/decisions/0053-node-loss.md)."""
+        deadline), and one whose connection drops while it is out, or whose scheduler
+        may have lost it (a scheduler's `reconnects` rose), is submitted once more
+        after the reconnection, under the same id; one that found no scheduler while
+        a scheduler was heard just now waits for its next report and is submitted
+        again. The first answer is the one the client gets; a second finds its queue
+        closed and is dropped (docs/decisions/0053-node-loss.md)."""
         rid, model = work.request_id, work.model
         reply, q = self.inbox.open(rid, deadline, retry=True)
         waiting = self.admission.waiting
         waiting[model] += 1
         try:
             if not self.nc.is_connected:
-                await self._reconnected(deadline)
+                await self.reconnected(deadline)
             await self.submit(work, reply)
-            try:
-                return await self.inbox.next_result(q, rid, out)
-            except PathLost:
-                await self._reconnected(deadline)
-                log.warning("request_retried", wire_id=rid, reason="connection_lost")
+            for attempt in range(MAX_SUBMITS):
+                try:
+                    return await self.inbox.next_result(q, rid, out)
+                except PathLost:  # this gateway's path, or its scheduler's, dropped
+                    await self.reconnected(deadline)
+                    why = "connection_lost"
+                except NoScheduler:  # none subscribed: one between servers comes back?
+                    if attempt == MAX_SUBMITS - 1 or not await self.schedulers.back(deadline):
+                        raise
+                    why = "no_scheduler"
+                log.warning("request_retried", wire_id=rid, reason=why)
                 self.retried += 1
                 await self.submit(work, reply)
-                return await self.inbox.next_result(q, rid, out)
+            return await self.inbox.next_result(q, rid, out)
         finally:
             waiting[model] -= 1
             self.inbox.close(rid)
 
-    async def _reconnected(self, deadline: float) -> None:
+    async def reconnected(self, deadline: float) -> None:
         if not await self.links.wait_up(deadline):
             raise deadline_exceeded()
 

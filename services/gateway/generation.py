@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from services.gateway import codec, params, tools
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
+from services.gateway import continuity
 from services.gateway.echo import Echo, joined
 from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
@@ -187,37 +188,11 @@ class Generation:
     # ---------------------------------------------------------------- events
     async def events(self, prep: Prepared, call: Call) -> AsyncIterator[list[GenChunk | GenDone]]:
         """The worker's messages for this request, as lists of those already queued
-        together (one decode step's, or several when this reader fell behind);
-        `out.version` is set from the first."""
-        rid, out = prep.work.request_id, call.out
-        inbox = self.front.inbox
-        with self.front.dispatched(prep.work) as (reply, q):
-            await self.front.submit(prep.work, reply)
-            attempt = None  # the first dispatch attempt heard from owns the stream
-            while True:
-                first = await inbox.next_result(q, rid, out)
-                ready, err = inbox.ready_results(q, out) if not q.empty() else ((), None)
-                batch = []
-                for ev in (first, *ready):
-                    if not isinstance(ev, (GenChunk, GenDone)):
-                        continue
-                    if attempt is None:
-                        attempt = ev.attempt
-                    elif ev.attempt != attempt:
-                        continue
-                    out.version = ev.version or out.version
-                    if not out.first_token_at and isinstance(ev, GenChunk) and (
-                            ev.tokens or ev.finish_reason):  # not a whole answer's progress note
-                        out.first_token_at = time.perf_counter()
-                    batch.append(ev)
-                    if isinstance(ev, GenDone):
-                        break
-                if batch:
-                    yield batch
-                    if isinstance(batch[-1], GenDone):
-                        return
-                if err is not None:
-                    raise err
+        together (one decode step's, or several when this reader fell behind), each
+        once and in order, a broken path resumed or ended clearly
+        (services.gateway.continuity); `out.version` is set from the first."""
+        async for batch in continuity.events(self.front, prep.work, call.out):
+            yield batch
 
     async def whole(self, prep: Prepared, call: Call):
         out = call.out

@@ -42,7 +42,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from shared import subjects
-from shared.errors import ServiceError, deadline_exceeded, internal, out_of_time, unavailable
+from shared.errors import ServiceError, deadline_exceeded, internal, out_of_time
 from shared.logging import get_logger
 from shared.messages import (
     Accepted,
@@ -70,9 +70,23 @@ class Expired:
 
 
 class PathLost(Exception):
-    """Queued for a retryable request when the gateway's connection dropped while it
-    was out: its answer may have been lost with that path (services.gateway.frontend
-    `call` asks once more)."""
+    """Queued for a retryable request when the gateway's connection (`own`) or a
+    scheduler's dropped while it was out: its answer may have been lost with that
+    path (services.gateway.frontend `call` asks once more; a stream, see
+    services.gateway.generation `events`)."""
+
+    def __init__(self, own: bool = True) -> None:
+        super().__init__()
+        self.own = own
+
+
+class NoScheduler(ServiceError):
+    """A submission that found no scheduler subscribed (NATS "no responders"): none
+    runs, or one is between servers (services.gateway.frontend `call` may wait)."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "no scheduler is running; retry shortly", code="no_worker",
+                         retry_after=1.0)
 
 
 @dataclass(slots=True)
@@ -106,7 +120,7 @@ class ReplyInbox:
         self.group = subjects.reply_group(self.prefix)  # where workers send Results
         self._queues: dict[str, asyncio.Queue] = {}
         self._clocks: dict[str, Clock] = {}
-        self._retryable: set[str] = set()  # open requests a lost path may retry once
+        self._retryable: set[str] = set()  # open requests a lost path may retry (once)
         self._sub = None
 
     async def start(self) -> None:
@@ -123,7 +137,7 @@ class ReplyInbox:
              end_by: float = 0.0, retry: bool = False) -> tuple[str, asyncio.Queue]:
         """The request's reply subject and queue; an `Expired` is queued when its
         time (a `Clock` of these bounds, UNIX seconds) is up; with `retry`, a
-        `PathLost` when the connection drops (`path_lost`)."""
+        `PathLost` when a path drops (`path_lost`)."""
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         if retry:
@@ -158,11 +172,17 @@ class ReplyInbox:
             clock.handle.cancel()
             self._arm(clock)
 
-    def path_lost(self) -> None:
-        """The connection dropped: every retryable request out now is told (once)."""
+    def path_lost(self, own: bool = True) -> None:
+        """This gateway's connection (`own`), or a scheduler's, dropped: every
+        retryable request out now is told, once."""
         for rid in self._retryable:
-            self._queues[rid].put_nowait(PathLost())
+            self._queues[rid].put_nowait(PathLost(own))
         self._retryable.clear()
+
+    def retry_again(self, request_id: str) -> None:
+        """A request submitted again: told again when a path drops."""
+        if request_id in self._queues:
+            self._retryable.add(request_id)
 
     def close(self, request_id: str) -> None:
         self._retryable.discard(request_id)
@@ -261,7 +281,7 @@ class ReplyInbox:
 def _decoded(msg: Msg) -> object:
     """One request's message: its result, or the error it stands for."""
     if msg.headers and msg.headers.get("Status") == "503" and not msg.data:
-        return unavailable("no scheduler is running; retry shortly")
+        return NoScheduler()
     try:
         return result_decoder.decode(msg.data)
     except msgspec.DecodeError:

@@ -126,9 +126,11 @@ class Gateway(Lifecycle):
 
     async def _on_sched_load(self, msg: Msg) -> None:
         try:
-            self.front.admission.observe_load(sched_load_decoder.decode(msg.data))
+            load = sched_load_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        self.front.admission.observe_load(load)
+        self.front.schedulers.observe(load)
 
     async def _on_fleet_status(self, msg: Msg) -> None:
         try:

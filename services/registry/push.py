@@ -30,6 +30,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, ObjectNo
 from tqdm import tqdm
 
 from services.registry import files as fs
+from services.registry.election import through
 from services.registry.errors import RegistryError, VersionExists
 from services.registry.keys import HEADER_DIR, check_name, object_name, version_key
 from shared import catalog, gguf
@@ -176,9 +177,14 @@ class Pusher:
         with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024,
                   desc=f"push {mv.name}@{mv.version}", disable=not progress) as bar:
             for rel, path in paths:
-                with open(path, "rb") as f:
-                    reader = fs.HashingReader(f, bar)
-                    await self._put_file(object_name(mv.name, mv.version, rel), reader)
+                name = object_name(mv.name, mv.version, rel)
+
+                async def put(path=path, name=name) -> fs.HashingReader:
+                    with open(path, "rb") as f:  # each try from the first byte
+                        reader = fs.HashingReader(f, bar)
+                        await self._put_file(name, reader)
+                    return reader
+                reader = await through(put, f"put {name}")
                 entries.append(fs.file_entry(rel, reader))
         return entries
 

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from services.registry import files as fs
 from services.registry.aliases import AliasBook
+from services.registry.election import SteadyKV, through
 from services.registry.errors import ChecksumError, RegistryError, VersionNotFound
 from services.registry.keys import (
     META_PREFIX,
@@ -70,6 +71,7 @@ class Registry:
 
     def __init__(self, js, kv, objects, actor: str | None = None, nc=None) -> None:
         self._js = js
+        kv = SteadyKV(kv)  # reads and writes go through an election (election.py)
         self._kv = kv
         self._obj = objects
         self.actor = actor or _actor()
@@ -108,7 +110,8 @@ class Registry:
         out). The keys come from the stream's own subject index and each value from
         a get: a watch's end-of-initial-values marker can arrive before entries still
         in flight (nats.py issue 842), and a listing under load then missed versions."""
-        info = await self._js.stream_info(META_STREAM, subjects_filter=META_PREFIX + pattern)
+        info = await through(lambda: self._js.stream_info(
+            META_STREAM, subjects_filter=META_PREFIX + pattern), "list versions")
         out = []
         for subject in sorted(info.state.subjects or {}):
             try:

@@ -43,6 +43,7 @@ class LoadReports:
         self.moved = asyncio.Event()  # the tally changed, or a request was refused
         self._reported: set[str] = set()  # models with work in the last report
         self._reported_at = 0.0  # monotonic time of the last report
+        self.links = None  # the scheduler's shared.bus.Links: its drops are reported
 
     def changed(self) -> None:
         self.moved.set()
@@ -58,12 +59,14 @@ class LoadReports:
             models.append(ModelLoad(m, t.requests, t.inputs, t.tokens, cost.per_token,
                                     cost.per_batch, t.decode))
         self._reported = busy
-        return SchedLoad(self.id, models, time.time())
+        drops = self.links.drops if self.links is not None else 0
+        return SchedLoad(self.id, models, time.time(), drops)
 
-    async def publish(self) -> None:
+    async def publish(self, force: bool = False) -> None:
+        """Publish the report (none with no model to name, unless `force`)."""
         self._reported_at = time.monotonic()
         report = self.report()
-        if report.models:
+        if report.models or force:
             await self.nc.publish(subjects.SCHED_LOAD, encode(report))
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -36,7 +36,8 @@ Dataflow of one request:
      so the outstanding count per worker stays exact.
   6. When a worker expires (missed heartbeats) or reports draining with work still
      outstanding here, that work is dispatched again to another worker (the gateway
-     keeps only the first answer per request id).
+     keeps only the first answer per request id); the same when the worker's or this
+     scheduler's own connection dropped (services.scheduler.recovery).
   7. Load reports (services.scheduler.loads): this scheduler's outstanding work per
      model goes to `tensorbus.v1.sched.load` every heartbeat interval and within
      EARLY_REPORT_S of any change or refusal; the others' count here.
@@ -65,9 +66,11 @@ from services.scheduler.catalogue import Catalogue
 from services.scheduler.decisions import ScaleDecisions
 from services.scheduler.holds import Holds
 from services.scheduler.loads import LoadReports
+from services.scheduler.recovery import Recovery
 from services.scheduler.routed import Routed
 from services.scheduler.sites import at_site
 from shared import VERSION, prefix, subjects
+from shared.bus import Links
 from shared.config import Config
 from shared.errors import ServiceError
 from shared.logging import get_logger
@@ -102,7 +105,7 @@ CATALOGUE_REFRESH_S = 10.0  # how often the registry's model list is read again
 ROUTED_GRACE_BEATS = 4  # heartbeat intervals a finished request's prefix counts as held
 
 
-class Scheduler(Lifecycle):
+class Scheduler(Recovery, Lifecycle):
     def __init__(self, nc: Client, config: Config, scheduler_id: str | None = None,
                  choose_version=None, scale_interval_s: float = 2.0,
                  registry=None) -> None:
@@ -133,7 +136,9 @@ class Scheduler(Lifecycle):
         self.rng = random.Random()
         self.dispatched = 0
         self.redispatched = 0
-        self._reconnects: dict[str, int] = {}  # worker_id -> its latest `reconnects`
+        self.links = Links(nc)  # a dropped connection: what it dispatched goes again
+        self.loads.links = self.links  # its drops go out in load reports (`reconnects`)
+        self._track_links()
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, ready: asyncio.Event | None = None) -> None:
@@ -359,12 +364,8 @@ class Scheduler(Lifecycle):
         # will not, so its outstanding work goes elsewhere (a no-op when it has none).
         if hb.state in ("stopped", "unhealthy") or view.stalled:
             await self._recover(hb.worker_id, "worker stalled" if view.stalled else f"worker {hb.state}")
-        elif hb.reconnects > self._reconnects.setdefault(hb.worker_id, hb.reconnects):
-            # Its connection dropped since its last heartbeat: what went to it, or came
-            # back from it, through the lost server may be gone. Sent again (idempotent:
-            # the gateway takes the first answer, a worker ignores a stream it runs).
-            self._reconnects[hb.worker_id] = hb.reconnects
-            await self._recover(hb.worker_id, "worker reconnected")
+        else:  # its connection dropped since its last heartbeat: sent again
+            await self._worker_reconnected(hb)
 
     async def _on_fleet_status(self, msg: Msg) -> None:
         try:
@@ -382,24 +383,6 @@ class Scheduler(Lifecycle):
                 await self.admit(h.work, since=h.since)
             except ServiceError as err:
                 await self._refuse(h.work, err)
-
-    async def _recover(self, worker_id: str, why: str) -> None:
-        """Send the unfinished work of a lost worker to the others."""
-        lost = [o for o in self.outstanding.values() if o.worker_id == worker_id]
-        self.load.pop(worker_id, None)
-        self.routed.forget(worker_id)
-        if lost:
-            log.warning("redispatching", worker_id=worker_id, requests=len(lost), reason=why)
-        for o in lost:
-            self.outstanding.pop(o.work.request_id, None)
-            self.admission.finished(o.work)
-            work = o.work
-            work.attempt += 1
-            self.redispatched += 1
-            try:
-                await self.admit(work)
-            except ServiceError as err:
-                await self._refuse(work, err)
 
     # -------------------------------------------------------------- background
     async def _housekeeping(self) -> None:

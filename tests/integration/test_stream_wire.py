@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import msgspec
 import pytest
@@ -17,7 +18,17 @@ import pytest_asyncio
 from services.gateway.http import build_app
 from shared import subjects
 from shared.errors import HEADER_CODE
-from shared.messages import GenChunk, GenDone, Results, Timing, encode, results_decoder
+from shared.messages import (
+    GenChunk,
+    GenDone,
+    GenerateWork,
+    Results,
+    Sampling,
+    Timing,
+    encode,
+    result_decoder,
+    results_decoder,
+)
 from tests.support.stack import running_stack, wait_until
 from tests.support.tiny_models import hf_greedy, serve_tiny
 
@@ -257,3 +268,41 @@ async def test_late_results_of_finished_and_cancelled_requests_are_dropped(stack
     # The next request is served as usual.
     again = await whole(stack.client, body(engine, PROMPTS[2]))
     assert again["choices"][0]["text"] == refs[tuple(PROMPTS[2])]
+
+
+# --- (d) a resumed stream ---------------------------------------------------------
+
+
+async def _direct(nc, engine, prompt, skip: int) -> list[GenChunk]:
+    """A greedy stream submitted to the scheduler as the gateway would resume it
+    (`skip`: tokens already delivered), its answers on its own reply subject."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    work = GenerateWork(f"resume-{skip}-{len(prompt)}", engine.name, "", prompt, NEW,
+                        Sampling(temperature=0.0), [], 1, True, time.time() + 30, inbox,
+                        ignore_eos=True, skip=skip)
+    await nc.publish(subjects.SCHED_SUBMIT, encode(work), reply=inbox)
+    chunks = []
+    while True:
+        item = result_decoder.decode((await sub.next_msg(timeout=30)).data)
+        if isinstance(item, GenDone):
+            break
+        if isinstance(item, GenChunk):
+            chunks.append(item)
+    await sub.unsubscribe()
+    return chunks
+
+
+async def test_a_resumed_stream_goes_on_where_the_delivered_tokens_stopped(stack, tiny):
+    refs, engine, _ = tiny
+    prompt = PROMPTS[1]
+    whole_run = await _direct(stack.client, engine, prompt, 0)
+    assert "".join(c.text for c in whole_run) == refs["ignore_eos"][tuple(prompt)]
+    assert [c.seq for c in whole_run] == list(range(len(whole_run)))
+    # Resumed after j chunks were delivered: the rest of the text, exactly, numbered from 0.
+    for j in (1, len(whole_run) // 2):
+        delivered = sum(c.tokens for c in whole_run[:j])
+        rest = await _direct(stack.client, engine, prompt, delivered)
+        assert "".join(c.text for c in rest) == "".join(c.text for c in whole_run[j:])
+        assert sum(c.tokens for c in rest) == NEW - delivered
+        assert [c.seq for c in rest] == list(range(len(rest)))

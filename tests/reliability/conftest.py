@@ -38,3 +38,21 @@ async def served(nats_server, minilm, tiny_decoder):
         await st.add_worker(minilm, "enc-hostile")
         await st.add_worker(engine, "dec-hostile", kind="decoder")
         yield st
+
+
+@pytest_asyncio.fixture
+async def cluster(tmp_path):
+    """A formed three-server cluster with the TELEMETRY stream on all three members
+    (the node-loss tests)."""
+    from services.telemetry.stream import ensure_stream, stream_config
+    from shared.bus import close
+    from shared.natsd import NatsCluster
+    from tests.support.cluster import js_ready, until
+
+    with NatsCluster(tmp_path / "nats", 3).start(die_with_parent=True) as c:
+        nc = await js_ready(c.url)
+        try:
+            await until(lambda: ensure_stream(nc.jetstream(), stream_config(), 3))
+        finally:
+            await close(nc)
+        yield c

@@ -211,3 +211,6 @@ async def running_stack(nats_url: str, models: dict[str, str] | None = None,
             for t in stack._tasks.values():
                 t.cancel()
             await asyncio.gather(*stack._tasks.values(), return_exceptions=True)
+            # The gateway's own control connection: its run, cancelled, did not close it
+            # (left open, it would keep reconnecting to a stopped server or cluster).
+            await close(stack.gateway.front.admission.control)

@@ -53,6 +53,7 @@ class Stream:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # unsent, when asked for
     noted: float = 0.0  # perf_counter of its latest progress chunk (non-streaming)
     prompt: list[TokenLogprob] = field(default_factory=list)  # echo: rides its first chunk
+    sent: int = 0  # chunks sent (the next one's `seq`)
 
 
 @dataclass(eq=False)
@@ -103,6 +104,11 @@ class OutputProcessor:
             if got is not None:
                 stream.logprobs.append(TokenLogprob(tok, got[0], got[1]))
         text = self._check(seq, stream, tok)
+        if stream.generated <= seq.work.skip and not seq.finish:
+            # resumed: the gateway delivered these already; the detokenizer has run
+            # over them, so the next chunk's text goes on where they stopped
+            stream.unsent, stream.logprobs = 0, []
+            return []
         if seq.work.stream:
             return [self._chunk(seq, stream, text)] if text or seq.finish else []
         stream.text.append(text)
@@ -119,8 +125,8 @@ class OutputProcessor:
             return []
         stream.noted = now
         chunk = GenChunk(w.request_id, seq.index, "", 0, None, w.attempt, seq.lane.version,
-                         prompt_logprobs=stream.prompt)
-        stream.prompt = []
+                         prompt_logprobs=stream.prompt, seq=stream.sent)
+        stream.prompt, stream.sent = [], stream.sent + 1
         return [Say(w, chunk)]
 
     @staticmethod
@@ -145,8 +151,8 @@ class OutputProcessor:
     def _chunk(seq: Sequence, stream: Stream, text: str) -> Say:
         w = seq.work
         chunk = GenChunk(w.request_id, seq.index, text, stream.unsent, seq.finish,
-                         w.attempt, seq.lane.version, stream.logprobs, stream.prompt)
-        stream.unsent = 0
+                         w.attempt, seq.lane.version, stream.logprobs, stream.prompt, stream.sent)
+        stream.unsent, stream.sent = 0, stream.sent + 1
         stream.logprobs, stream.prompt = [], []
         return Say(w, chunk)
 

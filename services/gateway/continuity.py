@@ -1,0 +1,169 @@
+"""A generation's chunks in order, or a clear end: the gateway passes on every chunk
+of one dispatch once, in order, and resumes a deterministic generation whose path
+broke (docs/decisions/0053-node-loss.md).
+
+A lost nats-server can take chunks with it (the gateway's, or the worker's, path
+through it), and a re-dispatch or a duplicate delivery can bring one twice. Every
+chunk carries its number among its choice's chunks of that attempt (`GenChunk.seq`,
+from 0); `ChunkOrder`, per choice:
+
+  - the number expected: passed on;
+  - a lower one (already passed on): dropped, so no token reaches the client twice;
+  - a higher one (one or more lost on the way), or the GenDone when a choice has
+    not sent its last chunk: the path broke (`StreamBroken`).
+
+`events` reads a request's messages and handles a broken path:
+
+  1. A stream under way when the gateway's own connection drops: the path broke
+     (what was on its way may be gone; its end would otherwise come only at the
+     stall timeout). One that delivered nothing yet, or whose scheduler's
+     connection dropped: submitted again as an attempt of its own
+     (`attempt` + RESUBMITTED; the first attempt heard from owns the stream, so two
+     never mix), or left alone when under way (a scheduler is not on its path).
+  2. A broken path of a deterministic generation (one choice, greedy or seeded:
+     `resumable`) is resumed: a new request (`<id>-r<n>`) with `skip` = the tokens
+     already passed on, which the worker generates again and does not send (its
+     detokenizer runs over them, so the text goes on exactly where it stopped);
+     the old one is cancelled, and anything late from it is dropped with its
+     closed queue. At most MAX_RESUMES times.
+  3. Any other broken path ends the stream with a 503 `stream_broken` error chunk
+     that says how many chunks were delivered: never a silent gap.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+import msgspec
+
+from services.gateway.inbox import PathLost
+from shared.errors import ServiceError
+from shared.logging import get_logger
+from shared.messages import GenChunk, GenDone, GenerateWork
+
+log = get_logger("gateway")
+
+RESUBMITTED = 1_000  # a stream the gateway submits again counts its attempts from here
+MAX_RESUMES = 3
+
+
+class StreamBroken(ServiceError):
+    """A generation whose path through the bus broke (503 `stream_broken`)."""
+
+    def __init__(self, delivered: int) -> None:
+        super().__init__(
+            503, f"the generation's path through the message bus was lost after {delivered} "
+            "chunks (a server of the cluster was lost); its rest cannot be delivered: retry "
+            "the request", code="stream_broken", retry_after=1.0)
+
+
+def stream_broken(delivered: int) -> ServiceError:
+    return StreamBroken(delivered)
+
+
+class ChunkOrder:
+    def __init__(self, n: int) -> None:
+        self.expect = [0] * n  # per choice: the next chunk's number
+        self.finished = [False] * n
+        self.passed = 0  # chunks passed on, all choices
+        self.dropped = 0  # duplicates dropped
+
+    def take(self, ev: GenChunk | GenDone) -> bool:
+        """Whether to pass `ev` on (False: a duplicate); StreamBroken when a chunk
+        was lost."""
+        if isinstance(ev, GenDone):
+            if not all(self.finished):
+                raise StreamBroken(self.passed)
+            return True
+        want = self.expect[ev.index]
+        if ev.seq < want:
+            self.dropped += 1
+            return False
+        if ev.seq > want:
+            raise StreamBroken(self.passed)
+        self.expect[ev.index] = want + 1
+        self.passed += 1
+        if ev.finish_reason:
+            self.finished[ev.index] = True
+        return True
+
+
+def resumable(work: GenerateWork) -> bool:
+    """Generated again the same from its start: one choice, greedy or seeded, without
+    the prompt's logprobs."""
+    s = work.sampling
+    return work.n == 1 and (s.temperature == 0 or s.seed is not None) and work.prompt_logprobs < 0
+
+
+async def events(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | GenDone]]:
+    """The request's GenChunks and GenDone, as lists of those queued together; a
+    broken path resumed (2.) or ended (3.)."""
+    rid, delivered, passed = work.request_id, 0, 0
+    for resumes in range(MAX_RESUMES + 1):
+        try:
+            async for batch in _leg(front, work, out):
+                delivered += sum(ev.tokens for ev in batch if isinstance(ev, GenChunk))
+                passed += sum(1 for ev in batch if isinstance(ev, GenChunk))
+                yield batch
+            return
+        except StreamBroken:
+            if resumes == MAX_RESUMES or not resumable(work):
+                raise StreamBroken(passed) from None
+        await front.inbox.cancel(work.request_id, "resumed")
+        now = time.time()
+        deadline = now + front.config.request_timeout_s
+        work = msgspec.structs.replace(
+            work, request_id=f"{rid}-r{resumes + 1}", skip=delivered, attempt=0, reserved="",
+            deadline=min(deadline, work.end_by) if work.end_by else deadline)
+        front.resumed += 1
+        log.warning("stream_resumed", wire_id=work.request_id, skip=delivered)
+
+
+async def _leg(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | GenDone]]:
+    """One request's messages (1. above); StreamBroken when its path broke."""
+    rid, inbox = work.request_id, front.inbox
+    order = ChunkOrder(work.n)
+    with front.dispatched(work, path_lost=True) as (reply, q):
+        if not front.nc.is_connected:  # not sent yet: wait for the bus, in time
+            await front.reconnected(work.deadline)
+        await front.submit(work, reply)
+        attempt = None  # the first dispatch attempt heard from owns the stream
+        while True:
+            try:
+                first = await inbox.next_result(q, rid, out)
+            except PathLost as lost:
+                if order.passed:  # under way: broken if chunks may be lost
+                    if lost.own:
+                        raise StreamBroken(order.passed) from None
+                    continue
+                await front.reconnected(work.deadline)
+                work.attempt += RESUBMITTED
+                front.retried += 1
+                inbox.retry_again(rid)
+                await front.submit(work, reply)
+                continue
+            ready, err = inbox.ready_results(q, out) if not q.empty() else ((), None)
+            batch = []
+            for ev in (first, *ready):
+                if not isinstance(ev, (GenChunk, GenDone)):
+                    continue
+                if attempt is None:
+                    attempt = ev.attempt
+                elif ev.attempt != attempt:
+                    continue
+                if not order.take(ev):
+                    continue
+                out.version = ev.version or out.version
+                if not out.first_token_at and isinstance(ev, GenChunk) and (
+                        ev.tokens or ev.finish_reason):  # not a whole answer's progress note
+                    out.first_token_at = time.perf_counter()
+                batch.append(ev)
+                if isinstance(ev, GenDone):
+                    break
+            if batch:
+                yield batch
+                if isinstance(batch[-1], GenDone):
+                    return
+            if err is not None:
+                raise err

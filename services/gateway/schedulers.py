@@ -1,0 +1,55 @@
+"""The schedulers as this gateway hears them (their load reports): when one's
+connection dropped, and whether one was heard just now.
+
+  1. A report whose `reconnects` rose since that scheduler's last one: submissions
+     this gateway sent while that scheduler was between servers may be lost (in the
+     dead server, or published while no scheduler was subscribed): every retryable
+     request out now is submitted once more (`on_lost`: the reply inbox's
+     `path_lost`). The first report of a scheduler only sets its count.
+  2. `back`: a submission that found no scheduler at all (NATS "no responders")
+     while one was heard within `expiry_s` waits for the next report of any
+     scheduler (within the request's deadline and `expiry_s`): it was between
+     servers, and is subscribed again when it reports. None heard lately: the 503
+     stands at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from shared.messages import SchedLoad
+
+
+class SchedulerLinks:
+    def __init__(self, on_lost, expiry_s: float) -> None:
+        self.on_lost = on_lost  # plain function: retryable requests out ask again
+        self.expiry_s = expiry_s
+        self.reconnects: dict[str, int] = {}  # scheduler_id -> its latest `reconnects`
+        self.heard_at = 0.0  # monotonic time of the latest report, any scheduler
+        self.lost = 0  # reconnections seen
+        self._heard = asyncio.Event()  # set (and replaced) at every report
+
+    def observe(self, load: SchedLoad) -> None:
+        """A scheduler's load report (services.gateway.service)."""
+        self.heard_at = time.monotonic()
+        before = self.reconnects.setdefault(load.scheduler_id, load.reconnects)
+        if load.reconnects > before:
+            self.reconnects[load.scheduler_id] = load.reconnects
+            self.lost += 1
+            self.on_lost()
+        heard, self._heard = self._heard, asyncio.Event()
+        heard.set()
+
+    async def back(self, deadline: float) -> bool:
+        """Whether a scheduler reported after now, waiting (within `deadline`, UNIX
+        seconds, and `expiry_s`) only when one was heard within `expiry_s`."""
+        if time.monotonic() - self.heard_at > self.expiry_s:
+            return False
+        heard = self._heard
+        try:
+            await asyncio.wait_for(heard.wait(),
+                                   max(0.0, min(deadline - time.time(), self.expiry_s)))
+        except TimeoutError:
+            return False
+        return True

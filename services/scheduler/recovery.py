@@ -1,0 +1,67 @@
+"""Recovery of lost work: what this scheduler dispatched and may never be answered
+for is dispatched again (the gateway keeps the first answer per request id, and a
+worker ignores a generation it already runs).
+
+  1. A worker that expires (missed heartbeats), reports `stopped` or `unhealthy`, or
+     is wedged: its outstanding work goes to the others (`_recover`).
+  2. A worker whose heartbeat's `reconnects` rose: its connection dropped, and what
+     went to it or came back from it through the lost server may be gone: the same.
+  3. This scheduler's own connection dropped and came back (`_reconnected`): the
+     work it dispatched through the lost server, and the `WorkDone`s that were on
+     their way to it, may be gone: all its outstanding work goes out again; and a
+     load report goes out at once with its own `reconnects`, from which every
+     gateway learns that submissions it sent meanwhile may be lost, and submits its
+     retryable ones again (docs/decisions/0053-node-loss.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from shared.errors import ServiceError
+from shared.logging import get_logger
+from shared.telemetry import Heartbeat
+
+log = get_logger("scheduler")
+
+
+class Recovery:
+    """Mixed into services.scheduler.service.Scheduler (its state and dispatch)."""
+
+    def _track_links(self) -> None:
+        self._reconnects: dict[str, int] = {}  # worker_id -> its latest `reconnects`
+        self._recovering: set[asyncio.Task] = set()
+        self.links.on_back.append(self._on_back)
+
+    def _on_back(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._reconnected())
+        self._recovering.add(task)
+        task.add_done_callback(self._recovering.discard)
+
+    async def _reconnected(self) -> None:
+        await self.loads.publish(force=True)
+        for worker_id in {o.worker_id for o in self.outstanding.values()}:
+            await self._recover(worker_id, "scheduler reconnected")
+
+    async def _worker_reconnected(self, hb: Heartbeat) -> None:
+        if hb.reconnects > self._reconnects.setdefault(hb.worker_id, hb.reconnects):
+            self._reconnects[hb.worker_id] = hb.reconnects
+            await self._recover(hb.worker_id, "worker reconnected")
+
+    async def _recover(self, worker_id: str, why: str) -> None:
+        """Send the unfinished work of a lost worker (or path) to the others."""
+        lost = [o for o in self.outstanding.values() if o.worker_id == worker_id]
+        self.load.pop(worker_id, None)
+        self.routed.forget(worker_id)
+        if lost:
+            log.warning("redispatching", worker_id=worker_id, requests=len(lost), reason=why)
+        for o in lost:
+            self.outstanding.pop(o.work.request_id, None)
+            self.admission.finished(o.work)
+            work = o.work
+            work.attempt += 1
+            self.redispatched += 1
+            try:
+                await self.admit(work)
+            except ServiceError as err:
+                await self._refuse(work, err)
