@@ -14,7 +14,7 @@ import pytest_asyncio
 
 from shared import subjects
 from shared.errors import HEADER_CODE
-from tests.support.stack import running_stack, wait_until
+from tests.support.stack import request_that_expires, running_stack, wait_until
 from tests.support.tiny_models import hf_greedy, serve_tiny
 
 CONTEXT = 1024
@@ -191,11 +191,10 @@ async def test_bad_requests_fail_alone(stack, tiny, name, make, status, needle):
 async def test_deadline_cancels_and_frees_the_slot(stack, tiny):
     _, engine, _ = tiny
     worker = next(iter(stack.workers.values()))
-    msg = await stack.client.request(
-        subjects.COMPLETIONS,
-        msgspec.json.encode({"model": engine.name, "prompt": PROMPTS[0], "max_tokens": CONTEXT - 10,
-                             "temperature": 0}),
-        headers={"Tensorbus-Timeout": "0.3"}, timeout=10)
+    msg = await request_that_expires(
+        stack.client, subjects.COMPLETIONS,
+        {"model": engine.name, "prompt": PROMPTS[0], "max_tokens": CONTEXT - 10,
+         "temperature": 0, "ignore_eos": True})
     assert msg.headers[HEADER_CODE] == "504"
     await wait_until(lambda: worker.runner.in_flight == 0, timeout=5)
     assert engine.active_slots == 0

@@ -29,7 +29,7 @@ from shared.messages import (
     result_decoder,
     results_decoder,
 )
-from tests.support.stack import running_stack, wait_until
+from tests.support.stack import request_that_expires, running_stack, wait_until
 from tests.support.tiny_models import hf_greedy, serve_tiny
 
 CONTEXT = 1024
@@ -251,10 +251,9 @@ async def test_late_results_of_finished_and_cancelled_requests_are_dropped(stack
     done_id = next(i.request_id for m in spy.messages for i in m.items if isinstance(i, GenDone))
     long = asyncio.create_task(stream(stack.client, body(engine, PROMPTS[0], stream=True)))
     # A request that outlives its deadline is cancelled while the other one runs.
-    cancelled = await stack.client.request(
-        subjects.COMPLETIONS, msgspec.json.encode(body(engine, PROMPTS[3], max_tokens=CONTEXT - 40,
-                                                       ignore_eos=True)),
-        headers={"Tensorbus-Timeout": "0.3"}, timeout=10)
+    cancelled = await request_that_expires(
+        stack.client, subjects.COMPLETIONS,
+        body(engine, PROMPTS[3], max_tokens=CONTEXT - 40, ignore_eos=True))
     assert cancelled.headers[HEADER_CODE] == "504"
     # Late answers for a finished request, forged as a worker would send them.
     late = Results([GenChunk(done_id, 0, "LATE", 1, None, 0, "local"),
