@@ -21,14 +21,8 @@ from engine.encoder.spec import UnsupportedEncoder, read_spec
 from engine.tokenizer import Tokenizer
 from engine.torch_encoder import TorchEncoder
 from tests.support import tiny_encoders
+from tests.support.tiny_encoders import PAIRS
 
-PAIRS = [
-    ("what powers the sun?", "Nuclear fusion powers the sun, turning hydrogen into helium."),
-    ("what powers the sun?", "A man is eating food."),
-    ("¿Dónde está la estación de tren?", "the quick brown fox jumps over the lazy dog"),
-    ("hi", "hi"),
-    ("a longer query about the lazy dog and the quick fox", "dog " * 12),
-]
 KW = dict(batch_buckets=(4,), seq_buckets=(16,), max_batch=4)
 
 

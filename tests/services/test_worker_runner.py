@@ -117,19 +117,26 @@ async def test_prod_and_canary_run_side_by_side_each_with_its_own_slots():
         task.cancel()
 
 
-async def test_work_sent_again_while_it_runs_is_answered_once_and_the_runner_lives():
-    """A scheduler that judged the worker stalled (a long compile, say) re-sends the
-    work it had sent: the copy is ignored, the first one finishes, and the runner
-    keeps serving (the copy once ended the runner on a token of an unknown request)."""
+async def _one_request_in_a_step():
+    """A running runner on one version, request "a" (4 tokens) held inside a decode
+    step until the engine's gate opens: (engine, outbox, runner, its task)."""
     v1 = MockDecoder(tag=0, slots=2)
     out = Recorder()
     runner = DecoderRunner(LoadedModels(v1, "1", kind="decoder"), out, ThreadPoolExecutor(1),
                            prefill_per_step=4)
     task = asyncio.create_task(runner.run())
+    v1.gate.clear()
+    runner.submit(work("a", max_tokens=4))
+    await asyncio.to_thread(v1.entered.wait, 5)  # "a" is in a decode step
+    return v1, out, runner, task
+
+
+async def test_work_sent_again_while_it_runs_is_answered_once_and_the_runner_lives():
+    """A scheduler that judged the worker stalled (a long compile, say) re-sends the
+    work it had sent: the copy is ignored, the first one finishes, and the runner
+    keeps serving (the copy once ended the runner on a token of an unknown request)."""
+    v1, out, runner, task = await _one_request_in_a_step()
     try:
-        v1.gate.clear()
-        runner.submit(work("a", max_tokens=4))
-        await asyncio.to_thread(v1.entered.wait, 5)  # "a" is in a decode step
         runner.submit(work("a", max_tokens=4))  # the same request, re-dispatched
         v1.gate.set()
         await wait_until(lambda: "a" in out.finished, timeout=5)
@@ -144,15 +151,8 @@ async def test_work_sent_again_while_it_runs_is_answered_once_and_the_runner_liv
 async def test_drain_answers_what_is_held_and_then_the_loop_ends():
     """A stopping worker drains its runner: the request in a step finishes whole, and
     the runner's loop then returns by itself (the worker's task group can close)."""
-    v1 = MockDecoder(tag=0, slots=2)
-    out = Recorder()
-    runner = DecoderRunner(LoadedModels(v1, "1", kind="decoder"), out, ThreadPoolExecutor(1),
-                           prefill_per_step=4)
-    task = asyncio.create_task(runner.run())
+    v1, out, runner, task = await _one_request_in_a_step()
     try:
-        v1.gate.clear()
-        runner.submit(work("a", max_tokens=4))
-        await asyncio.to_thread(v1.entered.wait, 5)  # "a" is in a decode step
         drained = asyncio.create_task(runner.drain())
         v1.gate.set()
         await asyncio.wait_for(drained, 5)

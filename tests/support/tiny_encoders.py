@@ -19,6 +19,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 HIDDEN = 32
 MAX_SEQ = 48  # sentence-transformers' max_seq_length for every tiny model
+# What the family tests encode and score: multilingual, one very short, one long.
+TEXTS = [
+    "A man is eating food.",
+    "Nuclear fusion powers the sun, turning hydrogen into helium.",
+    "¿Dónde está la estación de tren?",
+    "hi",
+    "the quick brown fox jumps over the lazy dog " * 3,
+]
+PAIRS = [
+    ("what powers the sun?", "Nuclear fusion powers the sun, turning hydrogen into helium."),
+    ("what powers the sun?", "A man is eating food."),
+    ("¿Dónde está la estación de tren?", "the quick brown fox jumps over the lazy dog"),
+    ("hi", "hi"),
+    ("a longer query about the lazy dog and the quick fox", "dog " * 12),
+]
 _BPE_TEXT = ["the quick brown fox jumps over the lazy dog", "query: passage: a b c",
              "Nuclear fusion powers the sun", "¿Dónde está la estación de tren?"]  # fmt: skip
 
