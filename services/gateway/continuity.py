@@ -129,19 +129,23 @@ async def _leg(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | 
             await front.reconnected(work.deadline)
         await front.submit(work, reply)
         attempt = None  # the first dispatch attempt heard from owns the stream
+
+        async def path_lost(lost: PathLost) -> None:
+            if order.passed:  # under way: broken if chunks may be lost
+                if lost.own:
+                    raise StreamBroken(order.passed) from None
+                return
+            await front.reconnected(work.deadline)
+            work.attempt += RESUBMITTED
+            front.retried += 1
+            inbox.retry_again(rid)
+            await front.submit(work, reply)
+
         while True:
             try:
                 first = await inbox.next_result(q, rid, out)
             except PathLost as lost:
-                if order.passed:  # under way: broken if chunks may be lost
-                    if lost.own:
-                        raise StreamBroken(order.passed) from None
-                    continue
-                await front.reconnected(work.deadline)
-                work.attempt += RESUBMITTED
-                front.retried += 1
-                inbox.retry_again(rid)
-                await front.submit(work, reply)
+                await path_lost(lost)
                 continue
             ready, err = inbox.ready_results(q, out) if not q.empty() else ((), None)
             batch = []
@@ -165,5 +169,7 @@ async def _leg(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | 
                 yield batch
                 if isinstance(batch[-1], GenDone):
                     return
-            if err is not None:
+            if isinstance(err, PathLost):  # queued behind what was read with it
+                await path_lost(err)
+            elif err is not None:
                 raise err

@@ -215,9 +215,10 @@ class ReplyInbox:
                 return res
 
     def ready_results(self, q: asyncio.Queue, out: Outcome | None = None
-                      ) -> tuple[list, ServiceError | None]:
+                      ) -> tuple[list, ServiceError | PathLost | None]:
         """The results already queued for a request, without waiting, and the error
-        that stopped the reading if one came (the results before it still count)."""
+        (or the lost path) that stopped the reading if one came (the results before it
+        still count)."""
         got = []
         while not q.empty():
             item = q.get_nowait()
@@ -226,7 +227,7 @@ class ReplyInbox:
                 break
             try:
                 res = _taken(item, out)
-            except ServiceError as err:
+            except (ServiceError, PathLost) as err:
                 return got, err
             if res is not None:
                 got.append(res)

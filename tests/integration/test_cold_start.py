@@ -127,7 +127,10 @@ async def test_a_held_request_whose_deadline_passes_gets_504(nats_server):
         assert "cold start" in resp["error"]["message"]
         assert resp["error"]["code"] == "deadline_exceeded"
         await wait_until(lambda: reqs.of(MODEL), timeout=5)
-        assert reqs.of(MODEL)[0].status == 504 and reqs.of(MODEL)[0].hold_s >= 0.4
+        rec = reqs.of(MODEL)[0]
+        # Held from the scheduler's receipt to the deadline: all of its time but the
+        # trip there (a few ms quiet, ~0.1 s on a loaded machine).
+        assert rec.status == 504 and 0.2 <= rec.hold_s <= rec.total_s
         await wait_until(lambda: not st.scheduler.holds.by_model, timeout=5)  # nothing left behind
 
 

@@ -4,11 +4,16 @@ a duplicate is dropped, a gap or a missing last chunk ends the stream with a cle
 
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
+
 import pytest
 
-from services.gateway.continuity import ChunkOrder
+from services.gateway.continuity import ChunkOrder, events
+from services.gateway.frontend import Outcome
+from services.gateway.inbox import PathLost, ReplyInbox
 from shared.errors import ServiceError
-from shared.messages import GenChunk, GenDone, Timing
+from shared.messages import GenChunk, GenDone, GenerateWork, Sampling, Timing
 
 
 def chunk(index: int, seq: int, last: bool = False) -> GenChunk:
@@ -55,3 +60,51 @@ def test_only_a_deterministic_single_choice_generation_is_resumed():
     assert not resumable(work(temperature=0.8))  # a random draw: not the same again
     assert not resumable(work(n=2))
     assert not resumable(work(prompt_logprobs=2))
+
+
+class _Front:
+    """What `continuity.events` uses of the gateway's front end: a real ReplyInbox on
+    a connection that never publishes; `submit` queues what the bus would bring."""
+
+    def __init__(self, arrivals) -> None:
+        from shared.config import Config
+
+        class _Nc:
+            is_connected = True
+
+            def new_inbox(self) -> str:
+                return "_INBOX.test"
+
+        self.nc, self.config, self.retried, self.resumed = _Nc(), Config(), 0, 0
+        self.inbox = ReplyInbox(self.nc)
+        self.arrivals, self.submitted = arrivals, 0
+
+    @contextmanager
+    def dispatched(self, work, path_lost: bool = False):
+        reply, self.q = self.inbox.open(work.request_id, work.deadline, retry=path_lost)
+        try:
+            yield reply, self.q
+        finally:
+            self.inbox.close(work.request_id)
+
+    async def submit(self, work, reply: str) -> None:
+        self.submitted += 1
+        for item in self.arrivals:
+            self.q.put_nowait(item)
+
+    async def reconnected(self, deadline: float) -> None:
+        pass
+
+
+async def test_a_scheduler_path_lost_between_chunks_already_queued_does_not_end_the_stream():
+    """A scheduler's connection drops while a stream is under way, and its notice lands
+    between chunks the gateway reads in one go: the stream goes on whole (a scheduler
+    is not on a running stream's path) instead of the reading failing on it."""
+    lost = PathLost(own=False)
+    arrivals = [chunk(0, 0), chunk(0, 1), lost, chunk(0, 2, last=True), DONE]
+    front = _Front(arrivals)
+    work = GenerateWork("r", "m", "", [1, 2], 3, Sampling(temperature=0), [], 1, True,
+                        time.time() + 30, "", "sched")
+    got = [ev async for batch in events(front, work, Outcome("chat")) for ev in batch]
+    assert [ev.text for ev in got if isinstance(ev, GenChunk)] == ["0.0", "0.1", "0.2"]
+    assert isinstance(got[-1], GenDone) and front.submitted == 1
