@@ -60,8 +60,13 @@ def reply_headers(msgpack: bool, version: str = "") -> dict[str, str] | None:
     return headers or None
 
 
-def error_reply(err: ServiceError, msgpack: bool = False) -> tuple[bytes, dict[str, str]]:
+def error_reply(err: ServiceError, msgpack: bool = False,
+                version: str = "") -> tuple[bytes, dict[str, str]]:
+    """An error's body and headers; `version` names the version that failed it, when
+    the request reached one (as over HTTP)."""
     headers = err.headers()
+    if version:
+        headers[VERSION_HEADER] = version
     if msgpack:
         headers["Content-Type"] = MSGPACK
     return encode(err.to_body(), msgpack), headers

@@ -164,7 +164,7 @@ class Gateway(Lifecycle):
                                     f"carries at most {self.nc.max_payload}: ask for less")
                 await self._respond(msg, body, mp, call.out.version)
         if call.error is not None:
-            await self._respond_error(msg, call.error, mp)
+            await self._respond_error(msg, call.error, mp, call.out.version)
         return call.out.status < 400
 
     async def _stream(self, msg: Msg, pipe: Pipeline, prep: Prepared, call: Call) -> None:
@@ -180,7 +180,7 @@ class Gateway(Lifecycle):
                     await publish(msg.reply, codec.encode(chunk, mp), headers=headers)
         except ServiceError as err:
             call.fail(err)
-            body, eh = codec.error_reply(err, mp)
+            body, eh = codec.error_reply(err, mp, out.version)
             await publish(msg.reply, body, headers=eh)
         await publish(msg.reply, STREAM_DONE, headers=codec.reply_headers(False, out.version))
 
@@ -189,10 +189,10 @@ class Gateway(Lifecycle):
             return
         await self.nc.publish(msg.reply, body, headers=codec.reply_headers(mp, version))
 
-    async def _respond_error(self, msg: Msg, err: ServiceError, mp: bool) -> None:
+    async def _respond_error(self, msg: Msg, err: ServiceError, mp: bool, version: str = "") -> None:
         if not msg.reply:
             return
-        body, headers = codec.error_reply(err, mp)
+        body, headers = codec.error_reply(err, mp, version)
         await self.nc.publish(msg.reply, body, headers=headers)
 
 

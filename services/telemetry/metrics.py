@@ -315,8 +315,7 @@ class TelemetryMetrics:
             return
         if old is not None and old.model != m:
             self._drop(w)
-        elif old is not None and old.state != hb.state:
-            self.w_up.remove(w, old.model, old.state)
+            old = None
         counted = old.counted if old is not None and old.model == m else (0,) * 6
         self._workers[w] = _Seen(m, hb.state, now, hb.queue_depth, hb.device, hb.running,
                                  hb.waiting, (hb.prefix_cache_queries, hb.prefix_cache_hits,
@@ -324,7 +323,6 @@ class TelemetryMetrics:
                                               hb.spec_decode_draft_tokens,
                                               hb.spec_decode_accepted_tokens))
         self._models.add(m)
-        self.w_up.labels(w, m, hb.state).set(1)
         self.w_queue.labels(w, m).set(hb.queue_depth)
         self.w_in_flight.labels(w, m).set(hb.in_flight)
         self.w_occupancy.labels(w, m).set(hb.batch_occupancy)
@@ -340,6 +338,11 @@ class TelemetryMetrics:
         for c, new, was in zip(self._worker_counters(), self._workers[w].counted, counted):
             c.labels(w, m).inc(max(new - was, 0))
         self._refresh_model(m)
+        # `up` last: a scrape (another thread) that sees a worker up sees all of its
+        # series and the fleet gauges that count it.
+        if old is not None and old.state != hb.state:
+            self.w_up.remove(w, old.model, old.state)
+        self.w_up.labels(w, m, hb.state).set(1)
 
     def observe_scale(self, d: ScaleDecision, now: float) -> None:
         self.records.labels("scale").inc()
@@ -374,12 +377,13 @@ class TelemetryMetrics:
 
     def _drop(self, worker: str) -> None:
         seen = self._workers.pop(worker)
-        self.w_up.remove(worker, seen.model, seen.state)
         for g in (self.w_queue, self.w_in_flight, self.w_occupancy, self.w_rss, self.w_kv,
                   self.w_slots, self.w_mem_used, self.w_mem_limit, self.w_running,
                   self.w_waiting, self.w_blocks, *self._worker_counters()):
             g.remove(worker, seen.model)
         self._refresh_model(seen.model)
+        # `up` last: a scrape that no longer sees the worker sees none of its series.
+        self.w_up.remove(worker, seen.model, seen.state)
 
     def _worker_counters(self) -> tuple[Counter, ...]:
         """The per-worker counters, in `_Seen.counted`'s order."""

@@ -126,10 +126,16 @@ async def test_a_failing_guarded_canary_is_rolled_back_under_load(nats_server):
             assert f["canary_requests"] >= 15 and f["prod_requests"] > f["canary_requests"]
             assert (f["canary_error_rate"], f["prod_error_rate"]) == (1.0, 0.0)
             assert 0 < f["window_s"] <= 10.0
-            # The scheduler follows: from then on every request is served by prod.
-            await st.scheduler.aliases.wait_for(name, lambda x: x.change == "auto-rollback")
-            mark = len(load.replies)
-            await load.until(lambda r: len(r) >= mark + 40)
-            assert {(r.code, r.version) for r in load.replies[mark:]} == {(200, "1")}
+            # The canary's errors name the version that failed them.
+            assert {(r.code, r.version) for r in load.replies} == {(200, "1"), (500, "2")}
+            # The gateway and the scheduler follow: every request sent from then on is
+            # served by prod (one sent before may still be answered by the canary).
+            rolled = lambda x: x.change == "auto-rollback"  # noqa: E731
+            await st.scheduler.aliases.wait_for(name, rolled)
+            await st.gateway.front.models.resolver.aliases.wait_for(name, rolled)
+            mark = time.monotonic()
+            after = lambda r: [x for x in r if x.sent > mark]  # noqa: E731
+            await load.until(lambda r: len(after(r)) >= 40)
+            assert {(r.code, r.version) for r in after(load.replies)} == {(200, "1")}
         [last] = (await st.registry.alias_history(name))[-1:]
         assert (last.change, last.reason, last.figures) == ("auto-rollback", a.reason, a.figures)

@@ -26,7 +26,9 @@ OBJ_STREAM = f"OBJ_{subjects.REGISTRY_OBJECTS}"
 ALIAS_KEY = "alias.all-MiniLM-L6-v2.prod"
 
 
-async def next_msg(sub, timeout: float = 10.0):
+async def next_msg(sub, timeout: float = 30.0):
+    # A bound, not a wait: a message allowed through arrives at once on a quiet
+    # machine; one loaded run took longer than 10 s to deliver one.
     return await sub.next_msg(timeout=timeout)
 
 
