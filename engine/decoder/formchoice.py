@@ -141,8 +141,9 @@ class FormChoice:
 
     @property
     def forms_settled(self) -> bool:
-        """Every bucket runs its choice (nothing left to measure or to switch)."""
-        return not self._todo and not self._pending()
+        """Every bucket runs its choice (nothing left to measure or to switch; set
+        last, so another thread may read it)."""
+        return self._forms_final
 
     def forms_progress(self) -> tuple[int, int]:
         """((bucket, form) pairs measured, pairs to measure); (0, 0): none measured."""
@@ -154,7 +155,7 @@ class FormChoice:
         where needed (benchmarks, tests); the worker measures after ready instead."""
         self._start_forms()
         while self._todo:
-            self._measure_unit(*self._todo.pop(0))
+            self._measure_unit(*self._todo[0])
         self._settle(at_once=True)
         return dict(self.compute_forms)
 
@@ -168,7 +169,6 @@ class FormChoice:
         thread, between steps."""
         done = 0
         while done < limit and (unit := self._next_unit()) is not None:
-            self._todo.remove(unit)
             self._measure_unit(*unit, tolerant=True)
             done += 1
         self._settle(at_once=self.compile_ahead == "lazy")
@@ -212,6 +212,7 @@ class FormChoice:
             log.warning("form_measure_failed", model=self.name, bucket=bucket, form=form,
                         error=repr(exc))  # fmt: skip
             ms = float("inf")
+        self._todo.remove((bucket, form))
         self._record(bucket, form, ms)
 
     def _record(self, bucket: str, form: str, ms: float) -> None:
