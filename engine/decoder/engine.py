@@ -32,7 +32,9 @@ needs (engine/decoder/programs.py) and, with `background=True`, the rest on a
 thread of its own, cheapest first; until a shape is compiled the smallest compiled
 one that holds the work stands in (a larger batch bucket or window computes the
 same tokens). Every per-request value (slot, offset, length, block table, seed,
-sampling) is traced.
+sampling) is traced. A quantized engine runs each bucket in its own compute form,
+measured after ready when no choice is stored (engine/decoder/formchoice.py); a
+program's key names its form.
 """
 
 from __future__ import annotations
@@ -223,10 +225,12 @@ class DecoderEngine(FormChoice, SpeculativeSlots):
             # One stream at every window first (any load runs on those, in parts),
             # then the programs the forms are measured with (formchoice.py), then the
             # prompts' shapes, then the rest, cheapest first.
+            done = set(jobs)
             ones = [k for k in self.compiles if k[0] == "step" and k[1] == 1]
-            order = ones + [k for k in self.compiles if k not in set(ones)]
-            rest = [(k, None) for k in order if k not in set(jobs)] if background else []
-            self._compile_background(rest[: len(ones)] + measuring + rest[len(ones) :])
+            head = [(k, None) for k in ones if k not in done] if background else []
+            tail = [(k, None) for k in self.compiles
+                    if k not in done and k not in set(ones)] if background else []  # fmt: skip
+            self._compile_background(head + measuring + tail)
         log.info("decoder_warm", model=self.name, compiled=len(jobs), background=background,
                  total=len(self.compiles), measuring=len(measuring),
                  seconds=round(time.perf_counter() - t0, 3))
@@ -239,7 +243,8 @@ class DecoderEngine(FormChoice, SpeculativeSlots):
         jobs = []
         for shape, form in shapes:
             form = form or self.compute_forms[self._form_bucket(*shape[:2])]
-            jobs.append((self._key(*shape, form=form), functools.partial(lower_weakly, ref, shape, form)))
+            jobs.append((self._key(*shape, form=form),
+                         functools.partial(lower_weakly, ref, shape, form)))
         self.programs.start_background(jobs, first=first)
 
     def compile_progress(self) -> tuple[int, int]:

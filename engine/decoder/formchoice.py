@@ -74,7 +74,7 @@ class FormChoice:
         self._winners: dict[str, str] = {}  # bucket -> its measured (or stored) form
         self._forms_key: tuple[dict, str] | None = None
         self._forms_started = False  # `_start_forms` ran
-        self._forms_final = False  # every bucket runs its choice; the rest dropped
+        self._forms_final = len(self._forms) == 1  # each bucket runs its choice, the rest dropped
         self.params = self._forms[first]  # the decode step's weights (benchmarks, tests)
 
     @property
