@@ -9,13 +9,13 @@ fastest depends on the backend and on how many rows the matmul has (a batch buck
 - "float": the dequantized weights held as floats in the model dtype (the same
   numbers at float size; allowed only where the weight budget holds them).
 
-`select` measures every allowed form at every bucket once (`run(bucket, form)` runs
-that bucket's compiled program), keeps the fastest per bucket, and writes the choice
-with its figures to a JSON file beside the JAX compilation cache, keyed by the model,
-its shapes, the device kind and the JAX version, so a later cold start reads the
-choice instead of measuring again. A serving engine measures the same way, one
-(bucket, form) at a time after it is ready (engine/decoder/formchoice.py), and
-writes the choice with `store`; until then it serves with `last_choice`.
+The engine (engine/decoder/formchoice.py) measures every allowed form at every
+bucket once (`timed`: that bucket's compiled program), keeps the `fastest` per bucket,
+and writes the choice with its figures (`store`) to a JSON file beside the JAX
+compilation cache, keyed by the model, its shapes, the device kind and the JAX
+version (`key_of`), so a later cold start reads the choice (`lookup`) instead of
+measuring again. A serving engine measures after it is ready, and until then serves
+with the newest choice stored for its model under any key (`last_choice`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 
@@ -142,32 +142,6 @@ def store(path: Path | None, key: str, fields: dict, choices: dict[str, str],
         entry = {"fields": fields, "choices": choices, "ms": ms,
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
         _write(path, key, entry)
-
-
-def select(
-    buckets: Iterable[str],
-    forms: tuple[str, ...],
-    run: Callable[[str, str], object],
-    key_fields: dict,
-    path: Path | None,
-    repeats: int = 3,
-) -> tuple[dict[str, str], dict[str, dict[str, float]], bool]:
-    """-> (bucket -> form, bucket -> {form: ms}, measured now?).
-
-    One form: no measurement. Otherwise the cached choice for this key if there is
-    one, else each form timed at each bucket and the choice written to `path`."""
-    buckets = list(buckets)
-    if len(forms) == 1:
-        return {b: forms[0] for b in buckets}, {}, False
-    key = key_of(key_fields, buckets, forms)
-    entry = lookup(key, buckets, path)
-    if entry is not None:
-        return entry["choices"], entry.get("ms", {}), False
-    ms = {b: {f: round(timed(lambda b=b, f=f: run(b, f), repeats), 3) for f in forms}
-          for b in buckets}  # fmt: skip
-    choices = {b: fastest(ms[b]) for b in buckets}
-    store(path, key, key_fields, choices, ms)
-    return choices, ms, True
 
 
 def key_of(fields: dict, buckets: list[str], forms: tuple[str, ...]) -> str:
