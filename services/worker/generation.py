@@ -263,7 +263,7 @@ class DecoderRunner:
                     return
                 await self._wake.wait()
                 continue
-            if self.steps % FORMS_EVERY == FORMS_EVERY - 1:
+            if self.steps % FORMS_EVERY == FORMS_EVERY - 1 and not self._closed:
                 await self._measure_forms()
             plan, adm = self.sched.schedule(time.time(), time.perf_counter())
             for work, err in adm.refused:  # the error before its GenDone
