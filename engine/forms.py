@@ -9,11 +9,13 @@ fastest depends on the backend and on how many rows the matmul has (a batch buck
 - "float": the dequantized weights held as floats in the model dtype (the same
   numbers at float size; allowed only where the weight budget holds them).
 
-`select` measures every allowed form at every bucket once (`run(bucket, form)` runs
-that bucket's compiled program), keeps the fastest per bucket, and writes the choice
-with its figures to a JSON file beside the JAX compilation cache, keyed by the model,
-its shapes, the device kind and the JAX version, so a later cold start reads the
-choice instead of measuring again.
+The engine (engine/decoder/formchoice.py) measures every allowed form at every
+bucket once (`timed`: that bucket's compiled program), keeps the `fastest` per bucket,
+and writes the choice with its figures (`store`) to a JSON file beside the JAX
+compilation cache, keyed by the model, its shapes, the device kind and the JAX
+version (`key_of`), so a later cold start reads the choice (`lookup`) instead of
+measuring again. A serving engine measures after it is ready, and until then serves
+with the newest choice stored for its model under any key (`last_choice`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 
 import numpy as np
 
@@ -112,31 +114,39 @@ def timed(run: Callable[[], object], repeats: int) -> float:
     return 1e3 * float(np.median(times))
 
 
-def select(
-    buckets: Iterable[str],
-    forms: tuple[str, ...],
-    run: Callable[[str, str], object],
-    key_fields: dict,
-    path: Path | None,
-    repeats: int = 3,
-) -> tuple[dict[str, str], dict[str, dict[str, float]], bool]:
-    """-> (bucket -> form, bucket -> {form: ms}, measured now?).
+def lookup(key: str, buckets: list[str], path: Path | None) -> dict | None:
+    """The stored entry of `key` (its choices cover `buckets`), or None."""
+    if path is None:
+        return None
+    entry = _read(path).get(key)
+    if entry and set(entry.get("choices", {})) == set(buckets):
+        return entry
+    return None
 
-    One form: no measurement. Otherwise the cached choice for this key if there is
-    one, else each form timed at each bucket and the choice written to `path`."""
-    buckets = list(buckets)
-    if len(forms) == 1:
-        return {b: forms[0] for b in buckets}, {}, False
-    key = cache_key(dict(key_fields, buckets=buckets, forms=list(forms)))
+
+def last_choice(model: str, path: Path | None) -> dict[str, str]:
+    """bucket -> form of the newest stored entry for `model` under any key (other
+    shapes, another device): what a cold start serves with while it measures its own."""
+    if path is None:
+        return {}
+    entries = [e for e in _read(path).values()
+               if isinstance(e, dict) and e.get("fields", {}).get("model") == model]
+    if not entries:
+        return {}
+    return dict(max(entries, key=lambda e: str(e.get("date", ""))).get("choices", {}))
+
+
+def store(path: Path | None, key: str, fields: dict, choices: dict[str, str],
+          ms: dict[str, dict[str, float]]) -> None:
     if path is not None:
-        entry = _read(path).get(key)
-        if entry and set(entry.get("choices", {})) == set(buckets):
-            return entry["choices"], entry.get("ms", {}), False
-    ms = {b: {f: round(timed(lambda b=b, f=f: run(b, f), repeats), 3) for f in forms}
-          for b in buckets}  # fmt: skip
-    choices = {b: min(forms, key=lambda f: ms[b][f]) for b in buckets}
-    if path is not None:
-        entry = {"fields": key_fields, "choices": choices, "ms": ms,
+        entry = {"fields": fields, "choices": choices, "ms": ms,
                  "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
         _write(path, key, entry)
-    return choices, ms, True
+
+
+def key_of(fields: dict, buckets: list[str], forms: tuple[str, ...]) -> str:
+    return cache_key(dict(fields, buckets=list(buckets), forms=list(forms)))
+
+
+def fastest(ms: dict[str, float]) -> str:
+    return min(ms, key=ms.get)

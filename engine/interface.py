@@ -165,6 +165,21 @@ class Decoder(Protocol):
         """(programs compiled, programs it serves); (0, 0) for an engine that does
         not compile ahead (the model card reports it)."""
 
+    def forms_progress(self) -> tuple[int, int]:
+        """((bucket, form) pairs measured, pairs to measure) of a quantized engine
+        choosing its compute forms after ready (engine/decoder/formchoice.py); (0, 0)
+        when it measures none (the model card reports it)."""
+
+    def forms_due(self) -> bool:
+        """Whether `measure_forms` has work it can do now without compiling."""
+
+    def measure_forms(self, limit: int = 1) -> int:
+        """Measure up to `limit` (bucket, form) pairs and switch buckets to their
+        choice; between steps, on the engine thread -> pairs measured."""
+
+    def on_compiled(self, callback) -> None:
+        """`callback()` (on another thread) each time a background compile joins."""
+
     def can_admit(self, prompt: list[int]) -> bool:
         """Whether the cache has room to `begin` this prompt now."""
 
@@ -226,6 +241,18 @@ class WholePrompt:
 
     def compile_progress(self) -> tuple[int, int]:
         return (0, 0)  # nothing compiled ahead
+
+    def forms_progress(self) -> tuple[int, int]:
+        return (0, 0)  # one compute form
+
+    def forms_due(self) -> bool:
+        return False
+
+    def measure_forms(self, limit: int = 1) -> int:
+        return 0
+
+    def on_compiled(self, callback) -> None:
+        pass
 
     def can_admit(self, prompt: list[int]) -> bool:
         return True

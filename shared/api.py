@@ -414,6 +414,10 @@ class ModelCard(msgspec.Struct):
     # (a model serves once its first are compiled; larger shapes join as they finish).
     programs_compiled: int = 0
     programs_total: int = 0
+    # Quantized decoders: compute-form measurements done over live workers, and in
+    # all (each bucket's form is measured after ready when no choice was stored).
+    forms_measured: int = 0
+    forms_total: int = 0
     # Decoders speculating (TENSORBUS_SPECULATIVE), over live workers since they
     # started: accepted draft tokens / draft tokens, and tokens per verify pass.
     spec_decode_acceptance: float = 0.0

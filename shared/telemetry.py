@@ -116,6 +116,10 @@ class Heartbeat(_Rec, tag="heartbeat"):
     # (the rest compile in the background after ready; 0, 0: none compiled ahead).
     programs_compiled: int = 0
     programs_total: int = 0
+    # Quantized decoders choosing their compute forms after ready: (bucket, form)
+    # pairs measured so far, and in all (0, 0: none measured, the choice was stored).
+    forms_measured: int = 0
+    forms_total: int = 0
     start_s: float = 0.0  # seconds from the worker's start to ready (loading, warm-up; 0 = not ready yet)
     site: str = ""  # TENSORBUS_SITE of the worker ("" = one site): schedulers prefer their own
     # Times its bus connection dropped: a rise tells the scheduler that work it sent

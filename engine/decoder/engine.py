@@ -32,7 +32,9 @@ needs (engine/decoder/programs.py) and, with `background=True`, the rest on a
 thread of its own, cheapest first; until a shape is compiled the smallest compiled
 one that holds the work stands in (a larger batch bucket or window computes the
 same tokens). Every per-request value (slot, offset, length, block table, seed,
-sampling) is traced.
+sampling) is traced. A quantized engine runs each bucket in its own compute form,
+measured after ready when no choice is stored (engine/decoder/formchoice.py); a
+program's key names its form.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from engine.decoder import steps
 from engine.decoder import shapes
 from engine.decoder.shapes import i32
 from engine.decoder.config import load_config
+from engine.decoder.formchoice import FormChoice
 from engine.decoder.kvcache import (
     SlotSampling,
     block_bytes,
@@ -71,7 +74,7 @@ COMPILE_AHEAD = ("all", "first", "lazy")
 GREEDY = Sampling(temperature=0.0)
 
 
-class DecoderEngine(SpeculativeSlots):
+class DecoderEngine(FormChoice, SpeculativeSlots):
     def __init__(
         self,
         model_dir: str | Path,
@@ -175,81 +178,6 @@ class DecoderEngine(SpeculativeSlots):
             cache_bytes=cache_bytes(self._state), seconds=round(time.perf_counter() - t0, 3),
         )  # fmt: skip
 
-    def _load_forms(self, budget: int, cache, weights_cache) -> None:
-        """Weights in every compute form this engine may run (engine/forms.py); until
-        `select_forms` every bucket runs the forced form, or the stored one."""
-        from engine import forms, prepared, quant, sharding
-        from engine.decoder.model import load_param_forms
-
-        want = ("float",) if self.quant == "none" else ("dequant",)
-        if self.quant == "int8" and self.quant_form in ("auto", "w8a8"):
-            want += ("w8a8",)
-        trees = load_param_forms(self.model_dir, self.cfg, self._jdtype, self.quant, want,
-                                 self._mesh, prepared.directory(weights_cache))  # fmt: skip
-        sizes = {f: param_bytes(t) for f, t in trees.items()}
-        if self.quant != "none":
-            sizes["float"] = quant.float_bytes(trees["dequant"], self._jdtype)
-            budget = int(budget) or quant.float_bytes(trees["dequant"], np.float32)
-            self.form_candidates = forms.candidates(self.quant, self.quant_form, sizes, budget)
-            if "float" in self.form_candidates:
-                f = quant.dequantize_tree(trees["dequant"], self._jdtype)
-                trees["float"] = f if self._mesh is None else sharding.place(f, self._mesh)
-        else:
-            self.form_candidates = ("float",)
-        self._forms = {f: t for f, t in trees.items() if f in self.form_candidates}
-        self._forms_cache = forms.cache_path(cache)
-        first = self.form_candidates[0] if len(self.form_candidates) == 1 else "dequant"
-        self.compute_forms: dict[str, str] = {b: first for b in self.form_buckets}
-        self.form_ms: dict[str, dict[str, float]] = {}  # bucket -> form -> ms measured
-        self.forms_measured = False  # whether the last `select_forms` measured
-        self.params = self._forms[first]  # the decode step's weights (benchmarks, tests)
-
-    @property
-    def form_buckets(self) -> list[str]:
-        """Buckets a compute form is chosen for: each decode batch bucket (at any
-        window) and each prefill length."""
-        return [f"step {b}" for b in self.batches] + [f"prefill {b}" for b in self.buckets]
-
-    def _params_for(self, bucket: str) -> dict:
-        return self._forms[self.compute_forms[bucket]]
-
-    def select_forms(self) -> dict[str, str]:
-        """The fastest allowed compute form per bucket: measured once (each bucket's
-        program at its smallest context), then read from the choice file. Forms no
-        bucket chose are dropped (their memory goes back)."""
-        from engine import forms
-
-        if len(self._forms) > 1:
-            saved = self.compute_forms
-
-            def run(bucket: str, form: str):
-                kind, size = bucket.split()
-                self.compute_forms = dict(saved, **{bucket: form})
-                if kind == "step":
-                    return self._run_step(int(size), self.windows[0])[0][0]
-                ctx = self.context_for(int(size))
-                return self._run_chunk(self._slots, [0] * int(size), 0, int(size), ctx,
-                                       self._warm_sampling, np.uint32(0))  # fmt: skip
-
-            cfg = self.cfg
-            fields = dict(model=self.name, family=cfg.family, layers=cfg.layers,
-                          hidden=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                          intermediate=cfg.intermediate, vocab=cfg.vocab_size,
-                          dtype=self._dtype, quant=self.quant, tp=cfg.tensor_parallel,
-                          windows=list(self.windows), contexts=list(self.contexts),
-                          batches=list(self.batches))  # fmt: skip
-            self.compute_forms = saved
-            choices, ms, measured = forms.select(self.form_buckets, tuple(self._forms), run,
-                                                 fields, self._forms_cache)  # fmt: skip
-            self.compute_forms, self.form_ms, self.forms_measured = choices, ms, measured
-            self._forms = {f: t for f, t in self._forms.items() if f in set(choices.values())}
-            self.params = self._params_for(f"step {self.batches[-1]}")
-            self.weight_bytes = sum(param_bytes(t) for t in self._forms.values())
-        log.info("compute_forms", model=self.name, quant=self.quant, choices=self.compute_forms,
-                 ms=self.form_ms, measured=self.forms_measured, weight_bytes=self.weight_bytes,
-                 cache=str(self._forms_cache or ""))  # fmt: skip
-        return dict(self.compute_forms)
-
     @property
     def block_bytes(self) -> int:
         return block_bytes(self.cfg, self.block, self._jdtype)
@@ -279,8 +207,7 @@ class DecoderEngine(SpeculativeSlots):
         from tqdm import tqdm
 
         background = self.compile_ahead == "first"
-        if self.quant != "none":
-            self.select_forms()
+        measuring = self._start_forms() if self.quant != "none" else []
         jobs = self.compiles if self.compile_ahead == "all" else self.first_compiles()
         bar = tqdm(jobs, desc=f"compile {self.name}", file=sys.stderr, disable=not progress)
         t0 = time.perf_counter()
@@ -294,35 +221,55 @@ class DecoderEngine(SpeculativeSlots):
                 jax.block_until_ready(self._run_verify(self._slots, [0] * size, 0, 1, other))
             else:
                 jax.block_until_ready(self._run_step(size, other)[0])
-        if background:
-            # The thread holds the engine weakly: a dropped version stops compiling.
-            ref = weakref.ref(self)
+        if self.compile_ahead != "lazy" and (background or measuring):
             # One stream at every window first (any load runs on those, in parts),
-            # then the prompts' shapes, then the rest, cheapest first.
+            # then the programs the forms are measured with (formchoice.py), then the
+            # prompts' shapes, then the rest, cheapest first.
+            done = set(jobs)
             ones = [k for k in self.compiles if k[0] == "step" and k[1] == 1]
-            order = ones + [k for k in self.compiles if k not in set(ones)]
-            rest = [k for k in order if k not in set(jobs)]
-            self.programs.start_background(
-                [(self._key(*k), functools.partial(lower_weakly, ref, k)) for k in rest])
+            head = [(k, None) for k in ones if k not in done] if background else []
+            tail = [(k, None) for k in self.compiles
+                    if k not in done and k not in set(ones)] if background else []  # fmt: skip
+            self._compile_background(head + measuring + tail)
         log.info("decoder_warm", model=self.name, compiled=len(jobs), background=background,
-                 total=len(self.compiles), seconds=round(time.perf_counter() - t0, 3))
+                 total=len(self.compiles), measuring=len(measuring),
+                 seconds=round(time.perf_counter() - t0, 3))
         return len(jobs)
 
+    def _compile_background(self, shapes: list, first: bool = False) -> None:
+        """Compile (shape, form) pairs on the background thread (form None: the one
+        its bucket runs now); `first`: ahead of those waiting."""
+        ref = weakref.ref(self)  # the thread holds the engine weakly: a dropped version stops
+        jobs = []
+        for shape, form in shapes:
+            form = form or self.compute_forms[self._form_bucket(*shape[:2])]
+            jobs.append((self._key(*shape, form=form),
+                         functools.partial(lower_weakly, ref, shape, form)))
+        self.programs.start_background(jobs, first=first)
+
     def compile_progress(self) -> tuple[int, int]:
-        """(programs compiled, programs this engine serves)."""
+        """(programs compiled, programs this engine serves; the measuring programs of
+        its compute forms too while it measures them)."""
         return self.programs.compiled, max(self.programs.total, len(self.compiles))
+
+    def on_compiled(self, callback) -> None:
+        self.programs.listeners.append(callback)
 
     def close(self) -> None:
         """Stop compiling in the background (the engine is being dropped)."""
         self.programs.stop()
 
     # ------------------------------------------------------------- programs
-    def _key(self, kind: str, size: int, other: int):
-        return (kind, size, other, self.compute_forms[self._form_bucket(kind, size)])
+    def _key(self, kind: str, size: int, other: int, form: str | None = None):
+        return (kind, size, other, form or self.compute_forms[self._form_bucket(kind, size)])
 
-    def _lowering(self, kind: str, size: int, other: int):
-        """A function that lowers the program of one shape (not called here)."""
-        params = self._params_for(self._form_bucket(kind, size))
+    def _lowering(self, kind: str, size: int, other: int, form: str | None = None):
+        """A function that lowers the program of one shape (not called here), in
+        `form` (default: the one its bucket runs)."""
+        form = form or self.compute_forms[self._form_bucket(kind, size)]
+        if form not in self._forms:  # dropped while it waited in the background
+            raise ValueError(f"compute form {form!r} is no longer held")
+        params = self._forms[form]
         if kind == "verify":
             return self._verify_lowering(params, size, other)
         if kind == "step":
@@ -334,8 +281,9 @@ class DecoderEngine(SpeculativeSlots):
                              self._warm_sampling), u32)  # fmt: skip
         return lambda: self._prefill.lower(params, self._state_spec, *args)
 
-    def _program(self, kind: str, size: int, other: int):
-        return self.programs.get(self._key(kind, size, other), self._lowering(kind, size, other))
+    def _program(self, kind: str, size: int, other: int, form: str | None = None):
+        return self.programs.get(self._key(kind, size, other, form),
+                                 self._lowering(kind, size, other, form))
 
     def _choose(self, kind: str, size: int, other: int) -> tuple[int, int]:
         """The compiled shape that holds (size, other) at the least cost, or the exact

@@ -7,8 +7,11 @@ model may answer: SmolLM2 at 64 slots and an 8k context has ~70. So:
   1. `warmup` compiles a small first set (batch bucket 1 and the smallest window,
      the prefill buckets at the smallest context): the model is ready then.
   2. `start_background(jobs)` compiles the rest on a thread of its own, smallest
-     first; a program joins the moment it is compiled (`has` says so), and the
-     engine picks among the compiled ones (a larger bucket serves a smaller load).
+     first; a program joins the moment it is compiled (`has` says so; `listeners`
+     hear it), and the engine picks among the compiled ones (a larger bucket serves
+     a smaller load). More jobs may be queued later, behind or ahead of those
+     waiting (a bucket's measured compute form), and `drop` forgets programs and
+     jobs nothing will run.
   3. A shape nobody compiled yet and no compiled one can stand in for is compiled
      where it is asked for (`get`), once: a caller that asks for a shape the
      background thread is compiling waits for that compile, not a second one.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable
 
 from shared.logging import get_logger
@@ -38,7 +42,8 @@ class Programs:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.total = 0  # programs this engine will have once the background is done
+        self._queue: deque[tuple[Hashable, Callable[[], object]]] = deque()  # background's
+        self.listeners: list[Callable[[], None]] = []  # called (on its thread) as one joins
         self.compile_seconds = 0.0
 
     def has(self, key: Hashable) -> bool:
@@ -83,42 +88,87 @@ class Programs:
                 self._busy.pop(key, None)
             event.set()
 
-    def start_background(self, jobs: list[tuple[Hashable, Callable[[], object]]]) -> None:
-        """Compile `jobs` (in order) on a daemon thread; each joins when done."""
-        todo = [(k, f) for k, f in jobs if k not in self._done]
-        self.total = len(self._done) + len(todo)
-        if not todo or self._thread is not None:
-            return
+    def start_background(self, jobs: list[tuple[Hashable, Callable[[], object]]],
+                         first: bool = False) -> None:
+        """Compile `jobs` (in order) on a daemon thread; each joins when done. Called
+        again (more jobs: a bucket's measured form, engine/decoder/formchoice.py), it
+        queues them behind those still waiting, or (`first`) ahead of them."""
+        with self._lock:
+            new = [(k, f) for k, f in jobs if k not in self._done]
+            queued = {k for k, _ in self._queue}
+            busy = self._queue.popleft() if self._queue and self.compiling else None  # head
+            if first:
+                keys = {k for k, _ in new}
+                items = [(k, f) for k, f in new if busy is None or k != busy[0]] + [
+                    (k, f) for k, f in self._queue if k not in keys]
+            else:
+                items = list(self._queue) + [(k, f) for k, f in new if k not in queued]
+            self._queue.clear()
+            self._queue.extend(([busy] if busy is not None else []) + items)
+            if not self._queue or (self._thread is not None and self._thread.is_alive()):
+                return
+            self._thread = threading.Thread(target=self._work, name=f"compile-{self.name}",
+                                            daemon=True)  # fmt: skip
+            self._thread.start()
 
-        def work() -> None:
-            t0 = time.perf_counter()
-            for key, lower in todo:
-                if self._stop.is_set():
-                    return
+    def _work(self) -> None:
+        t0 = time.perf_counter()
+        while True:
+            if self._stop.is_set():
+                return
+            with self._lock:
+                if not self._queue:
+                    self._thread = None  # a later `start_background` starts another
+                    break
+                key, lower = self._queue[0]
+            try:
+                self.get(key, lower)
+            except LookupError:
+                return  # its engine was dropped
+            except Exception as exc:  # noqa: BLE001 - a shape that will not compile
+                # is compiled (and fails) where it is needed instead; log it here.
+                log.warning("background_compile_failed", model=self.name,
+                            program=str(key), error=repr(exc))  # fmt: skip
+            with self._lock:
+                self._queue.popleft()
+            for listener in list(self.listeners):
                 try:
-                    self.get(key, lower)
-                except LookupError:
-                    return  # its engine was dropped
-                except Exception as exc:  # noqa: BLE001 - a shape that will not compile
-                    # is compiled (and fails) where it is needed instead; log it here.
-                    log.warning("background_compile_failed", model=self.name,
-                                program=str(key), error=repr(exc))  # fmt: skip
-            log.info("decoder_compiled_all", model=self.name, programs=self.compiled,
-                     seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+                    listener()
+                except Exception as exc:  # noqa: BLE001 - a listener gone (its loop closed)
+                    log.debug("compile_listener_failed", model=self.name, error=repr(exc))
+        log.info("decoder_compiled_all", model=self.name, programs=self.compiled,
+                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
 
-        self._thread = threading.Thread(target=work, name=f"compile-{self.name}", daemon=True)
-        self._thread.start()
+    @property
+    def total(self) -> int:
+        """Programs this engine will have once the background is done."""
+        return len(self._done) + sum(1 for k, _ in list(self._queue) if k not in self._done)
+
+    def drop(self, keep: Callable[[Hashable], bool]) -> None:
+        """Forget compiled programs and skip waiting ones that `keep` refuses (a form
+        no bucket runs any more: its executables' memory goes back)."""
+        with self._lock:
+            for key in [k for k in self._done if not keep(k)]:
+                del self._done[key]
+            waiting = [(k, f) for k, f in self._queue if keep(k)]
+            head = self._queue[0] if self._queue else None
+            self._queue.clear()
+            if head is not None and not keep(head[0]):
+                self._queue.append(head)  # being compiled now: popped when done
+            self._queue.extend(waiting)
 
     @property
     def compiling(self) -> bool:
         """Whether the background thread is still compiling."""
-        return self._thread is not None and self._thread.is_alive()
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     def wait_background(self, timeout: float | None = None) -> bool:
         """Block until the background compiles are done (tests, benchmarks)."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            return not thread.is_alive()
         return True
 
     def stop(self) -> None:
@@ -126,10 +176,11 @@ class Programs:
         self._stop.set()
 
 
-def lower_weakly(ref, shape: tuple[str, int, int]):
-    """The lowered program of `shape` of the engine `ref` (a weakref) names;
-    LookupError when that engine was dropped (its background compiles stop)."""
+def lower_weakly(ref, shape: tuple[str, int, int], form: str):
+    """The lowered program of `shape` in compute form `form` of the engine `ref` (a
+    weakref) names; LookupError when that engine was dropped (its background
+    compiles stop)."""
     engine = ref()
     if engine is None:
         raise LookupError("the engine was dropped")
-    return engine._lowering(*shape)()
+    return engine._lowering(*shape, form=form)()

@@ -148,6 +148,8 @@ class ModelTable:
                          ready_workers=len(ready), state=state,
                          programs_compiled=sum(w.hb.programs_compiled for w in workers),
                          programs_total=sum(w.hb.programs_total for w in workers),
+                         forms_measured=sum(w.hb.forms_measured for w in workers),
+                         forms_total=sum(w.hb.forms_total for w in workers),
                          **_speculation(workers),
                          reason=status.reason if state == "failed" and status else "")
 

@@ -29,6 +29,11 @@ owns the asyncio side: the engine thread, the outbox, the events.
      it is switched in; a version no alias names keeps its lane while a sequence
      runs or waits on it (`wait_unused`); then the hot swap drops it, and its lane
      goes with it.
+  6. A quantized engine that found no stored choice of compute forms measures them
+     after ready (engine/decoder/formchoice.py): one (bucket, form) on the engine
+     thread whenever the loop is idle, and one every FORMS_EVERY iterations while
+     it is busy, each between two iterations, once its program is compiled (the
+     engine's background compiles wake the loop).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import weakref
 from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
@@ -53,6 +59,7 @@ if TYPE_CHECKING:
     from engine.interface import Decoder
 
 log = get_logger("worker.generation")
+FORMS_EVERY = 16  # busy iterations per compute-form measurement (one (bucket, form))
 
 
 class DecoderRunner:
@@ -80,6 +87,9 @@ class DecoderRunner:
         self._tasks: set[asyncio.Task] = set()
         self._scoring: dict[str, bool] = {}  # echo requests whose prompt is scored -> cancelled
         self._closed = False  # drained: `run` ends once nothing is held
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by `run`
+        self._heard: weakref.WeakSet = weakref.WeakSet()  # engines whose compiles wake it
+        self._unmeasured: weakref.WeakSet = weakref.WeakSet()  # whose measuring failed
         models.on_change(self._follow)
         self._follow()
 
@@ -87,7 +97,19 @@ class DecoderRunner:
     def _follow(self) -> None:
         """LoadedModels changed: a lane per engine it holds, none for one it dropped."""
         self.sched.follow(self.models.engines)
+        self._listen()
         self._wake.set()
+
+    def _listen(self) -> None:
+        """Wake the loop when an engine's background compile joins: a compute form's
+        measuring program may be due (`_measure_forms`)."""
+        loop = self._loop
+        if loop is None:
+            return
+        for lane in self.lanes.values():
+            if lane.engine not in self._heard:
+                self._heard.add(lane.engine)
+                lane.engine.on_compiled(lambda: loop.call_soon_threadsafe(self._wake.set))
 
     @property
     def lanes(self) -> dict[str, Lane]:
@@ -225,11 +247,14 @@ class DecoderRunner:
 
     # ------------------------------------------------------------------ loop
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
+        self._listen()
         while True:
             async with self.outbox.held():
                 await self._retire()  # cancelled or expired meanwhile
             if not self.sched.busy:
+                if not self._closed and await self._measure_forms():
+                    continue  # then look for work again
                 if not self._scoring:  # an echo prompt being scored is held work too
                     self._idle.set()
                 self._wake.clear()
@@ -238,6 +263,8 @@ class DecoderRunner:
                     return
                 await self._wake.wait()
                 continue
+            if self.steps % FORMS_EVERY == FORMS_EVERY - 1 and not self._closed:
+                await self._measure_forms()
             plan, adm = self.sched.schedule(time.time(), time.perf_counter())
             for work, err in adm.refused:  # the error before its GenDone
                 self._spawn(self.outbox.error(work, err))
@@ -255,6 +282,22 @@ class DecoderRunner:
                 await self._retire()  # those that just finished: GenDone with their last chunk
             self._count_prefix()
             await self._notify()
+
+    async def _measure_forms(self) -> bool:
+        """One step of an engine's compute-form choice (a (bucket, form) measured or a
+        bucket switched), on the engine thread -> whether there was one."""
+        for lane in list(self.lanes.values()):
+            engine = lane.engine
+            if engine in self._unmeasured or not engine.forms_due():
+                continue
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self.executor, engine.measure_forms, 1)
+            except Exception as exc:  # noqa: BLE001 - it serves on with the forms it runs
+                log.error("form_measuring_failed", error=repr(exc))
+                self._unmeasured.add(engine)
+            return True
+        return False
 
     async def _notify(self) -> None:
         async with self._stepped:

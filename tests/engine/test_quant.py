@@ -199,8 +199,12 @@ def test_fastest_form_per_bucket_is_measured_once_then_read_from_the_cache(tmp_p
     budget = 10**9  # room for the float copy: all three forms compete
     first = _demo(quant="int8", weight_budget=budget, forms_cache=path)
     assert first.form_candidates == ("float", "dequant", "w8a8")
-    first.warmup(progress=False)
+    first.warmup(progress=False)  # ready first: nothing measured yet, served in float
+    assert first.forms_progress() == (0, 12) and set(first.compute_forms.values()) == {"float"}
+    while first.forms_due():  # as the worker's runner does between steps
+        first.measure_forms()
     buckets = ["step 1", "step 2", "prefill 16", "prefill 32"]  # batch buckets 1 and 2
+    assert first.forms_progress() == (12, 12) and first.forms_settled
     assert first.forms_measured and set(first.compute_forms) == set(buckets)
     for bucket in buckets:
         ms = first.form_ms[bucket]

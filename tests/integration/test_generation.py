@@ -211,3 +211,4 @@ async def test_the_model_card_reports_compiled_programs(stack, tiny):
     assert card["state"] == "ready" and card["kind"] == "decoder"
     assert card["programs_total"] == len(engine.compiles)
     assert 0 < card["programs_compiled"] <= card["programs_total"]
+    assert card["forms_measured"] == card["forms_total"] == 0  # unquantized: one form
