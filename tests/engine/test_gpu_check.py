@@ -15,8 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# About a minute on a quiet machine; five times that at load 8 on two cores. The bound
-# is there to catch a hang, not to time it.
+# About 100 CPU-seconds: two to three minutes on a quiet machine, longer at load 12 on
+# two cores. The bound is there to catch a hang, not to time it.
 @pytest.mark.timeout(900)
 def test_dry_mode_writes_one_json_file_with_every_form(tmp_path):
     out = tmp_path / "check.json"
