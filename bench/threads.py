@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,8 +44,6 @@ FLEET = "tensorbus-demo-lm=0:0"  # up.sh starts the demo LM on demand; nothing a
 
 
 def _load() -> float:
-    import os
-
     return round(os.getloadavg()[0], 2)
 
 
