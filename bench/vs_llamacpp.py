@@ -249,7 +249,7 @@ def main(argv=None) -> dict:
                     help="measure once every program of the model is compiled")
     ap.add_argument("--fleet", default="", help="TENSORBUS_FLEET for the stack (default: up.sh's)")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                    help="a setting for the stack, e.g. TENSORBUS_WORKER_THREADS=shared")
+                    help="a setting for the stack, e.g. TENSORBUS_WORKER_THREADS=split")
     ap.add_argument("--out", default="bench/out/vs_llamacpp.json")
     args = ap.parse_args(argv)
     if not args.fleet:

@@ -58,7 +58,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     memory_high: float = 0.9  # a worker above this fraction of its memory limit gets no new work
     # --- local orchestrator (`python -m services.orchestrator`)
     local_workers: int = 0  # most worker processes on this machine; 0 = max(4, CPU cores)
-    worker_threads: str = "split"  # engine threads per local worker: split (the cores divided between the workers) | shared (every worker all cores) | N
+    worker_threads: str = "shared"  # engine threads per local worker: shared (every worker all cores: an idle one holds none) | split (the cores divided between the workers) | N
     drain_timeout_s: float = 30.0  # a worker still draining this long after SIGTERM is killed
     # --- worker
     worker_id: str = ""  # stable id; empty = hostname-pid

@@ -74,10 +74,11 @@ def model_specs(config: Config, catalogue: Iterable[str]) -> list[ModelSpec]:
     return [ModelSpec(m, *config.fleet_bounds(m)) for m in names]
 
 
-def threads_per_worker(cores: int, workers: int, setting: str = "split") -> int:
-    """Engine threads of each worker: "split", the machine's cores split evenly
-    between the workers it runs (at least 1); "shared", every worker may use every
-    core (an idle worker holds none, a busy one gets them all); or a number."""
+def threads_per_worker(cores: int, workers: int, setting: str = "shared") -> int:
+    """Engine threads of each worker: "shared" (the default), every worker may use
+    every core (an idle worker holds none, a busy one gets them all); "split", the
+    machine's cores split evenly between the workers it runs (at least 1); or a
+    number. docs/decisions/0060-worker-threads-split-or-shared.md has the figures."""
     if setting == "shared":
         return max(1, cores)
     if setting.isdigit() and int(setting) > 0:

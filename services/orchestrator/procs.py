@@ -2,7 +2,7 @@
 
 Each worker is `python -m services.worker` with the orchestrator's environment plus
 its own: `TENSORBUS_MODEL`, a `TENSORBUS_WORKER_ID`, the per-model settings resolved
-for its model, and thread counts for its share of the cores. Its stdout and stderr go
+for its model, and thread counts (`TENSORBUS_WORKER_THREADS`). Its stdout and stderr go
 to the orchestrator's stdout, one line at a time, prefixed with the worker's name
 (so `honcho start` shows them). The last line it wrote to stderr is kept: for a
 worker that exits 78 it is the reason.

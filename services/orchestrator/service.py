@@ -7,7 +7,7 @@
      model; a silent scheduler's expire); heartbeats on `telemetry.v1.workers` tell
      which of this orchestrator's workers are ready.
   3. On every decision, exit and tick (`interval_s`), the policy's plan is carried
-     out: new workers start with their share of the cores; surplus ones get SIGTERM
+     out: new workers start with their engine threads; surplus ones get SIGTERM
      and drain, and SIGKILL if still alive after `TENSORBUS_DRAIN_TIMEOUT_S`.
   4. A worker that exits unasked is restarted with back-off; one that exits 78 is not,
      and its model is `failed` with the worker's last stderr line as the reason.

@@ -60,7 +60,7 @@ class Fleet:
 async def orchestrated(nats_server, nc):
     config = Config.from_env({}, nats_url=nats_server.url,
                              fleet="steady=1:3,bad=1:1,crashy=1:1,idle=0:2,stubborn=0:1",
-                             local_workers=8, drain_timeout_s=1)
+                             local_workers=8, drain_timeout_s=1, worker_threads="split")
 
     async def catalogue() -> list[str]:
         return ["steady", "bad", "crashy", "idle", "stubborn"]
@@ -95,7 +95,7 @@ async def test_minimums_start_and_decisions_scale_within_bounds(orchestrated, nc
         "steady", 1, 5, 0, 0, "test", time.time(), scheduler_id="s1", max_replicas=3)))
     await fleet.until(lambda: fleet.latest("steady").running == 3)  # capped at max
     # Output prefixed with the worker's name; per-model settings resolved for each
-    # worker; 8 cores shared by the 3 workers wanted at the first start.
+    # worker; split: 8 cores divided between the 3 workers wanted at the first start.
     for line in (b"steady.1 | hello from steady threads 2 engine jax\n",
                  b"bad.1 | hello from bad threads 2 engine tpu\n",
                  b"bad.1 | bad configuration: TENSORBUS_ENGINE='tpu'"):

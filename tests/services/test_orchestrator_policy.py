@@ -226,14 +226,18 @@ def test_states_and_core_split():
     assert model_state(1, 1, 1, "") == "ready"
     assert model_state(0, 0, 0, "") == "scaled_to_zero"
     assert model_state(0, 1, 0, "") == "starting"  # draining the last one still runs
-    assert threads_per_worker(16, 3) == 5
-    assert threads_per_worker(2, 4) == 1
-    assert threads_per_worker(8, 0) == 8
+    assert threads_per_worker(16, 3, "split") == 5
+    assert threads_per_worker(2, 4, "split") == 1
+    assert threads_per_worker(8, 0, "split") == 8
 
 
-def test_shared_threads_give_every_worker_every_core():
-    # An idle worker's threads hold no core: a busy one beside it may use them all.
-    assert threads_per_worker(2, 2, "shared") == 2
+def test_shared_threads_give_every_worker_every_core_by_default():
+    # An idle worker's threads hold no core: a busy one beside it may use them all
+    # (docs/decisions/0060: shared beat split on up.sh's stack where it mattered).
+    assert threads_per_worker(2, 2) == 2
+    assert threads_per_worker(16, 3) == 16
+    assert Config.from_env({}).worker_threads == "shared"
+    assert threads_per_worker(2, 2, Config.from_env({}).worker_threads) == 2
     assert threads_per_worker(16, 3, "shared") == 16
     assert threads_per_worker(16, 3, "4") == 4
-    assert threads_per_worker(16, 3, "split") == 5
+    assert threads_per_worker(0, 2) == 1
