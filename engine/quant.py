@@ -33,7 +33,9 @@ matrix, 1 for a [V, E] embedding that is also the lm head), IN split into groups
   fuses the first two into one loop over the weight);
 - "int8" (w8a8 weights only): each activation row is quantized to int8 inside the
   step (symmetric, its own amax / 127), `dot_general` accumulates in int32, and the
-  result is scaled by the row's scale times the channel's.
+  result is scaled by the row's scale times the channel's;
+- "kernel" (int8 and int4 weights, float32 rows, CPU): the FFI matrix-vector kernel
+  of engine/kernels reads the groups as stored, four rows a pass over them.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class QWeight:
     axis: int  # the contracted axis of the float weight (static)
     bits: int  # 8 or 4 (static)
     group: int  # inputs per scale (static)
-    compute: str = "dequant"  # "dequant" | "int8" (static; see the module docstring)
+    compute: str = "dequant"  # "dequant" | "int8" | "kernel" (static; see the module docstring)
 
 
 jax.tree_util.register_dataclass(
@@ -144,8 +146,16 @@ def _int8_dot(x, w: QWeight):
     return acc.astype(jnp.float32) * sx * sw
 
 
+def _kernel_dot(x, w: QWeight):
+    from engine import kernels
+
+    return kernels.matvec(x, w.q, w.scale, w.offset, w.axis, w.bits, w.group)
+
+
 def matmul(x, w: QWeight, precision=None):
     """x: [N, IN] @ w: [IN, OUT] (contracted over axis 0) -> [N, OUT] in x's dtype."""
+    if w.compute == "kernel":
+        return _kernel_dot(x, w).astype(x.dtype)
     if w.compute == "int8":
         return _int8_dot(x, w).astype(x.dtype)
     return jnp.matmul(x, dequantize(w, x.dtype), precision=precision)
@@ -153,6 +163,8 @@ def matmul(x, w: QWeight, precision=None):
 
 def unembed(h, w: QWeight, precision=None):
     """h: [N, E], w: [V, E] (contracted over axis 1) -> [N, V] float32"""
+    if w.compute == "kernel":
+        return _kernel_dot(h, w)
     if w.compute == "int8":
         return _int8_dot(h, w)
     return jnp.einsum("ne,ve->nv", h, dequantize(w, h.dtype),
@@ -186,6 +198,17 @@ def quantize_tree(tree: dict, mode: str | dict[str, tuple[str, int]], axes: dict
         return node
 
     return walk(tree)
+
+
+def with_compute(tree, compute: str):
+    """The same tree (the same arrays) with every int8 and int4 QWeight's `compute`
+    set to `compute` (fp8 weights keep theirs)."""
+    def one(n):
+        if isinstance(n, QWeight) and n.q.dtype in (jnp.int8, jnp.uint8):
+            return dataclasses.replace(n, compute=compute)
+        return n
+
+    return jax.tree.map(one, tree, is_leaf=is_qweight)
 
 
 def dequantize_tree(tree, dtype):

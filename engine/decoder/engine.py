@@ -58,7 +58,6 @@ from engine.decoder.kvcache import (
     cache_bytes,
     init_decode_state,
 )
-from engine.decoder.model import param_bytes
 from engine.decoder.programs import Programs, lower_weakly
 from engine.decoder.slots import PendingStep, slot_sampling
 from engine.decoder.speculative import SpeculativeSlots
@@ -164,7 +163,7 @@ class DecoderEngine(SpeculativeSlots):
         self._init_speculation(speculative, out)
         self.programs = Programs(name)
         self.step_counts: dict[int, int] = {}  # batch bucket -> decode steps run at it
-        self.weight_bytes = sum(param_bytes(t) for t in self._forms.values())
+        self.weight_bytes = forms.held_bytes(self._forms)
         log.info(
             "decoder_loaded", model=name, family=self.cfg.family, dtype=self._dtype,
             quant=self.quant, forms=list(self._forms), devices=self.devices,
@@ -178,7 +177,7 @@ class DecoderEngine(SpeculativeSlots):
     def _load_forms(self, budget: int, cache, weights_cache) -> None:
         """Weights in every compute form this engine may run (engine/forms.py); until
         `select_forms` every bucket runs the forced form, or the stored one."""
-        from engine import forms, prepared, quant, sharding
+        from engine import forms, prepared
         from engine.decoder.model import load_param_forms
 
         want = ("float",) if self.quant == "none" else ("dequant",)
@@ -186,14 +185,9 @@ class DecoderEngine(SpeculativeSlots):
             want += ("w8a8",)
         trees = load_param_forms(self.model_dir, self.cfg, self._jdtype, self.quant, want,
                                  self._mesh, prepared.directory(weights_cache))  # fmt: skip
-        sizes = {f: param_bytes(t) for f, t in trees.items()}
         if self.quant != "none":
-            sizes["float"] = quant.float_bytes(trees["dequant"], self._jdtype)
-            budget = int(budget) or quant.float_bytes(trees["dequant"], np.float32)
-            self.form_candidates = forms.candidates(self.quant, self.quant_form, sizes, budget)
-            if "float" in self.form_candidates:
-                f = quant.dequantize_tree(trees["dequant"], self._jdtype)
-                trees["float"] = f if self._mesh is None else sharding.place(f, self._mesh)
+            self.form_candidates = forms.add_forms(trees, self.quant, self.quant_form, budget,
+                                                   self._jdtype, self._mesh)  # fmt: skip
         else:
             self.form_candidates = ("float",)
         self._forms = {f: t for f, t in trees.items() if f in self.form_candidates}
@@ -244,7 +238,7 @@ class DecoderEngine(SpeculativeSlots):
             self.compute_forms, self.form_ms, self.forms_measured = choices, ms, measured
             self._forms = {f: t for f, t in self._forms.items() if f in set(choices.values())}
             self.params = self._params_for(f"step {self.batches[-1]}")
-            self.weight_bytes = sum(param_bytes(t) for t in self._forms.values())
+            self.weight_bytes = forms.held_bytes(self._forms)
         log.info("compute_forms", model=self.name, quant=self.quant, choices=self.compute_forms,
                  ms=self.form_ms, measured=self.forms_measured, weight_bytes=self.weight_bytes,
                  cache=str(self._forms_cache or ""))  # fmt: skip
