@@ -110,11 +110,12 @@ def reset() -> None:
         _state.clear()
 
 
-def matvec(x, q, scale, offset, axis: int, bits: int, group: int):
+def matvec(x, q, scale, offset, axis: int, bits: int, group: int, n: int = 0):
     """x: [B, K] float32 -> [B, N] float32 = x @ w, w the weight `q`, `scale`,
-    `offset` (None: symmetric) hold (engine/quant.py's layout, contracted over
-    `axis`: 0 for [K, N], 1 for [N, K]). Needs `load()` to have succeeded."""
-    n = q.shape[1 - axis]
+    `offset` (None: symmetric) hold (engine/quant.py's layout for the kernel,
+    contracted over `axis`: 0 for [K, N] packed in tiles of 16 columns, N = `n`;
+    1 for [N, K]). Needs `load()` to have succeeded."""
+    n = n if axis == 0 else q.shape[0]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="broadcast_all")  # fmt: skip
     off = scale if offset is None else offset

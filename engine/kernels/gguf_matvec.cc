@@ -8,9 +8,12 @@
 // the same number in exact arithmetic, accumulated in float32.
 //
 // Two layouts, as the engine stores them:
-// - "cols" (axis 0, a dense [K, N] weight): q [K, N] int8 or [K/2, N] uint8 (two
-//   4-bit values a byte, the even input in the low nibble), scale/offset [K/G, N];
-//   vectorized over 8 output columns.
+// - "cols" (axis 0, a dense [K, N] weight), in tiles of 16 output columns so that
+//   one tile's bytes are contiguous: q [N/16, K, 16] int8 or [N/16, K/2, 16] uint8
+//   (two 4-bit values a byte, the even input in the low nibble), scale/offset
+//   [N/16, K/G, 16], N padded to a multiple of 16 (engine/quant.py packs them);
+//   vectorized over the tile's columns. The engine's own [K/2, N] order put each
+//   row of a tile in another page, and the reads waited on memory.
 // - "rows" (axis 1, an embedding [N, K] used as the head): q [N, K] or [N, K/2],
 //   scale/offset [N, K/G]; vectorized over 8 inputs of one output row.
 // Rows of x are taken four at a time (a weight read serves all four). Output
@@ -39,10 +42,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+constexpr int64_t kTile = 16;  // output columns per tile of the cols layout
+
 struct Problem {
   const float* x;       // [B, K]
   const uint8_t* q;     // see the layouts above
-  const float* scale;   // [K/G, N] (cols) or [N, K/G] (rows)
+  const float* scale;   // [N/16, K/G, 16] (cols) or [N, K/G] (rows)
   const float* offset;  // scale's shape, or nullptr
   const float* xsum;    // [B, K/G]: each row's sum over each group
   const float* xe;      // rows, 4-bit: [B, K/2] the even inputs, then the odd ones
@@ -54,11 +59,12 @@ struct Problem {
 
 // The integer at input k of output n.
 inline float qv(const Problem& p, int64_t k, int64_t n, bool cols) {
+  const int64_t t = n / kTile, c = n % kTile;
   if (p.bits == 8) {
     const int8_t* q = reinterpret_cast<const int8_t*>(p.q);
-    return static_cast<float>(cols ? q[k * p.N + n] : q[n * p.K + k]);
+    return static_cast<float>(cols ? q[(t * p.K + k) * kTile + c] : q[n * p.K + k]);
   }
-  uint8_t byte = cols ? p.q[(k / 2) * p.N + n] : p.q[n * (p.K / 2) + k / 2];
+  uint8_t byte = cols ? p.q[(t * (p.K / 2) + k / 2) * kTile + c] : p.q[n * (p.K / 2) + k / 2];
   return static_cast<float>((k & 1) ? (byte >> 4) : (byte & 0xF));
 }
 
@@ -71,7 +77,7 @@ void scalar(const Problem& p, int64_t n0, int64_t n1, bool cols) {
       for (int64_t g = 0; g < p.NG; ++g) {
         float part = 0.f;
         for (int64_t k = g * p.G; k < (g + 1) * p.G; ++k) part += x[k] * qv(p, k, n, cols);
-        int64_t at = cols ? g * p.N + n : n * p.NG + g;
+        int64_t at = cols ? ((n / kTile) * p.NG + g) * kTile + n % kTile : n * p.NG + g;
         acc += p.scale[at] * part;
         if (p.offset) acc += p.offset[at] * p.xsum[b * p.NG + g];
       }
@@ -99,13 +105,15 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// cols: BB rows from b0, V x 8 output columns from n.
-template <int BB, int V, int BITS>
-void cols_tile(const Problem& p, int64_t b0, int64_t n) {
+// cols: BB rows from b0, the 16 output columns of tile t.
+template <int BB, int BITS>
+void cols_tile(const Problem& p, int64_t b0, int64_t t) {
+  constexpr int V = 2;
   __m256 acc[BB][V];
   for (int b = 0; b < BB; ++b)
     for (int v = 0; v < V; ++v) acc[b][v] = _mm256_setzero_ps();
   const float* x = p.x + b0 * p.K;
+  const uint8_t* tile = p.q + t * (BITS == 4 ? p.K / 2 : p.K) * kTile;
   for (int64_t g = 0; g < p.NG; ++g) {
     __m256 part[BB][V];
     for (int b = 0; b < BB; ++b)
@@ -113,7 +121,7 @@ void cols_tile(const Problem& p, int64_t b0, int64_t n) {
     const int64_t k0 = g * p.G;
     if (BITS == 4) {
       for (int64_t j = k0 / 2; j < (k0 + p.G) / 2; ++j) {
-        const uint8_t* row = p.q + j * p.N + n;
+        const uint8_t* row = tile + j * kTile;
         __m256 lo[V], hi[V];
         for (int v = 0; v < V; ++v) {
           lo[v] = load8_u4(row + 8 * v, false);
@@ -130,7 +138,7 @@ void cols_tile(const Problem& p, int64_t b0, int64_t n) {
       }
     } else {
       for (int64_t k = k0; k < k0 + p.G; ++k) {
-        const uint8_t* row = p.q + k * p.N + n;
+        const uint8_t* row = tile + k * kTile;
         __m256 w[V];
         for (int v = 0; v < V; ++v) w[v] = load8_i8(row + 8 * v);
         for (int b = 0; b < BB; ++b) {
@@ -139,11 +147,12 @@ void cols_tile(const Problem& p, int64_t b0, int64_t n) {
         }
       }
     }
+    const int64_t at = (t * p.NG + g) * kTile;
     for (int v = 0; v < V; ++v) {
-      __m256 s = _mm256_loadu_ps(p.scale + g * p.N + n + 8 * v);
+      __m256 s = _mm256_loadu_ps(p.scale + at + 8 * v);
       for (int b = 0; b < BB; ++b) acc[b][v] = _mm256_fmadd_ps(part[b][v], s, acc[b][v]);
       if (p.offset) {
-        __m256 o = _mm256_loadu_ps(p.offset + g * p.N + n + 8 * v);
+        __m256 o = _mm256_loadu_ps(p.offset + at + 8 * v);
         for (int b = 0; b < BB; ++b) {
           __m256 xs = _mm256_broadcast_ss(p.xsum + (b0 + b) * p.NG + g);
           acc[b][v] = _mm256_fmadd_ps(o, xs, acc[b][v]);
@@ -151,8 +160,17 @@ void cols_tile(const Problem& p, int64_t b0, int64_t n) {
       }
     }
   }
-  for (int b = 0; b < BB; ++b)
-    for (int v = 0; v < V; ++v) _mm256_storeu_ps(p.y + (b0 + b) * p.N + n + 8 * v, acc[b][v]);
+  const int64_t n = t * kTile, valid = std::min<int64_t>(kTile, p.N - n);
+  for (int b = 0; b < BB; ++b) {
+    float* y = p.y + (b0 + b) * p.N + n;
+    if (valid == kTile) {
+      for (int v = 0; v < V; ++v) _mm256_storeu_ps(y + 8 * v, acc[b][v]);
+    } else {  // the last tile's padding columns are not outputs
+      alignas(32) float out[kTile];
+      for (int v = 0; v < V; ++v) _mm256_store_ps(out + 8 * v, acc[b][v]);
+      std::copy(out, out + valid, y);
+    }
+  }
 }
 
 // rows: BB rows from b0, output n.
@@ -192,14 +210,7 @@ void rows_one(const Problem& p, int64_t b0, int64_t n) {
 
 template <int BB, int BITS>
 void cols_rows(const Problem& p, int64_t b0, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n + 16 <= n1; n += 16) cols_tile<BB, 2, BITS>(p, b0, n);
-  for (; n + 8 <= n1; n += 8) cols_tile<BB, 1, BITS>(p, b0, n);
-  if (n < n1) {  // the last few columns, for these rows only
-    Problem t = p;
-    t.x = p.x + b0 * p.K, t.xsum = p.xsum + b0 * p.NG, t.y = p.y + b0 * p.N, t.B = BB;
-    scalar(t, n, n1, true);
-  }
+  for (int64_t t = n0 / kTile; t * kTile < n1; ++t) cols_tile<BB, BITS>(p, b0, t);
 }
 
 template <int BB, int BITS>
@@ -267,21 +278,27 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
                   ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group, int64_t axis,
                   bool has_offset) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2)
-    return ffi::Error::InvalidArgument("gguf_matvec: x, q and scale must be 2-d");
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("gguf_matvec: x must be 2-d");
   if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("gguf_matvec: bits must be 4 or 8");
   auto qtype = q.element_type();
   if ((bits == 8 && qtype != ffi::DataType::S8) || (bits == 4 && qtype != ffi::DataType::U8))
     return ffi::Error::InvalidArgument("gguf_matvec: q must be int8 (8 bits) or uint8 (4 bits)");
   bool cols = axis == 0;
+  auto yd = y->dimensions();
+  if (yd.size() != 2 || (cols && (qd.size() != 3 || qd[2] != kTile)) || (!cols && qd.size() != 2))
+    return ffi::Error::InvalidArgument("gguf_matvec: q must be [N/16, K, 16] (axis 0) or [N, K]");
   Problem p;
   p.B = xd[0], p.K = xd[1], p.G = group, p.bits = static_cast<int>(bits);
-  p.N = cols ? qd[1] : qd[0];
-  int64_t qk = (cols ? qd[0] : qd[1]) * (bits == 4 ? 2 : 1);
+  p.N = yd[1];
+  int64_t qk = qd[1] * (bits == 4 ? 2 : 1);
+  if (cols ? (p.N + kTile - 1) / kTile != qd[0] : p.N != qd[0])
+    return ffi::Error::InvalidArgument("gguf_matvec: q's shape disagrees with y's");
   if (group <= 0 || p.K % group || qk != p.K || (bits == 4 && group % 2))
     return ffi::Error::InvalidArgument("gguf_matvec: q, group and x's length disagree");
   p.NG = p.K / group;
-  if (sd[0] != (cols ? p.NG : p.N) || sd[1] != (cols ? p.N : p.NG))
+  bool scale_ok = cols ? sd.size() == 3 && sd[0] == qd[0] && sd[1] == p.NG && sd[2] == kTile
+                       : sd.size() == 2 && sd[0] == p.N && sd[1] == p.NG;
+  if (!scale_ok)
     return ffi::Error::InvalidArgument("gguf_matvec: scale's shape disagrees with q's");
   p.x = x.typed_data(), p.q = static_cast<const uint8_t*>(q.untyped_data());
   p.scale = scale.typed_data(), p.offset = has_offset ? offset.typed_data() : nullptr;
@@ -304,7 +321,7 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     p.xe = xeo.data(), p.xo = xeo.data() + p.B * half;
   }
   // Chunks of whole cache lines of output columns (cols) or rows of outputs (rows).
-  const int64_t unit = cols ? 64 : 256;
+  const int64_t unit = cols ? 4 * kTile : 256;
   const int64_t chunks = std::max<int64_t>(1, (p.N + unit - 1) / unit);
   parallel(pool, chunks, [&](int64_t i) {
     compute(p, i * unit, std::min(p.N, (i + 1) * unit), cols);

@@ -35,12 +35,15 @@ def _numpy_weight(qw: quant.QWeight) -> np.ndarray:
 
 
 def _check(qw: quant.QWeight, x: np.ndarray) -> None:
-    """The kernel's [B, N] against x @ w (w as [K, N]) in float64, to float32 rounding
-    of sums of that size: relative to sum |x| |w|."""
+    """The kernel's [B, N] (the weight as the engine stores it, packed for the
+    kernel) against x @ w (w as [K, N]) in float64, to float32 rounding of sums of
+    that size: relative to sum |x| |w|."""
     w = _numpy_weight(qw)
     w = w if qw.axis == 0 else w.T
+    kw = quant.with_compute({"w": jax.tree.map(jnp.asarray, qw)}, "kernel")["w"]
+    assert kw.compute == "kernel" and (kw.q.ndim == 3) == (qw.axis == 0)
     got = np.asarray(jax.jit(lambda x, w: quant.matmul(x, w) if w.axis == 0
-                             else quant.unembed(x, w))(x, qw))  # fmt: skip
+                             else quant.unembed(x, w))(x, kw))  # fmt: skip
     ref = x.astype(np.float64) @ w
     bound = np.abs(x).astype(np.float64) @ np.abs(w)
     assert got.shape == ref.shape and got.dtype == np.float32
@@ -64,11 +67,18 @@ def test_kernel_equals_numpy_on_random_groups(loaded, mode, axis, k, n, group):
     output, B = 1..4 and past 4 (a second pass over the weights)."""
     rng = np.random.default_rng(k * n + axis)
     w = rng.standard_normal((k, n) if axis == 0 else (n, k)).astype(np.float32)
-    qw = quant.with_compute({"w": quant.quantize(w, mode, axis, group)}, "kernel")["w"]
-    qw = jax.tree.map(jnp.asarray, qw)
-    assert qw.compute == "kernel"
+    qw = quant.quantize(w, mode, axis, group)
     for b in (1, 2, 3, 4, 6):
         _check(qw, rng.standard_normal((b, k)).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def stored(smollm2_dir):
+    """SmolLM2's gguf-mode weights as stored (the XLA path's form)."""
+    from engine.decoder.config import load_config
+    from engine.decoder.model import load_params
+
+    return load_params(smollm2_dir, load_config(smollm2_dir), jnp.float32, "gguf")
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +93,13 @@ def engine(loaded, smollm2_dir, jax_cache_dir):
     return eng
 
 
-def test_kernel_reads_smollm2s_own_blocks(engine):
+def test_kernel_reads_smollm2s_own_blocks(loaded, stored):
     """The file's Q4_1 layers (cols) and Q8_0 tied head (rows), real weights."""
-    params = engine._forms["kernel"]
+    params = stored
     rng = np.random.default_rng(1)
     lp = params["layers"][7]
     for name, k in (("qkv_w", 576), ("down_w", 1536)):
-        assert lp[name].bits == 4 and lp[name].compute == "kernel"
+        assert lp[name].bits == 4 and lp[name].group == 32
         _check(lp[name], rng.standard_normal((3, k)).astype(np.float32))
     assert params["embed"].bits == 8 and params["embed"].axis == 1
     _check(params["embed"], rng.standard_normal((4, 576)).astype(np.float32))
@@ -124,15 +134,14 @@ def test_greedy_with_the_kernel_equals_transformers(engine, smollm2_hf, smollm2_
     assert engine.step_counts.get(4, 0) > 0 and engine.step_counts.get(1, 0) > 0
 
 
-def test_prompt_logits_with_the_kernel_equal_the_xla_path(engine, smollm2_hf_tokenizer):
+def test_prompt_logits_with_the_kernel_equal_the_xla_path(engine, stored, smollm2_hf_tokenizer):
     """32 positions through the kernel (eight passes of four rows) against the
     dequantizing XLA path on the same arrays, within test_quant's tolerance."""
     ids = smollm2_hf_tokenizer("The history of the Roman Empire spans more than a "
                                "thousand years, from the founding of Rome")["input_ids"]  # fmt: skip
     tokens = np.asarray((ids * 4)[:32], np.int32)
     cfg = engine.cfg
-    kern = engine._forms["kernel"]
-    xla = quant.with_compute(kern, "dequant")
+    kern, xla = engine._forms["kernel"], stored
     f = jax.jit(lambda p, t: prompt_logits(p, cfg, t))
     np.testing.assert_allclose(f(kern, tokens), f(xla, tokens), rtol=0, atol=2e-3)
 
