@@ -3,7 +3,7 @@ product over integer weight groups (gguf_matvec.cc; docs/decisions/0062).
 
 The source is compiled on first use (`load`) with the system's g++ for this
 machine's CPU (-O3 -march=native) into a cache folder keyed by a hash of the source,
-the compiler and the CPU's flags, loaded with ctypes and registered as an FFI target.
+the compiler ($CXX, else g++) and the CPU's flags, loaded with ctypes and registered as an FFI target.
 Where that cannot be done (not on CPU, no compiler, a failed build) `load` returns
 None, says why once in the log, and the engine keeps its XLA path. Importing this
 module compiles nothing.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shutil
 import subprocess
 import threading
 from pathlib import Path
@@ -28,15 +29,17 @@ log = get_logger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_matvec.cc")
 TARGET = "tensorbus_gguf_matvec"
-COMPILER = "/usr/bin/g++"  # TENSORBUS_CXX overrides
+COMPILER = "g++"  # the CXX environment variable overrides, as in make
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib" once loaded, "why" once refused
+_registered: list = []  # the library whose FFI target this process registered (one only)
 
 
-def compiler() -> str:
-    return os.environ.get("TENSORBUS_CXX", COMPILER)
+def compiler() -> str | None:
+    """The C++ compiler's path: $CXX (a name or a path), else g++ on PATH; None: none."""
+    return shutil.which(os.environ.get("CXX") or COMPILER)
 
 
 def cache_dir() -> Path:
@@ -86,12 +89,15 @@ def load():
             if jax.default_backend() != "cpu":
                 raise RuntimeError(f"the backend is {jax.default_backend()}, not cpu")
             cxx = compiler()
-            if not os.access(cxx, os.X_OK):
-                raise RuntimeError(f"no C++ compiler at {cxx}")
-            lib = ctypes.cdll.LoadLibrary(str(_build(cxx)))
-            jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TensorbusGgufMatvec),
-                                        platform="cpu")  # fmt: skip
-            _state["lib"] = lib
+            if cxx is None:
+                raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or COMPILER})")
+            path = _build(cxx)
+            if not _registered:  # a target name is registered once per process
+                lib = ctypes.cdll.LoadLibrary(str(path))
+                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TensorbusGgufMatvec),
+                                            platform="cpu")  # fmt: skip
+                _registered.append(lib)
+            lib = _state["lib"] = _registered[0]
             log.info("kernel_loaded", kernel=TARGET, avx2=bool(lib.tensorbus_kernel_has_avx2()))
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             _state["why"] = str(e)
@@ -105,7 +111,8 @@ def unavailable_reason() -> str | None:
 
 
 def reset() -> None:
-    """Forget the last outcome (tests): the next `load` tries again."""
+    """Forget the last outcome (tests): the next `load` tries again (a target
+    already registered stays so)."""
     with _lock:
         _state.clear()
 

@@ -150,7 +150,7 @@ def test_without_a_compiler_the_xla_path_serves(monkeypatch, smollm2_dir, smollm
                                                  smollm2_hf_tokenizer, tmp_path):  # fmt: skip
     """A compiler path that does not exist: the kernel is refused with the reason,
     auto keeps the stored form, and the model still answers as transformers does."""
-    monkeypatch.setenv("TENSORBUS_CXX", str(tmp_path / "no-such-g++"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
     kernels.reset()
     try:
         assert kernels.load() is None
@@ -163,3 +163,17 @@ def test_without_a_compiler_the_xla_path_serves(monkeypatch, smollm2_dir, smollm
         assert _greedy_together(eng, [ids], 6) == [_hf_greedy(smollm2_hf, ids, 6)]
     finally:
         kernels.reset()
+
+
+def test_auto_measures_the_kernel_beside_the_stored_form(loaded, smollm2_dir):
+    """quant gguf, form auto: both forms are candidates, each bucket gets the one
+    measured faster (the kernel at batch 1 by several times here), and a form no
+    bucket chose is dropped."""
+    eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT,
+                        prefill_buckets=(16,), decode_windows=(), quant="gguf",
+                        forms_cache=None)  # fmt: skip
+    assert eng.form_candidates == ("dequant", "kernel"), kernels.unavailable_reason()
+    choices = eng.select_forms()
+    assert set(choices) == {"step 1", "prefill 16"} and choices["step 1"] == "kernel"
+    assert set(eng._forms) == set(choices.values())
+    assert set(eng.form_ms["step 1"]) == {"dequant", "kernel"}
