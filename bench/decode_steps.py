@@ -16,6 +16,13 @@ cannot reach, such as the lent GPU machine; bench/engine_check.py writes them).
 Compiles happen on first use of each shape and are not timed.
 
     .venv/bin/python -m bench.decode_steps --cases 1x128,16x128 --steps 32
+    .venv/bin/python -m bench.decode_steps --variants none,gguf:dequant,gguf:kernel \
+        --cases 1x64,4x64 --steps 12 --rounds 3
+
+`--variants` (QUANT or QUANT:FORM, comma-separated) builds one engine per variant
+and times them side by side: each case's steps alternate between the engines in
+rounds, and the median over all rounds is reported (a loaded machine's swings fall
+on every variant alike).
     python -m bench.decode_steps --random --dtype bfloat16 --kernels xla,pallas \
         --cases 1x128,16x128,64x128,1x4096,16x4096,64x4096 --out $OUT/decode.json
 """
@@ -141,6 +148,54 @@ def measure(model_dir: Path, args, kernel: str) -> dict:
     return out
 
 
+def _timed_steps(eng, steps: int) -> tuple[list[float], list[float]]:
+    times, cpu = [], []
+    for _ in range(steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return times, cpu
+
+
+def compare(model_dir: Path, args) -> dict:
+    """The variants' engines side by side (see the module docstring)."""
+    from engine.decoder import DecoderEngine
+
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    slots = max(s for s, _ in cases)
+    top = max(c for _, c in cases) + args.steps * args.rounds + 16
+    engines = {}
+    for v in args.variants.split(","):
+        quant, _, form = v.partition(":")
+        engines[v] = DecoderEngine(model_dir, "bench", dtype=args.dtype, slots=slots,
+                                   max_context=top, prefix_cache=False, quant=quant,
+                                   quant_form=form or "auto", forms_cache=None)  # fmt: skip
+        print(json.dumps({"variant": v, "forms": engines[v].form_candidates}), flush=True)
+    out = {"variants": list(engines), "cases": []}
+    for streams, context in cases:
+        got = {v: ([], []) for v in engines}
+        for eng in engines.values():
+            _start(eng, streams, max(1, context - 1))
+            for _ in range(2):  # compiles this shape (not timed) and settles
+                eng.step()
+        for _ in range(args.rounds):
+            for v, eng in engines.items():
+                t, c = _timed_steps(eng, args.steps)
+                got[v][0].extend(t), got[v][1].extend(c)
+        for v, eng in engines.items():
+            ms = 1000 * statistics.median(got[v][0])
+            case = {"variant": v, "streams": streams, "context": context,
+                    "step_ms_p50": round(ms, 2),
+                    "cpu_ms_per_step": round(1000 * statistics.median(got[v][1]), 2),
+                    "tokens_per_s": round(streams * 1000 / ms, 1)}  # fmt: skip
+            out["cases"].append(case)
+            print(json.dumps(case), flush=True)
+            for slot in range(streams):
+                eng.free(slot)
+    return out
+
+
 def main(argv=None) -> dict:
     from bench.harness import parser
 
@@ -154,6 +209,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--quant", default="none", help="stored weights (engine/quant.py)")
     ap.add_argument("--weight-budget-mb", type=int, default=0,
                     help="MB every held weight form may take (0: the float32 size)")
+    ap.add_argument("--variants", default="", help="QUANT[:FORM],...: side by side")
+    ap.add_argument("--rounds", type=int, default=3, help="with --variants")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     from engine import jaxrt
@@ -162,7 +219,9 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = _model_dir(args, Path(tmp))
         doc = {"date": time.strftime("%Y-%m-%d"), "runs": []}
-        for kernel in args.kernels.split(","):
+        if args.variants:
+            doc["runs"].append(compare(model_dir, args))
+        for kernel in [] if args.variants else args.kernels.split(","):
             try:
                 doc["runs"].append(measure(model_dir, args, kernel))
             except Exception as exc:  # noqa: BLE001 - one kernel failing keeps the other's figures

@@ -7,7 +7,10 @@ fastest depends on the backend and on how many rows the matmul has (a batch buck
 - "w8a8": int8 weights with one scale per output channel, activations quantized per
   row inside the step, int8 x int8 -> int32 matmuls (int8 models only);
 - "float": the dequantized weights held as floats in the model dtype (the same
-  numbers at float size; allowed only where the weight budget holds them).
+  numbers at float size; allowed only where the weight budget holds them);
+- "kernel": the stored int8/int4 groups read by engine/kernels' FFI matrix-vector
+  kernel (CPU, float32 models, one device; the same arrays as "dequant", so no
+  memory of its own). Considered where it could be built (docs/decisions/0062).
 
 The engine (engine/decoder/formchoice.py) measures every allowed form at every
 bucket once (`timed`: that bucket's compiled program), keeps the `fastest` per bucket,
@@ -33,7 +36,8 @@ from shared.logging import get_logger
 
 log = get_logger(__name__)
 
-FORMS = ("float", "dequant", "w8a8")
+FORMS = ("float", "dequant", "w8a8", "kernel")
+KERNEL_QUANTS = ("gguf", "int8", "int4")  # quants whose weights the kernel reads
 SETTINGS = ("auto",) + FORMS  # TENSORBUS_QUANT_FORM
 CACHE_NAME = "compute-forms.json"
 
@@ -46,19 +50,75 @@ def check_form(form: str, quant: str) -> str:
         raise ValueError(f"compute form {form!r} needs quantized weights (quant is 'none')")
     if form == "w8a8" and quant != "int8":
         raise ValueError(f"compute form 'w8a8' runs int8 weights only (quant is {quant!r})")
+    if form == "kernel" and quant not in KERNEL_QUANTS:
+        raise ValueError(f"compute form 'kernel' reads int8 and int4 groups (quant is {quant!r})")
     return form
 
 
-def candidates(quant: str, setting: str, sizes: dict[str, int], budget: int) -> tuple[str, ...]:
+def candidates(quant: str, setting: str, sizes: dict[str, int], budget: int,
+               kernel: bool = False) -> tuple[str, ...]:
     """Forms to consider: the forced one, or (auto) those whose weights fit in
-    `budget` bytes next to the stored ones. sizes: form -> bytes of its weights."""
+    `budget` bytes next to the stored ones. sizes: form -> bytes of its weights;
+    kernel: whether the kernel form can run (auto considers it for gguf only)."""
     if quant == "none":
         return ("float",)
+    if setting == "kernel" and not kernel:
+        return ("dequant",)  # engine/kernels logged why
     if setting != "auto":
         return (setting,)
-    possible = FORMS if quant == "int8" else ("float", "dequant")
+    possible = ("float", "dequant", "w8a8") if quant == "int8" else ("float", "dequant")
+    # The kernel first: a bucket runs the first candidate until its forms are
+    # measured (engine/decoder/formchoice.py), and the XLA path's dequantizing step
+    # is several times slower than the kernel's on every bucket measured (0062).
+    possible = (("kernel",) if kernel and quant == "gguf" else ()) + possible
     stored = sizes["dequant"]
-    return tuple(f for f in possible if f == "dequant" or stored + sizes[f] <= budget)
+    return tuple(f for f in possible if f in ("dequant", "kernel") or stored + sizes[f] <= budget)
+
+
+def kernel_usable(quant: str, setting: str, dtype, mesh) -> bool:
+    """Whether the kernel form may run: a quant it reads, float32, one device, and
+    the kernel built and loaded (engine/kernels; compiled here on first use)."""
+    import jax.numpy as jnp
+
+    if quant not in KERNEL_QUANTS or setting not in ("auto", "kernel"):
+        return False
+    if setting == "auto" and quant != "gguf":
+        return False
+    if jnp.dtype(dtype) != jnp.float32 or mesh is not None:
+        return False
+    from engine import kernels
+
+    return kernels.load() is not None
+
+
+def add_forms(trees: dict, quant: str, setting: str, budget: int, dtype, mesh) -> tuple[str, ...]:
+    """A quantized model's candidate forms; adds the "float" and "kernel" trees to
+    `trees` (which holds "dequant", and "w8a8" where loaded) where they are candidates.
+    budget: bytes all forms' weights may take (0: the float32 size)."""
+    from engine import quant as q
+    from engine import sharding
+
+    sizes = {f: q.tree_bytes(t) for f, t in trees.items()}
+    sizes["float"] = q.float_bytes(trees["dequant"], dtype)
+    sizes["kernel"] = 0  # the stored arrays, shared
+    budget = int(budget) or q.float_bytes(trees["dequant"], np.float32)
+    kernel = kernel_usable(quant, setting, dtype, mesh)
+    found = candidates(quant, setting, sizes, budget, kernel)
+    if "float" in found:
+        f = q.dequantize_tree(trees["dequant"], dtype)
+        trees["float"] = f if mesh is None else sharding.place(f, mesh)
+    if "kernel" in found:
+        trees["kernel"] = q.with_compute(trees["dequant"], "kernel")
+    return found
+
+
+def held_bytes(trees: dict) -> int:
+    """Bytes of the distinct arrays the forms' trees hold (the kernel form shares
+    the stored one's)."""
+    import jax
+
+    seen = {id(a): a for t in trees.values() for a in jax.tree.leaves(t)}
+    return int(sum(np.prod(a.shape) * a.dtype.itemsize for a in seen.values()))
 
 
 def cache_path(explicit: str | os.PathLike | None = "") -> Path | None:

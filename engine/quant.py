@@ -33,7 +33,12 @@ matrix, 1 for a [V, E] embedding that is also the lm head), IN split into groups
   fuses the first two into one loop over the weight);
 - "int8" (w8a8 weights only): each activation row is quantized to int8 inside the
   step (symmetric, its own amax / 127), `dot_general` accumulates in int32, and the
-  result is scaled by the row's scale times the channel's.
+  result is scaled by the row's scale times the channel's;
+- "kernel" (int8 and int4 weights, float32 rows, CPU): the FFI matrix-vector kernel
+  of engine/kernels reads the groups, four rows a pass over them. A dense weight
+  (axis 0) is packed for it in tiles of 16 output columns, each tile's bytes
+  contiguous: q [OUT/16, IN (/2), 16], scale and offset [OUT/16, IN/G, 16] (OUT
+  padded with zeros; `n` keeps OUT); an embedding (axis 1) is read as it is.
 """
 
 from __future__ import annotations
@@ -58,12 +63,13 @@ class QWeight:
     axis: int  # the contracted axis of the float weight (static)
     bits: int  # 8 or 4 (static)
     group: int  # inputs per scale (static)
-    compute: str = "dequant"  # "dequant" | "int8" (static; see the module docstring)
+    compute: str = "dequant"  # "dequant" | "int8" | "kernel" (static; see the module docstring)
+    n: int = 0  # "kernel", axis 0: output columns (q, scale, offset packed by `with_compute`)
 
 
 jax.tree_util.register_dataclass(
     QWeight, data_fields=["q", "scale", "offset"],
-    meta_fields=["axis", "bits", "group", "compute"],
+    meta_fields=["axis", "bits", "group", "compute", "n"],
 )  # fmt: skip
 
 
@@ -144,8 +150,16 @@ def _int8_dot(x, w: QWeight):
     return acc.astype(jnp.float32) * sx * sw
 
 
+def _kernel_dot(x, w: QWeight):
+    from engine import kernels
+
+    return kernels.matvec(x, w.q, w.scale, w.offset, w.axis, w.bits, w.group, w.n)
+
+
 def matmul(x, w: QWeight, precision=None):
     """x: [N, IN] @ w: [IN, OUT] (contracted over axis 0) -> [N, OUT] in x's dtype."""
+    if w.compute == "kernel":
+        return _kernel_dot(x, w).astype(x.dtype)
     if w.compute == "int8":
         return _int8_dot(x, w).astype(x.dtype)
     return jnp.matmul(x, dequantize(w, x.dtype), precision=precision)
@@ -153,6 +167,8 @@ def matmul(x, w: QWeight, precision=None):
 
 def unembed(h, w: QWeight, precision=None):
     """h: [N, E], w: [V, E] (contracted over axis 1) -> [N, V] float32"""
+    if w.compute == "kernel":
+        return _kernel_dot(h, w)
     if w.compute == "int8":
         return _int8_dot(h, w)
     return jnp.einsum("ne,ve->nv", h, dequantize(w, h.dtype),
@@ -186,6 +202,32 @@ def quantize_tree(tree: dict, mode: str | dict[str, tuple[str, int]], axes: dict
         return node
 
     return walk(tree)
+
+
+TILE = 16  # output columns per tile of a dense weight packed for the kernel
+
+
+def _tiles(a, n: int):
+    """[R, N] -> [ceil(N / 16), R, 16], the columns past N zero."""
+    a = jnp.pad(jnp.asarray(a), ((0, 0), (0, -n % TILE)))
+    return a.reshape(a.shape[0], -1, TILE).transpose(1, 0, 2)
+
+
+def with_compute(tree, compute: str):
+    """The tree with every int8 and int4 QWeight's `compute` set to `compute` (fp8
+    weights keep theirs); "kernel" packs the dense ones (see the module docstring;
+    the embeddings' arrays are shared)."""
+    def one(w):
+        if not isinstance(w, QWeight) or w.q.dtype not in (jnp.int8, jnp.uint8):
+            return w
+        if compute != "kernel" or w.axis != 0 or w.q.ndim != 2:
+            return dataclasses.replace(w, compute=compute)
+        n = w.q.shape[1]
+        offset = None if w.offset is None else _tiles(w.offset, n)
+        return QWeight(_tiles(w.q, n), _tiles(w.scale, n), offset, 0, w.bits, w.group,
+                       compute, n)  # fmt: skip
+
+    return jax.tree.map(one, tree, is_leaf=is_qweight)
 
 
 def dequantize_tree(tree, dtype):

@@ -61,7 +61,6 @@ from engine.decoder.kvcache import (
     cache_bytes,
     init_decode_state,
 )
-from engine.decoder.model import param_bytes
 from engine.decoder.programs import Programs, lower_weakly
 from engine.decoder.slots import PendingStep, slot_sampling
 from engine.decoder.speculative import SpeculativeSlots
@@ -167,7 +166,7 @@ class DecoderEngine(FormChoice, SpeculativeSlots):
         self._init_speculation(speculative, out)
         self.programs = Programs(name)
         self.step_counts: dict[int, int] = {}  # batch bucket -> decode steps run at it
-        self.weight_bytes = sum(param_bytes(t) for t in self._forms.values())
+        self.weight_bytes = forms.held_bytes(self._forms)
         log.info(
             "decoder_loaded", model=name, family=self.cfg.family, dtype=self._dtype,
             quant=self.quant, forms=list(self._forms), devices=self.devices,

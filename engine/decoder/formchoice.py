@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.decoder.model import param_bytes
 from shared.logging import get_logger
 
 log = get_logger(__name__)
@@ -44,7 +43,7 @@ class FormChoice:
     def _load_forms(self, budget: int, cache, weights_cache) -> None:
         """Weights in every compute form this engine may run (engine/forms.py); until
         `warmup` every bucket runs the forced form, or the stored one."""
-        from engine import forms, prepared, quant, sharding
+        from engine import forms, prepared
         from engine.decoder.model import load_param_forms
 
         want = ("float",) if self.quant == "none" else ("dequant",)
@@ -52,14 +51,9 @@ class FormChoice:
             want += ("w8a8",)
         trees = load_param_forms(self.model_dir, self.cfg, self._jdtype, self.quant, want,
                                  self._mesh, prepared.directory(weights_cache))  # fmt: skip
-        sizes = {f: param_bytes(t) for f, t in trees.items()}
         if self.quant != "none":
-            sizes["float"] = quant.float_bytes(trees["dequant"], self._jdtype)
-            budget = int(budget) or quant.float_bytes(trees["dequant"], np.float32)
-            self.form_candidates = forms.candidates(self.quant, self.quant_form, sizes, budget)
-            if "float" in self.form_candidates:
-                f = quant.dequantize_tree(trees["dequant"], self._jdtype)
-                trees["float"] = f if self._mesh is None else sharding.place(f, self._mesh)
+            self.form_candidates = forms.add_forms(trees, self.quant, self.quant_form, budget,
+                                                   self._jdtype, self._mesh)  # fmt: skip
         else:
             self.form_candidates = ("float",)
         self._forms = {f: t for f, t in trees.items() if f in self.form_candidates}
@@ -270,7 +264,7 @@ class FormChoice:
         used = set(self.compute_forms.values())
         self._forms = {f: t for f, t in self._forms.items() if f in used}
         self.params = self._params_for(f"step {self.batches[-1]}")
-        self.weight_bytes = sum(param_bytes(t) for t in self._forms.values())
+        self.weight_bytes = forms.held_bytes(self._forms)
         self.programs.drop(self._keeps)
         self._log_forms()
 

@@ -1,0 +1,130 @@
+"""CPU kernels reached from JAX through the XLA FFI: today one, a matrix-vector
+product over integer weight groups (gguf_matvec.cc; docs/decisions/0062).
+
+The source is compiled on first use (`load`) with the system's g++ for this
+machine's CPU (-O3 -march=native) into a cache folder keyed by a hash of the source,
+the compiler ($CXX, else g++) and the CPU's flags, loaded with ctypes and registered as an FFI target.
+Where that cannot be done (not on CPU, no compiler, a failed build) `load` returns
+None, says why once in the log, and the engine keeps its XLA path. Importing this
+module compiles nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from shared.logging import get_logger
+
+log = get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("gguf_matvec.cc")
+TARGET = "tensorbus_gguf_matvec"
+COMPILER = "g++"  # the CXX environment variable overrides, as in make
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib" once loaded, "why" once refused
+_registered: list = []  # the library whose FFI target this process registered (one only)
+
+
+def compiler() -> str | None:
+    """The C++ compiler's path: $CXX (a name or a path), else g++ on PATH; None: none."""
+    return shutil.which(os.environ.get("CXX") or COMPILER)
+
+
+def cache_dir() -> Path:
+    """Beside the JAX compilation cache when one is set, else ~/.cache/tensorbus."""
+    base = jax.config.jax_compilation_cache_dir
+    root = Path(base) if base else Path.home() / ".cache" / "tensorbus"
+    return root / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(cxx: str) -> Path:
+    """The shared library for this source, compiler and CPU (built if not cached)."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True,
+                             timeout=30).stdout  # fmt: skip
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), cxx, version, " ".join(FLAGS),
+                                    _cpu_flags(), jax.__version__]).encode()).hexdigest()[:20]
+    out = cache_dir() / f"gguf_matvec-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    log.info("kernel_compiling", kernel=SOURCE.name, compiler=cxx, into=str(out))
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+    os.replace(tmp, out)  # atomically: another worker may be building the same
+    return out
+
+
+def load():
+    """The loaded kernel library (its FFI target registered), or None with the
+    reason logged once: not on CPU, no compiler, or the build failed."""
+    with _lock:
+        if "lib" in _state or "why" in _state:
+            return _state.get("lib")
+        try:
+            if jax.default_backend() != "cpu":
+                raise RuntimeError(f"the backend is {jax.default_backend()}, not cpu")
+            cxx = compiler()
+            if cxx is None:
+                raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or COMPILER})")
+            path = _build(cxx)
+            if not _registered:  # a target name is registered once per process
+                lib = ctypes.cdll.LoadLibrary(str(path))
+                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TensorbusGgufMatvec),
+                                            platform="cpu")  # fmt: skip
+                _registered.append(lib)
+            lib = _state["lib"] = _registered[0]
+            log.info("kernel_loaded", kernel=TARGET, avx2=bool(lib.tensorbus_kernel_has_avx2()))
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+            _state["why"] = str(e)
+            log.warning("kernel_unavailable", kernel=TARGET, reason=str(e),
+                        fallback="the XLA matmul")  # fmt: skip
+        return _state.get("lib")
+
+
+def unavailable_reason() -> str | None:
+    return _state.get("why")  # type: ignore[return-value]
+
+
+def reset() -> None:
+    """Forget the last outcome (tests): the next `load` tries again (a target
+    already registered stays so)."""
+    with _lock:
+        _state.clear()
+
+
+def matvec(x, q, scale, offset, axis: int, bits: int, group: int, n: int = 0):
+    """x: [B, K] float32 -> [B, N] float32 = x @ w, w the weight `q`, `scale`,
+    `offset` (None: symmetric) hold (engine/quant.py's layout for the kernel,
+    contracted over `axis`: 0 for [K, N] packed in tiles of 16 columns, N = `n`;
+    1 for [N, K]). Needs `load()` to have succeeded."""
+    n = n if axis == 0 else q.shape[0]
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
+                            vmap_method="broadcast_all")  # fmt: skip
+    off = scale if offset is None else offset
+    return call(x.astype(jnp.float32), q, scale, off, bits=np.int64(bits),
+                group=np.int64(group), axis=np.int64(axis), has_offset=offset is not None)

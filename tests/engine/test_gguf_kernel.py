@@ -1,0 +1,179 @@
+"""The FFI matrix-vector kernel over int8/int4 groups (engine/kernels): its sums
+against numpy's product with the weights dequantized in numpy from the same groups,
+SmolLM2 served with it against transformers on the same GGUF file, and the XLA path
+taking over where the kernel cannot be built."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from engine import kernels, quant
+from engine.decoder import DecoderEngine
+from engine.decoder.model import prompt_logits
+from engine.decoder.static import prefill_insert
+from shared import catalog
+from shared.messages import Sampling
+
+GREEDY = Sampling(temperature=0.0)
+CONTEXT = 64
+
+
+def _numpy_weight(qw: quant.QWeight) -> np.ndarray:
+    """The float weight, in float64, from the stored groups (numpy only)."""
+    q = np.moveaxis(np.asarray(qw.q), qw.axis, -1)
+    if qw.bits == 4:
+        q = np.stack([q & 0xF, q >> 4], axis=-1).reshape(q.shape[:-1] + (-1,))
+    v = q.astype(np.float64).reshape(q.shape[:-1] + (-1, qw.group))
+    v = v * np.moveaxis(np.asarray(qw.scale, np.float64), qw.axis, -1)[..., None]
+    if qw.offset is not None:
+        v = v + np.moveaxis(np.asarray(qw.offset, np.float64), qw.axis, -1)[..., None]
+    return np.moveaxis(v.reshape(q.shape), -1, qw.axis)
+
+
+def _check(qw: quant.QWeight, x: np.ndarray) -> None:
+    """The kernel's [B, N] (the weight as the engine stores it, packed for the
+    kernel) against x @ w (w as [K, N]) in float64, to float32 rounding of sums of
+    that size: relative to sum |x| |w|."""
+    w = _numpy_weight(qw)
+    w = w if qw.axis == 0 else w.T
+    kw = quant.with_compute({"w": jax.tree.map(jnp.asarray, qw)}, "kernel")["w"]
+    assert kw.compute == "kernel" and (kw.q.ndim == 3) == (qw.axis == 0)
+    got = np.asarray(jax.jit(lambda x, w: quant.matmul(x, w) if w.axis == 0
+                             else quant.unembed(x, w))(x, kw))  # fmt: skip
+    ref = x.astype(np.float64) @ w
+    bound = np.abs(x).astype(np.float64) @ np.abs(w)
+    assert got.shape == ref.shape and got.dtype == np.float32
+    assert np.max(np.abs(got - ref) / bound) < 2e-6
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    kernels.reset()
+    assert kernels.load() is not None, kernels.unavailable_reason()
+
+
+@pytest.mark.parametrize("mode,axis,k,n,group", [
+    ("int4", 0, 64, 40, 32), ("int4", 0, 96, 13, 8), ("int4", 0, 48, 1, 16),
+    ("int8", 0, 96, 21, 32), ("int8", 0, 40, 7, 40), ("int8", 1, 72, 19, 24),
+    ("int8", 1, 36, 5, 12), ("int4", 1, 64, 11, 16), ("int4", 1, 48, 9, 8),
+    ("int4", 0, 576, 960, 32), ("int8", 1, 576, 4099, 32),
+])  # fmt: skip
+def test_kernel_equals_numpy_on_random_groups(loaded, mode, axis, k, n, group):
+    """Odd column counts (the 8-wide loop's tail), groups too small for it, one
+    output, B = 1..4 and past 4 (a second pass over the weights)."""
+    rng = np.random.default_rng(k * n + axis)
+    w = rng.standard_normal((k, n) if axis == 0 else (n, k)).astype(np.float32)
+    qw = quant.quantize(w, mode, axis, group)
+    for b in (1, 2, 3, 4, 6):
+        _check(qw, rng.standard_normal((b, k)).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def stored(smollm2_dir):
+    """SmolLM2's gguf-mode weights as stored (the XLA path's form)."""
+    from engine.decoder.config import load_config
+    from engine.decoder.model import load_params
+
+    return load_params(smollm2_dir, load_config(smollm2_dir), jnp.float32, "gguf")
+
+
+@pytest.fixture(scope="module")
+def engine(loaded, smollm2_dir, jax_cache_dir):
+    from engine import jaxrt
+
+    jaxrt.setup(jax_cache_dir)
+    eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=4, max_context=CONTEXT,
+                        prefill_buckets=(32,), decode_windows=(), quant="gguf",
+                        quant_form="kernel", forms_cache=None)  # fmt: skip
+    assert eng.form_candidates == ("kernel",)
+    return eng
+
+
+def test_kernel_reads_smollm2s_own_blocks(loaded, stored):
+    """The file's Q4_1 layers (cols) and Q8_0 tied head (rows), real weights."""
+    params = stored
+    rng = np.random.default_rng(1)
+    lp = params["layers"][7]
+    for name, k in (("qkv_w", 576), ("down_w", 1536)):
+        assert lp[name].bits == 4 and lp[name].group == 32
+        _check(lp[name], rng.standard_normal((3, k)).astype(np.float32))
+    assert params["embed"].bits == 8 and params["embed"].axis == 1
+    _check(params["embed"], rng.standard_normal((4, 576)).astype(np.float32))
+
+
+def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                             dtype=torch.long), max_new_tokens=n, do_sample=False)  # fmt: skip
+    return out[0, len(ids):].tolist()
+
+
+def _greedy_together(eng, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """All prompts decoded at once (one step serves every live row)."""
+    outs = [[prefill_insert(eng, slot, ids, GREEDY, 0)] for slot, ids in enumerate(prompts)]
+    while len(outs[0]) < n:
+        step = eng.step()
+        for slot, out in enumerate(outs):
+            out.append(int(step[slot]))
+    for slot in range(len(prompts)):
+        eng.free(slot)
+    return outs
+
+
+def test_greedy_with_the_kernel_equals_transformers(engine, smollm2_hf, smollm2_hf_tokenizer):
+    """One stream (batch bucket 1), then three at once (bucket 4), 12 tokens each."""
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    prompts = [smollm2_hf_tokenizer(t)["input_ids"] for t in texts]
+    theirs = [_hf_greedy(smollm2_hf, ids, 12) for ids in prompts]
+    assert _greedy_together(engine, prompts[:1], 12) == theirs[:1]
+    assert _greedy_together(engine, prompts, 12) == theirs
+    assert engine.step_counts.get(4, 0) > 0 and engine.step_counts.get(1, 0) > 0
+
+
+def test_prompt_logits_with_the_kernel_equal_the_xla_path(engine, stored, smollm2_hf_tokenizer):
+    """32 positions through the kernel (eight passes of four rows) against the
+    dequantizing XLA path on the same arrays, within test_quant's tolerance."""
+    ids = smollm2_hf_tokenizer("The history of the Roman Empire spans more than a "
+                               "thousand years, from the founding of Rome")["input_ids"]  # fmt: skip
+    tokens = np.asarray((ids * 4)[:32], np.int32)
+    cfg = engine.cfg
+    kern, xla = engine._forms["kernel"], stored
+    f = jax.jit(lambda p, t: prompt_logits(p, cfg, t))
+    np.testing.assert_allclose(f(kern, tokens), f(xla, tokens), rtol=0, atol=2e-3)
+
+
+def test_without_a_compiler_the_xla_path_serves(monkeypatch, smollm2_dir, smollm2_hf,
+                                                 smollm2_hf_tokenizer, tmp_path):  # fmt: skip
+    """A compiler path that does not exist: the kernel is refused with the reason,
+    auto keeps the stored form, and the model still answers as transformers does."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    kernels.reset()
+    try:
+        assert kernels.load() is None
+        assert "no C++ compiler" in kernels.unavailable_reason()
+        eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT,
+                            prefill_buckets=(32,), decode_windows=(), quant="gguf",
+                            quant_form="kernel", forms_cache=None)  # fmt: skip
+        assert eng.form_candidates == ("dequant",)
+        ids = smollm2_hf_tokenizer("The capital of France is")["input_ids"]
+        assert _greedy_together(eng, [ids], 6) == [_hf_greedy(smollm2_hf, ids, 6)]
+    finally:
+        kernels.reset()
+
+
+def test_auto_measures_the_kernel_beside_the_stored_form(loaded, smollm2_dir):
+    """quant gguf, form auto: both forms are candidates, each bucket gets the one
+    measured faster (the kernel at batch 1 by several times here), and a form no
+    bucket chose is dropped."""
+    eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT,
+                        prefill_buckets=(16,), decode_windows=(), quant="gguf",
+                        forms_cache=None)  # fmt: skip
+    assert eng.form_candidates == ("kernel", "dequant"), kernels.unavailable_reason()
+    choices = eng.select_forms()
+    assert set(choices) == {"step 1", "prefill 16"} and choices["step 1"] == "kernel"
+    assert set(eng._forms) == set(choices.values())
+    assert set(eng.form_ms["step 1"]) == {"dequant", "kernel"}
