@@ -246,6 +246,8 @@ class FormChoice:
     def _settle(self, at_once: bool = False) -> None:
         """Switch the buckets whose choice may run now; once every bucket runs its
         choice, drop the forms (weights, programs) nothing runs."""
+        from engine import forms
+
         switched = [b for b in self._pending() if at_once or self._switchable(b)]
         for bucket in switched:
             self.compute_forms[bucket] = self._winners[bucket]
