@@ -74,7 +74,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 INLINE_TOKENIZE = 2_048  # bodies up to this many bytes are tokenized on the event loop
 # (a 6 KB body of eight long inputs takes the tokenizer about a millisecond: on the
 # loop, a burst's first admitted requests would hold every refusal behind them)
-MAX_SUBMITS = 3  # a retryable call is submitted at most this many times
+MAX_SUBMITS = 3  # a retryable call is sent again at most this many times after a lost path
+NO_SCHEDULER_TRIES = 10  # ... and after "no responders" while a scheduler reports
 USER_HEADER = "Tensorbus-User"  # sticky canary key for clients that cannot set `user`
 MAX_USER = 256
 
@@ -229,20 +230,27 @@ class Frontend:
             if not self.nc.is_connected:
                 await self.reconnected(deadline)
             await self.submit(work, reply)
-            for attempt in range(MAX_SUBMITS):
+            lost = absent = 0  # submissions sent again after a lost path, after none heard
+            while True:
                 try:
                     return await self.inbox.next_result(q, rid, out)
                 except PathLost:  # this gateway's path, or its scheduler's, dropped
+                    if lost == MAX_SUBMITS:
+                        raise
+                    lost += 1
                     await self.reconnected(deadline)
                     why = "connection_lost"
                 except NoScheduler:  # none subscribed: one between servers comes back?
-                    if attempt == MAX_SUBMITS - 1 or not await self.schedulers.back(deadline):
+                    # Nobody received it, so sending it again duplicates nothing: at
+                    # each report of a scheduler within the deadline, a few times (its
+                    # interest may reach this gateway's server after its report).
+                    if absent == NO_SCHEDULER_TRIES or not await self.schedulers.back(deadline):
                         raise
+                    absent += 1
                     why = "no_scheduler"
                 log.warning("request_retried", wire_id=rid, reason=why)
                 self.retried += 1
                 await self.submit(work, reply)
-            return await self.inbox.next_result(q, rid, out)
         finally:
             waiting[model] -= 1
             self.inbox.close(rid)
