@@ -6,11 +6,13 @@ cd "$(dirname "$0")/.."
 scripts/bootstrap.sh dev
 # Debian packages some tests run: a real Prometheus for the metrics tests
 # (tests/support/prometheus.py), buildah and debootstrap to build and run the image
-# (tests/deploy/test_image.py).
+# (tests/deploy/test_image.py), g++ for the CPU kernel over GGUF blocks
+# (engine/kernels, tests/engine/test_gguf_kernel.py).
 need=()
 [ -x /usr/bin/prometheus ] || command -v prometheus >/dev/null || need+=(prometheus)
 command -v buildah >/dev/null || need+=(buildah)
 command -v debootstrap >/dev/null || need+=(debootstrap)
+command -v "${CXX:-g++}" >/dev/null || need+=(g++)
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
         echo "installing ${need[*]} (Debian packages) for the tests ..." >&2
