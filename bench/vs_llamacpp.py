@@ -42,22 +42,43 @@ QUESTION = "Write a short story about a lighthouse keeper who finds a message in
 
 
 async def one_stream(client, url: str, model: str, max_tokens: int) -> dict:
+    """One streamed request, sent once more if the connection dropped before its first
+    token: llama-server (cpp-httplib) closes a kept-alive connection after a few
+    requests, and a request that raced that close never reached it."""
+    import httpx
+
+    try:
+        return await _one_stream(client, url, model, max_tokens)
+    except httpx.TransportError as exc:
+        if getattr(exc, "first_token", False):
+            raise
+        res = await _one_stream(client, url, model, max_tokens)
+        return {**res, "resent": 1}
+
+
+async def _one_stream(client, url: str, model: str, max_tokens: int) -> dict:
+    import httpx
+
     body = {"model": model, "messages": [{"role": "user", "content": QUESTION}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     t0 = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
-                arrivals.append(time.perf_counter())
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if any((c.get("delta") or {}).get("content") for c in chunk.get("choices", [])):
+                    arrivals.append(time.perf_counter())
+    except httpx.TransportError as exc:
+        exc.first_token = bool(arrivals)  # a stream cut after its start is not resent
+        raise
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     return {"tokens": tokens, "ttft": arrivals[0] - t0 if arrivals else 0.0, "gaps": gaps,
             "seconds": time.perf_counter() - t0}
@@ -80,12 +101,14 @@ async def load(url: str, model: str, concurrency: int, seconds: float, max_token
         await asyncio.gather(*(loop() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in results)
+    resent = sum(r.get("resent", 0) for r in results)
     gaps = [g for r in results for g in r["gaps"]]
     ttfts = [r["ttft"] for r in results]
     return {"concurrency": concurrency, "requests": len(results), "tokens": tokens,
             "tokens_per_s": round(tokens / wall, 1),
             "ttft_p50_ms": pct_ms(ttfts, 50, 1),
-            "itl_p50_ms": pct_ms(gaps, 50, 1), "itl_p99_ms": pct_ms(gaps, 99, 1)}
+            "itl_p50_ms": pct_ms(gaps, 50, 1), "itl_p99_ms": pct_ms(gaps, 99, 1),
+            "resent": resent}
 
 
 # ------------------------------------------------------------------ servers

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # the engines themselves are imported when one is built
 
 ENGINES = ("jax", "torch")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTS = ("none", "int8", "int4", "fp8", "gguf")  # engine/quant.py; gguf: the file's own blocks
+QUANTS = ("auto", "none", "int8", "int4", "fp8", "gguf")  # engine/quant.py; gguf: the file's own blocks
 
 
 def _per_model(config: Config, name: str, model: str, default: str) -> str:
@@ -36,7 +36,7 @@ def _per_model(config: Config, name: str, model: str, default: str) -> str:
 def parallel_settings(config: Config, model: str) -> tuple[int, str]:
     """(tensor parallel degree, quantization) for `model`; exits 78 on a bad value."""
     tp_text = _per_model(config, "tensor_parallel", model, "1")
-    quant = _per_model(config, "quant", model, "none")
+    quant = _per_model(config, "quant", model, "auto")
     try:
         tp = int(tp_text)
     except ValueError:
@@ -56,6 +56,9 @@ def form_settings(config: Config, model: str, kind: str) -> tuple[str, int]:
     _, quant = parallel_settings(config, model)
     form = _per_model(config, "quant_form", model, "auto")
     budget_text = _per_model(config, "weight_budget_mb", model, "0")
+    if quant == "auto" and form in forms.FORMS:
+        raise bad_config(f"TENSORBUS_QUANT_FORM={form!r} for {model}: a forced form needs "
+                         f"quantized weights named in TENSORBUS_QUANT (it is 'auto')")  # fmt: skip
     try:
         forms.check_form(form, quant)
     except ValueError as exc:
@@ -95,6 +98,31 @@ def _check_gguf_blocks(info: catalog.ModelInfo) -> None:
         gguf_blocks(info.path, load_config(info.path))
     except ValueError as exc:
         raise bad_config(f"TENSORBUS_QUANT='gguf' for {info.name}: {exc}") from None
+
+
+def resolve_quant(quant: str, info: catalog.ModelInfo, engine: str, dtype: str, tp: int) -> str:
+    """The stored weights to build: `quant` itself unless it is "auto", the default,
+    which keeps a GGUF decoder's own blocks ("gguf") where the CPU kernel reads them
+    (the jax engine, float32, one device, the kernel built here) and holds float
+    weights ("none") everywhere else: on a GPU, without a C++ compiler (the image),
+    for a file whose block types the engine does not keep, and for every encoder.
+    Without the kernel the blocks run through XLA's dequantizing matmul, several times
+    slower than float32 (docs/decisions/0062)."""
+    if quant != "auto":
+        return quant
+    if info.kind != "decoder" or engine != "jax" or dtype != "float32" or tp != 1:
+        return "none"
+    from engine.decoder.config import load_config
+    from engine.decoder.model import gguf_blocks
+
+    try:
+        if not gguf_blocks(info.path, load_config(info.path)):
+            return "none"  # a float file: nothing to keep
+    except ValueError:
+        return "none"
+    from engine import kernels
+
+    return "gguf" if kernels.load() is not None else "none"
 
 
 def check_encoder(info: catalog.ModelInfo) -> None:
@@ -185,7 +213,7 @@ def engine_settings(config: Config, model: str,
     if engine == "torch" and importlib.util.find_spec("torch") is None:
         raise bad_config(f"TENSORBUS_ENGINE=torch for {model}: torch is not installed here "
                          f"(the image leaves it out: pip install torch==2.13.0)")
-    if engine == "torch" and (tp > 1 or quant != "none"):
+    if engine == "torch" and (tp > 1 or quant not in ("none", "auto")):
         raise bad_config(f"{model}: the torch engine runs on one device with float weights; "
                          f"TENSORBUS_TENSOR_PARALLEL={tp} and TENSORBUS_QUANT={quant!r} need "
                          f"TENSORBUS_ENGINE=jax")  # fmt: skip
@@ -210,7 +238,8 @@ def build_engine(config: Config, info: catalog.ModelInfo) -> Engine:
     backend, dtype = engine_settings(config, info.name, info)
     tp, quant = parallel_settings(config, info.name)
     form, budget = form_settings(config, info.name, info.kind)
-    jaxrt.setup(str(Path(config.data_dir) / "jax-cache"))
+    jaxrt.setup(str(Path(config.data_dir) / "jax-cache"))  # before the kernel's cache dir is read
+    quant = resolve_quant(quant, info, backend, dtype, tp)
     try:
         return _build(config, info, backend, dtype, tp, quant, form, budget)
     except ShardingError as exc:  # e.g. fewer devices than asked for

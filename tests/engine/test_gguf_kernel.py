@@ -64,11 +64,11 @@ def loaded():
 ])  # fmt: skip
 def test_kernel_equals_numpy_on_random_groups(loaded, mode, axis, k, n, group):
     """Odd column counts (the 8-wide loop's tail), groups too small for it, one
-    output, B = 1..4 and past 4 (a second pass over the weights)."""
+    output, B = 1..4 and past 4 (more passes over the weights, a shorter last one)."""
     rng = np.random.default_rng(k * n + axis)
     w = rng.standard_normal((k, n) if axis == 0 else (n, k)).astype(np.float32)
     qw = quant.quantize(w, mode, axis, group)
-    for b in (1, 2, 3, 4, 6):
+    for b in (1, 2, 3, 4, 5, 6, 7, 13):
         _check(qw, rng.standard_normal((b, k)).astype(np.float32))
 
 
@@ -177,3 +177,25 @@ def test_auto_measures_the_kernel_beside_the_stored_form(loaded, smollm2_dir):
     assert set(choices) == {"step 1", "prefill 16"} and choices["step 1"] == "kernel"
     assert set(eng._forms) == set(choices.values())
     assert set(eng.form_ms["step 1"]) == {"dequant", "kernel"}
+
+
+def test_speculation_through_the_kernel_equals_transformers(loaded, smollm2_dir, smollm2_hf,
+                                                            smollm2_hf_tokenizer, jax_cache_dir):  # fmt: skip
+    """Prompt-lookup drafts verified through the kernel (a step of 1 + 3 rows): the
+    same greedy tokens as transformers, with drafts accepted on a repeating prompt."""
+    from engine import jaxrt
+
+    jaxrt.setup(jax_cache_dir)
+    eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT,
+                        prefill_buckets=(32,), decode_windows=(), quant="gguf",
+                        quant_form="kernel", forms_cache=None, speculative=3)  # fmt: skip
+    ids = smollm2_hf_tokenizer("The cat sat on the mat. The dog sat on the rug. "
+                               "The cat sat on the mat. The dog")["input_ids"]  # fmt: skip
+    n = 16
+    out = [prefill_insert(eng, 0, ids, GREEDY, 0)]
+    while len(out) < n:
+        pending = eng.step_async()
+        out += [int(pending.result()[0])] + pending.more.get(0, [])
+    eng.free(0)
+    assert out[:n] == _hf_greedy(smollm2_hf, ids, n)
+    assert eng.spec_stats.accepted > 0

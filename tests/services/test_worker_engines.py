@@ -69,9 +69,10 @@ def test_engine_setting_picks_the_decoder_backend_per_model(tmp_path):
     ({"TENSORBUS_MODEL": catalog.SMOLLM2, "TENSORBUS_TENSOR_PARALLEL": "1,smollm2-135m-instruct=2"},
      "cannot split 9 query heads, 3 kv heads into 2 equal parts"),
     ({"TENSORBUS_TENSOR_PARALLEL": "two"}, "TENSORBUS_TENSOR_PARALLEL='two'"),
-    ({"TENSORBUS_QUANT": "none,all-MiniLM-L6-v2=fp4"}, "use one of none, int8, int4, fp8"),
+    ({"TENSORBUS_QUANT": "none,all-MiniLM-L6-v2=fp4"}, "use one of auto, none, int8, int4, fp8"),
     ({"TENSORBUS_QUANT": "int4", "TENSORBUS_QUANT_FORM": "w8a8"}, "runs int8 weights only"),
-    ({"TENSORBUS_QUANT_FORM": "dequant"}, "needs quantized weights"),
+    ({"TENSORBUS_QUANT": "none", "TENSORBUS_QUANT_FORM": "dequant"}, "needs quantized weights"),
+    ({"TENSORBUS_QUANT_FORM": "kernel"}, "needs quantized weights named in TENSORBUS_QUANT"),
     ({"TENSORBUS_QUANT_FORM": "fast"}, "use one of auto, float, dequant, w8a8"),
     ({"TENSORBUS_WEIGHT_BUDGET_MB": "-5"}, "TENSORBUS_WEIGHT_BUDGET_MB='-5'"),
     ({"TENSORBUS_QUANT": "gguf"}, "encoders are not read from GGUF"),
@@ -101,6 +102,37 @@ def test_quantized_and_split_settings_reach_the_jax_engine(tmp_path):
     with pytest.raises(SystemExit) as exit_info:  # one CPU device in this process
         build_engine(cfg.with_(tensor_parallel="2"), info)
     assert exit_info.value.code == EX_CONFIG
+
+
+def test_auto_quant_keeps_gguf_blocks_only_where_the_kernel_reads_them(monkeypatch, tmp_path,
+                                                                      smollm2_dir):  # fmt: skip
+    """The default (auto) serves a GGUF decoder from its own blocks through the CPU
+    kernel, and float weights wherever the kernel cannot read them: another engine,
+    dtype or device count, a float file, an encoder, or no compiler (the image)."""
+    from engine import kernels
+    from services.worker.engines import parallel_settings, resolve_quant
+    from tests.support.tiny_models import build
+
+    assert parallel_settings(Config.from_env({}), catalog.SMOLLM2) == (1, "auto")
+    smol = catalog.describe(catalog.SMOLLM2, smollm2_dir)
+    build("llama", tmp_path / "tiny", positions=32)
+    tiny = catalog.describe("tiny", tmp_path / "tiny")
+    minilm = catalog.resolve(catalog.ENCODER)
+    kernels.reset()
+    try:
+        assert resolve_quant("auto", smol, "jax", "float32", 1) == "gguf"
+        for engine, dtype, tp in [("torch", "float32", 1), ("jax", "bfloat16", 1),
+                                  ("jax", "float32", 2)]:  # fmt: skip
+            assert resolve_quant("auto", smol, engine, dtype, tp) == "none"
+        assert resolve_quant("auto", tiny, "jax", "float32", 1) == "none"
+        assert resolve_quant("auto", minilm, "jax", "float32", 1) == "none"
+        assert resolve_quant("int8", tiny, "jax", "float32", 1) == "int8"  # named: kept
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+        kernels.reset()
+        assert resolve_quant("auto", smol, "jax", "float32", 1) == "none"
+        assert resolve_quant("gguf", smol, "jax", "float32", 1) == "gguf"  # named: kept
+    finally:
+        kernels.reset()
 
 
 def test_speculation_setting_reaches_the_jax_engine_per_model(tmp_path):
