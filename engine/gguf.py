@@ -75,43 +75,68 @@ def unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _tensor_data(path: str | Path, header: Header):
+    """(name, ggml type, data) per tensor: views of one memory map of the file, laid
+    out as `gguf.quants.dequantize` takes them (F32 / F16 typed in [out, in] order,
+    every other type as rows of bytes). From shared/gguf.py's header: the gguf
+    package's reader builds every metadata field first (the whole vocabulary), seconds
+    of a cold start."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    align = int(header.metadata.get("general.alignment", 32))
+    start = -(-header.size // align) * align  # the data section, aligned
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, (shape, kind) in header.tensors.items():
+        qtype = GGMLQuantizationType(kind)
+        block, size = GGML_QUANT_SIZES[qtype]
+        at = start + header.offsets[name]
+        raw = mm[at : at + int(np.prod(shape)) * size // block]
+        if qtype == GGMLQuantizationType.F32:
+            data = raw.view(np.float32).reshape(shape)
+        elif qtype == GGMLQuantizationType.F16:
+            data = raw.view(np.float16).reshape(shape)
+        else:
+            data = raw.reshape(quant_shape_to_byte_shape(shape, qtype))
+        yield name, qtype, data
+
+
 def load_weights(path: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of the file, dequantized to float32, under Hugging Face names."""
     import numpy as np
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     header = read_header(path)
     cfg = hf_config(header)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     permuted = header.architecture in _PERMUTED
-    reader = GGUFReader(str(path))
     out: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
-        if tensor.name == "rope_freqs.weight":  # the config's rope_scaling (shared.gguf)
+    for gguf_name, qtype, data in _tensor_data(path, header):
+        if gguf_name == "rope_freqs.weight":  # the config's rope_scaling (shared.gguf)
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(gguf_name)
         if name is None:
-            raise GGUFError(f"{path}: tensor {tensor.name!r} has no Llama counterpart")
-        # [out, in] (numpy order); a plain F32 tensor comes back as a view of the file
-        w = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if permuted and tensor.name.endswith(("attn_q.weight", "attn_q.bias")):
+            raise GGUFError(f"{path}: tensor {gguf_name!r} has no Llama counterpart")
+        # [out, in] (numpy order); copied out of the file's map
+        w = np.array(dequantize(data, qtype), dtype=np.float32)
+        if permuted and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rows(w, heads)
-        elif permuted and tensor.name.endswith(("attn_k.weight", "attn_k.bias")):
+        elif permuted and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rows(w, kv_heads)
         out[name] = w
-    del reader  # its memory map closes with it
     return out
 
 
 def tensor_types(path: str | Path) -> dict[str, str]:
     """Hugging Face name -> the file's storage type of that tensor ("Q4_1", "Q8_0",
-    "F32", ...), from the header alone."""
-    from gguf import GGUFReader
+    "F32", ...), from the header alone (shared/gguf.py's parse, cached per file: the
+    gguf package's reader builds every metadata field, the 49k-token vocabulary
+    included, and took seconds of every start)."""
+    from gguf import GGMLQuantizationType
 
-    reader = GGUFReader(str(path))
-    types = {hf_name(t.name): t.tensor_type.name for t in reader.tensors}
-    del reader
+    types = {hf_name(name): GGMLQuantizationType(kind).name
+             for name, (_, kind) in read_header(path).tensors.items()}  # fmt: skip
     return {k: v for k, v in types.items() if k is not None}
 
 
