@@ -208,9 +208,11 @@ TILE = 16  # output columns per tile of a dense weight packed for the kernel
 
 
 def _tiles(a, n: int):
-    """[R, N] -> [ceil(N / 16), R, 16], the columns past N zero."""
-    a = jnp.pad(jnp.asarray(a), ((0, 0), (0, -n % TILE)))
-    return a.reshape(a.shape[0], -1, TILE).transpose(1, 0, 2)
+    """[R, N] -> [ceil(N / 16), R, 16], the columns past N zero. In numpy: the kernel
+    runs on the CPU, where the arrays are host memory already, and three eager jnp
+    ops per weight cost about a second of every start for SmolLM2."""
+    a = np.pad(np.asarray(a), ((0, 0), (0, -n % TILE)))
+    return jnp.asarray(np.ascontiguousarray(a.reshape(a.shape[0], -1, TILE).transpose(1, 0, 2)))
 
 
 def with_compute(tree, compute: str):
