@@ -183,8 +183,9 @@ def start_llama(binary: str, log: Path) -> tuple[subprocess.Popen, str]:
 
 
 async def settle(url: str, model: str, limit: float = 900) -> float:
-    """Wait until the model's card says every program is compiled (the background
-    compile shares the cores with what is measured); seconds waited."""
+    """Wait until the model's card says every program is compiled and every compute
+    form measured (both run in the background and share the cores with what is
+    measured); seconds waited."""
     import httpx
 
     t0 = time.perf_counter()
@@ -192,7 +193,8 @@ async def settle(url: str, model: str, limit: float = 900) -> float:
         while time.perf_counter() - t0 < limit:
             cards = (await client.get(url + "/v1/models")).json()["data"]
             card = next((c for c in cards if c["id"] == model), {})
-            if card.get("programs_total") and card["programs_compiled"] >= card["programs_total"]:
+            if (card.get("programs_total") and card["programs_compiled"] >= card["programs_total"]
+                    and card.get("forms_measured", 0) >= card.get("forms_total", 0)):
                 break
             await asyncio.sleep(1.0)  # polling the card: the compile reports no event here
     return round(time.perf_counter() - t0, 1)
