@@ -62,6 +62,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--ks", type=csv_ints, default=[0, 2, 4], help="draft tokens (0: off)")
     ap.add_argument("--tokens", type=int, default=80)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--quant", default="none", help="stored weights (gguf: the file's blocks)")
+    ap.add_argument("--form", default="auto", help="compute form (kernel: the CPU kernel)")
     args = ap.parse_args(argv)
     from engine import jaxrt
     from engine.chat import ChatTemplate
@@ -71,9 +73,11 @@ def main(argv=None) -> dict:
     jaxrt.setup(os.environ.get("JAX_CACHE_DIR") or None)
     model_dir = Path(catalog.bundled_dir(catalog.SMOLLM2))
     eng = DecoderEngine(model_dir, catalog.SMOLLM2, slots=4, max_context=512,
-                        prefill_buckets=(128, 256), speculative=max(args.ks))  # fmt: skip
+                        prefill_buckets=(128, 256), speculative=max(args.ks),
+                        quant=args.quant, quant_form=args.form)  # fmt: skip
     chat = ChatTemplate.from_dir(model_dir)
-    doc = {"run": run_info(), "tokens": args.tokens, "cases": []}
+    doc = {"run": run_info(), "tokens": args.tokens, "quant": args.quant, "form": args.form,
+           "cases": []}
     for name, text in PROMPTS.items():
         ids = eng.tokenizer.encode(chat.render([{"role": "user", "content": text}]),
                                    add_special_tokens=False)  # fmt: skip
