@@ -107,8 +107,25 @@ async def test_an_r1_deployment_is_raised_in_place(tmp_path, monkeypatch):
             await close(nc)
 
 
+def _free_block(n: int) -> int:
+    """A client port whose next n - 1 ports and the n route ports above them are free
+    too: the cluster command takes them in a row, and on a busy machine one of a
+    random port's neighbours is often some connection's local port."""
+    for _ in range(100):
+        base = free_port()
+        wanted = [base + i for i in range(n)] + [base + ROUTE_PORT_OFFSET + i for i in range(n)]
+        try:
+            for port in wanted:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} free ports in a row")
+
+
 async def test_tensorbus_nats_cluster_runs_three_routed_servers(tmp_path):
-    base = free_port()
+    base = _free_block(3)
     ports = [base, base + 1, base + 2]
     env = dict(os.environ, TENSORBUS_NATS_PORT=str(base), TENSORBUS_DATA_DIR=str(tmp_path),
                TENSORBUS_NATS_STOP_GRACE_S="0.5")
@@ -117,7 +134,7 @@ async def test_tensorbus_nats_cluster_runs_three_routed_servers(tmp_path):
                             stderr=subprocess.DEVNULL)
     try:
         for port in ports:
-            await asyncio.to_thread(wait_listening, port)
+            await asyncio.to_thread(wait_listening, port, "127.0.0.1", 30)  # a bound: Python starts it
         nc = await js_ready(",".join(f"nats://127.0.0.1:{p}" for p in ports))
         try:
             await until(lambda: nc.jetstream().create_key_value(bucket="probe",
