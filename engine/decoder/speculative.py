@@ -11,6 +11,13 @@ verified in one pass (engine/decoder/verify.py). Host side.
      many drafts were accepted, and the sequence grows by those plus the bonus token
      (`PendingStep.more` holds the tokens after the first).
 
+Looking for a draft waits for the step before (it needs that token), which gives up
+the pipelining of host and device work, and a verify pass that accepts nothing costs
+more than the step it replaced. So a sequence whose lookups keep finding nothing, or
+whose drafts keep failing (free text), looks again only after a back-off that doubles
+with each such step (1, 2, 4 ... BACKOFF_MAX steps, pipelined) and ends at the first
+accepted draft; repetitive text rarely meets it. The tokens are the same either way.
+
 Such a step is synchronous (the draft needs the tokens of the step before it, and
 the next step's length needs this one's result), which is why a step without a
 draft, or with several live sequences, stays the normal pipelined one. Several
@@ -31,6 +38,7 @@ from engine.interface import SpecStats
 from shared.messages import Sampling
 
 NGRAM_LONGEST, NGRAM_SHORTEST = 3, 1
+BACKOFF_MAX = 16  # steps without a draft after repeated empty verifies, at most
 
 
 def parse(text: str) -> int:
@@ -81,6 +89,8 @@ class SpeculativeSlots(PagedSlots):
         self.spec_stats = SpecStats()
         self._plain = np.zeros(self._slots, bool)
         self._plain_released = np.zeros(self._slots, bool)  # plain once its grammar is dropped
+        self._backoff = np.zeros(self._slots, np.int32)  # steps to wait after the next empty verify
+        self._skip = np.zeros(self._slots, np.int32)  # steps left without a draft
         self._last_step: PendingStep | None = None
         cfg, kernel = self.cfg, self.attention
         interpret = jax.devices()[0].platform == "cpu"  # as the decode step runs it
@@ -97,6 +107,7 @@ class SpeculativeSlots(PagedSlots):
         super().begin(slot, prompt, sampling, seed, generated)
         self._plain[slot] = _plain(sampling)
         self._plain_released[slot] = _plain(msgspec.structs.replace(sampling, grammar=""))
+        self._backoff[slot] = self._skip[slot] = 0
 
     def grammar_released(self, slot: int) -> None:
         """`slot`'s grammar was dropped (engine/decoder/grammar.py, RELEASE): it may
@@ -133,6 +144,10 @@ class SpeculativeSlots(PagedSlots):
             self._held[slot].append(b)
         return len(self._held[slot]) * self.block
 
+    def _back_off(self, slot: int) -> None:
+        self._backoff[slot] = min(max(2 * self._backoff[slot], 1), BACKOFF_MAX)
+        self._skip[slot] = self._backoff[slot]
+
     def _speculate(self, preempted: list[int]) -> PendingStep | None:
         """The step as a verify pass of a draft, run to its result; None when this
         step is a normal one (see the module docstring)."""
@@ -140,6 +155,9 @@ class SpeculativeSlots(PagedSlots):
         if not self.spec_k or len(live) != 1 or not self._plain[live[0]]:
             return None
         slot = int(live[0])
+        if self._skip[slot] > 0:  # backing off after empty verifies
+            self._skip[slot] -= 1
+            return None
         if self._last_step is not None:
             self._last_step.result()  # its token is the draft's last context
         tokens, length = self._tokens[slot], int(self._lengths[slot])
@@ -149,7 +167,8 @@ class SpeculativeSlots(PagedSlots):
         draft = propose(tokens, k) if k > 0 else []
         if draft:
             draft = draft[: self._room(slot, length + len(draft)) - length]
-        if not draft:
+        if not draft:  # nothing to verify, and the pipelining was given up for it
+            self._back_off(slot)
             return None
         need = length + len(draft)
         size, window = self._choose("verify", self.spec_k + 1,
@@ -161,6 +180,10 @@ class SpeculativeSlots(PagedSlots):
         got = out[: accepted + 1].tolist()
         self._lengths[slot] = min(length + len(got), self._max_context)
         self._tokens[slot].extend(got)
+        if accepted:
+            self._backoff[slot] = 0
+        else:
+            self._back_off(slot)
         stats = self.spec_stats
         stats.steps, stats.drafted, stats.accepted = (
             stats.steps + 1, stats.drafted + len(draft), stats.accepted + accepted)

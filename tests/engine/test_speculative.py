@@ -83,6 +83,25 @@ def test_seeded_sampling_draws_the_same_tokens_on_and_off(llama):
     assert engine.spec_stats.accepted > 0
 
 
+def test_drafts_that_keep_failing_back_off_and_change_no_token(llama, monkeypatch):
+    """Every draft wrong (the lookup patched to guess a token greedy never picks here):
+    after each empty verify the sequence waits twice as long before drafting again, so
+    48 tokens take a handful of verify passes instead of one per step, and the tokens
+    are still transformers' greedy ones."""
+    from engine.decoder import speculative
+
+    path, ref = llama
+    want = hf_greedy(ref, OTHER, 48)
+    wrong = next(t for t in range(1, 1000) if t not in want)
+    monkeypatch.setattr(speculative, "propose", lambda tokens, k: [wrong] * k)
+    engine = _engine(path, k=3)
+    assert _generate(engine, 0, OTHER, GREEDY, 0, 48) == want
+    stats = engine.spec_stats
+    assert stats.accepted == 0
+    # Verifies at steps 0, 2, 5, 10, 19, 36: six, where no back-off would take 47.
+    assert 3 <= stats.steps <= 7, stats
+
+
 def test_a_sequence_joining_and_leaving_beside_a_speculating_one(llama):
     path, ref = llama
     engine = _engine(path, k=4)
