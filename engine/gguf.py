@@ -89,10 +89,15 @@ def _tensor_data(path: str | Path, header: Header):
     start = -(-header.size // align) * align  # the data section, aligned
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     for name, (shape, kind) in header.tensors.items():
-        qtype = GGMLQuantizationType(kind)
+        try:
+            qtype = GGMLQuantizationType(kind)
+        except ValueError:
+            raise GGUFError(f"{path}: tensor {name!r} has an unknown type {kind}") from None
         block, size = GGML_QUANT_SIZES[qtype]
-        at = start + header.offsets[name]
-        raw = mm[at : at + int(np.prod(shape)) * size // block]
+        at, n = start + header.offsets[name], int(np.prod(shape)) * size // block
+        raw = mm[at : at + n]
+        if len(raw) != n:
+            raise GGUFError(f"{path}: tensor {name!r} runs past the end of the file")
         if qtype == GGMLQuantizationType.F32:
             data = raw.view(np.float32).reshape(shape)
         elif qtype == GGMLQuantizationType.F16:
