@@ -74,13 +74,31 @@ def test_greedy_equals_transformers_with_drafts_accepted(llama):
     assert stats.steps + sum(engine.step_counts.values()) < n - 1
 
 
-def test_seeded_sampling_draws_the_same_tokens_on_and_off(llama):
+def test_seeded_sampling_draws_the_same_tokens_on_and_off(llama, monkeypatch):
+    """A sampled sequence's drafts are checked against the draws the sampler makes
+    with the seed: the prompt lookup's own drafts (mostly rejected: sampled text
+    rarely repeats, and the sequence backs off), then drafts that are right for their
+    first tokens (the answer drawn with speculation off, a wrong token after): the
+    same tokens every time, with drafts accepted and rejected part-way."""
+    from engine.decoder import speculative
+
     path, _ = llama
     hot = Sampling(temperature=0.5, top_k=40, top_p=0.95)
     off = _generate(_engine(path, k=0), 0, REPEATING, hot, 1234, 40)
     engine = _engine(path, k=3)
     assert _generate(engine, 1, REPEATING, hot, 1234, 40) == off
-    assert engine.spec_stats.accepted > 0
+    wrong = next(t for t in range(1, 1000) if t not in off)
+
+    def known(tokens, k):  # what follows in `off`, its third token wrong
+        at = len(tokens) - len(REPEATING)
+        draft = off[at : at + k]
+        return draft[:2] + [wrong] * (len(draft) - 2) if len(draft) > 2 else draft
+
+    monkeypatch.setattr(speculative, "propose", known)
+    engine = _engine(path, k=3)
+    assert _generate(engine, 1, REPEATING, hot, 1234, 40) == off
+    stats = engine.spec_stats
+    assert stats.accepted > 0 and stats.accepted < stats.drafted
 
 
 def test_drafts_that_keep_failing_back_off_and_change_no_token(llama, monkeypatch):
