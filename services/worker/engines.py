@@ -120,8 +120,12 @@ def resolve_quant(quant: str, info: catalog.ModelInfo, engine: str, dtype: str, 
             return "none"  # a float file: nothing to keep
     except ValueError:
         return "none"
+    import jax
+
     from engine import kernels
 
+    if jax.default_backend() != "cpu" or kernels.compiler() is None:
+        return "none"  # asked first: `load` would warn of a fallback that auto does not take
     return "gguf" if kernels.load() is not None else "none"
 
 
