@@ -11,6 +11,10 @@ fastest depends on the backend and on how many rows the matmul has (a batch buck
 - "kernel": the stored int8/int4 groups read by engine/kernels' FFI matrix-vector
   kernel (CPU, float32 models, one device; the same arrays as "dequant", so no
   memory of its own). Considered where it could be built (docs/decisions/0062).
+- "kernel8": the kernel with the activations rounded to int8 per group and integer
+  dot products for 4-bit weights (the same arrays again): the rounding of w8a8, about
+  half the kernel's vector work per weight, so it wins where a step has many rows
+  (docs/decisions/0064). Considered beside "kernel" where a weight is 4-bit.
 
 The engine (engine/decoder/formchoice.py) measures every allowed form at every
 bucket once (`timed`: that bucket's compiled program), keeps the `fastest` per bucket,
@@ -36,7 +40,8 @@ from shared.logging import get_logger
 
 log = get_logger(__name__)
 
-FORMS = ("float", "dequant", "w8a8", "kernel")
+FORMS = ("float", "dequant", "w8a8", "kernel", "kernel8")
+KERNEL_FORMS = ("kernel", "kernel8")  # forms run by engine/kernels
 KERNEL_QUANTS = ("gguf", "int8", "int4")  # quants whose weights the kernel reads
 SETTINGS = ("auto",) + FORMS  # TENSORBUS_QUANT_FORM
 CACHE_NAME = "compute-forms.json"
@@ -50,19 +55,20 @@ def check_form(form: str, quant: str) -> str:
         raise ValueError(f"compute form {form!r} needs quantized weights (quant is 'none')")
     if form == "w8a8" and quant != "int8":
         raise ValueError(f"compute form 'w8a8' runs int8 weights only (quant is {quant!r})")
-    if form == "kernel" and quant not in KERNEL_QUANTS:
-        raise ValueError(f"compute form 'kernel' reads int8 and int4 groups (quant is {quant!r})")
+    if form in KERNEL_FORMS and quant not in KERNEL_QUANTS:
+        raise ValueError(f"compute form {form!r} reads int8 and int4 groups (quant is {quant!r})")
     return form
 
 
 def candidates(quant: str, setting: str, sizes: dict[str, int], budget: int,
-               kernel: bool = False) -> tuple[str, ...]:
+               kernel: bool = False, act8: bool = False) -> tuple[str, ...]:
     """Forms to consider: the forced one, or (auto) those whose weights fit in
     `budget` bytes next to the stored ones. sizes: form -> bytes of its weights;
-    kernel: whether the kernel form can run (auto considers it for gguf only)."""
+    kernel: whether the kernel forms can run (auto considers them for gguf only);
+    act8: whether kernel8 differs from kernel (a 4-bit dense weight)."""
     if quant == "none":
         return ("float",)
-    if setting == "kernel" and not kernel:
+    if setting in KERNEL_FORMS and not kernel:
         return ("dequant",)  # engine/kernels logged why
     if setting != "auto":
         return (setting,)
@@ -70,9 +76,11 @@ def candidates(quant: str, setting: str, sizes: dict[str, int], budget: int,
     # The kernel first: a bucket runs the first candidate until its forms are
     # measured (engine/decoder/formchoice.py), and the XLA path's dequantizing step
     # is several times slower than the kernel's on every bucket measured (0062).
-    possible = (("kernel",) if kernel and quant == "gguf" else ()) + possible
+    if kernel and quant == "gguf":
+        possible = ("kernel", "kernel8")[: 1 + act8] + possible
     stored = sizes["dequant"]
-    return tuple(f for f in possible if f in ("dequant", "kernel") or stored + sizes[f] <= budget)
+    return tuple(f for f in possible
+                 if f in ("dequant",) + KERNEL_FORMS or stored + sizes[f] <= budget)
 
 
 def kernel_usable(quant: str, setting: str, dtype, mesh) -> bool:
@@ -80,7 +88,7 @@ def kernel_usable(quant: str, setting: str, dtype, mesh) -> bool:
     the kernel built and loaded (engine/kernels; compiled here on first use)."""
     import jax.numpy as jnp
 
-    if quant not in KERNEL_QUANTS or setting not in ("auto", "kernel"):
+    if quant not in KERNEL_QUANTS or setting not in ("auto",) + KERNEL_FORMS:
         return False
     if setting == "auto" and quant != "gguf":
         return False
@@ -100,16 +108,29 @@ def add_forms(trees: dict, quant: str, setting: str, budget: int, dtype, mesh) -
 
     sizes = {f: q.tree_bytes(t) for f, t in trees.items()}
     sizes["float"] = q.float_bytes(trees["dequant"], dtype)
-    sizes["kernel"] = 0  # the stored arrays, shared
+    sizes["kernel"] = sizes["kernel8"] = 0  # the stored arrays, shared
     budget = int(budget) or q.float_bytes(trees["dequant"], np.float32)
     kernel = kernel_usable(quant, setting, dtype, mesh)
-    found = candidates(quant, setting, sizes, budget, kernel)
+    found = candidates(quant, setting, sizes, budget, kernel, act8=_has_int4(trees["dequant"]))
     if "float" in found:
         f = q.dequantize_tree(trees["dequant"], dtype)
         trees["float"] = f if mesh is None else sharding.place(f, mesh)
-    if "kernel" in found:
-        trees["kernel"] = q.with_compute(trees["dequant"], "kernel")
+    packed = None
+    for form in KERNEL_FORMS:  # both over one packing of the stored arrays
+        if form in found:
+            packed = q.with_compute(packed or trees["dequant"], form)
+            trees[form] = packed
     return found
+
+
+def _has_int4(tree) -> bool:
+    """Whether a dense weight of `tree` is 4-bit (where kernel8 computes otherwise)."""
+    import jax
+
+    from engine import quant as q
+
+    return any(w.bits == 4 and w.axis == 0
+               for w in jax.tree.leaves(tree, is_leaf=q.is_qweight) if q.is_qweight(w))  # fmt: skip
 
 
 def held_bytes(trees: dict) -> int:

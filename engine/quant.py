@@ -39,6 +39,10 @@ matrix, 1 for a [V, E] embedding that is also the lm head), IN split into groups
   (axis 0) is packed for it in tiles of 16 output columns, each tile's bytes
   contiguous: q [OUT/16, IN (/2), 16], scale and offset [OUT/16, IN/G, 16] (OUT
   padded with zeros; `n` keeps OUT); an embedding (axis 1) is read as it is.
+- "kernel8": the kernel with each row rounded to int8 per group of inputs and
+  integer dot products, for int4 dense weights (the rest as "kernel"; the same
+  packed arrays): the activations' rounding of w8a8, half the kernel's vector
+  instructions per weight (docs/decisions/0064).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ class QWeight:
     axis: int  # the contracted axis of the float weight (static)
     bits: int  # 8 or 4 (static)
     group: int  # inputs per scale (static)
-    compute: str = "dequant"  # "dequant" | "int8" | "kernel" (static; see the module docstring)
+    compute: str = "dequant"  # "dequant" | "int8" | "kernel" | "kernel8" (static; module docstring)
     n: int = 0  # "kernel", axis 0: output columns (q, scale, offset packed by `with_compute`)
 
 
@@ -153,12 +157,16 @@ def _int8_dot(x, w: QWeight):
 def _kernel_dot(x, w: QWeight):
     from engine import kernels
 
-    return kernels.matvec(x, w.q, w.scale, w.offset, w.axis, w.bits, w.group, w.n)
+    return kernels.matvec(x, w.q, w.scale, w.offset, w.axis, w.bits, w.group, w.n,
+                          act8=w.compute == "kernel8")  # fmt: skip
+
+
+KERNELS = ("kernel", "kernel8")  # the computes that call engine/kernels
 
 
 def matmul(x, w: QWeight, precision=None):
     """x: [N, IN] @ w: [IN, OUT] (contracted over axis 0) -> [N, OUT] in x's dtype."""
-    if w.compute == "kernel":
+    if w.compute in KERNELS:
         return _kernel_dot(x, w).astype(x.dtype)
     if w.compute == "int8":
         return _int8_dot(x, w).astype(x.dtype)
@@ -167,7 +175,7 @@ def matmul(x, w: QWeight, precision=None):
 
 def unembed(h, w: QWeight, precision=None):
     """h: [N, E], w: [V, E] (contracted over axis 1) -> [N, V] float32"""
-    if w.compute == "kernel":
+    if w.compute in KERNELS:
         return _kernel_dot(h, w)
     if w.compute == "int8":
         return _int8_dot(h, w)
@@ -222,8 +230,8 @@ def with_compute(tree, compute: str):
     def one(w):
         if not isinstance(w, QWeight) or w.q.dtype not in (jnp.int8, jnp.uint8):
             return w
-        if compute != "kernel" or w.axis != 0 or w.q.ndim != 2:
-            return dataclasses.replace(w, compute=compute)
+        if compute not in KERNELS or w.axis != 0 or w.q.ndim != 2:
+            return dataclasses.replace(w, compute=compute)  # kernel8 from kernel: shared
         n = w.q.shape[1]
         offset = None if w.offset is None else _tiles(w.offset, n)
         return QWeight(_tiles(w.q, n), _tiles(w.scale, n), offset, 0, w.bits, w.group,

@@ -117,14 +117,18 @@ def reset() -> None:
         _state.clear()
 
 
-def matvec(x, q, scale, offset, axis: int, bits: int, group: int, n: int = 0):
+def matvec(x, q, scale, offset, axis: int, bits: int, group: int, n: int = 0,
+           act8: bool = False):
     """x: [B, K] float32 -> [B, N] float32 = x @ w, w the weight `q`, `scale`,
     `offset` (None: symmetric) hold (engine/quant.py's layout for the kernel,
     contracted over `axis`: 0 for [K, N] packed in tiles of 16 columns, N = `n`;
-    1 for [N, K]). Needs `load()` to have succeeded."""
+    1 for [N, K]). act8: x rounded to int8 per group and integer dot products, for
+    4-bit dense weights (ignored for others; gguf_matvec.cc). Needs `load()` to
+    have succeeded."""
     n = n if axis == 0 else q.shape[0]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="broadcast_all")  # fmt: skip
     off = scale if offset is None else offset
     return call(x.astype(jnp.float32), q, scale, off, bits=np.int64(bits),
-                group=np.int64(group), axis=np.int64(axis), has_offset=offset is not None)
+                group=np.int64(group), axis=np.int64(axis), has_offset=offset is not None,
+                act8=bool(act8))

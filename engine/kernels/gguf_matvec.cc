@@ -21,9 +21,23 @@
 // thread takes chunks too, so the call never waits on a pool that is busy.
 // Without AVX2 + FMA (or where a size does not fit the 8-wide form) a plain C++
 // loop computes the same sums.
+//
+// With `act8` (4-bit cols weights, groups of at most 32 inputs, a multiple of 4),
+// each row of x is first rounded to int8 per group of G inputs (symmetric, the
+// group's amax / 127, as llama.cpp's Q8 activations) and a group's sums are integer
+// dot products: vpmaddubsw multiplies the unsigned 4-bit values by the signed int8
+// inputs two at a time into int16, which hold a group's sums exactly (at most
+// 16 x 15 x 127 per lane). Then
+//   y[b, n] = sum_g scale[g, n] * dx[b, g] * (sum_{k in g} qx[b, k] * q[k, n])
+//             + offset[g, n] * (sum_{k in g} x[b, k]),
+// about half the vector instructions of the float form per weight, so it pays
+// where several rows share each weight read (decode batches). Elsewhere `act8` is
+// ignored. The offset term keeps x's own sums.
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <thread>
@@ -52,6 +66,8 @@ struct Problem {
   const float* xsum;    // [B, K/G]: each row's sum over each group
   const float* xe;      // rows, 4-bit: [B, K/2] the even inputs, then the odd ones
   const float* xo;
+  const int8_t* xq;  // act8: [B, K] x rounded per group
+  const float* xd;   // act8: [B, K/G] each group's step
   float* y;  // [B, N]
   int64_t B, K, N, G, NG;
   int bits;
@@ -103,6 +119,22 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// A tile's 16 columns of BB rows into y.
+template <int BB>
+inline void store_tile(const Problem& p, int64_t b0, int64_t t, const __m256 (&acc)[BB][2]) {
+  const int64_t n = t * kTile, valid = std::min<int64_t>(kTile, p.N - n);
+  for (int b = 0; b < BB; ++b) {
+    float* y = p.y + (b0 + b) * p.N + n;
+    if (valid == kTile) {
+      for (int v = 0; v < 2; ++v) _mm256_storeu_ps(y + 8 * v, acc[b][v]);
+    } else {  // the last tile's padding columns are not outputs
+      alignas(32) float out[kTile];
+      for (int v = 0; v < 2; ++v) _mm256_store_ps(out + 8 * v, acc[b][v]);
+      std::copy(out, out + valid, y);
+    }
+  }
 }
 
 // cols: BB rows from b0, the 16 output columns of tile t.
@@ -160,17 +192,66 @@ void cols_tile(const Problem& p, int64_t b0, int64_t t) {
       }
     }
   }
-  const int64_t n = t * kTile, valid = std::min<int64_t>(kTile, p.N - n);
-  for (int b = 0; b < BB; ++b) {
-    float* y = p.y + (b0 + b) * p.N + n;
-    if (valid == kTile) {
-      for (int v = 0; v < V; ++v) _mm256_storeu_ps(y + 8 * v, acc[b][v]);
-    } else {  // the last tile's padding columns are not outputs
-      alignas(32) float out[kTile];
-      for (int v = 0; v < V; ++v) _mm256_store_ps(out + 8 * v, acc[b][v]);
-      std::copy(out, out + valid, y);
+  store_tile<BB>(p, b0, t, acc);
+}
+
+// cols with act8: BB rows from b0, the 16 output columns of tile t (4-bit only).
+// Two tile rows a load: inputs 2j..2j+3 of the 16 columns, rearranged so that each
+// 32-bit lane holds one column's four inputs (columns 0-3 and 8-11 in `wa`, 4-7 and
+// 12-15 in `wb`); four inputs of x broadcast to every lane then give each column's
+// dot product over them with vpmaddubsw (pairs into int16, summed over the group)
+// and one vpmaddwd at the group's end (the two pairs into int32).
+template <int BB>
+void cols_tile_a8(const Problem& p, int64_t b0, int64_t t) {
+  __m256 acc[BB][2];
+  for (int b = 0; b < BB; ++b) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
+  const uint8_t* tile = p.q + t * (p.K / 2) * kTile;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t g = 0; g < p.NG; ++g) {
+    __m256i part[BB][2];
+    for (int b = 0; b < BB; ++b) part[b][0] = part[b][1] = _mm256_setzero_si256();
+    for (int64_t k = g * p.G; k < (g + 1) * p.G; k += 4) {
+      __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + (k / 2) * kTile));
+      v = _mm256_permute4x64_epi64(v, 0xD8);  // halves: columns 0-7, then 8-15, of both rows
+      __m256i lo = _mm256_and_si256(v, low4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      __m256i r0 = _mm256_unpacklo_epi8(lo, hi);  // row j: (k, k+1) per column
+      __m256i r1 = _mm256_unpackhi_epi8(lo, hi);  // row j+1: (k+2, k+3)
+      __m256i wa = _mm256_unpacklo_epi16(r0, r1);
+      __m256i wb = _mm256_unpackhi_epi16(r0, r1);
+      for (int b = 0; b < BB; ++b) {
+        int32_t four;
+        std::memcpy(&four, p.xq + (b0 + b) * p.K + k, 4);
+        __m256i xb = _mm256_set1_epi32(four);
+        part[b][0] = _mm256_add_epi16(part[b][0], _mm256_maddubs_epi16(wa, xb));
+        part[b][1] = _mm256_add_epi16(part[b][1], _mm256_maddubs_epi16(wb, xb));
+      }
+    }
+    const int64_t at = (t * p.NG + g) * kTile;
+    __m256 s0 = _mm256_loadu_ps(p.scale + at), s1 = _mm256_loadu_ps(p.scale + at + 8);
+    __m256 s[2] = {_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31)};
+    for (int b = 0; b < BB; ++b) {
+      __m256 d = _mm256_broadcast_ss(p.xd + (b0 + b) * p.NG + g);
+      for (int v = 0; v < 2; ++v) {
+        __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(part[b][v], ones));
+        acc[b][v] = _mm256_fmadd_ps(_mm256_mul_ps(dot, d), s[v], acc[b][v]);
+      }
+    }
+    if (p.offset) {
+      __m256 o0 = _mm256_loadu_ps(p.offset + at), o1 = _mm256_loadu_ps(p.offset + at + 8);
+      __m256 o[2] = {_mm256_permute2f128_ps(o0, o1, 0x20), _mm256_permute2f128_ps(o0, o1, 0x31)};
+      for (int b = 0; b < BB; ++b) {
+        __m256 xs = _mm256_broadcast_ss(p.xsum + (b0 + b) * p.NG + g);
+        for (int v = 0; v < 2; ++v) acc[b][v] = _mm256_fmadd_ps(o[v], xs, acc[b][v]);
+      }
     }
   }
+  for (int b = 0; b < BB; ++b) {  // back to columns 0-7, 8-15
+    __m256 a = acc[b][0], c = acc[b][1];
+    acc[b][0] = _mm256_permute2f128_ps(a, c, 0x20);
+    acc[b][1] = _mm256_permute2f128_ps(a, c, 0x31);
+  }
+  store_tile<BB>(p, b0, t, acc);
 }
 
 // rows: BB rows from b0, output n.
@@ -210,7 +291,12 @@ void rows_one(const Problem& p, int64_t b0, int64_t n) {
 
 template <int BB, int BITS>
 void cols_rows(const Problem& p, int64_t b0, int64_t n0, int64_t n1) {
-  for (int64_t t = n0 / kTile; t * kTile < n1; ++t) cols_tile<BB, BITS>(p, b0, t);
+  for (int64_t t = n0 / kTile; t * kTile < n1; ++t) {
+    if (BITS == 4 && p.xq)
+      cols_tile_a8<BB>(p, b0, t);
+    else
+      cols_tile<BB, BITS>(p, b0, t);
+  }
 }
 
 template <int BB, int BITS>
@@ -276,7 +362,7 @@ void parallel(ffi::ThreadPool& pool, int64_t chunks, const F& fn) {
 ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
                   ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group, int64_t axis,
-                  bool has_offset) {
+                  bool has_offset, bool act8) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("gguf_matvec: x must be 2-d");
   if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("gguf_matvec: bits must be 4 or 8");
@@ -307,8 +393,32 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument("gguf_matvec: offset's shape disagrees with scale's");
   std::vector<float> xsum(p.B * p.NG, 0.f);
   for (int64_t b = 0; b < p.B; ++b)
-    for (int64_t k = 0; k < p.K; ++k) xsum[b * p.NG + k / p.G] += p.x[b * p.K + k];
+    for (int64_t g = 0; g < p.NG; ++g)
+      for (int64_t k = g * p.G; k < (g + 1) * p.G; ++k) xsum[b * p.NG + g] += p.x[b * p.K + k];
   p.xsum = xsum.data();
+  p.xq = nullptr, p.xd = nullptr;
+  std::vector<int8_t> xint;
+  std::vector<float> xstep, xr;
+  if (act8 && cols && bits == 4 && p.G % 4 == 0 && p.G <= 32) {
+    xint.resize(p.B * p.K), xstep.resize(p.B * p.NG);
+    for (int64_t b = 0; b < p.B; ++b)
+      for (int64_t g = 0; g < p.NG; ++g) {
+        const float* x = p.x + b * p.K + g * p.G;
+        float amax = 0.f;
+        for (int64_t i = 0; i < p.G; ++i) amax = std::max(amax, std::fabs(x[i]));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        xstep[b * p.NG + g] = d;
+        for (int64_t i = 0; i < p.G; ++i)
+          xint[b * p.K + g * p.G + i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+      }
+#if TB_AVX2
+    p.xq = xint.data(), p.xd = xstep.data();
+#else  // the plain loop: the same rounded inputs as floats
+    xr.resize(p.B * p.K);
+    for (int64_t i = 0; i < p.B * p.K; ++i) xr[i] = xint[i] * xstep[i / p.G];
+    p.x = xr.data();
+#endif
+  }
   std::vector<float> xeo;
   if (!cols && bits == 4) {  // the even and the odd inputs apart, for 8-wide loads
     xeo.resize(p.B * p.K);
@@ -342,6 +452,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TensorbusGgufMatvec, Matvec,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group")
                                   .Attr<int64_t>("axis")
-                                  .Attr<bool>("has_offset"));
+                                  .Attr<bool>("has_offset")
+                                  .Attr<bool>("act8"));
 
 extern "C" int tensorbus_kernel_has_avx2() { return TB_AVX2; }
