@@ -182,10 +182,11 @@ def start_llama(binary: str, log: Path) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-async def settle(url: str, model: str, limit: float = 900) -> float:
+async def settle(url: str, model: str, limit: float = 900) -> tuple[float, dict]:
     """Wait until the model's card says every program is compiled and every compute
     form measured (both run in the background and share the cores with what is
-    measured); seconds waited."""
+    measured); (seconds waited, the card then: its `compute_forms` are what the
+    figures ran)."""
     import httpx
 
     t0 = time.perf_counter()
@@ -197,7 +198,7 @@ async def settle(url: str, model: str, limit: float = 900) -> float:
                     and card.get("forms_measured", 0) >= card.get("forms_total", 0)):
                 break
             await asyncio.sleep(1.0)  # polling the card: the compile reports no event here
-    return round(time.perf_counter() - t0, 1)
+    return round(time.perf_counter() - t0, 1), card
 
 
 async def wait_ready(url: str, limit: float = 120) -> None:
@@ -237,8 +238,10 @@ async def main_async(args) -> dict:
             print(json.dumps({"start_cold_s": doc["start_cold_s"],
                               "start_warm_s": doc["start_warm_s"]}), flush=True)
             if args.settle:
-                doc["settle_s"] = await settle(url, MODEL)
-                print(json.dumps({"settle_s": doc["settle_s"]}), flush=True)
+                doc["settle_s"], card = await settle(url, MODEL)
+                doc["quant"], doc["compute_forms"] = card.get("quant"), card.get("compute_forms")
+                print(json.dumps({k: doc[k] for k in ("settle_s", "quant", "compute_forms")}),
+                      flush=True)  # fmt: skip
             lproc = None
             if args.llama_server:
                 lproc, lurl = start_llama(args.llama_server, out_dir / "vs_llamacpp_llama.log")

@@ -170,6 +170,10 @@ class Decoder(Protocol):
         choosing its compute forms after ready (engine/decoder/formchoice.py); (0, 0)
         when it measures none (the model card reports it)."""
 
+    def weight_forms(self) -> tuple[str, dict[str, str]]:
+        """(the stored weights, TENSORBUS_QUANT's value after `auto`; each bucket's
+        compute form now, e.g. {"step 16": "kernel8"}): the model card reports them."""
+
     def forms_due(self) -> bool:
         """Whether `measure_forms` has work it can do now without compiling."""
 
@@ -244,6 +248,9 @@ class WholePrompt:
 
     def forms_progress(self) -> tuple[int, int]:
         return (0, 0)  # one compute form
+
+    def weight_forms(self) -> tuple[str, dict[str, str]]:
+        return ("none", {})  # float weights, one form
 
     def forms_due(self) -> bool:
         return False

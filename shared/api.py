@@ -418,6 +418,10 @@ class ModelCard(msgspec.Struct):
     # all (each bucket's form is measured after ready when no choice was stored).
     forms_measured: int = 0
     forms_total: int = 0
+    # Decoders: the stored weights and each bucket's compute form, of a ready worker
+    # ("" and {} for encoders and before one is ready).
+    quant: str = ""
+    compute_forms: dict[str, str] = {}
     # Decoders speculating (TENSORBUS_SPECULATIVE), over live workers since they
     # started: accepted draft tokens / draft tokens, and tokens per verify pass.
     spec_decode_acceptance: float = 0.0

@@ -120,6 +120,10 @@ class Heartbeat(_Rec, tag="heartbeat"):
     # pairs measured so far, and in all (0, 0: none measured, the choice was stored).
     forms_measured: int = 0
     forms_total: int = 0
+    # Decoders: the stored weights (TENSORBUS_QUANT, `auto` resolved) and the compute
+    # form each bucket runs now ("step 16" -> "kernel8"; docs/operations.md).
+    quant: str = ""
+    compute_forms: dict[str, str] = {}
     start_s: float = 0.0  # seconds from the worker's start to ready (loading, warm-up; 0 = not ready yet)
     site: str = ""  # TENSORBUS_SITE of the worker ("" = one site): schedulers prefer their own
     # Times its bus connection dropped: a rise tells the scheduler that work it sent

@@ -143,6 +143,9 @@ class FormChoice:
         """((bucket, form) pairs measured, pairs to measure); (0, 0): none measured."""
         return self.form_measurements, self.form_units
 
+    def weight_forms(self) -> tuple[str, dict[str, str]]:
+        return self.quant, dict(self.compute_forms)
+
     # -------------------------------------------------------------- measuring
     def select_forms(self) -> dict[str, str]:
         """Every bucket's form now, measuring what the file does not hold, compiling

@@ -150,6 +150,8 @@ class ModelTable:
                          programs_total=sum(w.hb.programs_total for w in workers),
                          forms_measured=sum(w.hb.forms_measured for w in workers),
                          forms_total=sum(w.hb.forms_total for w in workers),
+                         quant=ready[0].hb.quant if ready else "",
+                         compute_forms=dict(ready[0].hb.compute_forms) if ready else {},
                          **_speculation(workers),
                          reason=status.reason if state == "failed" and status else "")
 

@@ -336,6 +336,7 @@ class Worker(Lifecycle):
         decoder = self.kind == "decoder" and engine is not None
         compiled, total = engine.compile_progress() if decoder else (0, 0)
         measured, units = engine.forms_progress() if decoder else (0, 0)
+        quant, forms = engine.weight_forms() if decoder else ("", {})
         return Heartbeat(
             worker_id=self.id, model=self.model, kind=self.kind or "encoder", state=self.state,
             versions=list(self.versions), queue_depth=load.queue_depth,
@@ -353,7 +354,7 @@ class Worker(Lifecycle):
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
             devices=list(engine.devices) if engine is not None else [],
             start_s=self.start_s, programs_compiled=compiled, programs_total=total,
-            forms_measured=measured, forms_total=units,
+            forms_measured=measured, forms_total=units, quant=quant, compute_forms=forms,
             site=self.config.site, reconnects=self.links.drops, **self._cost_fields())
 
     def _cost_fields(self) -> dict[str, float]:

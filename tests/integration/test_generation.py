@@ -212,3 +212,5 @@ async def test_the_model_card_reports_compiled_programs(stack, tiny):
     assert card["programs_total"] == len(engine.compiles)
     assert 0 < card["programs_compiled"] <= card["programs_total"]
     assert card["forms_measured"] == card["forms_total"] == 0  # unquantized: one form
+    assert card["quant"] == "none" and card["compute_forms"] == engine.weight_forms()[1]
+    assert set(card["compute_forms"].values()) == {"float"} and "step 1" in card["compute_forms"]
