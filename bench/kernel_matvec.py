@@ -11,7 +11,6 @@ per call are reported with the multiply-adds per CPU second.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -27,7 +26,7 @@ def main(argv=None) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from bench.harness import cpu_s, csv_strs, parser, run_info, write_json
+    from bench.harness import csv_strs, parser, run_info, write_json
     from engine import kernels, quant
 
     ap = parser(__doc__)
@@ -40,7 +39,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if kernels.load() is None:
         raise SystemExit(f"the kernel cannot run here: {kernels.unavailable_reason()}")
-    rng, pid, forms = np.random.default_rng(0), os.getpid(), csv_strs(args.forms)
+    rng, forms = np.random.default_rng(0), csv_strs(args.forms)
     result = {"info": run_info(), "cases": []}
     for rows, k, n in (_case(c) for c in csv_strs(args.cases)):
         w = rng.standard_normal((k, n)).astype(np.float32) * 0.05
@@ -54,11 +53,11 @@ def main(argv=None) -> dict:
         cpu: dict[str, list[float]] = {f: [] for f in forms}
         for _ in range(args.rounds):
             for f in forms:
-                c0, t0 = cpu_s(pid), time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 for _ in range(args.calls):
                     call(x, weights[f]).block_until_ready()
                 wall[f].append((time.perf_counter() - t0) / args.calls)
-                cpu[f].append((cpu_s(pid) - c0) / args.calls)
+                cpu[f].append((time.process_time() - c0) / args.calls)  # all threads
         row = {"rows": rows, "in": k, "out": n}
         for f in forms:
             c = statistics.median(cpu[f])
