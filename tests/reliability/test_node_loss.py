@@ -7,6 +7,7 @@ every service is connected again within seconds."""
 
 from __future__ import annotations
 
+from shared.config import Config
 from tests.reliability.nodeload import TEXTS, Load, lose, member, order, stored_records
 from tests.support.stack import running_stack, wait_until
 
@@ -16,9 +17,14 @@ FIGURES: dict[str, dict] = {}  # per scenario, for docs/benchmarks.md
 async def losing(cluster, minilm, sentence_transformer, victims: list[str], prefix: str):
     """The stack on three members (gateway 0, scheduler 1, worker 2), the load, and
     the member of each service in `victims` lost in turn; every count checked."""
+    # The deployment's expiry (2 s), not the test stacks' 1 s: a gateway waits that
+    # long for a scheduler heard just before to report again, and on a machine
+    # running three suites a reconnect to another member took 0.9 s before the
+    # scheduler's first report, which the 1 s window did not hold.
     async with running_stack(cluster.url, urls={"gateway": order(cluster, 0),
                                                 "scheduler": order(cluster, 1),
-                                                "client": order(cluster, 2)}) as st:
+                                                "client": order(cluster, 2)},
+                             worker_expiry_s=Config().worker_expiry_s) as st:
         worker = await st.add_worker(minilm, f"enc-{prefix}", url=order(cluster, 2))
         services = {"gateway": st.gateway.nc, "scheduler": st.scheduler.nc,
                     "worker": worker.nc}
