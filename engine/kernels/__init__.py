@@ -98,7 +98,8 @@ def load():
                                             platform="cpu")  # fmt: skip
                 _registered.append(lib)
             lib = _state["lib"] = _registered[0]
-            log.info("kernel_loaded", kernel=TARGET, avx2=bool(lib.tensorbus_kernel_has_avx2()))
+            log.info("kernel_loaded", kernel=TARGET, avx2=bool(lib.tensorbus_kernel_has_avx2()),
+                     vnni=bool(lib.tensorbus_kernel_has_vnni()))  # fmt: skip
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             _state["why"] = str(e)
             log.warning("kernel_unavailable", kernel=TARGET, reason=str(e),

@@ -32,7 +32,10 @@
 //             + offset[g, n] * (sum_{k in g} x[b, k]),
 // about half the vector instructions of the float form per weight, so it pays
 // where several rows share each weight read (decode batches). Elsewhere `act8` is
-// ignored. The offset term keeps x's own sums.
+// ignored. The offset term keeps x's own sums. Where the CPU has VNNI (AVX-VNNI, or
+// AVX-512 VNNI with VL: Intel since Ice Lake / Sapphire Rapids, AMD since Zen 4),
+// vpdpbusd does a lane's four products and their sum into int32 in one
+// instruction: the same integers, half the instructions again.
 
 #include <algorithm>
 #include <atomic>
@@ -48,6 +51,12 @@
 #define TB_AVX2 1
 #else
 #define TB_AVX2 0
+#endif
+
+#if TB_AVX2 && (defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__)))
+#define TB_VNNI 1
+#else
+#define TB_VNNI 0
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -201,12 +210,24 @@ void cols_tile(const Problem& p, int64_t b0, int64_t t) {
 // 12-15 in `wb`); four inputs of x broadcast to every lane then give each column's
 // dot product over them with vpmaddubsw (pairs into int16, summed over the group)
 // and one vpmaddwd at the group's end (the two pairs into int32).
+#if TB_VNNI
+// Each int32 lane of acc plus the four products of w's unsigned and x's signed bytes.
+inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+  return _mm256_dpbusd_epi32(acc, w, x);
+#endif
+}
+#endif
+
 template <int BB>
 void cols_tile_a8(const Problem& p, int64_t b0, int64_t t) {
   __m256 acc[BB][2];
   for (int b = 0; b < BB; ++b) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
   const uint8_t* tile = p.q + t * (p.K / 2) * kTile;
-  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);  // without VNNI
   for (int64_t g = 0; g < p.NG; ++g) {
     __m256i part[BB][2];
     for (int b = 0; b < BB; ++b) part[b][0] = part[b][1] = _mm256_setzero_si256();
@@ -223,8 +244,13 @@ void cols_tile_a8(const Problem& p, int64_t b0, int64_t t) {
         int32_t four;
         std::memcpy(&four, p.xq + (b0 + b) * p.K + k, 4);
         __m256i xb = _mm256_set1_epi32(four);
+#if TB_VNNI
+        part[b][0] = dot4(part[b][0], wa, xb);  // int32 lanes
+        part[b][1] = dot4(part[b][1], wb, xb);
+#else
         part[b][0] = _mm256_add_epi16(part[b][0], _mm256_maddubs_epi16(wa, xb));
         part[b][1] = _mm256_add_epi16(part[b][1], _mm256_maddubs_epi16(wb, xb));
+#endif
       }
     }
     const int64_t at = (t * p.NG + g) * kTile;
@@ -233,7 +259,11 @@ void cols_tile_a8(const Problem& p, int64_t b0, int64_t t) {
     for (int b = 0; b < BB; ++b) {
       __m256 d = _mm256_broadcast_ss(p.xd + (b0 + b) * p.NG + g);
       for (int v = 0; v < 2; ++v) {
+#if TB_VNNI
+        __m256 dot = _mm256_cvtepi32_ps(part[b][v]);
+#else
         __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(part[b][v], ones));
+#endif
         acc[b][v] = _mm256_fmadd_ps(_mm256_mul_ps(dot, d), s[v], acc[b][v]);
       }
     }
@@ -456,3 +486,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TensorbusGgufMatvec, Matvec,
                                   .Attr<bool>("act8"));
 
 extern "C" int tensorbus_kernel_has_avx2() { return TB_AVX2; }
+extern "C" int tensorbus_kernel_has_vnni() { return TB_VNNI; }
