@@ -254,9 +254,14 @@ class DecoderEngine(FormChoice, SpeculativeSlots):
     def on_compiled(self, callback) -> None:
         self.programs.listeners.append(callback)
 
-    def close(self) -> None:
-        """Stop compiling in the background (the engine is being dropped)."""
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Stop compiling in the background (the engine is being dropped, or its
+        process exits); `wait_s`: wait that long for the program being compiled.
+        False: one still was. A process must not exit while XLA compiles on the
+        daemon thread: the interpreter's exit unwinds that thread through C++ frames
+        and the process aborts (SIGABRT) instead of exiting 0."""
         self.programs.stop()
+        return self.programs.wait_background(wait_s) if wait_s > 0 else not self.programs.compiling
 
     # ------------------------------------------------------------- programs
     def _key(self, kind: str, size: int, other: int, form: str | None = None):

@@ -271,6 +271,16 @@ class Worker(Lifecycle):
         """Begin draining (idempotent)."""
         self._stop.set()
 
+    def _stop_compiles(self) -> None:
+        """Let every engine's background compile end before the process does (see
+        DecoderEngine.close), within the drain timeout (a supervisor kills after it);
+        one that outlasts it is logged and left."""
+        wait_s = self.config.drain_timeout_s
+        for engine in list(self.models.engines.values()):
+            close = getattr(engine, "close", None)
+            if close is not None and close(wait_s) is False:
+                log.warning("compile_still_running", worker_id=self.id, waited_s=wait_s)
+
     def _progressing(self) -> bool:
         """Live unless work is held and no engine step finished for a while."""
         runner = self.runner
@@ -292,6 +302,7 @@ class Worker(Lifecycle):
         for sub in self._subs[:1]:  # the work inbox; cancels keep arriving meanwhile
             await sub.drain()
         await self.runner.drain()
+        await asyncio.get_running_loop().run_in_executor(None, self._stop_compiles)
         self.state = "stopped"
         await self._publish_heartbeat()
         await self.nc.flush()

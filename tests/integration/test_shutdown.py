@@ -68,3 +68,26 @@ async def test_stopping_honcho_lets_running_streams_finish(tmp_path, jax_cache_d
         if nc is not None:
             await nc.close()
         h.stop()
+
+
+async def test_a_decoder_worker_stopped_while_it_compiles_exits_cleanly(tmp_path):
+    """Ready after its first programs, the worker compiles the rest on a background
+    thread; SIGTERM then must still end in exit 0 and a "stopped" line, not an abort
+    (a process leaving while XLA compiles on a daemon thread dies of SIGABRT)."""
+    from services.supervisor import Supervisor
+    from shared import catalog
+    from tests.support.stack import wait_until
+
+    with Supervisor(tmp_path, env={"TENSORBUS_COMPILE_AHEAD": "first"}) as sup:
+        sup.start_nats()
+        worker = sup.start("worker", "services.worker", TENSORBUS_WORKER_ID="w-stop",
+                           TENSORBUS_MODEL_DIR=str(catalog.bundled_dir(catalog.DEMO_LM)))
+        await wait_until(lambda: '"event": "ready"' in worker.log_path.read_text(), timeout=240,
+                         interval=0.05)  # fmt: skip
+        assert '"decoder_compiled_all"' not in worker.log_path.read_text(), \
+            "the background compiles ended before the signal: nothing was tested"
+        worker.signal(signal.SIGTERM)
+        code = await asyncio.get_running_loop().run_in_executor(None, worker.wait, 120)
+        log = worker.log_path.read_text()
+        assert code == 0, log[-3000:]
+        assert '"event": "stopped"' in log and "exception not rethrown" not in log
