@@ -184,6 +184,11 @@ class Decoder(Protocol):
     def on_compiled(self, callback) -> None:
         """`callback()` (on another thread) each time a background compile joins."""
 
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Compile nothing more in the background; wait up to `wait_s` for the
+        program being compiled -> False while one still is (the process should not
+        exit then)."""
+
     def can_admit(self, prompt: list[int]) -> bool:
         """Whether the cache has room to `begin` this prompt now."""
 
@@ -260,6 +265,9 @@ class WholePrompt:
 
     def on_compiled(self, callback) -> None:
         pass
+
+    def close(self, wait_s: float = 0.0) -> bool:
+        return True  # nothing compiles in the background
 
     def can_admit(self, prompt: list[int]) -> bool:
         return True

@@ -274,11 +274,12 @@ class Worker(Lifecycle):
     def _stop_compiles(self) -> None:
         """Let every engine's background compile end before the process does (see
         DecoderEngine.close), within the drain timeout (a supervisor kills after it);
-        one that outlasts it is logged and left."""
+        one that outlasts it is logged and left. Encoders compile before ready."""
+        if self.kind != "decoder":
+            return
         wait_s = self.config.drain_timeout_s
         for engine in list(self.models.engines.values()):
-            close = getattr(engine, "close", None)
-            if close is not None and close(wait_s) is False:
+            if not engine.close(wait_s):
                 log.warning("compile_still_running", worker_id=self.id, waited_s=wait_s)
 
     def _progressing(self) -> bool:
