@@ -54,6 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.forms import KERNEL_FORMS
+
 MODES = ("none", "int8", "int4", "fp8", "gguf")  # gguf: a GGUF file's own blocks (model.py)
 GROUPS = {8: (128, 64, 32), 4: (32, 16, 8)}  # preferred group sizes, largest first
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -161,7 +163,7 @@ def _kernel_dot(x, w: QWeight):
                           act8=w.compute == "kernel8")  # fmt: skip
 
 
-KERNELS = ("kernel", "kernel8")  # the computes that call engine/kernels
+KERNELS = KERNEL_FORMS  # the computes that call engine/kernels
 
 
 def matmul(x, w: QWeight, precision=None):

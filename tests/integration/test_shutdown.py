@@ -1,5 +1,6 @@
 """Stopping `honcho start` (Ctrl-C) on the real Procfile while streams run: honcho
-signals every process at once, and the streams already running still finish."""
+signals every process at once, and the streams already running still finish; and a
+decoder worker stopped while it compiles in the background exits 0."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from pathlib import Path
 
 import msgspec
 
-from shared import subjects
+from shared import catalog, subjects
 from shared.bus import connect
-from services.supervisor import wait_ready
+from services.supervisor import Supervisor, wait_ready
 from tests.support import orchestration as fleet
+from tests.support.stack import wait_until
 
 # Short enough to finish inside honcho's 5 s between its SIGTERM and its SIGKILL even on
 # a loaded machine (a stream longer than that grace cannot finish by design), long
@@ -74,10 +76,6 @@ async def test_a_decoder_worker_stopped_while_it_compiles_exits_cleanly(tmp_path
     """Ready after its first programs, the worker compiles the rest on a background
     thread; SIGTERM then must still end in exit 0 and a "stopped" line, not an abort
     (a process leaving while XLA compiles on a daemon thread dies of SIGABRT)."""
-    from services.supervisor import Supervisor
-    from shared import catalog
-    from tests.support.stack import wait_until
-
     with Supervisor(tmp_path, env={"TENSORBUS_COMPILE_AHEAD": "first"}) as sup:
         sup.start_nats()
         worker = sup.start("worker", "services.worker", TENSORBUS_WORKER_ID="w-stop",
