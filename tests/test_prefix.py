@@ -50,7 +50,7 @@ def test_a_pool_summarises_its_cached_prefixes_most_useful_first():
     pool = BlockPool(20, 16)
     keys = prefix_keys(TURN1, 16)
     blocks, _ = pool.acquire([], 6)
-    pool.register(blocks[:5], keys)
+    pool.register(blocks[:5], keys, TURN1)
     assert set(pool.summary(256)) == {short(k) for k in keys}
     assert len(pool.summary(3)) == 3
     pool.release(blocks)

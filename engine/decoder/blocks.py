@@ -10,7 +10,13 @@ only ever indexed through block ids handed out here.
   its prefix hash, kept in LRU order until its space is needed).
 - Prefix keys chain: a full block's key hashes its tokens and the key of the block
   before it, so one key names the whole prefix up to that block's end. Only full
-  blocks of a prompt are keyed: a partial block still changes as a sequence grows.
+  blocks are keyed: a partial block still changes as a sequence grows.
+- A keyed block also serves a prompt that shares only the start of it: `continuing`
+  finds, among the keyed blocks that follow a prefix, the one whose first tokens run
+  furthest along the prompt; the caller copies it into a block of its own (a copy,
+  since the new sequence writes the rest of that block) and computes from there. A
+  repeated prompt then computes one token whatever its length, as llama.cpp's
+  per-slot prompt cache does, where whole blocks alone would leave up to a block.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ class BlockPool:
         self._refs = np.zeros(num_blocks, np.int32)
         self._key_of: dict[int, bytes] = {}  # block -> its prefix key
         self._by_key: dict[bytes, int] = {}  # prefix key -> block
+        self._after: dict[bytes, dict[int, tuple[int, ...]]] = {}  # parent key -> its tokens
+        self._parent_of: dict[int, bytes] = {}  # keyed block -> the key of the one before
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, refcount 0, oldest first
         self.stats = PoolStats()
 
@@ -97,15 +105,32 @@ class BlockPool:
         out = hit + [self._take() for _ in range(blocks - len(hit))]
         return out, len(hit)
 
-    def register(self, blocks: list[int], keys: list[bytes]) -> None:
-        """These held blocks now hold computed K/V for `keys` (a prompt's full blocks)."""
+    def continuing(self, parent: bytes, tokens: list[int]) -> tuple[int, int] | None:
+        """The keyed block after the prefix `parent` (b"": the first block) whose first
+        tokens match the most of `tokens` -> (block, tokens matched), None if none does."""
+        best, most = None, 0
+        want = tuple(tokens)
+        for b, held in self._after.get(parent, {}).items() if self.prefix_cache else ():
+            n = next((i for i, (x, y) in enumerate(zip(held, want)) if x != y),
+                     min(len(held), len(want)))
+            if n > most:
+                best, most = b, n
+        return None if best is None else (best, most)
+
+    def register(self, blocks: list[int], keys: list[bytes], tokens: list[int]) -> None:
+        """These held blocks now hold computed K/V for `keys` (full blocks: `tokens`
+        are theirs, from the sequence's first)."""
         if not self.prefix_cache:
             return
-        for b, key in zip(blocks, keys):
+        for i, (b, key) in enumerate(zip(blocks, keys)):
             if key in self._by_key or b in self._key_of:
                 continue  # another block already answers for this prefix
             self._by_key[key] = b
             self._key_of[b] = key
+            parent = keys[i - 1] if i else b""
+            self._parent_of[b] = parent
+            self._after.setdefault(parent, {})[b] = tuple(
+                tokens[i * self.block : (i + 1) * self.block])
 
     # ----------------------------------------------------------- allocation
     def take(self) -> int:
@@ -135,6 +160,10 @@ class BlockPool:
         elif self._lru:
             b, _ = self._lru.popitem(last=False)  # least recently used
             del self._by_key[self._key_of.pop(b)]
+            parent = self._parent_of.pop(b)
+            del self._after[parent][b]
+            if not self._after[parent]:
+                del self._after[parent]
         else:
             raise RuntimeError("KV pool exhausted")  # callers check `available` first
         self._refs[b] = 1

@@ -68,7 +68,7 @@ from shared.logging import get_logger
 from shared.messages import Sampling
 
 log = get_logger(__name__)
-DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+DEFAULT_BUCKETS = (1, 16, 32, 64, 128, 256, 512)
 COMPILE_AHEAD = ("all", "first", "lazy")
 GREEDY = Sampling(temperature=0.0)
 
@@ -162,6 +162,8 @@ class DecoderEngine(FormChoice, SpeculativeSlots):
         kernel, interpret = self.attention, jax.devices()[0].platform == "cpu"
         self._generate = jax.jit(lambda params, state, *args: steps.generate(
             params, cfg, state, *args, kernel, interpret), donate_argnums=1, **out)  # fmt: skip
+        self._copy = jax.jit(steps.copy_block, donate_argnums=0,
+                             **({"out_shardings": out["out_shardings"][0]} if out else {}))
         self._state_spec = shapes.spec(self._state)
         self._init_speculation(speculative, out)
         self.programs = Programs(name)
@@ -220,6 +222,7 @@ class DecoderEngine(FormChoice, SpeculativeSlots):
                 jax.block_until_ready(self._run_verify(self._slots, [0] * size, 0, 1, other))
             else:
                 jax.block_until_ready(self._run_step(size, other)[0])
+        self._copy_block(0, 0)  # the scratch block onto itself: compiles the copy
         if self.compile_ahead != "lazy" and (background or measuring):
             # One stream at every window first (any load runs on those, in parts),
             # then the programs the forms are measured with (formchoice.py), then the
@@ -321,6 +324,9 @@ class DecoderEngine(FormChoice, SpeculativeSlots):
         token = self._run_chunk(slot, job.prompt[job.done : end], job.done, bucket, ctx,
                                 job.sampling, job.seed, mask)
         return self._prefilled(slot, end, token)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        self._state = self._copy(self._state, np.int32(src), np.int32(dst))
 
     def _run_chunk(self, slot: int, piece: list[int], offset: int, bucket: int, ctx: int,
                    sampling: SlotSampling, seed, mask=None) -> jax.Array:

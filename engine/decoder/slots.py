@@ -96,6 +96,10 @@ class PagedSlots(DecoderHost):
     block: int
     _max_blocks: int
 
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Copy block `src`'s K/V into block `dst`, every layer (the engine's device work)."""
+        raise NotImplementedError
+
     def _init_slots(self, blocks: int, prefix_cache: bool) -> None:
         self.pool = BlockPool(blocks, self.block, prefix_cache)
         # One table per slot, plus the dummy row's (all scratch) for padding rows.
@@ -167,9 +171,17 @@ class PagedSlots(DecoderHost):
         total = self.pool.blocks_for(len(prompt) + 1)
         if self.pool.need(keys, total) > self.pool.available:
             raise RuntimeError(f"the KV pool has no room for {len(prompt)} tokens now")
+        hit = len(self.pool.match(keys))
+        start = hit * self.block  # a keyed block may go on along the prompt (blocks.py)
+        part = self.pool.continuing(keys[hit - 1] if hit else b"",
+                                    prompt[start : min(len(prompt) - 1, start + self.block)])
         blocks, reused = self.pool.acquire(keys, total)
+        done = reused * self.block
+        if part is not None:  # dispatched before anything can write either block
+            self._copy_block(part[0], blocks[reused])
+            done += part[1]
         self.pool.stats.queries += len(prompt)
-        self.pool.stats.hits += reused * self.block
+        self.pool.stats.hits += done
         self._held[slot] = blocks
         self._tables[slot, :] = SCRATCH
         self._tables[slot, : len(blocks)] = blocks
@@ -179,7 +191,7 @@ class PagedSlots(DecoderHost):
         self._top[slot] = min(sampling.logprobs, MAX_LOGPROBS)
         self._logprobs[slot] = None
         self.grammar.begin(slot, sampling.grammar, prompt[len(prompt) - generated:])
-        self._jobs[slot] = _Prefill(list(prompt), reused * self.block,
+        self._jobs[slot] = _Prefill(list(prompt), done,
                                     slot_sampling(sampling, self.cfg.vocab_size, prompt),
                                     np.uint32(seed % 2**32), prefix_keys(prompt, self.block))
 
@@ -195,7 +207,7 @@ class PagedSlots(DecoderHost):
         job = self._jobs[slot]
         job.done = end
         full = end // self.block
-        self.pool.register(self._held[slot][:full], job.keys[:full])
+        self.pool.register(self._held[slot][:full], job.keys[:full], job.prompt)
         if end < len(job.prompt):
             return None
         del self._jobs[slot]
@@ -267,7 +279,7 @@ class PagedSlots(DecoderHost):
         full = min(int(self._lengths[slot]) - 1, len(tokens)) // self.block
         if full > 0:
             self.pool.register(self._held[slot][:full],
-                               prefix_keys(tokens[: full * self.block], self.block))
+                               prefix_keys(tokens[: full * self.block], self.block), tokens)
 
     def grammar_released(self, slot: int) -> None:
         """`slot`'s grammar was dropped mid-sequence (engine/decoder/grammar.py);

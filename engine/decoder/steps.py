@@ -8,6 +8,8 @@ driver jits them with the state donated.
     offset, length and slot are traced. Every chunk draws a token and claims the slot
     (tokens, position, key, sampling, token counts); only the last chunk's are kept,
     since a slot joins decode steps only once the host marks it live.
+- copy_block(state, src, dst) -> state
+    one block's K/V copied into another, for a prompt that shares its start.
 - generate(params, state, rows, tables, live) -> (state, packed)
     one decode step for the slots `rows` names (a batch bucket, static: the live
     sequences compacted, padded with the dummy row); positions are per row and
@@ -55,6 +57,14 @@ def prefill_chunk(
     )[0]  # fmt: skip
     state = start_slot(state._replace(k=k, v=v), slot, token, end, key, sampling)
     return state, pack(raw, token[None], one(sampling.logprobs))[0]
+
+
+def copy_block(state: DecodeState, src, dst) -> DecodeState:
+    """src, dst: [] int32 block ids -> the state with block dst's K/V (every layer)
+    a copy of block src's: a prompt that shares the start of a cached block computes
+    from where they part, in a block of its own (engine/decoder/blocks.py)."""
+    return state._replace(k=tuple(a.at[:, dst].set(a[:, src]) for a in state.k),
+                          v=tuple(a.at[:, dst].set(a[:, src]) for a in state.v))
 
 
 def pack(raw, tokens, want):

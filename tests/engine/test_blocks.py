@@ -34,7 +34,7 @@ def test_a_registered_prefix_is_shared_with_refcounts():
     pool = BlockPool(9, 4)
     keys = prefix_keys(list(range(8)), 4)
     first, _ = pool.acquire(keys, 3)  # nothing cached yet
-    pool.register(first[:2], keys)
+    pool.register(first[:2], keys, list(range(8)))
     assert pool.need(keys, 3) == 1  # two reused, held already: one new block
     second, reused = pool.acquire(keys, 3)
     assert reused == 2 and second[:2] == first[:2] and second[2] != first[2]
@@ -53,10 +53,10 @@ def test_cached_blocks_are_evicted_least_recently_used_and_tail_first():
     ka = prefix_keys([1, 1, 2, 2], 2)
     kb = prefix_keys([3, 3, 4, 4], 2)
     a, _ = pool.acquire(ka, 2)
-    pool.register(a, ka)
+    pool.register(a, ka, [1, 1, 2, 2])
     pool.release(a)
     b, _ = pool.acquire(kb, 2)
-    pool.register(b, kb)
+    pool.register(b, kb, [3, 3, 4, 4])
     pool.release(b)
     assert pool.cached == 4 and pool.available == 4
     # Two new blocks: a's (the least recently used), its tail before its head.
@@ -75,7 +75,7 @@ def test_without_the_prefix_cache_nothing_is_matched():
     pool = BlockPool(5, 2, prefix_cache=False)
     keys = prefix_keys([1, 2, 3, 4], 2)
     got, _ = pool.acquire(keys, 2)
-    pool.register(got, keys)
+    pool.register(got, keys, [1, 2, 3, 4])
     pool.release(got)
     assert pool.match(keys) == [] and pool.cached == 0 and pool.available == 4
 
@@ -87,10 +87,10 @@ def test_a_finished_sequences_generated_blocks_serve_its_continuation():
     prompt, answer = [1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]
     pkeys = prefix_keys(prompt, 4)
     blocks, _ = pool.acquire(pkeys, 4)  # 13 tokens in context -> 4 blocks
-    pool.register(blocks[:1], pkeys)  # the prompt's one full block
+    pool.register(blocks[:1], pkeys, prompt)  # the prompt's one full block
     # Ends with 13 tokens written (the last drawn token is never fed back): 3 full.
     seq = prompt + answer
-    pool.register(blocks[:3], prefix_keys(seq[:12], 4))
+    pool.register(blocks[:3], prefix_keys(seq[:12], 4), seq)
     pool.release(blocks)
     assert pool.cached == 3 and pool.available == 8
     follow = prefix_keys(seq + [14, 15, 16, 17], 4)
@@ -104,8 +104,31 @@ def test_keying_a_prefix_another_block_holds_leaves_this_one_free():
     keys = prefix_keys(list(range(8)), 4)
     a, _ = pool.acquire([], 2)
     b, _ = pool.acquire([], 2)  # computed the same tokens without reusing a's
-    pool.register(a, keys)
-    pool.register(b, keys)
+    pool.register(a, keys, list(range(8)))
+    pool.register(b, keys, list(range(8)))
     pool.release(a)
     pool.release(b)
     assert pool.cached == 2 and pool.match(keys) == a  # b went back to the free list
+
+
+def test_a_prompt_that_shares_part_of_a_block_finds_the_block_that_goes_furthest():
+    """After the shared whole blocks, the keyed block following them whose first
+    tokens run furthest along the prompt (its K/V there is the prompt's own)."""
+    pool = BlockPool(9, 4)
+    one, two = [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 9, 9]
+    a, _ = pool.acquire([], 2)
+    pool.register(a, prefix_keys(one, 4), one)
+    b, _ = pool.acquire([], 2)
+    pool.register(b, prefix_keys(two, 4), two)  # its first block is a's: b[0] stays free
+    root = prefix_keys(one, 4)[0]
+    assert pool.continuing(root, [5, 6, 7]) == (a[1], 3)
+    assert pool.continuing(root, [5, 6, 9, 1]) == (b[1], 3)
+    assert pool.continuing(root, [5, 0]) in ((a[1], 1), (b[1], 1))
+    assert pool.continuing(root, [0, 6]) is None
+    assert pool.continuing(b"", [1, 2, 0]) == (a[0], 2)  # the first block's parent: b""
+    # An evicted block is no longer offered.
+    pool.release(a)
+    pool.release(b)
+    while pool.cached:
+        pool.take()
+    assert pool.continuing(root, [5, 6, 7]) is None and pool.continuing(b"", [1]) is None

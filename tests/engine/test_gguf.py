@@ -215,12 +215,11 @@ def test_prefix_cache_shares_a_system_prompt_and_changes_no_output(
                 got = _engine_greedy(engine, ids, 16)
                 assert got[: len(want)] == want
             reused = engine.cache_stats().hits - hits
-            # Off: nothing reused. On: the second prompt, the full blocks it shares
-            # with the first (the system prompt); the third, the first's full blocks
-            # but the one holding its last token.
-            block = engine.block
+            # Off: nothing reused. On: the second prompt, every token it shares with
+            # the first (the system prompt: whole blocks, then part of the first's next
+            # block); the third, all of the first but its last token.
             shared = next(i for i, (x, y) in enumerate(zip(*prompts[:2])) if x != y)
-            want = shared // block * block + (len(prompts[0]) - 1) // block * block
+            want = shared + len(prompts[0]) - 1
             assert reused == (want if cached else 0) and shared >= 32
     finally:
         engine.pool.prefix_cache = True
