@@ -22,9 +22,18 @@
    their second token) and the longest gap, the time of one chunk alone, and the
    prompt pieces' own times during the run (median, longest), side by side.
 
+4. `--scenario repeat`: SmolLM2 from its GGUF blocks in `--form` (the served
+   default measures its forms; naming one skips that), one chat prompt (the
+   llama.cpp comparison's question) sent `--requests` times one after another, as
+   a closed-loop client does: the time from `begin` to the first token of the
+   first (fresh) and of the repeats (everything cached but the last token, which
+   a prefill computes), with the default prefill buckets (one token the smallest)
+   and with 16 the smallest, side by side.
+
     .venv/bin/python -m bench.paged_kv --scenario concurrency
     .venv/bin/python -m bench.paged_kv --scenario prefix --requests 12
     .venv/bin/python -m bench.paged_kv --scenario chunked
+    .venv/bin/python -m bench.paged_kv --scenario repeat --requests 12
 
 Prints the result and writes it to bench/out/paged_kv-<scenario>.json.
 """
@@ -258,9 +267,51 @@ def chunked(args) -> dict:
     return out
 
 
+def repeat(args) -> dict:
+    from bench.vs_llamacpp import QUESTION
+    from engine.chat import render_chat
+    from engine.decoder import DecoderEngine
+    from engine.decoder.engine import DEFAULT_BUCKETS
+    from shared import catalog
+
+    path = catalog.bundled_dir(args.model)
+    out: dict = {"form": args.form}
+    engines = {name: DecoderEngine(path, "bench", slots=2, max_context=512, decode_windows=(512,),
+                                   prefill_buckets=buckets, quant="gguf", quant_form=args.form,
+                                   forms_cache=None)  # fmt: skip
+               for name, buckets in (("smallest 1", DEFAULT_BUCKETS),
+                                     ("smallest 16", tuple(b for b in DEFAULT_BUCKETS if b >= 16)))}
+    prompt = None
+    for eng in engines.values():
+        eng.warmup(progress=False)
+        prompt = prompt or eng.tokenizer.encode(render_chat(
+            [{"role": "user", "content": QUESTION}], path))
+        eng.begin(0, prompt, _greedy(), 0)  # compiles what the repeats run (not timed)
+        while eng.prefill_step(0) is None:
+            pass
+        eng.free(0)
+    out["prompt_tokens"] = len(prompt)
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(args.requests):  # alternating: a loaded machine's swings fall on both
+        for name, eng in engines.items():
+            t0 = time.perf_counter()
+            eng.begin(0, prompt, _greedy(), 0)
+            while eng.prefill_step(0) is None:
+                pass
+            times[name].append(time.perf_counter() - t0)
+            eng.free(0)
+    for name, eng in engines.items():
+        s = eng.cache_stats()
+        out[name] = {"repeat_ttft_p50_ms": round(1000 * statistics.median(times[name]), 2),
+                     "tokens_computed_per_repeat": len(prompt) - s.hits // args.requests}
+    return out
+
+
 def main() -> None:
     ap = harness.parser(__doc__)
-    ap.add_argument("--scenario", choices=("concurrency", "prefix", "chunked"), required=True)
+    ap.add_argument("--scenario", choices=("concurrency", "prefix", "chunked", "repeat"),
+                    required=True)
+    ap.add_argument("--form", default="kernel8", help="repeat: the GGUF compute form")
     ap.add_argument("--requests", type=int, default=96)
     ap.add_argument("--prompt", type=int, default=40)
     ap.add_argument("--new", type=int, default=None)
@@ -276,7 +327,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.new is None:  # tokens per sequence: short chats / the running streams
         args.new = 48 if args.scenario == "chunked" else 64
-    result = {"concurrency": concurrency, "prefix": prefix, "chunked": chunked}[args.scenario](args)
+    result = {"concurrency": concurrency, "prefix": prefix, "chunked": chunked,
+              "repeat": repeat}[args.scenario](args)
     print(json.dumps(result, indent=2))
     harness.write_json(f"paged_kv-{args.scenario}.json", {
         **harness.run_info("python -m bench.paged_kv " + " ".join(sys.argv[1:])), **result})

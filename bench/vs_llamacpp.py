@@ -2,7 +2,8 @@
 
 The same closed-loop streaming client (OpenAI chat completions, SSE, greedy,
 `ignore_eos`, `max_tokens` 64, `stream_options.include_usage`) loads each server in
-turn at each concurrency: output tokens/s (from each stream's final usage), time to
+turn at each concurrency (`--rounds` times, who goes first swapped each round, the
+ratio the median of the rounds'): output tokens/s (from each stream's final usage), time to
 first token and inter-token latency p50/p99 at the client. The servers are:
 
 - `tensorbus`: the whole stack as `scripts/up.sh` runs it (honcho over the
@@ -28,7 +29,7 @@ first token and inter-token latency p50/p99 at the client. The servers are:
     cmake --build build --target llama-server -j2
 
     .venv/bin/python -m bench.vs_llamacpp --settle --llama-server PATH/build/bin/llama-server \
-        --concurrency 1,16 --seconds 15 --out bench/out/vs_llamacpp.json
+        --concurrency 1,16 --seconds 15 --rounds 3 --out bench/out/vs_llamacpp.json
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -257,21 +259,29 @@ async def main_async(args) -> dict:
                 lproc, lurl = start_llama(args.llama_server, out_dir / "vs_llamacpp_llama.log")
                 await wait_ready(lurl)
             try:
-                for c in conc:  # side by side: each concurrency on both before the next
-                    for name, u in [("tensorbus", url)] + ([("llama.cpp", lurl)] if lproc else []):
-                        res = await load(u, MODEL, c, args.seconds, args.max_tokens)
-                        doc["runs"].setdefault(name, []).append(res)
-                        print(json.dumps({"server": name, **res}), flush=True)
+                servers = [("tensorbus", url)] + ([("llama.cpp", lurl)] if lproc else [])
+                for r in range(args.rounds):
+                    for c in conc:  # side by side: each concurrency on both before the next
+                        # Who goes first swaps each round: a machine slowing down (or
+                        # speeding up) within a round then favours neither server.
+                        for name, u in servers if r % 2 == 0 else servers[::-1]:
+                            res = await load(u, MODEL, c, args.seconds, args.max_tokens)
+                            res = {"round": r, "concurrency": c, **res}
+                            doc["runs"].setdefault(name, []).append(res)
+                            print(json.dumps({"server": name, **res}), flush=True)
             finally:
                 if lproc is not None:
                     stop(lproc)
         finally:
             stop(proc)
-    for c_i, c in enumerate(conc):
-        if "llama.cpp" in doc["runs"]:
-            ours, theirs = doc["runs"]["tensorbus"][c_i], doc["runs"]["llama.cpp"][c_i]
-            doc.setdefault("ratios", {})[str(c)] = round(
-                ours["tokens_per_s"] / max(theirs["tokens_per_s"], 1e-9), 3)
+    if "llama.cpp" in doc["runs"]:
+        rate = {(name, x["round"], x["concurrency"]): x["tokens_per_s"]
+                for name, runs in doc["runs"].items() for x in runs}
+        for c in conc:  # each round's ratio, then their median: the figure
+            each = [round(rate["tensorbus", r, c] / max(rate["llama.cpp", r, c], 1e-9), 3)
+                    for r in range(args.rounds)]
+            doc.setdefault("ratios_by_round", {})[str(c)] = each
+            doc.setdefault("ratios", {})[str(c)] = round(statistics.median(each), 3)
     if args.out:
         Path(args.out).write_text(json.dumps(doc, indent=2))
     return doc
@@ -282,6 +292,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--llama-server", default="", help="path of a llama-server binary")
     ap.add_argument("--concurrency", default="1,16")
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every concurrency on both servers this often, the order "
+                         "swapped each round; the ratio is the median of the rounds'")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--settle", action="store_true",
                     help="measure once every program of the model is compiled")

@@ -122,6 +122,7 @@ class CostBook:
 
     def __init__(self) -> None:
         self._m: dict[str, list[float]] = {}  # model -> [n, E t, E c, E t^2, E t c]
+        self._prior: dict[str, Cost] = {}  # model -> the estimate `learn` started it from
 
     def observe(self, model: str, compute_s: float, tokens: int) -> None:
         if compute_s <= 0 or tokens <= 0:
@@ -154,6 +155,12 @@ class CostBook:
                 return Cost(a, b)
             if b < 0:
                 return Cost(ec, 0.0)
+        prior = self._prior.get(model)
+        if prior is not None and prior.per_batch + prior.per_token * et > 0:
+            # All one size (a decoder whose prompts are cached but their last tokens):
+            # the learned estimate's split, scaled to what these cost.
+            k = ec / (prior.per_batch + prior.per_token * et)
+            return Cost(prior.per_batch * k, prior.per_token * k)
         return Cost(0.0, ec / et)  # all one size: charge it per token
 
     def models(self) -> list[str]:
@@ -169,6 +176,7 @@ class CostBook:
         for a model not timed here yet."""
         if model in self._m or (cost.per_batch <= 0 and cost.per_token <= 0):
             return
+        self._prior[model] = cost
         t = 64.0  # a synthetic pair of batches that the fit turns back into `cost`
         c1, c2 = cost.per_batch + cost.per_token * t, cost.per_batch + cost.per_token * 2 * t
         self._m[model] = [1, 1.5 * t, (c1 + c2) / 2, 2.5 * t * t, (t * c1 + 2 * t * c2) / 2]

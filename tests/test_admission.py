@@ -24,6 +24,20 @@ def test_batches_of_one_size_are_charged_per_token():
     assert book.cost("m") == Cost(0.0, pytest.approx(0.002))
 
 
+def test_one_size_after_a_learned_estimate_keeps_its_split_at_the_observed_level():
+    """A decoder whose repeated prompts are cached computes one-token chunks only:
+    charged per token, a 500-token prompt would cost 500 of them. The learned
+    estimate (its warm-up's) keeps the split, scaled to what the chunks cost."""
+    book = CostBook()
+    book.learn("m", Cost(0.010, 0.002))
+    for _ in range(200):
+        book.observe("m", 0.024, 1)  # twice the learned 0.012
+    cost = book.cost("m")
+    assert cost.per_batch + cost.per_token == pytest.approx(0.024, rel=0.01)
+    assert cost.per_batch / cost.per_token == pytest.approx(5.0, rel=0.01)
+    assert cost.seconds(1, 500, 32) == pytest.approx(2 * (0.010 + 0.002 * 500), rel=0.01)
+
+
 def test_one_slow_batch_moves_the_estimate_a_little_and_a_lasting_slowdown_fully():
     book = CostBook()
     for _ in range(10):

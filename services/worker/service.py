@@ -84,10 +84,10 @@ def time_encoder(engine, max_batch: int) -> Cost | None:
     return book.cost("probe")
 
 
-DECODE_PROBE = (16, 96)  # prompt tokens of the prompts a decoder times at warm-up: far
+DECODE_PROBE = (1, 96)  # prompt tokens of the prompts a decoder times at warm-up: far
 # apart, so the fit finds the cost per token, and both within the smallest context,
-# whose smallest and largest prompt shapes a warm-up compiles first (a larger one could
-# compile here)
+# whose smallest and largest prompt shapes a warm-up compiles first (another would run
+# at the largest, or compile here)
 DECODE_TRIES = 2  # prompts timed per size: the fastest counts (a shared machine's noise,
 # and the warm-up's background compiles, only ever add time)
 DECODE_STEPS = 3  # decode steps timed at warm-up (the fastest counts: one stream's step)
