@@ -3,8 +3,9 @@
 Dataflow of a served sequence:
   1. `begin(slot, prompt, sampling, seed)`: the sequence gets blocks from the pool
      for its prompt and first token; full blocks whose prefix is cached are reused
-     (their K/V is not computed again), the rest are fresh. `can_admit` says first
-     whether the pool has them.
+     (their K/V is not computed again), the rest are fresh; a cached block that
+     goes on along the prompt is copied into the first fresh one, up to where they
+     part (blocks.py). `can_admit` says first whether the pool has them.
   2. `prefill_step(slot, budget)`: one chunk of the prompt (at most
      `prefill_chunk` tokens, from where the reused prefix or the last chunk ended),
      padded to a length bucket, attends to the sequence's blocks and writes its K/V
