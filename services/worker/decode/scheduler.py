@@ -240,7 +240,8 @@ class StepScheduler:
                     break
                 continue
             st.version = version
-            # Host bookkeeping only (no device work), and no engine call runs now.
+            # No engine call runs now: begin is host bookkeeping, and at most one block
+            # copy it dispatches (queued behind the step in flight, blocks.py).
             # A constrained re-run's matcher is fed its tokens so far again.
             again = {"generated": len(seq.tokens)} if seq.work.sampling.grammar else {}
             lane.engine.begin(slot, prompt, seq.work.sampling, seq.seed, **again)
