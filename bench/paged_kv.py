@@ -281,8 +281,9 @@ def repeat(args) -> dict:
                                    forms_cache=None, compile_ahead="all")  # fmt: skip
                for name, buckets in (("smallest 1", DEFAULT_BUCKETS),
                                      ("smallest 16", tuple(b for b in DEFAULT_BUCKETS if b >= 16)))}
-    eng = next(iter(engines.values()))
-    prompt = eng.tokenizer.encode(render_chat([{"role": "user", "content": QUESTION}], path))
+    tok = next(iter(engines.values())).tokenizer
+    prompt = tok.encode(render_chat([{"role": "user", "content": QUESTION}], path))
+
     def answer(eng) -> float:
         """The prompt to its first token (the time returned), then `--new` tokens."""
         t0 = time.perf_counter()
