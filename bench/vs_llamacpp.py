@@ -266,7 +266,7 @@ async def main_async(args) -> dict:
                         # speeding up) within a round then favours neither server.
                         for name, u in servers if r % 2 == 0 else servers[::-1]:
                             res = await load(u, MODEL, c, args.seconds, args.max_tokens)
-                            res = {"round": r, "concurrency": c, **res}
+                            res = {"round": r, **res}  # res names its concurrency
                             doc["runs"].setdefault(name, []).append(res)
                             print(json.dumps({"server": name, **res}), flush=True)
             finally:

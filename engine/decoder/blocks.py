@@ -108,9 +108,11 @@ class BlockPool:
     def continuing(self, parent: bytes, tokens: list[int]) -> tuple[int, int] | None:
         """The keyed block after the prefix `parent` (b"": the first block) whose first
         tokens match the most of `tokens` -> (block, tokens matched), None if none does."""
+        if not tokens or not self.prefix_cache:
+            return None
         best, most = None, 0
         want = tuple(tokens)
-        for b, held in self._after.get(parent, {}).items() if self.prefix_cache else ():
+        for b, held in self._after.get(parent, {}).items():
             n = next((i for i, (x, y) in enumerate(zip(held, want)) if x != y),
                      min(len(held), len(want)))
             if n > most:

@@ -171,13 +171,11 @@ class PagedSlots(DecoderHost):
         total = self.pool.blocks_for(len(prompt) + 1)
         if self.pool.need(keys, total) > self.pool.available:
             raise RuntimeError(f"the KV pool has no room for {len(prompt)} tokens now")
-        hit = len(self.pool.match(keys))
-        start = hit * self.block  # a keyed block may go on along the prompt (blocks.py)
-        part = self.pool.continuing(keys[hit - 1] if hit else b"",
-                                    prompt[start : min(len(prompt) - 1, start + self.block)])
         blocks, reused = self.pool.acquire(keys, total)
-        done = reused * self.block
-        if part is not None:  # dispatched before anything can write either block
+        done = reused * self.block  # a keyed block may go on along the prompt (blocks.py)
+        part = self.pool.continuing(keys[reused - 1] if reused else b"",
+                                    prompt[done : min(len(prompt) - 1, done + self.block)])
+        if part is not None:  # still keyed, so unwritten; the copy is dispatched first
             self._copy_block(part[0], blocks[reused])
             done += part[1]
         self.pool.stats.queries += len(prompt)
