@@ -105,7 +105,7 @@ fi
 #    then the whole stack over NATS with one and two gateways. Every JAX process there
 #    allocates as it goes, so the bench process and the worker share the device.
 t0=$(date +%s)
-if [ "$DRY" = 1 ]; then SERVING_ARGS=(--dry); else SERVING_ARGS=(--dtype bfloat16); fi
+if [ "$DRY" = 1 ]; then SERVING_ARGS=(--dry --dtype float32); else SERVING_ARGS=(--dtype bfloat16); fi
 [ -d .gpu/minilm ] && SERVING_ARGS+=(--tokenizer-dir .gpu/minilm)
 serving_rc=0
 on serving && { XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${SERVING_TIMEOUT:-200}" "$PY" \

@@ -57,7 +57,8 @@ def build_model(work: Path, tokenizer_dir: Path, dry: bool) -> Path:
     model = work / "model"
     cfg = dict(MINILM)
     if dry:  # the real tokenizer's ids must fit: MiniLM's vocabulary stays
-        cfg |= DRY | {"num_attention_heads": 4, "vocab_size": MINILM["vocab_size"]}
+        cfg |= DRY | {"num_attention_heads": 4, "vocab_size": MINILM["vocab_size"],
+                      "max_position_embeddings": 128}  # the largest bucket: no 256 to compile
     write_encoder(model, cfg)
     copy_tokenizer(tokenizer_dir, model)
     # The catalogue finds the encoder through this package; a stand-in points it here.
