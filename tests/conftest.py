@@ -37,11 +37,24 @@ TEST_BATCH_BUCKETS = (1, 4, 16)
 TEST_SEQ_BUCKETS = (16, 64, 256)
 
 
-@pytest.fixture(scope="session")
-def jax_cache_dir() -> str:
+def _jax_cache_dir() -> str:
     d = Path(os.environ.get("TENSORBUS_TEST_CACHE", ".data/test-jax-cache")).resolve()
     d.mkdir(parents=True, exist_ok=True)
     return str(d)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def jax_cache_dir() -> str:
+    """One compilation cache for the whole session, on before the first test: tests
+    build many engines of the same tiny shapes, and each program is compiled once
+    (the stacks the integration tests start share it through their data dirs). The
+    weight-form choices and prepared weights that engines keep beside it follow it,
+    as they do beside a worker's."""
+    from engine import jaxrt
+
+    d = _jax_cache_dir()
+    jaxrt.setup(d)
+    return d
 
 
 @pytest.fixture(scope="session")
