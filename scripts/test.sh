@@ -24,4 +24,10 @@ if [ ${#need[@]} -gt 0 ]; then
     fi
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Two test processes (pytest-xdist), each taking a whole file at a time so that a
+# file's module fixtures are built once: much of a test's time is waiting on a stack
+# it started or on one thread of a compile, and two of them fill the two cores this
+# suite is sized for (docs/benchmarks.md, "The slowest tests"). TENSORBUS_TEST_WORKERS=0
+# runs everything in this one process.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n "${TENSORBUS_TEST_WORKERS:-2}" \
+    --dist loadfile "$@"
