@@ -37,12 +37,6 @@ TEST_BATCH_BUCKETS = (1, 4, 16)
 TEST_SEQ_BUCKETS = (16, 64, 256)
 
 
-def _jax_cache_dir() -> str:
-    d = Path(os.environ.get("TENSORBUS_TEST_CACHE", ".data/test-jax-cache")).resolve()
-    d.mkdir(parents=True, exist_ok=True)
-    return str(d)
-
-
 @pytest.fixture(scope="session", autouse=True)
 def jax_cache_dir() -> str:
     """One compilation cache for the whole session, on before the first test: tests
@@ -52,17 +46,15 @@ def jax_cache_dir() -> str:
     as they do beside a worker's."""
     from engine import jaxrt
 
-    d = _jax_cache_dir()
-    jaxrt.setup(d)
-    return d
+    d = Path(os.environ.get("TENSORBUS_TEST_CACHE", ".data/test-jax-cache")).resolve()
+    jaxrt.setup(d)  # creates it
+    return str(d)
 
 
 @pytest.fixture(scope="session")
 def minilm(jax_cache_dir):
-    from engine import jaxrt
     from engine.encoder import EncoderEngine
 
-    jaxrt.setup(jax_cache_dir)
     enc = EncoderEngine(catalog.bundled_dir(ENCODER), name=ENCODER,
                         batch_buckets=TEST_BATCH_BUCKETS, seq_buckets=TEST_SEQ_BUCKETS,
                         max_batch=16)

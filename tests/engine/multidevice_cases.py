@@ -118,8 +118,9 @@ def test_decoder_split_equals_one_device(model, engines):
 def test_int8_matmuls_split_as_smollm2_equal_one_device(model_dirs):
     """int8 weights split with their scales, and int8 x int8 matmuls (engine/forms.py
     "w8a8") over SmolLM2's split: each row's int8 scale needs the whole row's amax,
-    which XLA reduces across the devices. A partial sum that rounds differently when split can move a value across an int8
-    step, so the logits agree to within steps (0.1), not 2e-5; greedy tokens equal."""
+    which XLA reduces across the devices. A partial sum that rounds differently when
+    split can move a value across an int8 step, so the logits agree to within steps
+    (0.1), not 2e-5; greedy tokens equal."""
     path, tp = model_dirs("llama-9q3kv")
     one, split = _engine(path, 1, "int8:w8a8"), _engine(path, tp, "int8:w8a8")
     assert set(split.compute_forms.values()) == {"w8a8"}
