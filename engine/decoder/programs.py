@@ -80,7 +80,11 @@ class Programs:
 
             t0 = time.perf_counter()
             exe = jaxrt.compile_lowered(lower())
-            self.compile_seconds += time.perf_counter() - t0
+            seconds = time.perf_counter() - t0
+            self.compile_seconds += seconds
+            # Which program a request waited on, when it was not compiled ahead.
+            log.debug("program_compiled", model=self.name, program=str(key),
+                      seconds=round(seconds, 3))
             self._done[key] = exe
             return exe
         finally:
