@@ -7,13 +7,9 @@ length-sorted grouping and every sequence bucket.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from engine import jaxrt
 from engine.buckets import BucketError
 from engine.encoder import EncoderEngine
 from engine.interface import Encoder
@@ -46,9 +42,8 @@ def reference(texts) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def jax_f32() -> EncoderEngine:
-    # The on-disk cache the integration tests use too: same buckets, compiled once.
-    cache = Path(os.environ.get("TENSORBUS_TEST_CACHE", ".data/test-jax-cache")).resolve()
-    jaxrt.setup(cache)
+    # The session's compilation cache (tests/conftest.py), which the integration
+    # tests use too: same buckets, compiled once.
     enc = EncoderEngine(model_dir(), dtype="float32", batch_buckets=BATCH_BUCKETS,
                         seq_buckets=SEQ_BUCKETS, max_batch=MAX_BATCH)  # fmt: skip
     assert enc.warmup(progress=False) == len(BATCH_BUCKETS) * len(SEQ_BUCKETS)

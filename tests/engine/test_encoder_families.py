@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engine import jaxrt
 from engine.encoder import EncoderEngine
 from engine.encoder.config import BertConfig
 from engine.encoder.spec import UnsupportedEncoder, read_spec
@@ -56,12 +54,6 @@ CASES = {
     "bert-cls-mean-dense": dict(family="bert", pooling=("cls", "mean"), dense=(24, 8),
                                 normalize=False),
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cache():
-    cache = Path(os.environ.get("TENSORBUS_TEST_CACHE", ".data/test-jax-cache")).resolve()
-    jaxrt.setup(cache)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

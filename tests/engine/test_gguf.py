@@ -63,9 +63,6 @@ CONVERSATIONS = [
 @pytest.fixture(scope="module")
 def engine(smollm2_dir, jax_cache_dir):
     """One prefill bucket and one decode window: two compiles of the 30-layer model."""
-    from engine import jaxrt
-
-    jaxrt.setup(jax_cache_dir)
     eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=2, max_context=CONTEXT,
                         prefill_buckets=(CONTEXT,), decode_windows=())  # fmt: skip
     eng.warmup(progress=False)

@@ -146,9 +146,6 @@ def _tok_json(tok) -> dict:
 def test_k_quant_qwen_logits_equal_transformers(arch, tmp_path, jax_cache_dir):
     from transformers import AutoModelForCausalLM
 
-    from engine import jaxrt
-
-    jaxrt.setup(jax_cache_dir)
     d = tmp_path / arch
     d.mkdir()
     path = d / f"tiny-{arch}.gguf"
@@ -239,9 +236,6 @@ def test_llama3_rope_freqs_give_transformers_logits(tmp_path, jax_cache_dir):
     import gguf
     import transformers as T
 
-    from engine import jaxrt
-
-    jaxrt.setup(jax_cache_dir)
     heads, kv, hidden, theta = 4, 2, 128, 10000.0
     scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64)

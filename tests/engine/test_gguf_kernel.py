@@ -118,9 +118,6 @@ def stored(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def engine(loaded, smollm2_dir, jax_cache_dir):
-    from engine import jaxrt
-
-    jaxrt.setup(jax_cache_dir)
     eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=4, max_context=CONTEXT,
                         prefill_buckets=(32,), decode_windows=(), quant="gguf",
                         quant_form="kernel", forms_cache=None)  # fmt: skip
@@ -231,9 +228,6 @@ def test_speculation_through_the_kernel_equals_transformers(loaded, smollm2_dir,
                                                             smollm2_hf_tokenizer, jax_cache_dir):  # fmt: skip
     """Prompt-lookup drafts verified through the kernel (a step of 1 + 3 rows): the
     same greedy tokens as transformers, with drafts accepted on a repeating prompt."""
-    from engine import jaxrt
-
-    jaxrt.setup(jax_cache_dir)
     eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT,
                         prefill_buckets=(32,), decode_windows=(), quant="gguf",
                         quant_form="kernel", forms_cache=None, speculative=3)  # fmt: skip

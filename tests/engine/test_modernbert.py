@@ -10,13 +10,11 @@ tests show it by breaking each one.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from engine import jaxrt
 from engine.encoder import EncoderEngine
 from engine.encoder.config import BertConfig
 from engine.encoder.spec import UnsupportedEncoder, read_spec
@@ -26,11 +24,6 @@ from tests.support import tiny_encoders
 from tests.support.tiny_encoders import PAIRS, TEXTS
 
 KW = dict(batch_buckets=(8,), seq_buckets=(16,), max_batch=8)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cache():
-    jaxrt.setup(Path(os.environ.get("TENSORBUS_TEST_CACHE", ".data/test-jax-cache")).resolve())
 
 
 # gte-modernbert-base pools the CLS token; modernbert-embed-base the mean.

@@ -9,13 +9,9 @@ labels with none.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from engine import jaxrt
 from engine.encoder import EncoderEngine
 from engine.encoder.spec import UnsupportedEncoder, read_spec
 from engine.tokenizer import Tokenizer
@@ -24,11 +20,6 @@ from tests.support import tiny_encoders
 from tests.support.tiny_encoders import PAIRS
 
 KW = dict(batch_buckets=(4,), seq_buckets=(16,), max_batch=4)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cache():
-    jaxrt.setup(Path(os.environ.get("TENSORBUS_TEST_CACHE", ".data/test-jax-cache")).resolve())
 
 
 @pytest.mark.parametrize("family, labels, activation", [

@@ -229,9 +229,6 @@ def test_sample_frequencies_follow_filtered_distribution():
 def test_demo_model_matches_transformers_and_the_jax_engine(jax_cache_dir):
     from transformers import AutoModelForCausalLM
 
-    from engine import jaxrt
-
-    jaxrt.setup(jax_cache_dir)
     d = bundled_dir(DEMO_LM)
     ref = AutoModelForCausalLM.from_pretrained(d).eval()
     ref.generation_config.eos_token_id = None
@@ -252,7 +249,6 @@ def test_qwen2_attention_biases_and_tied_head(tmp_path, jax_cache_dir):
     writes it) loads through the same path: logits and greedy tokens."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from engine import jaxrt
     from tests.support.tiny_models import VOCAB, write_tokenizer
 
     torch.manual_seed(1)
@@ -274,7 +270,6 @@ def test_qwen2_attention_biases_and_tied_head(tmp_path, jax_cache_dir):
     for prompt in PROMPTS[:3]:
         np.testing.assert_allclose(_prompt_logits(engine, prompt), _hf_logits(ref, prompt),
                                    atol=1e-4, rtol=0)  # fmt: skip
-    jaxrt.setup(jax_cache_dir)
     jax_engine = DecoderEngine(tmp_path, "qwen2", slots=2, max_context=CONTEXT,
                                prefill_buckets=(16,))  # fmt: skip
     ours = generate_static(engine, PROMPTS[:2], NEW)

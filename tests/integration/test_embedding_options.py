@@ -62,10 +62,8 @@ def st_mrl(mrl_dir, sentence_transformer):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def stack(nats_server, minilm, mrl_dir, sentence_transformer, jax_cache_dir):
-    from engine import jaxrt
     from engine.encoder import EncoderEngine
 
-    jaxrt.setup(jax_cache_dir)
     mrl = EncoderEngine(mrl_dir, name=MRL, batch_buckets=TEST_BATCH_BUCKETS,
                         seq_buckets=TEST_SEQ_BUCKETS, max_batch=16)
     mrl.warmup(progress=False)  # the same programs as MiniLM's: the compilation cache has them

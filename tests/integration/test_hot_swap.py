@@ -238,11 +238,8 @@ async def test_first_start_seeds_the_registry_and_serves_the_real_encoder(
         tmp_path, jax_cache_dir, sentence_transformer):
     """An empty JetStream: the scheduler's seeding pushes the bundled encoder, a worker
     loads version 1 from the registry (verified), then a re-push is hot-swapped in."""
-    from engine import jaxrt
     from engine.encoder import EncoderEngine
     from tests.conftest import TEST_BATCH_BUCKETS, TEST_SEQ_BUCKETS
-
-    jaxrt.setup(jax_cache_dir)
 
     def factory(info: catalog.ModelInfo, version: str) -> EncoderEngine:
         return EncoderEngine(info.path, name=info.name, batch_buckets=TEST_BATCH_BUCKETS,
@@ -284,9 +281,6 @@ async def test_first_start_seeds_the_registry_and_serves_the_real_encoder(
 @pytest.fixture(scope="module")
 def tiny_versions(tmp_path_factory, jax_cache_dir):
     """Three versions of a tiny GPT-2 and each one's greedy texts (before any service)."""
-    from engine import jaxrt
-
-    jaxrt.setup(jax_cache_dir)
     return decoder_versions(tmp_path_factory.mktemp("decoder-versions"), 3)
 
 

@@ -56,12 +56,10 @@ class Gated:
 
 @pytest.fixture(scope="module")
 def reranker(tmp_path_factory, jax_cache_dir):
-    from engine import jaxrt
     from engine.encoder import EncoderEngine
 
     d = tmp_path_factory.mktemp("reranker")
     ce = tiny_encoders.build_cross_encoder(d, "bert", num_labels=1)
-    jaxrt.setup(jax_cache_dir)
     engine = EncoderEngine(d / "ce", name=MODEL, batch_buckets=(1, 2, 4, 8, 16),
                            seq_buckets=(16, 32), max_batch=16)
     return ce, Gated(engine), d / "ce"

@@ -20,12 +20,10 @@ NEW = 40
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, jax_cache_dir):
-    from engine import jaxrt
     from engine.decoder import DecoderEngine
     from tests.support.tiny_models import build
 
     path = tmp_path_factory.mktemp("llama-spec-e2e")
-    jaxrt.setup(jax_cache_dir)
     model = build("llama", path, positions=128)
     engine = DecoderEngine(path, name="tiny-spec", slots=4, max_context=CONTEXT,
                            prefill_buckets=(16, 32), decode_windows=(32, 64), speculative=4)
