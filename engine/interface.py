@@ -165,6 +165,11 @@ class Decoder(Protocol):
         """(programs compiled, programs it serves); (0, 0) for an engine that does
         not compile ahead (the model card reports it)."""
 
+    def compile_wait(self) -> tuple[bool, float]:
+        """(whether the engine thread is blocked on a program being compiled now: a
+        step that is slow, not stuck, and the stall checks let it be; the seconds
+        steps have been blocked so since start: not the model's cost)."""
+
     def forms_progress(self) -> tuple[int, int]:
         """((bucket, form) pairs measured, pairs to measure) of a quantized engine
         choosing its compute forms after ready (engine/decoder/formchoice.py); (0, 0)
@@ -250,6 +255,9 @@ class WholePrompt:
 
     def compile_progress(self) -> tuple[int, int]:
         return (0, 0)  # nothing compiled ahead
+
+    def compile_wait(self) -> tuple[bool, float]:
+        return False, 0.0  # nothing compiled
 
     def forms_progress(self) -> tuple[int, int]:
         return (0, 0)  # one compute form

@@ -2,7 +2,8 @@
 
 Both the scheduler (routing, admission, scaling) and the gateway (`/v1/models`,
 fast 404s) keep one. A worker that has not heartbeated for `expiry_s` is dropped; a
-worker whose step counter stops moving while it holds work is marked stalled; a ready
+worker whose step counter stops moving while it holds work is marked stalled (not
+while a step waits on a program being compiled: that is slow, not stuck); a ready
 worker whose heartbeat puts its memory above `memory_high` of its limit is
 `pressured`: it finishes what it holds but gets no new work until it falls back.
 """
@@ -61,7 +62,7 @@ class Fleet:
             self.workers.pop(hb.worker_id, None)
             return WorkerView(hb, now, now)
         busy = hb.in_flight > 0 or hb.queue_depth > 0
-        if prev is None or hb.steps != prev.hb.steps or not busy:
+        if prev is None or hb.steps != prev.hb.steps or not busy or hb.compiling:
             progress_at = now
         else:
             progress_at = prev.progress_at

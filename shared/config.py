@@ -45,7 +45,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     worker_expiry_s: float = 2.0  # a worker silent this long is dropped
     max_queue_per_worker: int = 256  # most requests queued per ready worker, whatever their work
     max_queue_s: float = 30.0  # queue bound in estimated compute: seconds of work ahead per ready worker
-    stall_s: float = 10.0  # a worker holding work with no finished step this long is wedged
+    stall_s: float = 10.0  # a worker holding work with no finished step this long is wedged (time a step waits on a compile does not count)
     target_queue_per_replica: float = 32.0  # scaling signal: desired queue per worker
     prefix_route_imbalance: int = 4  # scheduler: extra requests a worker caching a prompt's prefix may hold over the least loaded and still get it (-1 = route by load only)
     target_slots_per_replica: float = 0.0  # scaling signal: desired busy decode slots per decoder worker (0 = three quarters of decode_slots)

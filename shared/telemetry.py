@@ -84,6 +84,7 @@ class Heartbeat(_Rec, tag="heartbeat"):
     mem_used_bytes: int = 0  # device memory in use where the backend reports it, else host RSS
     mem_limit_bytes: int = 0  # the matching limit (device capacity, cgroup or host memory)
     mem_source: str = ""  # "device" | "host"
+    compiling: bool = False  # a step waits on a program being compiled: slow, not stalled
     # Decoders, as vLLM reports them (counters since the worker started):
     running: int = 0  # sequences holding a slot (prefilling or decoding)
     waiting: int = 0  # sequences queued for a slot or KV cache room

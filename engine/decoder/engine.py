@@ -255,6 +255,13 @@ class DecoderEngine(FormChoice, SpeculativeSlots):
         its compute forms too while it measures them)."""
         return self.programs.compiled, max(self.programs.total, len(self.compiles))
 
+    def compile_wait(self) -> tuple[bool, float]:
+        """(a step waits on a program being compiled now, seconds steps waited on
+        compiles since start), structured outputs' masked twins included."""
+        both = [self.programs] + ([self.grammar._programs.programs]
+                                  if self.grammar._programs is not None else [])
+        return any(p.waited_on for p in both), sum(p.waited_s for p in both)
+
     def on_compiled(self, callback) -> None:
         self.programs.listeners.append(callback)
 

@@ -45,6 +45,8 @@ class Programs:
         self._queue: deque[tuple[Hashable, Callable[[], object]]] = deque()  # background's
         self.listeners: list[Callable[[], None]] = []  # called (on its thread) as one joins
         self.compile_seconds = 0.0
+        self._waiting = 0  # callers (not the background thread) blocked on a compile
+        self.waited_s = 0.0  # the time they spent blocked, since start
 
     def has(self, key: Hashable) -> bool:
         return key in self._done
@@ -56,11 +58,29 @@ class Programs:
     def keys(self) -> list[Hashable]:
         return list(self._done)
 
+    @property
+    def waited_on(self) -> bool:
+        """Whether a caller other than the background thread (the engine thread, a
+        step) is blocked on a compile now: its step is slow, not stuck."""
+        return self._waiting > 0
+
     def get(self, key: Hashable, lower: Callable[[], object]):
         """The executable for `key`, compiled now (from `lower()`) if nobody has."""
         exe = self._done.get(key)
         if exe is not None:
             return exe
+        waiter = threading.current_thread() is not self._thread
+        with self._lock:
+            self._waiting += waiter
+        t0 = time.perf_counter()
+        try:
+            return self._get(key, lower)
+        finally:
+            with self._lock:
+                self._waiting -= waiter
+                self.waited_s += (time.perf_counter() - t0) * waiter
+
+    def _get(self, key: Hashable, lower: Callable[[], object]):
         with self._lock:
             exe = self._done.get(key)
             if exe is not None:
@@ -74,7 +94,7 @@ class Programs:
             exe = self._done.get(key)
             if exe is not None:
                 return exe
-            return self.get(key, lower)  # its compile failed there: try here
+            return self._get(key, lower)  # its compile failed there: try here
         try:
             from engine import jaxrt
 

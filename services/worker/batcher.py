@@ -101,6 +101,7 @@ class EncoderRunner:
         self.inbox: deque[Pending] = deque()
         self.in_flight = 0
         self.steps = 0  # engine calls finished
+        self.compiling = False  # an encoder compiles every bucket before it is ready
         self.stats = BatchStats()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()

@@ -135,6 +135,13 @@ class DecoderRunner:
     def in_flight(self) -> int:
         return self.sched.running
 
+    @property
+    def compiling(self) -> bool:
+        return any(lane.engine.compile_wait()[0] for lane in list(self.lanes.values()))
+
+    def _compile_waited(self) -> float:
+        return sum(lane.engine.compile_wait()[1] for lane in list(self.lanes.values()))
+
     def gauges(self) -> Gauges:
         serving = [self.lanes[v] for v in self.models.serving() if v in self.lanes]
         slots = sum(lane.engine.slots for lane in serving) or 1
@@ -270,9 +277,10 @@ class DecoderRunner:
                 self._spawn(self.outbox.error(work, err))
             for req in adm.closed:
                 self._spawn(self._close_now(req))
-            t0 = time.perf_counter()
+            t0, waited = time.perf_counter(), self._compile_waited()
             result = await loop.run_in_executor(self.executor, _execute, plan)
-            self.costs.observe(time.perf_counter() - t0, *_measured(plan, result))
+            if self._compile_waited() == waited:  # a step that compiled: not the model's cost
+                self.costs.observe(time.perf_counter() - t0, *_measured(plan, result))
             self.steps += 1
             self._occ_sum += self.in_flight
             self._occ_n += 1

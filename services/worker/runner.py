@@ -74,6 +74,10 @@ class Runner(Protocol):
     @property
     def steps(self) -> int: ...
 
+    @property
+    def compiling(self) -> bool:
+        """Whether a step waits on a program being compiled (slow, not stalled)."""
+
     def gauges(self) -> Gauges:
         """Load for the heartbeat (reading it restarts the occupancy window)."""
 

@@ -283,12 +283,13 @@ class Worker(Lifecycle):
                 log.warning("compile_still_running", worker_id=self.id, waited_s=wait_s)
 
     def _progressing(self) -> bool:
-        """Live unless work is held and no engine step finished for a while."""
+        """Live unless work is held and no engine step finished for a while (a step
+        waiting on a program being compiled is slow, not stuck)."""
         runner = self.runner
         if runner is None or not runner.in_flight:
             self._last_steps, self._last_progress = -1, time.monotonic()
             return True
-        if runner.steps != self._last_steps:
+        if runner.steps != self._last_steps or runner.compiling:
             self._last_steps, self._last_progress = runner.steps, time.monotonic()
         return time.monotonic() - self._last_progress < self.config.stall_s
 
@@ -354,6 +355,7 @@ class Worker(Lifecycle):
             versions=list(self.versions), queue_depth=load.queue_depth,
             in_flight=load.in_flight, max_batch=load.capacity,
             batch_occupancy=load.occupancy, steps=load.steps, rss_bytes=rss_bytes(),
+            compiling=self.runner is not None and self.runner.compiling,
             device=device, sent_at=time.time(), slots_total=load.slots_total,
             slots_used=load.slots_used, kv_usage=load.kv_usage, last_error=self.models.error,
             dtype=engine.dtype if engine is not None else "float32", mem_used_bytes=used,

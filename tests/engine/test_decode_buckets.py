@@ -85,6 +85,10 @@ def test_sequences_joining_and_leaving_cross_buckets_and_keep_their_tokens(llama
     assert set(engine.step_counts) == {1, 2, 4, 8}
     for job, _, n in plan:
         assert got[job] == hf_greedy(ref, PROMPTS[job], n), job
+    # Its steps waited on the buckets warm-up left out (counted, so the worker keeps
+    # those steps' time out of the model's cost), and wait on nothing now.
+    waiting, waited_s = engine.compile_wait()
+    assert not waiting and waited_s > 0
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -1,0 +1,68 @@
+"""A step blocked on a program being compiled says so (engine/decoder/programs.py):
+the worker's heartbeat carries it, so the stall checks let a slow step be, and the
+worker leaves that step's time out of the model's cost. A compile on the background
+thread that no step waits on is not such a wait.
+
+Real XLA compiles of a one-line program; `lower` is held on an event, so the test
+looks while the compile is under way, not at a moment that happens to fall in it."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from engine.decoder.programs import Programs
+
+
+def held(entered: threading.Event, release: threading.Event):
+    """A `lower` that blocks until `release`, then lowers x -> 2x + 1."""
+
+    def lower():
+        entered.set()
+        assert release.wait(60)
+        return jax.jit(lambda x: 2 * x + 1).lower(jax.ShapeDtypeStruct((4,), jnp.float32))
+
+    return lower
+
+
+def test_a_caller_blocked_on_a_compile_is_counted_until_it_has_its_program():
+    programs = Programs("t")
+    entered, release = threading.Event(), threading.Event()
+    got = []
+    step = threading.Thread(target=lambda: got.append(programs.get("k", held(entered, release))))
+    step.start()
+    assert entered.wait(60)
+    assert programs.waited_on  # the step waits on this compile
+    release.set()
+    step.join(60)
+    assert not programs.waited_on and programs.waited_s > 0
+    np.testing.assert_allclose(np.asarray(got[0](jnp.arange(4.0))), [1, 3, 5, 7])
+    # Compiled now: asking again is no wait, and adds no waited time.
+    before = programs.waited_s
+    programs.get("k", held(threading.Event(), threading.Event()))
+    assert programs.waited_s == before and not programs.waited_on
+
+
+def test_the_background_compiling_is_no_wait_until_a_step_asks_for_its_program():
+    programs = Programs("t")
+    entered, release = threading.Event(), threading.Event()
+    programs.start_background([("k", held(entered, release))])
+    assert entered.wait(60)
+    assert not programs.waited_on  # nobody waits on it: the steps run on
+    # A step asks for the program being compiled there: it waits on that compile.
+    step = threading.Thread(target=programs.get, args=("k", None))
+    step.start()
+    waiting = threading.Event()
+    for _ in range(6000):  # until the step has joined the wait (a counted state)
+        if programs.waited_on:
+            waiting.set()
+            break
+        step.join(0.01)
+    assert waiting.is_set()
+    release.set()
+    step.join(60)
+    assert programs.wait_background(60)
+    assert not programs.waited_on and programs.compiled == 1
