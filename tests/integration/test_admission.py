@@ -7,6 +7,7 @@ per batch (bench.nomath), a real nats-server, the services in one event loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -21,6 +22,34 @@ from shared import catalog, subjects
 from tests.support.load import LOST, one
 from tests.support.mock_engine import MockEncoder
 from tests.support.stack import running_stack, wait_until
+
+
+@contextlib.asynccontextmanager
+async def second_gateway(url: str, config, front=None):
+    """Another gateway on the same bus (`front(nc, config)`: its own Frontend), stopped
+    however the test ends: one left running would answer the next tests' requests."""
+    nc = await nats.connect(url, name="gateway-2")
+    gw = Gateway(nc, config, front(nc, config) if front else None, http=False)
+    ready = asyncio.Event()
+    task = asyncio.create_task(gw.run(ready))
+    try:
+        await ready.wait()
+        yield gw
+    finally:
+        gw.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        await nc.close()
+
+
+def patient_reserves(monkeypatch) -> None:
+    """Gateways wait for a Reserve's answer as long as the test may take. A scheduler
+    that does not answer in 1 s lets the request go on unreserved (decided at its
+    submit), by design; the in-process scheduler shares this process's event loop,
+    which a loaded machine stalls past that second, and these tests are about the
+    reservation."""
+    from services.gateway import admission
+
+    monkeypatch.setattr(admission, "RESERVE_TIMEOUT_S", 30.0)
 
 MODEL = catalog.ENCODER
 SLOW = "slow-encoder"  # the same tokenizer, a slower engine
@@ -304,7 +333,7 @@ async def test_large_requests_are_refused_while_those_ahead_still_tokenize(nats_
 
 
 
-async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server):
+async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server, monkeypatch):
     """Two gateways each count their own work ahead; in a burst's first milliseconds
     neither has heard of the other's. A large body is admitted by the scheduler by its
     estimated size before it is tokenized (a reservation), so the excess is refused
@@ -313,18 +342,15 @@ async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server)
 
     from tests.support.workload import long_inputs
 
+    patient_reserves(monkeypatch)
     engine = MockEncoder(per_token_s=0.0002)  # ~0.1 s for 4 inputs of ~120 tokens
     texts = long_inputs(64)
     big = [msgspec.json.encode({"model": MODEL, "input": texts[4 * i:4 * i + 4]})
            for i in range(16)]
-    async with running_stack(nats_server.url, max_queue_s=0.5) as st:
-        nc = await nats.connect(nats_server.url, name="gateway-2")
-        second = Gateway(nc, st.config, http=False)
-        ready = asyncio.Event()
-        task = asyncio.create_task(second.run(ready))
+    async with running_stack(nats_server.url, max_queue_s=0.5) as st, \
+            second_gateway(nats_server.url, st.config) as second:
         gate, tokenized, held = threading.Event(), [], {}
         try:
-            await ready.wait()
             await st.add_worker(engine, "enc-two-gateways")
             await measured(st)
             fronts = (st.gateway.front, second.front)
@@ -358,15 +384,10 @@ async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server)
             gate.set()
             for tok in held.values():
                 del tok.encode_batch
-        try:
-            codes = Counter(o.status for o in await asyncio.gather(*tasks))
-            # What was given room was answered: none refused after its tokenizing.
-            assert codes[200] == reserved and set(codes) == {200, 429}, codes
-            assert not sched.admission.reservations  # each became its work
-        finally:
-            second.stop()
-            await asyncio.gather(task, return_exceptions=True)
-            await nc.close()
+        codes = Counter(o.status for o in await asyncio.gather(*tasks))
+        # What was given room was answered: none refused after its tokenizing.
+        assert codes[200] == reserved and set(codes) == {200, 429}, codes
+        assert not sched.admission.reservations  # each became its work
 
 
 async def test_a_reserved_request_that_fails_to_tokenize_gives_its_room_back(nats_server):
@@ -488,7 +509,7 @@ async def test_work_whose_reservation_lapsed_is_checked_on_arrival(nats_server):
 
 
 async def test_two_gateways_bursts_of_long_prompts_meet_one_count_bound_before_tokenizing(
-        nats_server, tmp_path, jax_cache_dir):
+        nats_server, tmp_path, jax_cache_dir, monkeypatch):
     """Completions are admitted by count. A long prompt (a body above the inline limit)
     is tokenized in a thread, behind others; two gateways each count only their own.
     A scheduler admits it by count before its tokenizing (a reservation), so a burst
@@ -502,25 +523,24 @@ async def test_two_gateways_bursts_of_long_prompts_meet_one_count_bound_before_t
     from tests.support.stack import table_resolver
     from tests.support.tiny_models import serve_tiny
 
+    patient_reserves(monkeypatch)
     _, engine = serve_tiny("gpt2", tmp_path, "tiny-reserved", 1024, jax_cache_dir)
     models = {engine.name: str(tmp_path)}
     prompt = [100 + i % 200 for i in range(600)]  # 600 token ids: a body of ~2.4 KB
     body = msgspec.json.encode({"model": engine.name, "prompt": prompt, "max_tokens": 2})
     assert len(body) > 2_048  # rendered in a thread
     bound = 4  # requests queued per ready worker
+
+    def front(nc, config):
+        fleet = Fleet(expiry_s=config.worker_expiry_s)
+        return Frontend(nc, config, fleet, ModelTable(fleet, table_resolver(models)))
+
     async with running_stack(nats_server.url, models=models, max_context=1024,
-                             decode_slots=4, max_queue_per_worker=bound) as st:
-        nc = await nats.connect(nats_server.url, name="gateway-2")
-        fleet = Fleet(expiry_s=st.config.worker_expiry_s)
-        second = Gateway(nc, st.config, Frontend(nc, st.config, fleet,
-                                                 ModelTable(fleet, table_resolver(models))),
-                         http=False)
-        ready = asyncio.Event()
-        task = asyncio.create_task(second.run(ready))
+                             decode_slots=4, max_queue_per_worker=bound) as st, \
+            second_gateway(nats_server.url, st.config, front) as second:
         gate, rendered = threading.Event(), []
         fronts = (st.gateway.front, second.front)
         try:
-            await ready.wait()
             await st.add_worker(engine, "dec-reserved", kind="decoder")
             await wait_until(lambda: all(f.fleet.ready(engine.name) for f in fronts))
             for f in fronts:
@@ -550,24 +570,19 @@ async def test_two_gateways_bursts_of_long_prompts_meet_one_count_bound_before_t
             gate.set()
             for f in fronts:
                 del f.tokenize
-        try:
-            codes = Counter(o.status for o in await asyncio.gather(*tasks))
-            # What was given room was answered: none refused after its tokenizing.
-            assert codes[200] == reserved and set(codes) == {200, 429}, codes
-            assert not sched.admission.reservations  # each became its work
-            # A prompt longer than the context is found so after its tokenizing: a 400,
-            # and the room it was given goes back at once.
-            made, reserve = [], sched.admission.reserve
-            sched.admission.reserve = lambda req: made.append(reserve(req)) or made[-1]
-            too_long = msgspec.json.encode({"model": engine.name, "max_tokens": 2,
-                                            "prompt": [100 + i % 200 for i in range(1100)]})
-            out = await one(st.client, subjects.COMPLETIONS, too_long, 30)
-            assert out.status == 400 and made == [sched.id]
-            await wait_until(lambda: not sched.admission.reservations)
-        finally:
-            second.stop()
-            await asyncio.gather(task, return_exceptions=True)
-            await nc.close()
+        codes = Counter(o.status for o in await asyncio.gather(*tasks))
+        # What was given room was answered: none refused after its tokenizing.
+        assert codes[200] == reserved and set(codes) == {200, 429}, codes
+        assert not sched.admission.reservations  # each became its work
+        # A prompt longer than the context is found so after its tokenizing: a 400,
+        # and the room it was given goes back at once.
+        made, reserve = [], sched.admission.reserve
+        sched.admission.reserve = lambda req: made.append(reserve(req)) or made[-1]
+        too_long = msgspec.json.encode({"model": engine.name, "max_tokens": 2,
+                                        "prompt": [100 + i % 200 for i in range(1100)]})
+        out = await one(st.client, subjects.COMPLETIONS, too_long, 30)
+        assert out.status == 400 and made == [sched.id]
+        await wait_until(lambda: not sched.admission.reservations)
 
 
 async def test_a_completions_burst_to_a_fresh_decoder_is_admitted_by_its_work(
