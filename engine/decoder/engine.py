@@ -258,8 +258,8 @@ class DecoderEngine(FormChoice, SpeculativeSlots):
     def compile_wait(self) -> tuple[bool, float]:
         """(a step waits on a program being compiled now, seconds steps waited on
         compiles since start), structured outputs' masked twins included."""
-        both = [self.programs] + ([self.grammar._programs.programs]
-                                  if self.grammar._programs is not None else [])
+        masked = self.grammar.built
+        both = [self.programs] + ([masked.programs] if masked is not None else [])
         return any(p.waited_on for p in both), sum(p.waited_s for p in both)
 
     def on_compiled(self, callback) -> None:

@@ -254,7 +254,7 @@ class FormChoice:
         switched = [b for b in self._pending() if at_once or self._switchable(b)]
         for bucket in switched:
             self.compute_forms[bucket] = self._winners[bucket]
-            masked = getattr(self.grammar, "_programs", None)  # structured outputs' twins
+            masked = self.grammar.built  # structured outputs' twins
             if masked is not None and self.compile_ahead != "lazy":
                 masked.start_background([k for k in self._bucket_shapes(bucket)
                                          if k[0] in ("step", "prefill")])  # fmt: skip

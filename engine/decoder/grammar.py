@@ -218,6 +218,11 @@ class SlotGrammars:
         exe = self.programs().prefill(bucket, ctx)
         return lambda *args: exe(*args, mask)
 
+    @property
+    def built(self):
+        """The masked programs (MaskedPrograms) once anything built them, else None."""
+        return self._programs
+
     def programs(self):
         width = self.width
         with self._lock:
