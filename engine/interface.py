@@ -165,6 +165,11 @@ class Decoder(Protocol):
         """(programs compiled, programs it serves); (0, 0) for an engine that does
         not compile ahead (the model card reports it)."""
 
+    def prepare_grammars(self) -> None:
+        """After warm-up: structured outputs' tables and masked programs, built ahead
+        as `compile_ahead` says (docs/decisions/0048); nothing for an engine that
+        builds them where first needed."""
+
     def compile_wait(self) -> tuple[bool, float]:
         """(whether the engine thread is blocked on a program being compiled now: a
         step that is slow, not stuck, and the stall checks let it be; the seconds
@@ -258,6 +263,9 @@ class WholePrompt:
 
     def compile_wait(self) -> tuple[bool, float]:
         return False, 0.0  # nothing compiled
+
+    def prepare_grammars(self) -> None:
+        pass  # no masked programs
 
     def forms_progress(self) -> tuple[int, int]:
         return (0, 0)  # one compute form

@@ -255,6 +255,9 @@ class DecoderEngine(FormChoice, SpeculativeSlots):
         its compute forms too while it measures them)."""
         return self.programs.compiled, max(self.programs.total, len(self.compiles))
 
+    def prepare_grammars(self) -> None:
+        self.grammar.prepare_background()
+
     def compile_wait(self) -> tuple[bool, float]:
         """(a step waits on a program being compiled now, seconds steps waited on
         compiles since start), structured outputs' masked twins included."""

@@ -303,9 +303,8 @@ class HotSwap(Generic[E]):
         engine = self.factory(info, version)
         if warm:
             engine.warmup(False)
-            grammar = getattr(engine, "grammar", None)  # structured outputs' tables and
-            if grammar is not None:  # masked programs, built ahead (docs/decisions/0048)
-                grammar.prepare_background()
+            if info.kind == "decoder":
+                engine.prepare_grammars()
         return engine
 
     async def _fetch(self, version: str) -> catalog.ModelInfo:

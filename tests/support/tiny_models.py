@@ -84,5 +84,5 @@ def serve_tiny(kind: str, out_dir: Path, name: str, context: int, cache_dir: str
     engine = DecoderEngine(out_dir, name=name, slots=slots, max_context=context,
                            prefill_buckets=(16, 64), compile_ahead=compile_ahead)
     engine.warmup(progress=False)
-    engine.grammar.prepare_background()  # nothing unless compiling ahead
+    engine.prepare_grammars()  # nothing unless compiling ahead
     return model, engine
