@@ -37,7 +37,7 @@ PROMPTS = [[5, 17, 300, 42], list(range(40, 49)), list(range(100, 117)), list(ra
 def trio(request, tmp_path_factory, jax_cache_dir):
     """(transformers model, warmed JAX engine, torch engine) on the same saved weights."""
     out = tmp_path_factory.mktemp(request.param)
-    ref, jax_engine = serve_tiny(request.param, out, request.param, CONTEXT, jax_cache_dir)
+    ref, jax_engine = serve_tiny(request.param, out, request.param, CONTEXT)
     engine = TorchDecoder(out, request.param, slots=4, max_context=CONTEXT)
     assert engine.warmup(progress=False) == 0
     return ref, jax_engine, engine

@@ -524,7 +524,7 @@ async def test_two_gateways_bursts_of_long_prompts_meet_one_count_bound_before_t
     from tests.support.tiny_models import serve_tiny
 
     patient_reserves(monkeypatch)
-    _, engine = serve_tiny("gpt2", tmp_path, "tiny-reserved", 1024, jax_cache_dir)
+    _, engine = serve_tiny("gpt2", tmp_path, "tiny-reserved", 1024)
     models = {engine.name: str(tmp_path)}
     prompt = [100 + i % 200 for i in range(600)]  # 600 token ids: a body of ~2.4 KB
     body = msgspec.json.encode({"model": engine.name, "prompt": prompt, "max_tokens": 2})
@@ -594,7 +594,7 @@ async def test_a_completions_burst_to_a_fresh_decoder_is_admitted_by_its_work(
     from shared import admission
     from tests.support.tiny_models import serve_tiny
 
-    _, engine = serve_tiny("gpt2", tmp_path, "tiny-fresh", 1024, jax_cache_dir)
+    _, engine = serve_tiny("gpt2", tmp_path, "tiny-fresh", 1024)
     decided = []
     check = admission.check_generation
 

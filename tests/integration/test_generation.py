@@ -25,7 +25,7 @@ NEW = 32
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def tiny(request, tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp(request.param)
-    model, engine = serve_tiny(request.param, path, f"tiny-{request.param}", CONTEXT, jax_cache_dir)
+    model, engine = serve_tiny(request.param, path, f"tiny-{request.param}", CONTEXT)
     # References are computed here, before any service runs: a synchronous torch call
     # inside a test would stall the event loop every in-process service shares.
     refs = {tuple(p): expected(model, engine, p) for p in PROMPTS}

@@ -23,7 +23,7 @@ CONTEXT = 1024
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp("lm")
-    _, engine = serve_tiny("gpt2", path, "tiny-lm", CONTEXT, jax_cache_dir)
+    _, engine = serve_tiny("gpt2", path, "tiny-lm", CONTEXT)
     return engine, str(path)
 
 

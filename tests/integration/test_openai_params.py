@@ -35,7 +35,7 @@ PENALISED = Sampling(temperature=0.0, frequency_penalty=1.2, presence_penalty=0.
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp("params")
-    model, engine = serve_tiny("gpt2", path, "tiny-params", CONTEXT, jax_cache_dir)
+    model, engine = serve_tiny("gpt2", path, "tiny-params", CONTEXT)
     # The model's authors ask for top_k 1: any temperature then gives greedy tokens.
     cfg = json.loads((path / "generation_config.json").read_text())
     (path / "generation_config.json").write_text(json.dumps({**cfg, "top_k": 1}))

@@ -20,8 +20,8 @@ TURN = ("The function returns None when the file is missing, and raises an error
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp("llama")
-    _, a = serve_tiny("llama", path, "tiny-llama", CONTEXT, jax_cache_dir)
-    _, b = serve_tiny("llama", path, "tiny-llama", CONTEXT, jax_cache_dir)
+    _, a = serve_tiny("llama", path, "tiny-llama", CONTEXT)
+    _, b = serve_tiny("llama", path, "tiny-llama", CONTEXT)
     return a, b, str(path)
 
 

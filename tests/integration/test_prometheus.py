@@ -44,7 +44,7 @@ VARIABLES = {"$__rate_interval": "15s", "$model": ".*"}
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp("tiny-gpt2")
-    _, engine = serve_tiny("gpt2", path, DECODER, CONTEXT, jax_cache_dir)
+    _, engine = serve_tiny("gpt2", path, DECODER, CONTEXT)
     return engine, str(path)
 
 

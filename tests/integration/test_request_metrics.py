@@ -34,7 +34,7 @@ MODEL = "tiny-metrics"
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp("tiny-metrics")
-    _, engine = serve_tiny("gpt2", path, MODEL, CONTEXT, jax_cache_dir)
+    _, engine = serve_tiny("gpt2", path, MODEL, CONTEXT)
     return engine, str(path)
 
 

@@ -36,7 +36,6 @@ def smollm2(smollm2_dir, smollm2_hf, smollm2_hf_tokenizer, jax_cache_dir):
     service runs: a torch call inside a test would stall the shared event loop."""
     import torch
 
-    from engine import jaxrt
     from engine.decoder import DecoderEngine
 
     refs = {}
@@ -52,7 +51,6 @@ def smollm2(smollm2_dir, smollm2_hf, smollm2_hf_tokenizer, jax_cache_dir):
         kept = new[: new.index(eos)] if eos in new else new
         refs[q] = (smollm2_hf_tokenizer.decode(kept, skip_special_tokens=True),
                    "stop" if eos in new else "length")
-    jaxrt.setup(jax_cache_dir)
     # The kernel for every bucket, as auto serves the decode buckets here (0063): forced,
     # so no measuring programs of the other form compile beside the tests.
     engine = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=2, max_context=CONTEXT,
@@ -60,7 +58,7 @@ def smollm2(smollm2_dir, smollm2_hf, smollm2_hf_tokenizer, jax_cache_dir):
                            quant="gguf", quant_form="kernel")  # fmt: skip
     assert set(engine.compute_forms.values()) == {"kernel"}, engine.compute_forms
     engine.warmup(progress=False)
-    engine.grammar.prepare_background()  # the masked programs too, as a worker does:
+    engine.prepare_grammars()  # the masked programs too, as a worker does:
     # compiled inside the structured request, they could outlast its deadline
     return engine, refs
 

@@ -41,7 +41,7 @@ VERSION_HEADER = "Tensorbus-Model-Version"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp("wire-lm")
-    model, engine = serve_tiny("gpt2", path, "tiny-wire", CONTEXT, jax_cache_dir)
+    model, engine = serve_tiny("gpt2", path, "tiny-wire", CONTEXT)
     # References before any service runs (a torch call in a test would stall the loop).
     greedy = {tuple(p): hf_greedy(model, p, NEW) for p in PROMPTS}
     refs = {p: engine.tokenizer.decode(_cut(ids, engine)) for p, ids in greedy.items()}

@@ -39,8 +39,7 @@ def _schema_format(schema: dict) -> dict:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp("structured")
-    model, engine = serve_tiny("llama", path, "tiny-structured", CONTEXT, jax_cache_dir,
-                               compile_ahead="all")
+    model, engine = serve_tiny("llama", path, "tiny-structured", CONTEXT, compile_ahead="all")
     return model, engine, str(path), expected(model, engine, PROMPT, 16)
 
 

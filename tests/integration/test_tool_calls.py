@@ -44,7 +44,7 @@ PLAIN_ASK = [{"role": "user", "content": "a stream of tokens"}]  # answered in p
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp("tools")
-    _, engine = serve_tiny("llama", path, "tiny-tools", CONTEXT, jax_cache_dir)
+    _, engine = serve_tiny("llama", path, "tiny-tools", CONTEXT)
     _warm_masked(engine)
     return engine, str(path)
 
@@ -52,7 +52,9 @@ def tiny(tmp_path_factory, jax_cache_dir):
 def _warm_masked(engine) -> None:
     """Compile the masked programs a tool request runs (a prompt as long as the tool
     prompt, decoded past the next windows) before the stack starts: compiled inside
-    the first request, they would count as that prompt's cost for admission."""
+    the first requests, they would run on those requests' deadlines (a busy machine
+    takes seconds a program). Fewer than `compile_ahead="all"` would compile at this
+    context."""
     from engine.decoder.static import prefill_insert
     from services.gateway.structured import schema_grammar
     from shared.messages import Sampling

@@ -39,7 +39,7 @@ def _jax_texts(jax_engine) -> dict[tuple[int, ...], tuple[str, str]]:
 def torch_engine(request, tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp(request.param)
     name = f"tiny-torch-{request.param}"
-    _, jax_engine = serve_tiny(request.param, path, name, CONTEXT, jax_cache_dir)
+    _, jax_engine = serve_tiny(request.param, path, name, CONTEXT)
     engine = TorchDecoder(path, name=name, slots=4, max_context=CONTEXT)
     return _jax_texts(jax_engine), engine, str(path)
 

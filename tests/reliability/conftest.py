@@ -16,7 +16,7 @@ def tiny_decoder(tmp_path_factory, jax_cache_dir):
     from tests.support.tiny_models import serve_tiny
 
     path = tmp_path_factory.mktemp("tiny-gpt2")
-    _, engine = serve_tiny("gpt2", path, DECODER, DECODER_CONTEXT, jax_cache_dir)
+    _, engine = serve_tiny("gpt2", path, DECODER, DECODER_CONTEXT)
     return engine, str(path)
 
 

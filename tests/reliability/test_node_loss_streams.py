@@ -31,7 +31,7 @@ FIGURES: dict[str, dict] = {}
 @pytest.fixture(scope="module")
 def decoder(tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp("nl-gpt2")
-    model, engine = serve_tiny("gpt2", path, "tiny-nl", CONTEXT, jax_cache_dir)
+    model, engine = serve_tiny("gpt2", path, "tiny-nl", CONTEXT)
     # References before any service runs (a torch call in a test would stall the loop).
     refs = {tuple(p): engine.tokenizer.decode(hf_greedy(model, p, NEW)) for p in PROMPTS}
     return engine, str(path), refs
