@@ -7,8 +7,9 @@
   3. Connect to NATS (retried until nats-server listens).
   4. `build(nc, config)` returns the service and any extra background work (the
      scheduler's first-start registry seeding, say).
-  5. `async with service:` runs `service.run()` in a task. serve() then waits for the
-     first of: the stop Event, the service's task ending, or an extra task failing.
+  5. `async with running(service):` runs `service.run()` in a task. serve() then
+     waits for the first of: the stop Event, the service's task ending, or an extra
+     task failing.
   6. Stop the service (idempotent), cancel the extras, wait for `run()` to drain.
   7. Leaving the connection drains it (the last replies and records are flushed),
      then closes it.
@@ -23,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
-from typing import Any, Awaitable, Callable, Coroutine, NoReturn
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Coroutine, NoReturn, Protocol
 
 from nats.aio.client import Client
 
@@ -36,46 +38,36 @@ log = get_logger("lifecycle")
 EXIT_FAILED = 1
 
 
-class Lifecycle:
-    """An async context manager over a service's `run()` and idempotent `stop()`.
+class Lifecycle(Protocol):
+    """What serve() runs: a long `run()` and an idempotent `stop()` (plain or async).
+    A protocol, not a base class: a service only has the two methods."""
 
-    `async with service:` starts `run()` in a task (`service.task`); leaving the block
-    calls `stop()` (awaited when it is a coroutine) and waits for `run()` to end,
-    re-raising its failure."""
+    def run(self) -> Awaitable[None]: ...
 
-    _task: asyncio.Task | None = None  # immutable default; each instance sets its own
+    def stop(self) -> Any: ...
 
-    async def run(self) -> None:  # pragma: no cover - every service defines it
-        raise NotImplementedError
 
-    def stop(self) -> Any:  # pragma: no cover - every service defines it
-        raise NotImplementedError
-
-    @property
-    def task(self) -> asyncio.Task:
-        if self._task is None:
-            raise RuntimeError("the service is not running: use `async with service:`")
-        return self._task
-
-    async def __aenter__(self):
-        self._task = asyncio.create_task(self.run(), name=f"{type(self).__name__}.run")
-        return self
-
-    async def __aexit__(self, exc_type, exc, tb) -> None:
-        # A failure already leaving the block wins over run()'s own.
-        await self.close(reraise=exc is None)
-
-    async def close(self, reraise: bool = True) -> None:
-        """Stop and wait for `run()` to finish (safe to call more than once)."""
-        result = self.stop()
+@asynccontextmanager
+async def running(service: Lifecycle) -> AsyncIterator[asyncio.Task]:
+    """`async with running(service) as task:` runs `service.run()` in `task`; leaving
+    the block calls `stop()` (awaited when it is a coroutine) and waits for `run()` to
+    end, re-raising its failure. A failure already leaving the block wins over run()'s
+    own (run()'s is then only awaited)."""
+    task = asyncio.create_task(service.run(), name=f"{type(service).__name__}.run")
+    leaving = False
+    try:
+        yield task
+    except BaseException:
+        leaving = True
+        raise
+    finally:
+        result = service.stop()
         if inspect.isawaitable(result):
             await result
-        if self._task is None:
-            return
-        if reraise:
-            await self._task
+        if leaving:
+            await asyncio.gather(task, return_exceptions=True)
         else:
-            await asyncio.gather(self._task, return_exceptions=True)
+            await task
 
 
 Build = Callable[[Client, Config], Awaitable[tuple[Lifecycle, list[Coroutine]]]]
@@ -139,8 +131,8 @@ async def run_service(config: Config, build: Build, client_name: str) -> int:
     async with connection(config.nats_url, client_name, config) as nc:
         service, extras = await build(nc, config)
         try:
-            async with service:
-                code = await _supervise(service.task, extras, stop)
+            async with running(service) as task:
+                code = await _supervise(task, extras, stop)
                 if code:
                     raise _Failed(code)  # already logged: stop without re-raising
         except _Failed as failed:

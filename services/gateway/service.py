@@ -27,7 +27,6 @@ from services.gateway.codec import VERSION_HEADER  # noqa: F401 - where tests an
 from services.gateway.call import Call
 from services.gateway.frontend import USER_HEADER, Frontend
 from services.gateway.pipeline import Pipeline, Prepared, routes
-from services.lifecycle import Lifecycle
 from services.micro import ServiceHealth, add_service
 from shared import VERSION, subjects
 from shared.config import Config
@@ -43,7 +42,7 @@ REQUEST_ID_HEADERS = ("X-Request-Id", "Nats-Msg-Id")
 TIMEOUT_HEADER = "Tensorbus-Timeout"
 
 
-class Gateway(Lifecycle):
+class Gateway:
     def __init__(self, nc: Client, config: Config, frontend: Frontend | None = None,
                  http: bool = True) -> None:
         self.nc = nc

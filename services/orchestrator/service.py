@@ -28,7 +28,6 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.lifecycle import Lifecycle
 from services.micro import ServiceHealth, add_service
 from services.orchestrator.policy import (
     ModelSpec,
@@ -70,7 +69,7 @@ def registry_catalogue(registry) -> Catalogue:
     return names
 
 
-class Orchestrator(Lifecycle):
+class Orchestrator:
     def __init__(self, nc: Client, config: Config, catalogue: Catalogue, *,
                  env: dict[str, str] | None = None, cores: int | None = None,
                  interval_s: float = 1.0, status_s: float = 2.0, catalogue_s: float = 10.0,

@@ -36,7 +36,6 @@ from nats.errors import Error as NatsError
 from nats.js.api import StreamConfig
 from prometheus_client import CollectorRegistry, start_http_server
 
-from services.lifecycle import Lifecycle
 from services.micro import MicroService, ServiceHealth, add_service
 from shared import subjects
 from shared.config import Config, bad_config
@@ -61,7 +60,7 @@ PENDING_BYTES = 512 * 1024 * 1024
 YIELD_EVERY = 256  # records handled between yields to the event loop during a burst
 
 
-class TelemetryService(Lifecycle):
+class TelemetryService:
     def __init__(
         self,
         nc: Client,

@@ -38,7 +38,6 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from services.lifecycle import Lifecycle
 from services.micro import ServiceHealth, add_service
 from services.registry.source import LOCAL, ModelSource
 from services.worker.batcher import EncoderRunner, run_encoder
@@ -133,7 +132,7 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class Worker(Lifecycle):
+class Worker:
     """Engines (one per loaded version) behind a NATS inbox.
 
     Either pass a built `engine` (it serves as `version`, fixed), or pass `model`,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from services.lifecycle import Lifecycle
+from services.lifecycle import running
 from services.micro import ready_subject
 
 REPO = Path(__file__).resolve().parents[2]
@@ -142,7 +142,7 @@ async def test_a_service_stopped_while_the_bus_is_down_exits_cleanly_at_once(ser
         server.stop()
 
 
-class _Service(Lifecycle):
+class _Service:
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail
         self.stops = 0
@@ -158,16 +158,30 @@ class _Service(Lifecycle):
         self._stop.set()
 
 
-async def test_async_with_runs_and_stops_and_stop_is_idempotent():
-    svc = _Service()
-    async with svc:
-        assert not svc.task.done()
-    assert svc.task.done() and svc.stops == 1
-    await svc.close()  # a second stop changes nothing
-    assert svc.task.done()
+class _AsyncStop(_Service):
+    async def stop(self) -> None:
+        await asyncio.sleep(0)
+        super().stop()
 
 
-async def test_async_with_reraises_the_failure_of_run():
+@pytest.mark.parametrize("cls", [_Service, _AsyncStop])
+async def test_running_runs_and_stops(cls):
+    svc = cls()
+    async with running(svc) as task:
+        assert not task.done()
+        assert task.get_name() == f"{cls.__name__}.run"
+    assert task.done() and svc.stops == 1
+
+
+async def test_running_reraises_the_failure_of_run():
     with pytest.raises(RuntimeError, match="run failed"):
-        async with _Service(fail=True):
+        async with running(_Service(fail=True)):
             pass
+
+
+async def test_a_failure_leaving_the_block_wins_over_runs_own():
+    svc = _Service(fail=True)
+    with pytest.raises(KeyError):
+        async with running(svc) as task:
+            raise KeyError("the block's")
+    assert task.done() and svc.stops == 1
