@@ -3,7 +3,7 @@ for is dispatched again (the gateway keeps the first answer per request id, and 
 worker ignores a generation it already runs).
 
   1. A worker that expires (missed heartbeats), reports `stopped` or `unhealthy`, or
-     is wedged: its outstanding work goes to the others (`_recover`).
+     is wedged: its outstanding work goes to the others (`recover`).
   2. A worker whose heartbeat's `reconnects` rose: its connection dropped, and what
      went to it or came back from it through the lost server may be gone: the same.
   3. This scheduler's own connection dropped and came back (`_reconnected`): the
@@ -17,21 +17,38 @@ worker ignores a generation it already runs).
 from __future__ import annotations
 
 import asyncio
+from typing import Awaitable, Callable
 
-from shared.errors import ServiceError
+from services.scheduler.admission import Admission
+from services.scheduler.loads import LoadReports
+from services.scheduler.routed import Routed
+from shared.bus import Links
 from shared.logging import get_logger
+from shared.messages import WorkRequest
 from shared.telemetry import Heartbeat
 
 log = get_logger("scheduler")
 
 
 class Recovery:
-    """Mixed into services.scheduler.service.Scheduler (its state and dispatch)."""
+    """The scheduler's part that sends lost work again. It shares the scheduler's
+    books (`outstanding`: request id -> its Outstanding; `load`: worker id -> requests
+    outstanding here) and gives each lost request back to `resend` (the scheduler's
+    admit-or-refuse)."""
 
-    def _track_links(self) -> None:
+    def __init__(self, *, outstanding: dict, load: dict[str, int], routed: Routed,
+                 admission: Admission, loads: LoadReports, links: Links,
+                 resend: Callable[[WorkRequest], Awaitable[None]]) -> None:
+        self.outstanding = outstanding
+        self.load = load
+        self.routed = routed
+        self.admission = admission
+        self.loads = loads
+        self.resend = resend
+        self.redispatched = 0  # requests sent again, all told
         self._reconnects: dict[str, int] = {}  # worker_id -> its latest `reconnects`
         self._recovering: set[asyncio.Task] = set()
-        self.links.on_back.append(self._on_back)
+        links.on_back.append(self._on_back)
 
     def _on_back(self) -> None:
         task = asyncio.get_running_loop().create_task(self._reconnected())
@@ -41,14 +58,15 @@ class Recovery:
     async def _reconnected(self) -> None:
         await self.loads.publish(force=True)
         for worker_id in {o.worker_id for o in self.outstanding.values()}:
-            await self._recover(worker_id, "scheduler reconnected")
+            await self.recover(worker_id, "scheduler reconnected")
 
-    async def _worker_reconnected(self, hb: Heartbeat) -> None:
+    async def worker_reconnected(self, hb: Heartbeat) -> None:
+        """Its heartbeat's `reconnects` rose: what it held is sent again."""
         if hb.reconnects > self._reconnects.setdefault(hb.worker_id, hb.reconnects):
             self._reconnects[hb.worker_id] = hb.reconnects
-            await self._recover(hb.worker_id, "worker reconnected")
+            await self.recover(hb.worker_id, "worker reconnected")
 
-    async def _recover(self, worker_id: str, why: str) -> None:
+    async def recover(self, worker_id: str, why: str) -> None:
         """Send the unfinished work of a lost worker (or path) to the others."""
         lost = [o for o in self.outstanding.values() if o.worker_id == worker_id]
         self.load.pop(worker_id, None)
@@ -61,7 +79,4 @@ class Recovery:
             work = o.work
             work.attempt += 1
             self.redispatched += 1
-            try:
-                await self.admit(work)
-            except ServiceError as err:
-                await self._refuse(work, err)
+            await self.resend(work)

@@ -58,7 +58,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.fleet import Fleet, WorkerView
-from services.lifecycle import Lifecycle
 from services.micro import ServiceHealth, add_service
 from services.scheduler.admission import Admission
 from services.scheduler.aliases import AliasTable
@@ -105,7 +104,7 @@ CATALOGUE_REFRESH_S = 10.0  # how often the registry's model list is read again
 ROUTED_GRACE_BEATS = 4  # heartbeat intervals a finished request's prefix counts as held
 
 
-class Scheduler(Recovery, Lifecycle):
+class Scheduler:
     def __init__(self, nc: Client, config: Config, scheduler_id: str | None = None,
                  choose_version=None, scale_interval_s: float = 2.0,
                  registry=None) -> None:
@@ -135,10 +134,11 @@ class Scheduler(Recovery, Lifecycle):
         self._subs: list = []
         self.rng = random.Random()
         self.dispatched = 0
-        self.redispatched = 0
         self.links = Links(nc)  # a dropped connection: what it dispatched goes again
         self.loads.links = self.links  # its drops go out in load reports (`reconnects`)
-        self._track_links()
+        self.recovery = Recovery(outstanding=self.outstanding, load=self.load,
+                                 routed=self.routed, admission=self.admission,
+                                 loads=self.loads, links=self.links, resend=self._admit_or_refuse)
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, ready: asyncio.Event | None = None) -> None:
@@ -199,10 +199,7 @@ class Scheduler(Recovery, Lifecycle):
         if not work.reply:
             work.reply = msg.reply or ""
         work.sched_id = self.id
-        try:
-            await self.admit(work)
-        except ServiceError as err:
-            await self._refuse(work, err)
+        await self._admit_or_refuse(work)
 
     async def admit(self, work: WorkRequest, since: float | None = None) -> None:
         """Dispatch, hold or refuse one request; `since` = held from then (monotonic)."""
@@ -211,6 +208,12 @@ class Scheduler(Recovery, Lifecycle):
             await self._dispatch(work, ready, since)
         else:
             await self._hold(work, since)
+
+    async def _admit_or_refuse(self, work: WorkRequest, since: float | None = None) -> None:
+        try:
+            await self.admit(work, since)
+        except ServiceError as err:
+            await self._refuse(work, err)
 
     async def _hold(self, work: WorkRequest, since: float | None) -> None:
         model = work.model
@@ -363,9 +366,10 @@ class Scheduler(Recovery, Lifecycle):
         # A draining worker finishes what it holds; a stopped, unhealthy or wedged one
         # will not, so its outstanding work goes elsewhere (a no-op when it has none).
         if hb.state in ("stopped", "unhealthy") or view.stalled:
-            await self._recover(hb.worker_id, "worker stalled" if view.stalled else f"worker {hb.state}")
+            await self.recovery.recover(hb.worker_id, "worker stalled" if view.stalled
+                                        else f"worker {hb.state}")
         else:  # its connection dropped since its last heartbeat: sent again
-            await self._worker_reconnected(hb)
+            await self.recovery.worker_reconnected(hb)
 
     async def _on_fleet_status(self, msg: Msg) -> None:
         try:
@@ -379,10 +383,7 @@ class Scheduler(Recovery, Lifecycle):
     async def _release_held(self, model: str) -> None:
         """The first ready worker of `model`: what waited for it goes out, oldest first."""
         for h in self.holds.take(model):
-            try:
-                await self.admit(h.work, since=h.since)
-            except ServiceError as err:
-                await self._refuse(h.work, err)
+            await self._admit_or_refuse(h.work, since=h.since)
 
     # -------------------------------------------------------------- background
     async def _housekeeping(self) -> None:
@@ -399,7 +400,7 @@ class Scheduler(Recovery, Lifecycle):
                 continue
             for gone in self.fleet.expire():
                 log.warning("worker_expired", worker_id=gone.worker_id)
-                await self._recover(gone.worker_id, "missed heartbeats")
+                await self.recovery.recover(gone.worker_id, "missed heartbeats")
             for work, err in self.holds.expire(time.time()):
                 await self._refuse(work, err)
             self.admission.expire_reservations(time.monotonic())

@@ -39,7 +39,7 @@ async def losing(cluster, minilm, sentence_transformer, victims: list[str], pref
                     "recovered_s": round(recovered, 2),
                     "sent_during": load.during[f"{name}'s server"],
                     "gateway_retried": st.gateway.front.retried,
-                    "redispatched": st.scheduler.redispatched}
+                    "redispatched": st.scheduler.recovery.redispatched}
 
         print("node loss:", FIGURES, "sent", sum(load.sent.values()), "failed",
               len(load.failed), "records retried", st.gateway.front.recorder.retried)

@@ -58,7 +58,7 @@ async def test_a_wedged_engine_gets_no_more_work_and_its_request_is_answered(nat
         # What it held is answered by the healthy worker, once.
         reply = await first
         assert reply.code == 200 and len(reply.body["data"]) == 1
-        assert st.scheduler.redispatched >= 1
+        assert st.scheduler.recovery.redispatched >= 1
         # While wedged it is out of rotation: every request goes to the other worker.
         replies = await asyncio.gather(*(ask(st.client, subjects.EMBEDDINGS, body(f"x{i}"))
                                          for i in range(30)))
@@ -131,14 +131,14 @@ async def test_a_step_waiting_on_a_compile_is_slow_not_stalled(nats_server):
         await wait_until(lambda: len(said) > 2 and said[-1] - said[0] > 6 * STALL_S, timeout=30)
         assert not st.scheduler.fleet.workers["w-compiling"].stalled
         assert not st.gateway.front.fleet.workers["w-compiling"].stalled
-        assert st.scheduler.redispatched == 0
+        assert st.scheduler.recovery.redispatched == 0
 
         engine.gate.set()
         reply = await call
         await beats.unsubscribe()
         assert reply.code == 200, reply.body
         assert reply.body["choices"][0]["text"] == "aaaa"  # the mock's tag, 4 tokens
-        assert st.scheduler.redispatched == 0
+        assert st.scheduler.recovery.redispatched == 0
         # The step that waited also ran the prompt: learned, its compile would price
         # a one-token prompt at seconds, and admission would refuse what fits.
         cost = worker.runner.costs.cost()
