@@ -4,8 +4,8 @@ version's tokenizer files, never its weights.
 Names the catalogue knows keep one tokenizer (the bundled one). For any other name,
 per request:
 
-  1. Aliases come from a KV watch per name that has some (the scheduler's
-     `AliasTable`; until its first value arrives, one KV read).
+  1. Aliases come from a KV watch per name that has some (`AliasTable`, the cache
+     the scheduler routes by; until its first value arrives, one KV read).
   2. The version: the one the client pinned (`NAME@V`); else the draw the scheduler
      would make (`choose_version`: canary with its weight, sticky per user, else prod)
      when ready workers hold it or none is ready yet (a cold start loads prod); else
@@ -30,7 +30,7 @@ from services.fleet import Fleet
 from services.gateway.models import Resolved, Resolver, catalogue_resolver
 from services.registry.errors import RegistryError
 from services.registry.routing import choose_version
-from services.scheduler.aliases import AliasTable
+from services.registry.alias_table import AliasTable
 from shared import catalog
 from shared.logging import get_logger
 from shared.registry import Aliases, ModelVersion

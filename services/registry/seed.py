@@ -1,5 +1,9 @@
 """Put the bundled models into an empty registry (run from a service on first start).
 
+`seed_registry` runs once in the background when the scheduler process starts: the
+bundled models reach an empty registry from inside a service, so the Procfile holds
+long-running processes only.
+
 Idempotent and safe to race: a model with any version is left alone; version "1" is
 reserved with a KV create, so of two seeding processes one uploads and the other skips;
 prod is set with a KV create too, so it never overrides a later promotion.
@@ -7,6 +11,7 @@ prod is set with a KV create too, so it never overrides a later promotion.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 from pathlib import Path
 
@@ -29,6 +34,22 @@ _LINEAGE = {
     },
     catalog.SMOLLM2: {"model": "SmolLM2-135M-Instruct by HuggingFaceTB (Apache-2.0), GGUF Q4_1"},
 }
+
+
+async def seed_registry(registry: Registry, models: list[ModelInfo] | None = None) -> list[str]:
+    """Push the bundled models an empty registry lacks; errors are logged, not raised."""
+    try:
+        pushed = await seed_bundled(registry, models)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - serving goes on; workers fall back to local
+        log.error("registry_seed_failed", error=f"{type(exc).__name__}: {exc}")
+        return []
+    if pushed:
+        log.info("registry_seeded", models=pushed)
+    else:
+        log.info("registry_seed_skipped", reason="every bundled model has a version")
+    return pushed
 
 
 async def seed_bundled(registry: Registry, models: list[ModelInfo] | None = None) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.lifecycle import serve
 from services.registry.store import open_or_none
-from services.scheduler.aliases import seed_registry
+from services.registry.seed import seed_registry
 from services.scheduler.service import Scheduler
 from shared.config import Config
 from shared.scaling import check_settings

@@ -60,7 +60,7 @@ from nats.aio.msg import Msg
 from services.fleet import Fleet, WorkerView
 from services.micro import ServiceHealth, add_service
 from services.scheduler.admission import Admission
-from services.scheduler.aliases import AliasTable
+from services.registry.alias_table import AliasTable
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.decisions import ScaleDecisions
 from services.scheduler.holds import Holds

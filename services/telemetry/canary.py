@@ -5,7 +5,7 @@ that served it, and keeps windows and sketches; the scheduler sees only dispatch
 and a worker only its own share.
 
   1. Every request record of a model that the service has not seen starts a KV watch
-     of that model's aliases (`AliasTable`, the scheduler's cache, reused).
+     of that model's aliases (`AliasTable`, the cache the scheduler routes by).
   2. While the aliases name a canary with a `guard` (opted in per canary), records of
      the canary and of prod go into a sliding window of `guard.window_s` (ten
      slots): requests, errors (status >= 500: what the version did, not what the
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from services.registry.store import Registry
-from services.scheduler.aliases import AliasTable
+from services.registry.alias_table import AliasTable
 from shared.logging import get_logger
 from shared.registry import Aliases, CanaryGuard
 from shared.telemetry import RequestRecord

@@ -23,7 +23,7 @@ import pytest
 
 from services.gateway.codec import VERSION_HEADER
 from services.registry.keys import alias_key
-from services.scheduler.aliases import seed_registry
+from services.registry.seed import seed_registry
 from shared import catalog, subjects
 from shared.errors import HEADER_CODE
 from shared.natsd import NatsServer

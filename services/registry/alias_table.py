@@ -1,16 +1,13 @@
-"""The scheduler's view of the registry: each model's aliases, and first-start seeding.
+"""Each model's aliases, cached and kept fresh: what the scheduler routes by, what the
+gateway tokenizes for, what telemetry's canary guard compares.
 
-  1. A heartbeat names a model the scheduler has not seen: `track()` starts a KV watch
-     on that model's aliases (one per model, restarted with back-off if it fails).
+  1. A model not seen before (in a heartbeat, a request, a record): `track()` starts a
+     KV watch on its aliases (one per model, restarted with back-off if it fails).
   2. Every revision replaces the cached `Aliases`; routing reads the cache, so a
      request never waits on the registry.
   3. `choose(model, user)` is one request's draw (canary with probability
      `canary_weight`, else prod; sticky per user when the request names one); ""
      when the registry has no entry, meaning any version.
-
-`seed_registry` runs once in the background when the scheduler process starts: the
-bundled models reach an empty registry from inside a service, so the Procfile holds
-long-running processes only.
 """
 
 from __future__ import annotations
@@ -22,19 +19,17 @@ from nats.errors import ConnectionClosedError
 
 from services.registry.errors import RegistryError
 from services.registry.routing import choose_version
-from services.registry.seed import seed_bundled
 from services.registry.store import Registry
-from shared.catalog import ModelInfo
 from shared.logging import get_logger
 from shared.registry import NAME_RE, Aliases
 
-log = get_logger("scheduler.aliases")
+log = get_logger("registry.alias_table")
 
 _RETRY_S = (0.5, 1.0, 2.0, 5.0)
 
 
 class AliasTable:
-    """Cached aliases of every model seen in heartbeats, kept fresh by KV watches."""
+    """Cached aliases of every model tracked, kept fresh by KV watches."""
 
     def __init__(self, registry: Registry, rng: random.Random | None = None) -> None:
         self.registry = registry
@@ -108,19 +103,3 @@ class AliasTable:
             task.cancel()
         if watches:  # bounded: a cancellation inside a client call may be swallowed
             await asyncio.wait(watches, timeout=2.0)
-
-
-async def seed_registry(registry: Registry, models: list[ModelInfo] | None = None) -> list[str]:
-    """Push the bundled models an empty registry lacks; errors are logged, not raised."""
-    try:
-        pushed = await seed_bundled(registry, models)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - serving goes on; workers fall back to local
-        log.error("registry_seed_failed", error=f"{type(exc).__name__}: {exc}")
-        return []
-    if pushed:
-        log.info("registry_seeded", models=pushed)
-    else:
-        log.info("registry_seed_skipped", reason="every bundled model has a version")
-    return pushed
