@@ -49,8 +49,8 @@ from shared import catalog, subjects
 from shared.bus import connect
 from shared.errors import HEADER_CODE, HEADER_MESSAGE, HEADER_RETRY_AFTER
 from shared.telemetry import RequestRecord, record_decoder
-from tests.support.load import one, summary
-from tests.support.workload import long_inputs
+from bench.support.load import one, summary
+from bench.support.workload import long_inputs
 
 MODEL = catalog.ENCODER
 NOOP = "bench.noop"

@@ -41,8 +41,8 @@ from services.lifecycle import EVENT_LOOPS
 from services.supervisor import Supervisor
 from shared import catalog, subjects
 from shared.natsd import free_port
-from tests.support.load import ClosedLoop, summary
-from tests.support.workload import embed_body, short_inputs
+from bench.support.load import ClosedLoop, summary
+from bench.support.workload import embed_body, short_inputs
 
 MODEL = catalog.ENCODER
 

@@ -4,7 +4,7 @@
                                       [--idle-to-zero-s 10] [--fleets static,elastic]
 
 Each fleet runs in its own stack (nats-server, gateway, scheduler and the local
-orchestrator as processes, services/supervisor.py; tests/support/orchestration.py's settings:
+orchestrator as processes, services/supervisor.py; bench/support/orchestration.py's settings:
 the test buckets, fast heartbeats, the encoder's files from the wheel), one after the
 other in one run:
 
@@ -44,9 +44,9 @@ from bench import harness
 from bench.harness import REPO
 from services.supervisor import wait_ready
 from shared import subjects
-from tests.support.load import ClosedLoop, summary
-from tests.support.orchestration import MODEL, Watch, default_cache, stack_env, zero_stack
-from tests.support.workload import embed_body, short_inputs
+from bench.support.load import ClosedLoop, summary
+from bench.support.orchestration import MODEL, Watch, default_cache, stack_env, zero_stack
+from bench.support.workload import embed_body, short_inputs
 
 DEADLINE_S = 30.0
 FLEETS = "static,elastic"

@@ -39,7 +39,7 @@ from bench import harness
 from bench.harness import REPO
 from services.lifecycle import EVENT_LOOPS
 from shared import catalog
-from tests.support.workload import embed_body, long_inputs, short_inputs
+from bench.support.workload import embed_body, long_inputs, short_inputs
 
 MODEL = catalog.ENCODER
 BATCH_BUCKETS = "1,2,4,8,16,32,64"

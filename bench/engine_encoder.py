@@ -40,7 +40,7 @@ def _inputs(tok, kind: str, n: int) -> list[list[int]]:
     The long texts run a little past 128 tokens (some words split), and a batch that
     spills into the 256 bucket measures padding policy, not engine speed; they are cut
     to 128 ids ([SEP] kept) so JAX and torch compute the same shapes."""
-    from tests.support.workload import long_inputs, short_inputs
+    from bench.support.workload import long_inputs, short_inputs
 
     if kind == "short":
         return tok.encode_batch(short_inputs(n))

@@ -5,7 +5,7 @@ int8 x int8 (w8a8), int4, fp8, a GGUF model's own blocks (`gguf`), and int8 with
 the compute form chosen per bucket, engine/forms.py: `int8-auto` within the
 default weight budget, `int8-auto+float` with room for a float copy):
   - weight bytes held (integers plus scales; every form an auto engine kept);
-  - perplexity on the fixed text set (tests/support/texts.py, each text cut to 64 tokens);
+  - perplexity on the fixed text set (bench/support/texts.py, each text cut to 64 tokens);
   - decode tokens/s at 1 and at 16 streams (a static batch of one 12-token prompt,
     decode steps only, median of `--repeats` runs of `--steps` steps).
 With `--torch` (default on), the torch decoder engine (engine/torch_decoder) in
@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
     a = ap.parse_args(argv)
     import jax
 
-    from tests.support.texts import PERPLEXITY_TEXTS, perplexity
+    from bench.support.texts import PERPLEXITY_TEXTS, perplexity
     from engine import jaxrt
     from shared.catalog import bundled_dir
 

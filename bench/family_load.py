@@ -3,7 +3,7 @@
     .venv/bin/python -m bench.family_load [--families bert,xlm-roberta,...]
 
 Each family is a tiny model built from its real architecture's config with random
-weights (tests/support/tiny_encoders.py's builders: 32 wide, 2-4 layers; the decoders
+weights (bench/support/tiny_encoders.py's builders: 32 wide, 2-4 layers; the decoders
 64 wide, 2-4 layers), saved as its library saves it, except SmolLM2-135M-Instruct,
 which is the bundled Q8_0 GGUF file itself. For each, in this one process (jax and
 the engines imported before any timing, as a worker has them), on a compilation
@@ -49,7 +49,7 @@ def _decoder(kind: str, out: Path) -> Path:
     import torch
     import transformers as T
 
-    from tests.support.tiny_models import VOCAB, write_tokenizer
+    from bench.support.tiny_tokenizer import VOCAB, write_tokenizer
 
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0,
@@ -68,7 +68,7 @@ def _decoder(kind: str, out: Path) -> Path:
 def build(family: str, tmp: Path) -> Path:
     """The model directory of `family`, built under `tmp` (not timed)."""
     from shared import catalog
-    from tests.support import tiny_encoders
+    from bench.support import tiny_encoders
 
     out = tmp / family
     if family == "smollm2-gguf":

@@ -4,7 +4,7 @@
 
 Each scenario runs nats-server, gateway, scheduler and two encoder workers as
 separate processes, keeps closed-loop clients busy over NATS, injects one fault and
-reports the outcome of every request (the scenarios: tests/support/faults.py, which
+reports the outcome of every request (the scenarios: bench/support/faults.py, which
 tests/reliability runs shorter and asserts on):
 
   1. kill:    SIGKILL one worker while it holds work; the scheduler expires it and
@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench import harness
-from tests.support.faults import drain_worker, kill_worker, restart_nats, running
+from bench.support.faults import drain_worker, kill_worker, restart_nats, running
 
 
 async def run_all(requests: int, clients: int, workdir: Path) -> list[dict]:

@@ -76,7 +76,7 @@ def engine_figures(model: Path, dtype: str, seconds: float, data_dir: Path,
     """bench.embeddings' raw figures (the worker's buckets, batch limit 64 and token
     budget), and batch 256 with no budget: what the device carries in one step."""
     from bench.embeddings import engine_figures as raw, sentences_per_s
-    from tests.support.workload import short_inputs
+    from bench.support.workload import short_inputs
     from engine.encoder import EncoderEngine
     from engine.tokenizer import Tokenizer
 

@@ -18,9 +18,9 @@ repeat lives here:
   5. figure rows: `figure_row(...)` prints one row of docs/benchmarks.md's tables
      (figure, value, command, date, plot).
 
-What the tests use as well (load generators, request inputs, the mock encoder, the
-fault and orchestrator scenarios) lives in tests/support/, which bench/ imports; the
-tests never import bench/.
+What the tests use as well (load generators, request inputs, the fault and
+orchestrator scenarios, tiny models) lives in bench/support/, which the tests import;
+bench/ never imports tests/.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from tests.support.stats import pct_ms
+from bench.support.stats import pct_ms
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench" / "out"
@@ -107,7 +107,7 @@ def start_stack(sup, *, nats: bool = True, gateways: int = 1, scheduler: bool = 
 def seed_jax_cache(data_dir: Path) -> None:
     """Give a fresh data dir the buckets compiled by earlier runs, if there are any: a
     copy of the test suite's compilation cache (`TENSORBUS_TEST_CACHE`)."""
-    from tests.support.orchestration import default_cache
+    from bench.support.orchestration import default_cache
 
     cache, dest = default_cache(), data_dir / "jax-cache"
     if cache.is_dir() and not dest.is_dir():

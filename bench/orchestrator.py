@@ -14,7 +14,7 @@
      the demo LM, which starts on that request.
 
 Prints one JSON object per scenario and writes them to bench/out/orchestrator.json.
-The stacks and the first two scenarios are tests/support/orchestration.py's, which
+The stacks and the first two scenarios are bench/support/orchestration.py's, which
 tests/integration/test_orchestrator.py runs shorter.
 """
 
@@ -33,8 +33,8 @@ import msgspec
 from bench import harness
 from shared import catalog, subjects
 from shared.bus import connect
-from tests.support.load import one
-from tests.support.orchestration import (DEMO_LM, MODEL, Honcho, Watch, default_cache,
+from bench.support.load import one
+from bench.support.orchestration import (DEMO_LM, MODEL, Honcho, Watch, default_cache,
                                          first_request_at_zero, honcho_stack, kill_worker,
                                          stack_env, zero_stack)
 

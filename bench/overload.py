@@ -26,9 +26,9 @@ from pathlib import Path
 from bench import harness
 from bench.harness import memory
 from shared import subjects
-from tests.support.faults import MODEL, running
-from tests.support.load import ClosedLoop, open_loop, summary
-from tests.support.workload import embed_body, short_inputs
+from bench.support.faults import MODEL, running
+from bench.support.load import ClosedLoop, open_loop, summary
+from bench.support.workload import embed_body, short_inputs
 
 
 async def closed(nc, bodies, clients: int, seconds: float) -> dict:

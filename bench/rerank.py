@@ -55,7 +55,7 @@ def run(batch: int = 64, doc_words: int = 12, seconds: float = 6.0, rounds: int 
     from engine import jaxrt
     from engine.encoder import EncoderEngine
     from engine.tokenizer import Tokenizer
-    from tests.support.workload import sentences
+    from bench.support.workload import sentences
 
     device = jaxrt.setup(cache_dir)
     with tempfile.TemporaryDirectory(prefix="bench-rerank-") as tmp:

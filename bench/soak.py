@@ -23,9 +23,9 @@ from bench import harness
 from bench.harness import memory
 from bench.overload import closed
 from shared import subjects
-from tests.support.faults import MODEL, running
-from tests.support.load import open_loop, summary
-from tests.support.workload import embed_body, short_inputs
+from bench.support.faults import MODEL, running
+from bench.support.load import open_loop, summary
+from bench.support.workload import embed_body, short_inputs
 
 
 async def run(minutes: int, share: float, workdir: Path) -> dict:

@@ -37,8 +37,8 @@ from bench.harness import OUT, REPO, csv_ints, csv_strs, figure_row, parser, run
 from bench.vs_llamacpp import MODEL as CHAT
 from bench.vs_llamacpp import one_stream, start_stack, stop
 from shared.catalog import ENCODER
-from tests.support.stats import pct_ms
-from tests.support.workload import short_inputs
+from bench.support.stats import pct_ms
+from bench.support.workload import short_inputs
 
 FLEET = "tensorbus-demo-lm=0:0"  # up.sh starts the demo LM on demand; nothing asks for it here
 

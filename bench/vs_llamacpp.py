@@ -46,7 +46,7 @@ from pathlib import Path
 
 from bench.harness import parser
 from shared.natsd import free_port
-from tests.support.stats import pct_ms
+from bench.support.stats import pct_ms
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"

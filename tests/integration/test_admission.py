@@ -19,7 +19,7 @@ import pytest
 from services.gateway.service import Gateway
 from services.scheduler.service import Scheduler
 from shared import catalog, subjects
-from tests.support.load import LOST, one
+from bench.support.load import LOST, one
 from tests.support.mock_engine import MockEncoder
 from tests.support.stack import running_stack, wait_until
 
@@ -293,7 +293,7 @@ async def test_large_requests_are_refused_while_those_ahead_still_tokenize(nats_
     tokenizer for the scheduler to refuse them."""
     import threading
 
-    from tests.support.workload import long_inputs
+    from bench.support.workload import long_inputs
 
     engine = MockEncoder(per_token_s=0.0002)  # ~0.1 s for 4 inputs of ~120 tokens
     texts = long_inputs(64)
@@ -340,7 +340,7 @@ async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server,
     then, and nothing that waited for the tokenizer is refused after it."""
     import threading
 
-    from tests.support.workload import long_inputs
+    from bench.support.workload import long_inputs
 
     patient_reserves(monkeypatch)
     engine = MockEncoder(per_token_s=0.0002)  # ~0.1 s for 4 inputs of ~120 tokens
@@ -391,7 +391,7 @@ async def test_two_gateways_bursts_meet_one_bound_before_tokenizing(nats_server,
 
 
 async def test_a_reserved_request_that_fails_to_tokenize_gives_its_room_back(nats_server):
-    from tests.support.workload import long_inputs
+    from bench.support.workload import long_inputs
 
     engine = MockEncoder(per_token_s=0.0002)
     texts = long_inputs(4)
@@ -416,7 +416,7 @@ async def test_a_reserved_request_is_not_refused_when_the_estimate_moves(nats_se
     checked again. A request arriving after the move is judged by the new estimate."""
     import threading
 
-    from tests.support.workload import long_inputs
+    from bench.support.workload import long_inputs
     from shared.admission import Cost, CostBook
 
     engine = MockEncoder(per_token_s=0.0002)

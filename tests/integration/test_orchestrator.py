@@ -1,6 +1,6 @@
 """The local orchestrator with real processes: `honcho start` on the real Procfile, a
 worker SIGKILLed under load, a worker with an invalid configuration, and the way up
-from zero (tests/support/orchestration.py scenarios, shortened).
+from zero (bench/support/orchestration.py scenarios, shortened).
 
 One honcho stack serves the first group of tests: two encoder workers, and the demo LM
 configured with an engine that does not exist (its worker exits 78)."""
@@ -21,10 +21,10 @@ from shared import subjects
 from shared.config import EX_CONFIG
 from shared.errors import HEADER_CODE, HEADER_MESSAGE
 from shared.telemetry import RequestRecord, record_decoder
-from tests.support import faults
-from tests.support import orchestration as fleet
-from tests.support.load import Outcome, one
-from tests.support.workload import embed_body
+from bench.support import faults
+from bench.support import orchestration as fleet
+from bench.support.load import Outcome, one
+from bench.support.workload import embed_body
 
 MODEL, DEMO_LM = fleet.MODEL, fleet.DEMO_LM
 REPLACE_BOUND_S = 60.0  # measured 2.5-4.5 s on 2 busy cores (docs/benchmarks.md)

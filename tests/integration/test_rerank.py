@@ -21,7 +21,7 @@ from shared import subjects
 from shared.errors import HEADER_CODE, HEADER_MESSAGE
 from shared.messages import EmbedResult, EmbedWork, WorkError, encode, result_decoder
 from shared.telemetry import RequestRecord, record_decoder
-from tests.support import tiny_encoders
+from bench.support import tiny_encoders
 from tests.support.stack import running_stack, wait_until
 from tests.support.telemetry import running_telemetry
 

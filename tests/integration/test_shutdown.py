@@ -13,7 +13,7 @@ import msgspec
 from shared import catalog, subjects
 from shared.bus import connect
 from services.supervisor import Supervisor, wait_ready
-from tests.support import orchestration as fleet
+from bench.support import orchestration as fleet
 from tests.support.stack import wait_until
 
 # Short enough to finish inside honcho's 5 s between its SIGTERM and its SIGKILL even on

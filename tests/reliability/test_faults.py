@@ -1,10 +1,10 @@
-"""Faults injected into real processes under steady load (tests/support/faults.py scenarios,
+"""Faults injected into real processes under steady load (bench/support/faults.py scenarios,
 shortened): a killed worker, a restarted nats-server, a rolling update. Every request
 gets an answer; the figures these runs print are in docs/reliability.md."""
 
 from __future__ import annotations
 
-from tests.support import faults
+from bench.support import faults
 
 
 async def test_a_killed_worker_loses_no_request(tmp_path):

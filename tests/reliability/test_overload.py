@@ -19,7 +19,7 @@ import pytest_asyncio
 from shared import subjects
 from tests.reliability.conftest import ENCODER
 from tests.reliability.replies import ask, assert_refused
-from tests.support.load import LOST, open_loop, summary
+from bench.support.load import LOST, open_loop, summary
 from tests.support.stack import running_stack, wait_until
 
 QUEUE = 8  # max_queue_per_worker: one worker, so the fleet holds 8 requests at most

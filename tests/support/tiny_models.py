@@ -1,31 +1,15 @@
 """Tiny decoders built locally from a config (random weights, fixed seed, no download),
-saved in the Hugging Face layout with a small byte-level BPE tokenizer."""
+saved in the Hugging Face layout with a small byte-level BPE tokenizer
+(bench/support/tiny_tokenizer.py, which the benchmarks use too)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from bench.support.tiny_tokenizer import VOCAB, write_tokenizer
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-VOCAB = 320
-TEXT = ["the quick brown fox jumps over the lazy dog", "a stream of tokens, one by one"]
-
-
-def write_tokenizer(out_dir: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
-                                  show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(TEXT * 20, trainer)
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}))
 
 
 def build(kind: str, out_dir: Path, positions: int = 128, seed: int = 0, heads: int = 4,

@@ -26,9 +26,9 @@ from shared.bus import connect
 from shared.messages import FleetStatus, fleet_status_decoder
 from shared.natsd import free_port
 from shared.telemetry import heartbeat_decoder
-from tests.support import faults
-from tests.support.load import one
-from tests.support.workload import embed_body
+from bench.support import faults
+from bench.support.load import one
+from bench.support.workload import embed_body
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = catalog.ENCODER

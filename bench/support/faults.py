@@ -30,8 +30,8 @@ from services.supervisor import Supervisor, wait_ready
 from shared import catalog, subjects
 from shared.bus import connect
 from shared.telemetry import heartbeat_decoder
-from tests.support.load import LOST, ClosedLoop, Outcome, one, summary
-from tests.support.workload import embed_body, short_inputs
+from bench.support.load import LOST, ClosedLoop, Outcome, one, summary
+from bench.support.workload import embed_body, short_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = catalog.ENCODER

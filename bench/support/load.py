@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from nats.errors import NoRespondersError
 
 from shared.errors import HEADER_CODE, HEADER_RETRY_AFTER
-from tests.support.stats import pct_ms
+from bench.support.stats import pct_ms
 
 LOST = "lost"
 
