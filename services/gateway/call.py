@@ -17,7 +17,8 @@ from typing import Any, Mapping
 
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
-from services.gateway.frontend import Frontend, Outcome, new_request_id, wire_id
+from services.gateway.frontend import Frontend, new_request_id, wire_id
+from services.gateway.outcome import Outcome
 from shared.errors import ServiceError, internal
 from shared.logging import get_logger
 

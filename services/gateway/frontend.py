@@ -23,7 +23,6 @@ import os
 import re
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 from nats.aio.client import Client
 
@@ -32,6 +31,7 @@ from services.gateway.admission import GatewayAdmission
 from services.gateway.inbox import NoScheduler, PathLost, ReplyInbox
 from services.gateway.schedulers import SchedulerLinks
 from services.gateway.models import ModelTable
+from services.gateway.outcome import Outcome
 from services.gateway.recorder import Recorder
 from shared import subjects
 from shared.bus import Links
@@ -39,30 +39,12 @@ from shared.api import ModelList
 from shared.config import Config
 from shared.errors import deadline_exceeded, too_large, unavailable
 from shared.logging import get_logger
-from shared.messages import ModelStatus, Timing, encode
+from shared.messages import ModelStatus, encode
 from shared.scaling import LiveDecisions
 from shared.telemetry import RequestRecord
 from shared.telemetry import encode as encode_record
 
 log = get_logger("gateway")
-
-
-@dataclass
-class Outcome:
-    """What telemetry needs to know about one finished request."""
-
-    endpoint: str
-    model: str = ""
-    version: str = ""
-    worker_id: str = ""
-    status: int = 200
-    error_code: str = ""
-    timing: Timing = field(default_factory=Timing)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    held_at: float = 0.0  # perf_counter when the scheduler said it holds the request
-    hold_s: float = 0.0  # time held for a cold start
-    first_token_at: float = 0.0  # perf_counter when the first generated chunk arrived here
 
 
 def new_request_id() -> str:

@@ -35,12 +35,12 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from services.gateway.outcome import Outcome
 from shared import subjects
 from shared.errors import ServiceError, deadline_exceeded, internal, out_of_time
 from shared.logging import get_logger
@@ -54,9 +54,6 @@ from shared.messages import (
     result_decoder,
     results_decoder,
 )
-
-if TYPE_CHECKING:
-    from services.gateway.frontend import Outcome
 
 log = get_logger("gateway.inbox")
 

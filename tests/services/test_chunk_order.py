@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import pytest
 
 from services.gateway.continuity import ChunkOrder, events
-from services.gateway.frontend import Outcome
+from services.gateway.outcome import Outcome
 from services.gateway.inbox import PathLost, ReplyInbox
 from shared.errors import ServiceError
 from shared.messages import GenChunk, GenDone, GenerateWork, Sampling, Timing
