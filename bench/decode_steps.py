@@ -74,7 +74,7 @@ def bare_pass_ms(eng, repeats: int) -> float:
     from engine.decoder.model import family
 
     fam, cfg = family(eng.cfg), eng.cfg
-    params = eng._params_for(f"step {eng.batches[0]}")
+    params = eng.forms.params_for("step", eng.programs.batches[0])
 
     @jax.jit
     def one(params, token):
@@ -116,14 +116,14 @@ def measure(model_dir: Path, args, kernel: str) -> dict:
     if args.quant != "none":
         eng.select_forms()  # the fastest form per batch bucket, measured here
     out = {"kernel": kernel, "device": eng.device, "dtype": eng.dtype, "slots": slots,
-           "quant": args.quant, "forms": dict(eng.compute_forms),
-           "batches": list(eng.batches), "windows": list(eng.windows), "cases": []}
+           "quant": args.quant, "forms": dict(eng.forms.compute_forms),
+           "batches": list(eng.programs.batches), "windows": list(eng.programs.windows), "cases": []}
     for streams, context in cases:
         _start(eng, streams, max(1, context - args.steps - 1))
-        eng.step_counts.clear()
+        eng.programs.step_counts.clear()
         for _ in range(2):  # compiles this shape (not timed) and settles
             eng.step()
-        eng.programs.wait_background()  # CPU time below is the steps' own
+        eng.programs.cache.wait_background()  # CPU time below is the steps' own
         times, cpu = [], []
         for _ in range(args.steps):
             t0, c0 = time.perf_counter(), time.process_time()
@@ -132,9 +132,9 @@ def measure(model_dir: Path, args, kernel: str) -> dict:
             cpu.append(time.process_time() - c0)
         ms = 1000 * statistics.median(times)
         cpu_ms = 1000 * statistics.median(cpu)  # CPU time of the process: the step's own work
-        batch = max(eng.step_counts, key=eng.step_counts.get)
+        batch = max(eng.programs.step_counts, key=eng.programs.step_counts.get)
         case = {"streams": streams, "context": context, "batch_bucket": batch,
-                "window": eng.window_for(), "step_ms_p50": round(ms, 3),
+                "window": eng.programs.window_for(), "step_ms_p50": round(ms, 3),
                 "cpu_ms_per_step": round(cpu_ms, 2),
                 "tokens_per_s": round(streams * 1000 / ms, 1)}
         out["cases"].append(case)
@@ -171,7 +171,7 @@ def compare(model_dir: Path, args) -> dict:
         engines[v] = DecoderEngine(model_dir, "bench", dtype=args.dtype, slots=slots,
                                    max_context=top, prefix_cache=False, quant=quant,
                                    quant_form=form or "auto", forms_cache=None)  # fmt: skip
-        print(json.dumps({"variant": v, "forms": engines[v].form_candidates}), flush=True)
+        print(json.dumps({"variant": v, "forms": engines[v].forms.candidates}), flush=True)
     out = {"variants": list(engines), "cases": []}
     for streams, context in cases:
         got = {v: ([], []) for v in engines}

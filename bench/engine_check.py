@@ -138,7 +138,7 @@ def decode_steps(eng, steps: int) -> None:
 
     for _ in range(steps):
         eng.step_async()
-    jax.block_until_ready(eng._state.tokens)
+    jax.block_until_ready(eng.runner.state.tokens)
 
 
 def bench_decoder(model_dir: Path, dtype: str, quant: str, streams: int, steps: int,
@@ -160,8 +160,8 @@ def bench_decoder(model_dir: Path, dtype: str, quant: str, streams: int, steps: 
     run()
     sec = _timed(run, repeats)
     return {"quant": quant, "form": form, "dtype": eng.dtype, "streams": streams, "steps": steps,
-            "chosen": eng.compute_forms, "form_ms": eng.form_ms,
-            "weight_bytes": eng.weight_bytes, "compile_s": round(compile_s, 2),
+            "chosen": eng.forms.compute_forms, "form_ms": eng.forms.form_ms,
+            "weight_bytes": eng.forms.weight_bytes, "compile_s": round(compile_s, 2),
             "step_ms": round(1e3 * sec / steps, 3),
             "tokens_per_s": round(streams * steps / sec, 1)}  # fmt: skip
 

@@ -159,11 +159,11 @@ def main(argv=None) -> dict:
                                          form=compute, budget=budget)  # fmt: skip
             row[f"tokens_per_s_{n}"] = round(rate, 1)
             row[f"step_ms_{n}"] = round(1e3 * sec, 2)
-            row[f"weight_bytes_{n}"] = eng.weight_bytes
+            row[f"weight_bytes_{n}"] = eng.forms.weight_bytes
             if compute == "auto" and quant != "none":
-                row[f"chosen_{n}"] = eng.compute_forms[f"step {n}"]
-                row[f"measured_ms_{n}"] = eng.form_ms.get(f"step {n}", {})
-        row["weight_bytes"] = eng.weight_bytes
+                row[f"chosen_{n}"] = eng.forms.compute_forms[f"step {n}"]
+                row[f"measured_ms_{n}"] = eng.forms.form_ms.get(f"step {n}", {})
+        row["weight_bytes"] = eng.forms.weight_bytes
         row["perplexity"] = round(perplexity(eng, PERPLEXITY_TEXTS), 3)
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -37,10 +37,10 @@ def main(argv=None) -> dict:
         eng.select_forms()
     eng.warmup(progress=False)
     ready_s = time.perf_counter() - t0
-    measured, units = eng.forms_progress()
+    measured, units = (eng.forms.measurements, eng.forms.units)
     eng.close()
     result = {"side": args.side, "model": name, "quant": args.quant, "slots": args.slots,
-              "max_context": args.max_context, "candidates": list(eng.form_candidates),
+              "max_context": args.max_context, "candidates": list(eng.forms.candidates),
               "ready_s": round(ready_s, 2), "measured_at_ready": measured, "pairs": units,
               **harness.run_info(f"python -m bench.forms_ready --side {args.side}")}
     print(result)

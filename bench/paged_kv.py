@@ -47,6 +47,7 @@ import sys
 import time
 
 from bench import harness
+from engine.decoder.static import newest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -71,7 +72,7 @@ def serve(engine, prompts: list[list[int]], new: int) -> dict:
             while engine.prefill_step(slot) is None:
                 pass
             running[slot], done[job] = job, 1
-        for slot in engine.make_room():
+        for slot in engine.make_room(newest):
             waiting.insert(0, running.pop(slot))  # not expected at these sizes
         most = max(most, len(running))
         engine.step()
@@ -103,7 +104,7 @@ def concurrency(args) -> dict:
         eng = DecoderEngine(path, name, slots=slots, max_context=args.context,
                             prefill_buckets=(64,), decode_windows=(128, 256), kv_blocks=kv)
         eng.warmup(progress=False)
-        out[name] = {"slots": slots, "pool_tokens": eng.pool.usable * eng.block,
+        out[name] = {"slots": slots, "pool_tokens": eng.table.pool.usable * eng.block,
                      **serve(eng, prompts, args.new)}
     return out
 
@@ -179,7 +180,7 @@ def _itl_run(eng, streams: list[list[int]], longs: list[list[int]], arrive: list
             p, is_short = waiting.pop(0)
             eng.begin(slot, p, _greedy(), 0)
             prefilling[slot] = is_short
-        left = eng.chunk
+        left = eng.runner.chunk
         for slot, is_short in list(prefilling.items()):
             if left <= 0:
                 break
@@ -190,14 +191,14 @@ def _itl_run(eng, streams: list[list[int]], longs: list[list[int]], arrive: list
             if not is_short:
                 # Wait for the piece here rather than in the next step (the device runs
                 # them in order): the stall is the same, and its time is the piece's.
-                jax.block_until_ready(eng._state)
+                jax.block_until_ready(eng.runner.state)
                 chunk_s.append(time.perf_counter() - t0)
             if first is not None:
                 running[slot] = (is_short, 1)
                 del prefilling[slot]
                 if is_short:
                     short[slot] = [time.perf_counter()]
-        for slot in eng.make_room():
+        for slot in eng.make_room(newest):
             raise RuntimeError(f"preempted slot {slot}: size the pool for the scenario")
         if running:
             eng.step()
@@ -258,9 +259,9 @@ def chunked(args) -> dict:
                 prefill_buckets=(32, chunk), decode_windows=(256, ctx), prefill_chunk=chunk,
                 prefix_cache=False)
             eng.warmup(progress=False)
-        if eng.chunk < args.long:
-            out[f"one chunk of {eng.chunk} ms"] = _piece_ms(eng, eng.chunk)
-        out[name] = {"chunk": eng.chunk,
+        if eng.runner.chunk < args.long:
+            out[f"one chunk of {eng.runner.chunk} ms"] = _piece_ms(eng, eng.runner.chunk)
+        out[name] = {"chunk": eng.runner.chunk,
                      **_itl_run(eng, streams, these, arrive[: len(these)], args.new, 4)}
         out[name]["loadavg_1m"] = round(os.getloadavg()[0], 2)
         print(name, json.dumps(out[name]), flush=True)
@@ -292,7 +293,7 @@ def repeat(args) -> dict:
             pass
         seconds = time.perf_counter() - t0
         for _ in range(args.new - 1):
-            eng.make_room()
+            eng.make_room(newest)
             eng.step()
         eng.free(0)
         return seconds

@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
     for v, ts in times.items():
         s = statistics.median(ts)
         gflops = 2 * params * args.tokens / s / 1e9
-        row = {"variant": v, "forms": sorted(set(engines[v].compute_forms.values())),
+        row = {"variant": v, "forms": sorted(set(engines[v].forms.compute_forms.values())),
                "prefill_s": round(s, 3), "tokens_per_s": round(args.tokens / s, 1),
                "gflops": round(gflops, 1), "of_roofline": round(gflops / roofline, 3)}  # fmt: skip
         doc["variants"].append(row)

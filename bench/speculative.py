@@ -86,10 +86,10 @@ def main(argv=None) -> dict:
         reference = None
         for rep in range(args.repeats + 1):  # the first round compiles: not timed
             for k in args.ks:
-                eng.spec_k = k
-                before = eng.speculation()
+                eng.speculation.k = k
+                before = eng.speculation_stats()
                 got, seconds, calls = _generate(eng, ids, args.tokens)
-                after = eng.speculation()
+                after = eng.speculation_stats()
                 if reference is None:
                     reference = got
                 if got != reference:

@@ -99,40 +99,6 @@ def kernel_usable(quant: str, setting: str, dtype, mesh) -> bool:
     return kernels.load() is not None
 
 
-def add_forms(trees: dict, quant: str, setting: str, budget: int, dtype, mesh) -> tuple[str, ...]:
-    """A quantized model's candidate forms; adds the "float" and "kernel" trees to
-    `trees` (which holds "dequant", and "w8a8" where loaded) where they are candidates.
-    budget: bytes all forms' weights may take (0: the float32 size)."""
-    from engine import quant as q
-    from engine import sharding
-
-    sizes = {f: q.tree_bytes(t) for f, t in trees.items()}
-    sizes["float"] = q.float_bytes(trees["dequant"], dtype)
-    sizes["kernel"] = sizes["kernel8"] = 0  # the stored arrays, shared
-    budget = int(budget) or q.float_bytes(trees["dequant"], np.float32)
-    kernel = kernel_usable(quant, setting, dtype, mesh)
-    found = candidates(quant, setting, sizes, budget, kernel, act8=_has_int4(trees["dequant"]))
-    if "float" in found:
-        f = q.dequantize_tree(trees["dequant"], dtype)
-        trees["float"] = f if mesh is None else sharding.place(f, mesh)
-    packed = None
-    for form in KERNEL_FORMS:  # both over one packing of the stored arrays
-        if form in found:
-            packed = q.with_compute(packed or trees["dequant"], form)
-            trees[form] = packed
-    return found
-
-
-def _has_int4(tree) -> bool:
-    """Whether a dense weight of `tree` is 4-bit (where kernel8 computes otherwise)."""
-    import jax
-
-    from engine import quant as q
-
-    return any(w.bits == 4 and w.axis == 0
-               for w in jax.tree.leaves(tree, is_leaf=q.is_qweight) if q.is_qweight(w))  # fmt: skip
-
-
 def held_bytes(trees: dict) -> int:
     """Bytes of the distinct arrays the forms' trees hold (the kernel form shares
     the stored one's)."""

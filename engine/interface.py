@@ -8,7 +8,8 @@ else in the serving layer changes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -103,111 +104,82 @@ class SpecStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
-class Decoder(Protocol):
-    """Text generation over a set of decode slots, one sequence per slot.
-
-    The caller (the worker's continuous-batching loop) owns the slots: it starts a
-    sequence with `begin` (when `can_admit` says the cache has room) and computes
-    its prompt with `prefill_step` (a chunk per call); before each `step` for all
-    slots at once it calls `make_room` and re-runs the sequences it preempted; it
-    decides when a sequence ends (EOS, stop string, max tokens, `context_left(slot)
-    == 0`) and calls `free`. Every call comes from one thread. (Whole prompts and
-    lock-step batches, for tests and benchmarks: engine/decoder/static.py.)
-    """
+@dataclass(frozen=True)
+class DecoderInfo:
+    """What a decoder is, fixed when it is built."""
 
     name: str
     device: str  # e.g. "cpu", "cuda:0"
-    devices: list[str]  # every device it computes on, e.g. ["cpu:0", "cpu:1"]
+    devices: tuple[str, ...]  # every device it computes on, e.g. ("cpu:0", "cpu:1")
+    dtype: str  # float32 | bfloat16 | float16
+    slots: int  # sequences that can decode at once
+    max_context: int  # tokens per slot, prompt and generated together
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    prefix_block: int  # tokens per prefix key of `DecoderStats.prefixes` (0: no prefix cache)
     tokenizer: "Tokenizer | None"  # the model's own, for detokenizing on the worker
 
-    @property
-    def slots(self) -> int:
-        """Sequences that can decode at once."""
 
-    @property
-    def max_context(self) -> int:
-        """Tokens per slot, prompt and generated together."""
+@dataclass
+class DecoderStats:
+    """What a decoder reports between steps (the heartbeat and the model card read it)."""
 
-    @property
-    def vocab_size(self) -> int: ...
+    active: int  # slots holding a live sequence
+    cache: CacheStats
+    spec: SpecStats
+    compiled: int = 0  # programs compiled ...
+    programs: int = 0  # ... of those it serves (0, 0: it compiles nothing ahead)
+    compiling: bool = False  # the engine thread waits on a compile now: slow, not stuck
+    compile_waited_s: float = 0.0  # seconds steps waited on compiles since start
+    forms_measured: int = 0  # (bucket, form) pairs measured ...
+    forms_total: int = 0  # ... of those to measure (0, 0: none measured)
+    quant: str = "none"  # the stored weights, TENSORBUS_QUANT's value after `auto`
+    compute_forms: dict[str, str] = field(default_factory=dict)  # bucket -> form now
+    tune_due: bool = False  # `tune` has work it can do now without compiling
+    prefixes: list[int] = field(default_factory=list)  # short keys of cached prefixes
 
-    @property
-    def dtype(self) -> str:
-        """float32 | bfloat16 | float16"""
 
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]: ...
+Victim = Callable[[list[int]], int]
+"""The preemption policy: given the slots whose sequences hold cache (oldest
+first), the one to give its cache back."""
 
-    @property
-    def kv_usage(self) -> float:
-        """Fraction of the cache's positions held by active sequences (0..1)."""
 
-    @property
-    def active_slots(self) -> int:
-        """Slots holding a sequence (inserted and not yet freed)."""
+class Decoder(Protocol):
+    """Text generation over a set of decode slots, one sequence per slot.
+
+    The caller (the worker's continuous-batching loop) owns the slots and the
+    policy: it starts a sequence with `begin` (False: the cache has no room now) and
+    computes its prompt with `prefill_step` (a chunk per call); before each
+    `step_async` it calls `make_room` with its preemption policy and re-runs the
+    sequences it preempted; it decides when a sequence ends (EOS, stop string, max
+    tokens, a full context) and calls `free`. Every call comes from one thread.
+    (Whole prompts and lock-step batches, for tests and benchmarks:
+    engine/decoder/static.py.)
+    """
+
+    info: DecoderInfo
 
     def warmup(self, progress: bool = True) -> int:
-        """Compile (or exercise) every shape served; return how many were compiled."""
+        """Compile what a first request needs (and, as the engine compiles ahead,
+        the rest and structured outputs' programs in the background); return how
+        many programs were compiled before it returned."""
 
-    def check_prompt(self, prompt: list[int]) -> None:
-        """ValueError, with a message for the user, if `prompt` cannot be served."""
-
-    def check_sampling(self, sampling: Sampling) -> None:
-        """ValueError, naming them, when the request asks for controls this engine
-        does not apply (never served without them)."""
+    def check(self, prompt: list[int], sampling: "Sampling | None" = None) -> None:
+        """ValueError, with a message for the user, if `prompt` cannot be served, or
+        the request asks for sampling controls this engine does not apply."""
 
     def prompt_logprobs(self, tokens: list[int], top: int) -> list[tuple[int, float, list]]:
         """For each token after the first: (token, logprob given those before it, the
         `top` most likely (token, logprob) there, best first); ValueError where the
         engine does not compute them."""
 
-    def compile_progress(self) -> tuple[int, int]:
-        """(programs compiled, programs it serves); (0, 0) for an engine that does
-        not compile ahead (the model card reports it)."""
-
-    def prepare_grammars(self) -> None:
-        """After warm-up: structured outputs' tables and masked programs, built ahead
-        as `compile_ahead` says (docs/decisions/0048); nothing for an engine that
-        builds them where first needed."""
-
-    def compile_wait(self) -> tuple[bool, float]:
-        """(whether the engine thread is blocked on a program being compiled now: a
-        step that is slow, not stuck, and the stall checks let it be; the seconds
-        steps have been blocked so since start: not the model's cost)."""
-
-    def forms_progress(self) -> tuple[int, int]:
-        """((bucket, form) pairs measured, pairs to measure) of a quantized engine
-        choosing its compute forms after ready (engine/decoder/formchoice.py); (0, 0)
-        when it measures none (the model card reports it)."""
-
-    def weight_forms(self) -> tuple[str, dict[str, str]]:
-        """(the stored weights, TENSORBUS_QUANT's value after `auto`; each bucket's
-        compute form now, e.g. {"step 16": "kernel8"}): the model card reports them."""
-
-    def forms_due(self) -> bool:
-        """Whether `measure_forms` has work it can do now without compiling."""
-
-    def measure_forms(self, limit: int = 1) -> int:
-        """Measure up to `limit` (bucket, form) pairs and switch buckets to their
-        choice; between steps, on the engine thread -> pairs measured."""
-
-    def on_compiled(self, callback) -> None:
-        """`callback()` (on another thread) each time a background compile joins."""
-
-    def close(self, wait_s: float = 0.0) -> bool:
-        """Compile nothing more in the background; wait up to `wait_s` for the
-        program being compiled -> False while one still is (the process should not
-        exit then)."""
-
-    def can_admit(self, prompt: list[int]) -> bool:
-        """Whether the cache has room to `begin` this prompt now."""
-
     def begin(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int,
-              generated: int = 0) -> None:
-        """Reserve `slot` and the prompt's cache; `prefill_step` computes it. Sampling
-        draws come from `seed` alone, whatever the slot and the other sequences.
-        `generated`: how many of the prompt's last tokens a preempted sequence had
-        generated (a grammar's matcher is fed them again)."""
+              generated: int = 0) -> bool:
+        """Reserve `slot` and the prompt's cache (False, nothing taken: the cache has
+        no room now); `prefill_step` computes it. Sampling draws come from `seed`
+        alone, whatever the slot and the other sequences. `generated`: how many of
+        the prompt's last tokens a preempted sequence had generated (a grammar's
+        matcher is fed them again)."""
 
     def prefilling(self, slot: int) -> int:
         """Prompt tokens `slot` has still to compute (0 when none)."""
@@ -218,100 +190,38 @@ class Decoder(Protocol):
         Re-running a sequence from prompt + its tokens so far draws what it would have
         drawn next (draws are keyed by seed and position)."""
 
-    def make_room(self) -> list[int]:
-        """Cache for every live slot's next step; the slots preempted (and freed) to
-        find it, which the caller re-runs later."""
+    def make_room(self, victim: Victim) -> list[int]:
+        """Cache for every live slot's next step, preempting (freeing) the sequences
+        `victim` picks while the cache is short -> the slots preempted, which the
+        caller re-runs later."""
 
-    def cache_stats(self) -> CacheStats: ...
-
-    def speculation(self) -> SpecStats:
-        """Its speculative decoding counts, since start."""
-
-    def held_prefixes(self, limit: int) -> list[int]:
-        """Short keys (shared.prefix) of the prompt prefixes cached, at most `limit`."""
-
-    @property
-    def prefix_block(self) -> int:
-        """Tokens per prefix key of `held_prefixes` (0: no prefix cache)."""
-
-    def step(self) -> np.ndarray:
-        """One decode step for every active slot -> [slots] int32 (ignore free slots)."""
-
-    def step_async(self) -> PendingStep:
-        """Start one decode step; its `result()` is what `step()` returns. A slot
-        inserted before `result()` is read joins the next step, not this one."""
+    def step_async(self) -> PendingStep | None:
+        """Start one decode step of the live slots (None: no slot is live); a slot
+        begun before `result()` is read joins the next step, not this one."""
 
     def free(self, slot: int) -> None:
-        """End the sequence in `slot`; the slot may be inserted into again."""
+        """End the sequence in `slot`; the slot may be begun again."""
 
-    def context_left(self, slot: int) -> int:
-        """Tokens `slot` may still generate before its context is full."""
+    def token_logprobs(self, slot: int) -> tuple[float, list[tuple[int, float]]] | None:
+        """(logprob, top [(token, logprob)]) of the token `slot` got last, when its
+        request asked for logprobs; else None."""
+
+    def stats(self, prefixes: int = 0) -> DecoderStats:
+        """Its counts now; `prefixes`: at most that many cached prefix keys."""
+
+    def tune(self, limit: int = 1) -> int:
+        """Between steps, on the engine thread: up to `limit` units of the work an
+        engine does after ready (a quantized one measures its compute forms,
+        engine/decoder/formchoice.py) -> units done."""
+
+    def on_compiled(self, callback: Callable[[], None]) -> None:
+        """`callback()` (on another thread) each time a background compile joins."""
+
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Compile nothing more in the background; wait up to `wait_s` for the
+        program being compiled -> False while one still is (the process should not
+        exit then)."""
 
 
 Engine = Encoder | Decoder
 """What a worker holds for one model version: which of the two follows the model's kind."""
-
-
-class WholePrompt:
-    """`begin`/`prefill_step` for an engine that computes a prompt in one call into a
-    cache with a row per slot (nothing to chunk, share or preempt): the torch engine
-    and test doubles. Needs `check_prompt`, `prefill_whole(slot, prompt, sampling,
-    seed) -> first token`, `slots` and `kv_usage`."""
-
-    def compile_progress(self) -> tuple[int, int]:
-        return (0, 0)  # nothing compiled ahead
-
-    def compile_wait(self) -> tuple[bool, float]:
-        return False, 0.0  # nothing compiled
-
-    def prepare_grammars(self) -> None:
-        pass  # no masked programs
-
-    def forms_progress(self) -> tuple[int, int]:
-        return (0, 0)  # one compute form
-
-    def weight_forms(self) -> tuple[str, dict[str, str]]:
-        return ("none", {})  # float weights, one form
-
-    def forms_due(self) -> bool:
-        return False
-
-    def measure_forms(self, limit: int = 1) -> int:
-        return 0
-
-    def on_compiled(self, callback) -> None:
-        pass
-
-    def close(self, wait_s: float = 0.0) -> bool:
-        return True  # nothing compiles in the background
-
-    def can_admit(self, prompt: list[int]) -> bool:
-        return True
-
-    def begin(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int,
-              generated: int = 0) -> None:  # no grammar here (check_sampling refuses it)
-        self.check_prompt(prompt)
-        self.__dict__.setdefault("_begun", {})[slot] = (list(prompt), sampling, seed)
-
-    def prefilling(self, slot: int) -> int:
-        job = self.__dict__.get("_begun", {}).get(slot)
-        return len(job[0]) if job else 0
-
-    def prefill_step(self, slot: int, budget: int = 0) -> int | None:
-        prompt, sampling, seed = self._begun.pop(slot)
-        return self.prefill_whole(slot, prompt, sampling, seed)
-
-    def make_room(self) -> list[int]:
-        return []
-
-    prefix_block = 0  # no prefix cache: nothing to route by
-
-    def held_prefixes(self, limit: int) -> list[int]:
-        return []
-
-    def cache_stats(self) -> CacheStats:
-        held = round(self.kv_usage * self.slots)
-        return CacheStats(self.slots, held, 0, 0, 0, 0)
-
-    def speculation(self) -> SpecStats:
-        return SpecStats()  # never speculates

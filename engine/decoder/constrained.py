@@ -12,42 +12,40 @@ needed. Same donation and shardings as the engine's.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import numpy as np
 
-from engine.decoder import steps
 from engine.decoder.programs import Programs
+from engine.decoder.shapes import i32
+from engine.decoder.steps import generate, prefill_chunk
+
+if TYPE_CHECKING:
+    from engine.decoder.compiled import StepPrograms
 
 
 class MaskedPrograms:
-    def __init__(self, engine, width: int) -> None:
-        from engine import sharding
-
-        self._engine = engine  # a weak proxy (engine.decoder.grammar.SlotGrammars)
+    def __init__(self, steps: StepPrograms, width: int) -> None:
+        self._steps = steps  # the engine's own programs: shapes, forms, shardings
         self.width = width  # int32 words per mask row
-        cfg = engine.cfg
-        out = {}
-        if engine._mesh is not None:
-            state_sharding = sharding.state_sharding(engine._state, engine._mesh)
-            out = {"out_shardings": (state_sharding, sharding.replicated(engine._mesh))}
-        kernel, interpret = engine.attention, jax.devices()[0].platform == "cpu"
+        cfg, kernel, interpret = steps.cfg, steps.attention, steps.interpret
         self._prefill = jax.jit(
-            lambda params, state, *args: steps.prefill_chunk(params, cfg, state, *args[:-1],
-                                                             mask=args[-1]),
-            donate_argnums=1, **out)  # fmt: skip
+            lambda params, state, *args: prefill_chunk(params, cfg, state, *args[:-1],
+                                                       mask=args[-1]),
+            donate_argnums=1, **steps.jit_kw)  # fmt: skip
         self._generate = jax.jit(
-            lambda params, state, rows, tables, live, mask: steps.generate(
+            lambda params, state, rows, tables, live, mask: generate(
                 params, cfg, state, rows, tables, live, kernel, interpret, mask=mask),
-            donate_argnums=1, **out)  # fmt: skip
-        self.programs = Programs(f"{engine.name}-masked")
+            donate_argnums=1, **steps.jit_kw)  # fmt: skip
+        self.programs = Programs(f"{steps.name}-masked")
 
     def _job(self, kind: str, size: int, other: int):
         """(key, lower) of the masked program of one shape."""
-        engine = self._engine
-        bucket = f"{kind} {size}"
-        params = engine._params_for(bucket)
+        form = self._steps.forms.form_of(kind, size)
+        params = self._steps.forms.params_of(form)
         lower = self._lower_step if kind == "step" else self._lower_prefill
-        return (kind, size, other, engine.compute_forms[bucket]), lambda: lower(params, size, other)
+        return (kind, size, other, form), lambda: lower(params, size, other)
 
     def start_background(self, shapes: list[tuple[str, int, int]]) -> None:
         """Compile the masked programs of `shapes` on a thread of their own."""
@@ -68,17 +66,13 @@ class MaskedPrograms:
         return self.programs.get(*self._job("prefill", bucket, ctx))
 
     def _lower_step(self, params, batch: int, window: int):
-        engine = self._engine
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
-        args = (i32(batch), i32(batch, window // engine.block),
+        steps = self._steps
+        args = (i32(batch), i32(batch, window // steps.block),
                 jax.ShapeDtypeStruct((batch,), np.bool_), i32(batch, self.width))
-        return self._generate.lower(params, engine._state_spec, *args)
+        return self._generate.lower(params, steps.state_spec, *args)
 
     def _lower_prefill(self, params, bucket: int, ctx: int):
-        engine = self._engine
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)  # noqa: E731
-        sampling = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                                engine._warm_sampling)
-        args = (i32(bucket), i32(), i32(), i32(ctx // engine.block), i32(), sampling,
+        steps = self._steps
+        args = (i32(bucket), i32(), i32(), i32(ctx // steps.block), i32(), steps.sampling_spec,
                 jax.ShapeDtypeStruct((), np.uint32), i32(self.width))
-        return self._prefill.lower(params, engine._state_spec, *args)
+        return self._prefill.lower(params, steps.state_spec, *args)

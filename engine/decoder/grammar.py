@@ -33,13 +33,19 @@ unconstrained rather than masking every token.
 from __future__ import annotations
 
 import threading
-import weakref
+import time
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.decoder.constrained import MaskedPrograms
 from shared.logging import get_logger
 from shared.messages import GRAMMAR_RELEASE as RELEASE
+
+if TYPE_CHECKING:
+    from engine.decoder.compiled import StepPrograms
 
 log = get_logger(__name__)
 
@@ -51,25 +57,22 @@ def mask_words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
-def apply_mask(logits, mask):
-    """logits: [B, V] float32, mask: [B, W] int32 bits -> logits, -inf where a
-    row's bit is clear (tokens past the mask's width included)."""
-    import jax.numpy as jnp
-
-    rows, vocab = logits.shape
-    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
-    allowed = bits.reshape(rows, -1)[:, :vocab] != 0
-    if allowed.shape[1] < vocab:
-        allowed = jnp.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
-    return jnp.where(allowed, logits, -jnp.inf)
-
-
 class SlotGrammars:
     """The matchers of one engine's slots; see the module docstring."""
 
-    def __init__(self, engine) -> None:
-        self._engine = weakref.proxy(engine)
-        slots = engine.slots
+    def __init__(self, name: str, slots: int, vocab: int, tokenizer, eos: tuple[int, ...],
+                 steps: StepPrograms, compile_ahead: str,
+                 on_release: Callable[[int], None]) -> None:
+        """tokenizer: the model's (engine.tokenizer.Tokenizer, or None: no structured
+        outputs); steps: the engine's programs, whose masked twins this builds;
+        on_release(slot): a grammar was dropped at its RELEASE capture."""
+        self.name = name
+        self._vocab = vocab
+        self._model_tokenizer = tokenizer
+        self._eos = list(eos)
+        self._steps = steps
+        self._compile_ahead = compile_ahead
+        self._on_release = on_release
         self._spec = [""] * slots  # slot -> its grammar ("" = unconstrained)
         self._releasable = [False] * slots  # its grammar has the RELEASE capture
         self._replay: list[list[int]] = [[] for _ in range(slots)]
@@ -113,12 +116,12 @@ class SlotGrammars:
             return False
         self.free(slot)
         self.released += 1
-        self._engine.grammar_released(slot)  # it may speculate now
+        self._on_release(slot)  # it may speculate now
         return True
 
     @property
     def width(self) -> int:
-        return mask_words(max(self._engine.cfg.vocab_size, self.tokenizer().vocab_size))
+        return mask_words(max(self._vocab, self.tokenizer().vocab_size))
 
     def tokenizer(self):
         with self._lock:
@@ -128,12 +131,11 @@ class SlotGrammars:
         if self._tokenizer is None:
             import llguidance
 
-            engine = self._engine
-            if engine.tokenizer is None:
-                raise ValueError(f"{engine.name} has no tokenizer: no structured outputs")
+            if self._model_tokenizer is None:
+                raise ValueError(f"{self.name} has no tokenizer: no structured outputs")
             self._tokenizer = llguidance.LLTokenizer(
-                engine.tokenizer.backend.to_str(), n_vocab=engine.cfg.vocab_size,
-                eos_token=list(engine.eos_token_ids))
+                self._model_tokenizer.backend.to_str(), n_vocab=self._vocab,
+                eos_token=self._eos)
             self._executor = llguidance.LLExecutor()
         return self._tokenizer
 
@@ -178,8 +180,6 @@ class SlotGrammars:
                 if s < len(self._spec) and self._matchers[s] is not None
                 and not self._matchers[s].is_error()]  # fmt: skip
         if todo:
-            import time
-
             t0 = time.perf_counter()
             fill_next_token_bitmask_par(self._executor, todo, out)
             self.mask_seconds += time.perf_counter() - t0
@@ -227,9 +227,7 @@ class SlotGrammars:
         width = self.width
         with self._lock:
             if self._programs is None:
-                from engine.decoder.constrained import MaskedPrograms
-
-                self._programs = MaskedPrograms(self._engine, width)
+                self._programs = MaskedPrograms(self._steps, width)
             return self._programs
 
     def prepare_background(self) -> None:
@@ -240,14 +238,14 @@ class SlotGrammars:
         thread. `compile_ahead: "all"` compiles them here, before the engine serves;
         "first" on a thread. Where that cannot be done (no tokenizer) they are
         built where first needed."""
-        engine = self._engine
-        if engine.compile_ahead == "lazy" or engine.tokenizer is None:
+        steps = self._steps
+        if self._compile_ahead == "lazy" or self._model_tokenizer is None:
             return
-        served = [k for k in engine.compiles if k[0] in ("step", "prefill")]
-        first = [k for k in engine.first_compiles() if k in served]
+        served = [k for k in steps.compiles if k[0] in ("step", "prefill")]
+        first = [k for k in steps.first_compiles() if k in served]
         ones = [k for k in served if k[0] == "step" and k[1] == 1 and k not in first]
         shapes = first + ones + [k for k in served if k not in first and k not in ones]
-        if engine.compile_ahead == "all":
+        if self._compile_ahead == "all":
             self.programs().compile(shapes)
             return
 
@@ -255,6 +253,6 @@ class SlotGrammars:
             try:
                 self.programs().start_background(shapes)
             except Exception as exc:  # noqa: BLE001 - built again where first needed
-                log.warning("grammar_prepare_failed", model=engine.name, error=repr(exc))
+                log.warning("grammar_prepare_failed", model=self.name, error=repr(exc))
 
-        threading.Thread(target=work, name=f"grammar-{engine.name}", daemon=True).start()
+        threading.Thread(target=work, name=f"grammar-{self.name}", daemon=True).start()

@@ -14,8 +14,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from engine.decoder.config import DecoderConfig
+from engine.decoder.sampling import MAX_LOGPROBS
+from shared.messages import Sampling
 
 
 class DecodeState(NamedTuple):
@@ -119,3 +122,27 @@ def cache_bytes(state: DecodeState) -> int:
 def block_bytes(cfg: DecoderConfig, block: int, dtype) -> int:
     """Bytes one block takes over all layers, keys and values."""
     return 2 * cfg.layers * cfg.kv_heads * block * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def slot_sampling(sampling: Sampling, vocab: int, prompt: list[int]) -> SlotSampling:
+    """A request's sampling parameters as the prefill takes them; `seen` marks the
+    prompt's tokens only when a repetition penalty will read them."""
+    bias = [(t, b) for t, b in sampling.logit_bias if 0 <= t < vocab][:MAX_BIAS]
+    ids, vals = np.zeros(MAX_BIAS, np.int32), np.zeros(MAX_BIAS, np.float32)
+    if bias:
+        ids[: len(bias)], vals[: len(bias)] = zip(*bias)
+    seen = np.zeros(vocab, np.bool_)
+    if sampling.repetition_penalty != 1.0:
+        seen[np.asarray(prompt, np.int64)] = True
+    return SlotSampling(
+        temperature=np.float32(max(0.0, sampling.temperature)),
+        top_k=np.int32(sampling.top_k if sampling.top_k > 0 else 0),
+        top_p=np.float32(sampling.top_p if 0.0 < sampling.top_p < 1.0 else 1.0),
+        min_p=np.float32(min(max(sampling.min_p, 0.0), 1.0)),
+        presence=np.float32(sampling.presence_penalty),
+        frequency=np.float32(sampling.frequency_penalty),
+        repetition=np.float32(sampling.repetition_penalty if sampling.repetition_penalty > 0
+                              else 1.0),
+        bias_ids=ids, bias_vals=vals, seen=seen,
+        logprobs=np.int32(min(sampling.logprobs, MAX_LOGPROBS)),
+    )

@@ -29,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 
+from engine import jaxrt
 from shared.logging import get_logger
 
 log = get_logger(__name__)
@@ -96,8 +97,6 @@ class Programs:
                 return exe
             return self._get(key, lower)  # its compile failed there: try here
         try:
-            from engine import jaxrt
-
             t0 = time.perf_counter()
             exe = jaxrt.compile_lowered(lower())
             seconds = time.perf_counter() - t0
@@ -198,13 +197,3 @@ class Programs:
     def stop(self) -> None:
         """Compile nothing more in the background (the engine is being dropped)."""
         self._stop.set()
-
-
-def lower_weakly(ref, shape: tuple[str, int, int], form: str):
-    """The lowered program of `shape` in compute form `form` of the engine `ref` (a
-    weakref) names; LookupError when that engine was dropped (its background
-    compiles stop)."""
-    engine = ref()
-    if engine is None:
-        raise LookupError("the engine was dropped")
-    return engine._lowering(*shape, form=form)()

@@ -145,3 +145,14 @@ def sample(logits, keys, positions, temperature, top_k, top_p, min_p=None):
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     tokens = jax.lax.cond(jnp.any(hot), drawn, lambda: greedy)
     return jnp.where(hot, tokens, greedy)
+
+
+def apply_mask(logits, mask):
+    """logits: [B, V] float32, mask: [B, W] int32 bits -> logits, -inf where a
+    row's bit is clear (tokens past the mask's width included)."""
+    rows, vocab = logits.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(rows, -1)[:, :vocab] != 0
+    if allowed.shape[1] < vocab:
+        allowed = jnp.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    return jnp.where(allowed, logits, -jnp.inf)

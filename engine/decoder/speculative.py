@@ -27,13 +27,12 @@ lookup pays on a memory-bound step.
 
 from __future__ import annotations
 
-import jax
 import msgspec
 import numpy as np
 
-from engine.decoder.shapes import i32
-from engine.decoder.slots import PagedSlots, PendingStep
-from engine.decoder.verify import verify
+from engine.decoder.compiled import StepPrograms
+from engine.decoder.runner import PendingStep, StepRunner
+from engine.decoder.slots import SlotTable
 from engine.interface import SpecStats
 from shared.messages import Sampling
 
@@ -78,117 +77,80 @@ def _plain(sampling: Sampling) -> bool:
             and not any(b for _, b in sampling.logit_bias))  # fmt: skip
 
 
-class SpeculativeSlots(PagedSlots):
-    """`PagedSlots` with the speculative step; `DecoderEngine` calls `_init_speculation`
-    after its state exists and `_speculate` first in `step_async`."""
+class Speculation:
+    """Prompt-lookup speculation over one engine's slot table and runner."""
 
-    spec_k = 0
+    def __init__(self, k: int, table: SlotTable, programs: StepPrograms,
+                 runner: StepRunner) -> None:
+        self.k = int(k)
+        self.table = table
+        self.programs = programs
+        self.runner = runner
+        self.stats = SpecStats()
+        slots = table.slots
+        self._plain = np.zeros(slots, bool)
+        self._plain_released = np.zeros(slots, bool)  # plain once its grammar is dropped
+        self._backoff = np.zeros(slots, np.int32)  # steps to skip after the next empty one
+        self._skip = np.zeros(slots, np.int32)  # steps left without a draft
 
-    def _init_speculation(self, k: int, jit_kw: dict) -> None:
-        self.spec_k = int(k)
-        self.spec_stats = SpecStats()
-        self._plain = np.zeros(self._slots, bool)
-        self._plain_released = np.zeros(self._slots, bool)  # plain once its grammar is dropped
-        self._backoff = np.zeros(self._slots, np.int32)  # steps to skip after the next empty one
-        self._skip = np.zeros(self._slots, np.int32)  # steps left without a draft
-        self._last_step: PendingStep | None = None
-        cfg, kernel = self.cfg, self.attention
-        interpret = jax.devices()[0].platform == "cpu"  # as the decode step runs it
-        self._verify = jax.jit(
-            lambda params, state, *args: verify(params, cfg, state, *args, kernel, interpret),
-            donate_argnums=1, **jit_kw)  # fmt: skip
-
-    def speculation(self) -> SpecStats:
-        s = self.spec_stats
+    def counts(self) -> SpecStats:
+        s = self.stats
         return SpecStats(s.steps, s.drafted, s.accepted)
 
-    def begin(self, slot: int, prompt: list[int], sampling: Sampling, seed: int,
-              generated: int = 0) -> None:
-        super().begin(slot, prompt, sampling, seed, generated)
+    def begin(self, slot: int, sampling: Sampling) -> None:
         self._plain[slot] = _plain(sampling)
         self._plain_released[slot] = _plain(msgspec.structs.replace(sampling, grammar=""))
         self._backoff[slot] = self._skip[slot] = 0
 
-    def grammar_released(self, slot: int) -> None:
+    def released(self, slot: int) -> None:
         """`slot`'s grammar was dropped (engine/decoder/grammar.py, RELEASE): it may
         speculate from now on, as a sequence that never had one."""
         self._plain[slot] = self._plain_released[slot]
-
-    @staticmethod
-    def _form_bucket(kind: str, size: int) -> str:
-        """The bucket whose compute form a program runs: a verify pass is one stream's
-        step."""
-        return "step 1" if kind == "verify" else f"{kind} {size}"
-
-    def _verify_compiles(self) -> list[tuple[str, int, int]]:
-        return [("verify", self.spec_k + 1, w) for w in self.windows] if self.spec_k else []
-
-    def _verify_lowering(self, params: dict, size: int, window: int):
-        args = (i32(size), i32(), i32(), i32(window // self.block), i32())
-        return lambda: self._verify.lower(params, self._state_spec, *args)
-
-    def _run_verify(self, slot: int, fed, offset: int, length: int, window: int):
-        fed = np.asarray(fed, np.int32)  # [T]
-        table = np.array(self._tables[slot, : window // self.block])  # [NW]
-        run = self._program("verify", len(fed), window)
-        self._state, out = run(self._params_for("step 1"), self._state, fed, np.int32(offset),
-                               np.int32(length), table, np.int32(slot))  # fmt: skip
-        return out
-
-    def _room(self, slot: int, tokens: int) -> int:
-        """Blocks for `tokens` tokens of `slot`, as far as the pool has free ones (no
-        preemption for a draft) -> tokens its blocks hold."""
-        while self.pool.blocks_for(tokens) > len(self._held[slot]) and self.pool.available:
-            b = self.pool.take()
-            self._tables[slot, len(self._held[slot])] = b
-            self._held[slot].append(b)
-        return len(self._held[slot]) * self.block
 
     def _back_off(self, slot: int) -> None:
         self._backoff[slot] = min(max(2 * self._backoff[slot], 1), BACKOFF_MAX)
         self._skip[slot] = self._backoff[slot]
 
-    def _speculate(self, preempted: list[int]) -> PendingStep | None:
+    def step(self) -> PendingStep | None:
         """The step as a verify pass of a draft, run to its result; None when this
         step is a normal one (see the module docstring)."""
-        live = np.flatnonzero(self._active)
-        if not self.spec_k or len(live) != 1 or not self._plain[live[0]]:
+        table = self.table
+        live = np.flatnonzero(table.active)
+        if not self.k or len(live) != 1 or not self._plain[live[0]]:
             return None
         slot = int(live[0])
         if self._skip[slot] > 0:  # backing off after empty lookups or verifies
             self._skip[slot] -= 1
             return None
-        if self._last_step is not None:
-            self._last_step.result()  # its token is the draft's last context
-        tokens, length = self._tokens[slot], int(self._lengths[slot])
+        if self.runner.last is not None:
+            self.runner.last.result()  # its token is the draft's last context
+        tokens, length = table.tokens[slot], int(table.lengths[slot])
         if len(tokens) != length:
             return None
-        k = min(self.spec_k, self._max_context - length - 1)
+        k = min(self.k, table.max_context - length - 1)
         draft = propose(tokens, k) if k > 0 else []
-        if draft:
-            draft = draft[: self._room(slot, length + len(draft)) - length]
+        if draft:  # as far as the pool has blocks for it: no preemption for a draft
+            draft = draft[: table.room(slot, length + len(draft)) * table.block - length]
         if not draft:  # nothing to verify, and the pipelining was given up for it
             self._back_off(slot)
             return None
-        need = length + len(draft)
-        size, window = self._choose("verify", self.spec_k + 1,
-                                    next(w for w in self.windows if w >= need))
+        size, window = self.programs.choose("verify", self.k + 1,
+                                            self.programs.window_for(length + len(draft)))
         fed = np.zeros(size, np.int32)  # a larger compiled pass pads the same draft
         fed[0], fed[1 : 1 + len(draft)] = tokens[-1], draft
-        out = np.asarray(self._run_verify(slot, fed, length - 1, 1 + len(draft), window))
+        out = np.asarray(self.runner.verify(slot, fed, length - 1, 1 + len(draft), window))
         accepted = int(out[-1])
         got = out[: accepted + 1].tolist()
-        self._lengths[slot] = min(length + len(got), self._max_context)
-        self._tokens[slot].extend(got)
+        table.extend(slot, got)
         if accepted:
             self._backoff[slot] = 0
         else:
             self._back_off(slot)
-        stats = self.spec_stats
+        stats = self.stats
         stats.steps, stats.drafted, stats.accepted = (
             stats.steps + 1, stats.drafted + len(draft), stats.accepted + accepted)
         done = PendingStep([np.array([[got[0]]], np.int32)], np.array([slot], np.int32),
-                           self._slots, preempted)  # fmt: skip
+                           table.slots)  # fmt: skip
         done.more[slot] = got[1:]
-        self._last_step = done
+        self.runner.last = done
         return done

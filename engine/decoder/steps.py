@@ -25,10 +25,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from engine.decoder.config import DecoderConfig
-from engine.decoder.grammar import apply_mask
 from engine.decoder.kvcache import DecodeState, SlotSampling, start_slot
 from engine.decoder.model import decode_forward, forward_chunk, last_logits
-from engine.decoder.sampling import controlled, sample, seed_key, token_logprobs
+from engine.decoder.sampling import apply_mask, controlled, sample, seed_key, token_logprobs
 
 
 def prefill_chunk(

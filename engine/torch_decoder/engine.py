@@ -2,8 +2,8 @@
 `engine.decoder.DecoderEngine` (`engine.interface.Decoder`), in eager torch.
 
 Dataflow of a served sequence:
-  1. `begin(slot, prompt, sampling, seed)`, then `prefill_step(slot)` runs
-     `prefill_whole` (`engine.interface.WholePrompt`): the prompt runs at its own
+  1. `begin(slot, prompt, sampling, seed)` notes the request, then `prefill_step(slot)`
+     runs `prefill_whole`: the prompt runs at its own
      length (eager torch has nothing to compile, so nothing is padded), its K/V go
      into positions [0, T) of `slot` in the preallocated cache, and the first token
      is drawn with the sequence's own generator, seeded from `seed`.
@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.decoder import host
 from engine.decoder.config import load_config
-from engine.decoder.host import DecoderHost
 from engine.decoder.static import GREEDY, prefill_insert
-from engine.interface import WholePrompt
+from engine.interface import CacheStats, DecoderStats, SpecStats, Victim
 from engine.torch_decoder import model as M
 from engine.torch_decoder.sampling import sample
 from shared.logging import get_logger
@@ -64,9 +64,11 @@ def _device(requested: str | None) -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
-class TorchDecoder(DecoderHost, WholePrompt):
+class TorchDecoder:
     """`engine.interface.Decoder` in eager torch, same constructor as `DecoderEngine`
-    (its bucket and window arguments are accepted and unused: nothing compiles)."""
+    (its bucket and window arguments are accepted and unused: nothing compiles). A
+    prompt is computed whole into a cache with a row per slot: nothing to chunk,
+    share or preempt."""
 
     def prompt_logprobs(self, tokens: list[int], top: int) -> list:
         raise ValueError("prompt logprobs ('echo' with 'logprobs') are computed by the JAX "
@@ -87,9 +89,16 @@ class TorchDecoder(DecoderHost, WholePrompt):
         t0 = time.perf_counter()
         if dtype not in M.TORCH_DTYPES:
             raise ValueError(f"dtype {dtype!r}: use one of {', '.join(M.TORCH_DTYPES)}")
-        super().__init__(model_dir, name, load_config(model_dir), dtype, slots, max_context)
+        self.name = name
+        self.cfg = load_config(model_dir)
         self.device = _device(device)
-        self.devices = [self.device]
+        self.info = host.describe(name, model_dir, self.cfg, dtype, slots, max_context,
+                                  [self.device], self.device)  # fmt: skip
+        self.tokenizer = self.info.tokenizer
+        self._slots, self._max_context = self.info.slots, self.info.max_context
+        self._lengths = np.zeros(self._slots, np.int64)  # tokens in context per slot
+        self._active = np.zeros(self._slots, bool)  # live: part of decode steps
+        self._begun: dict[int, tuple[list[int], Sampling, int]] = {}  # slot -> its request
         tdt = M.TORCH_DTYPES[dtype]
         self.params = M.load_params(model_dir, self.cfg, tdt, self.device, self._max_context)
         shape = (self._slots, self.cfg.kv_heads, self._max_context, self.cfg.head_dim)
@@ -113,10 +122,55 @@ class TorchDecoder(DecoderHost, WholePrompt):
 
     # ------------------------------------------------------------- properties
     @property
+    def slots(self) -> int:
+        return self._slots
+
+    @property
+    def max_context(self) -> int:
+        return self._max_context
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.info.eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+    @property
+    def dtype(self) -> str:
+        return self.info.dtype
+
+    @property
+    def devices(self) -> list[str]:
+        return list(self.info.devices)
+
+    @property
     def kv_usage(self) -> float:
         """Fraction of the cache's positions held by active sequences."""
         used = int(self._lengths[self._active].sum())
         return used / (self._slots * self._max_context)
+
+    def stats(self, prefixes: int = 0) -> DecoderStats:
+        """Rows held of the per-slot cache; nothing compiled, cached or speculated."""
+        held = round(self.kv_usage * self._slots)
+        return DecoderStats(active=int(self._active.sum()),
+                            cache=CacheStats(self._slots, held, 0, 0, 0, 0), spec=SpecStats())
+
+    def context_left(self, slot: int) -> int:
+        return int(self._max_context - self._lengths[slot])
+
+    def token_logprobs(self, slot: int) -> None:
+        return None  # check refuses requests that ask for logprobs
+
+    def tune(self, limit: int = 1) -> int:
+        return 0  # one compute form
+
+    def on_compiled(self, callback) -> None:
+        pass  # nothing compiles
+
+    def close(self, wait_s: float = 0.0) -> bool:
+        return True  # nothing compiles in the background
 
     # ----------------------------------------------------------------- warmup
     def warmup(self, progress: bool = True) -> int:
@@ -131,20 +185,47 @@ class TorchDecoder(DecoderHost, WholePrompt):
         return 0
 
     # -------------------------------------------------------------- requests
-    def check_sampling(self, sampling: Sampling) -> None:
-        """This engine samples with temperature, top-k and top-p only: a request that
-        asks for more is refused (a 400 naming the fields), never served without them."""
+    def check(self, prompt: list[int], sampling: Sampling | None = None) -> None:
+        """The prompt must fit; this engine samples with temperature, top-k and top-p
+        only: a request that asks for more is refused (a 400 naming the fields), never
+        served without them."""
+        host.check_prompt(self.info, prompt)
+        if sampling is None:
+            return
         asked = [name if name != "grammar" else "response_format (or tools)"
                  for name, off in UNSUPPORTED if getattr(sampling, name) != off]
         if asked:
             raise ValueError(f"{', '.join(asked)}: not supported by the torch engine "
                              f"serving {self.name}")
 
+    def begin(self, slot: int, prompt: list[int], sampling: Sampling, seed: int,
+              generated: int = 0) -> bool:
+        host.check_slot(self.info, slot)
+        self.check(prompt)
+        self._begun[slot] = (list(prompt), sampling, seed)
+        return True  # a row per slot: always room
+
+    def prefilling(self, slot: int) -> int:
+        job = self._begun.get(slot)
+        return len(job[0]) if job else 0
+
+    def prefill_step(self, slot: int, budget: int = 0) -> int | None:
+        """The whole prompt, whatever the budget (nothing to chunk)."""
+        prompt, sampling, seed = self._begun.pop(slot)
+        return self.prefill_whole(slot, prompt, sampling, seed)
+
+    def make_room(self, victim: Victim) -> list[int]:
+        return []  # every slot has its rows
+
+    def step(self) -> np.ndarray:
+        """One decode step, read (tests and benchmarks) -> [slots] int32."""
+        return self._step().result()
+
     @torch.inference_mode()
     def prefill_whole(self, slot: int, prompt: list[int], sampling: Sampling, seed: int) -> int:
         """Start a sequence in `slot`; return its first generated token."""
-        self.check_slot(slot)
-        self.check_prompt(prompt)
+        host.check_slot(self.info, slot)
+        host.check_prompt(self.info, prompt)
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             raise ValueError(f"token id outside the vocabulary [0, {self.cfg.vocab_size})")
         self._temperature[slot] = max(0.0, sampling.temperature)
@@ -161,13 +242,17 @@ class TorchDecoder(DecoderHost, WholePrompt):
         token = int(sample(logits, self._temperature[at], self._top_k[at], self._top_p[at],
                            [gen])[0])  # fmt: skip
         self._tokens[slot] = token
-        self._start(slot, len(prompt))
+        self._active[slot], self._lengths[slot] = True, len(prompt) + 1
         return token
 
-    @torch.inference_mode()
-    def step_async(self) -> DoneStep:
+    def step_async(self) -> DoneStep | None:
         """Run one decode step and return it done (see the module docstring for why it
-        does not overlap the caller); a slot inserted after this call joins the next."""
+        does not overlap the caller); a slot inserted after this call joins the next.
+        None when no slot is live."""
+        return self._step() if self._active.any() else None
+
+    @torch.inference_mode()
+    def _step(self) -> DoneStep:
         if not self._active.any():
             return DoneStep(self._tokens.astype(np.int32))
         n = int(np.flatnonzero(self._active)[-1]) + 1  # rows [0, n) run
@@ -180,10 +265,12 @@ class TorchDecoder(DecoderHost, WholePrompt):
         gens = [g if a else None for g, a in zip(self._generators[:n], self._active[:n])]
         drawn = sample(logits, self._temperature[:n], self._top_k[:n], self._top_p[:n], gens)
         self._tokens[:n] = np.where(self._active[:n], drawn.cpu().numpy(), 0)  # one host copy
-        self._advance()
+        self._lengths[self._active] = np.minimum(self._lengths[self._active] + 1,
+                                                 self._max_context)  # fmt: skip
         return DoneStep(self._tokens.astype(np.int32))
 
     def free(self, slot: int) -> None:
-        self._clear(slot)
+        self._active[slot], self._lengths[slot] = False, 0
+        self._begun.pop(slot, None)
         self._tokens[slot] = 0
         self._generators[slot] = None

@@ -15,8 +15,8 @@ owns the asyncio side: the engine thread, the outbox, the events.
      chunks within the token budget, the lanes to step. Work dropped or refused
      while it waited is answered at once.
   3. One call on the engine thread runs the plan: the prompt chunks, then per lane
-     room in the cache for the next step (`make_room`: the newest sequences may be
-     preempted), the next step dispatched (`step_async`), and only then the tokens
+     room in the cache for the next step (`make_room`: the scheduler's policy
+     names the sequences preempted, the newest first), the next step dispatched (`step_async`), and only then the tokens
      of the step before it read: step n+1 waits on the device behind step n, and
      detokenizing and publishing step n overlap its computation
      (docs/decisions/0016).
@@ -137,14 +137,14 @@ class DecoderRunner:
 
     @property
     def compiling(self) -> bool:
-        return any(lane.engine.compile_wait()[0] for lane in list(self.lanes.values()))
+        return any(lane.engine.stats().compiling for lane in list(self.lanes.values()))
 
     def _compile_waited(self) -> float:
-        return sum(lane.engine.compile_wait()[1] for lane in list(self.lanes.values()))
+        return sum(lane.engine.stats().compile_waited_s for lane in list(self.lanes.values()))
 
     def gauges(self) -> Gauges:
         serving = [self.lanes[v] for v in self.models.serving() if v in self.lanes]
-        slots = sum(lane.engine.slots for lane in serving) or 1
+        slots = sum(lane.engine.info.slots for lane in serving) or 1
         used = self.in_flight
         if self._occ_n:
             occ = self._occ_sum / (self._occ_n * slots)
@@ -152,7 +152,7 @@ class DecoderRunner:
         else:
             occ = used / slots
         # Cache blocks held, over every loaded engine (a retiring one still holds its).
-        stats = [lane.engine.cache_stats() for lane in self.lanes.values()]
+        stats = [lane.engine.stats().cache for lane in self.lanes.values()]
         total = sum(c.blocks for c in stats)
         kv = sum(c.held for c in stats) / total if total else 0.0
         return Gauges(queue_depth=self.queue_depth, in_flight=used, capacity=slots,
@@ -173,20 +173,21 @@ class DecoderRunner:
         from shared.prefix import SUMMARY_KEYS
 
         engine = serving[0].engine if serving else None
-        block = engine.prefix_block if engine is not None else 0  # 0: cache off
+        block = engine.info.prefix_block if engine is not None else 0  # 0: cache off
         if not block:
             return {}
-        return {"prefix_block": block, "prefix_keys": engine.held_prefixes(SUMMARY_KEYS)}
+        return {"prefix_block": block, "prefix_keys": engine.stats(SUMMARY_KEYS).prefixes}
 
     def _count_prefix(self) -> None:
         """Fold each engine's prefix-cache counts into the runner's, which outlive a
         dropped engine (counters never go down)."""
         for lane in self.lanes.values():
-            stats = lane.engine.cache_stats()
+            counts = lane.engine.stats()
+            stats = counts.cache
             self.counters["prefix_queries"] += stats.queries - lane.seen[0]
             self.counters["prefix_hits"] += stats.hits - lane.seen[1]
             lane.seen = (stats.queries, stats.hits)
-            spec = lane.engine.speculation()
+            spec = counts.spec
             now = (spec.steps, spec.drafted, spec.accepted)
             for name, new, was in zip(("spec_steps", "spec_drafted", "spec_accepted"), now,
                                       lane.spec_seen):  # fmt: skip
@@ -203,8 +204,7 @@ class DecoderRunner:
             return
         engine = self.models.engines.get(self.models.resolve(work.version))
         try:
-            engine.check_prompt(work.prompt)
-            engine.check_sampling(work.sampling)  # an engine without every control: 400
+            engine.check(work.prompt, work.sampling)  # an engine without every control: 400
         except ValueError as exc:
             self._spawn(self.outbox.refuse(work, ServiceError(400, str(exc))))
             return
@@ -296,11 +296,10 @@ class DecoderRunner:
         bucket switched), on the engine thread -> whether there was one."""
         for lane in list(self.lanes.values()):
             engine = lane.engine
-            if engine in self._unmeasured or not engine.forms_due():
+            if engine in self._unmeasured or not engine.stats().tune_due:
                 continue
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self.executor, engine.measure_forms, 1)
+                await asyncio.get_running_loop().run_in_executor(self.executor, engine.tune, 1)
             except Exception as exc:  # noqa: BLE001 - it serves on with the forms it runs
                 log.error("form_measuring_failed", error=repr(exc))
                 self._unmeasured.add(engine)
@@ -379,8 +378,8 @@ def _execute(plan: StepPlan) -> StepResult:
         # it, so the device goes from one to the next while this thread wakes, the
         # loop takes the tokens and calls back (docs/decisions/0016).
         engine = lane.engine
-        preempted = engine.make_room()
-        pending = engine.step_async() if engine.active_slots else None
+        preempted = engine.make_room(lane.victim)  # the scheduler's policy
+        pending = engine.step_async()
         tokens = lane.pending.result() if lane.pending is not None else None  # [slots]
         more = lane.pending.more if lane.pending is not None else {}
         lanes.append(LaneStep(lane, pending, tokens, preempted, more))

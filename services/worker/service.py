@@ -92,6 +92,10 @@ DECODE_TRIES = 2  # prompts timed per size: the fastest counts (a shared machine
 DECODE_STEPS = 3  # decode steps timed at warm-up (the fastest counts: one stream's step)
 
 
+def _no_victim(holders: list[int]) -> int:
+    raise RuntimeError("one timed sequence found the KV pool full")
+
+
 def time_decoder(engine, chunk: int) -> GenCost | None:
     """A decoder's engine time (`shared.admission.GenCost`) after its warm-up:
     prompts of DECODE_PROBE tokens computed in one slot, one chunk each (per chunk
@@ -101,11 +105,11 @@ def time_decoder(engine, chunk: int) -> GenCost | None:
     costs about what one stream's does), and the runner's own steps refit it. None
     if it failed."""
     book = CostBook()
-    slot, vocab = 0, max(engine.vocab_size - 1, 1)
+    slot, vocab = 0, max(engine.info.vocab_size - 1, 1)
     steps: list[float] = []
     try:
         for i, n in enumerate(DECODE_PROBE):
-            n = max(1, min(n, chunk or n, engine.max_context - DECODE_STEPS - 2))
+            n = max(1, min(n, chunk or n, engine.info.max_context - DECODE_STEPS - 2))
             best = float("inf")
             for r in range(DECODE_TRIES):
                 prompt = [(7 * (i * DECODE_TRIES + r) + k) % vocab + 1 for k in range(n)]  # no shared prefix
@@ -116,7 +120,7 @@ def time_decoder(engine, chunk: int) -> GenCost | None:
                 best = min(best, time.perf_counter() - t0)
                 if not steps:  # the sequence now decoding: time its steps
                     for _ in range(DECODE_STEPS):
-                        engine.make_room()
+                        engine.make_room(_no_victim)
                         t0 = time.perf_counter()
                         engine.step_async().result()
                         steps.append(time.perf_counter() - t0)
@@ -343,12 +347,14 @@ class Worker:
             load = Gauges(queue_depth=0, in_flight=0, capacity=self.config.max_batch,
                           occupancy=0.0, steps=0)
         engine = self.models.prod_engine  # None while starting
-        device = engine.device if engine is not None else "cpu"
-        used, limit, source = self.memory.read(device)
         decoder = self.kind == "decoder" and engine is not None
-        compiled, total = engine.compile_progress() if decoder else (0, 0)
-        measured, units = engine.forms_progress() if decoder else (0, 0)
-        quant, forms = engine.weight_forms() if decoder else ("", {})
+        facts = engine.info if decoder else engine  # an encoder says them itself
+        device = facts.device if engine is not None else "cpu"
+        used, limit, source = self.memory.read(device)
+        stats = engine.stats() if decoder else None
+        compiled, total = (stats.compiled, stats.programs) if stats else (0, 0)
+        measured, units = (stats.forms_measured, stats.forms_total) if stats else (0, 0)
+        quant, forms = (stats.quant, stats.compute_forms) if stats else ("", {})
         return Heartbeat(
             worker_id=self.id, model=self.model, kind=self.kind or "encoder", state=self.state,
             versions=list(self.versions), queue_depth=load.queue_depth,
@@ -357,7 +363,7 @@ class Worker:
             compiling=self.runner is not None and self.runner.compiling,
             device=device, sent_at=time.time(), slots_total=load.slots_total,
             slots_used=load.slots_used, kv_usage=load.kv_usage, last_error=self.models.error,
-            dtype=engine.dtype if engine is not None else "float32", mem_used_bytes=used,
+            dtype=facts.dtype if engine is not None else "float32", mem_used_bytes=used,
             mem_limit_bytes=limit, mem_source=source, running=load.running,
             waiting=load.waiting, kv_blocks_total=load.kv_blocks_total,
             kv_blocks_used=load.kv_blocks_used, prefix_cache_queries=load.prefix_cache_queries,
@@ -365,7 +371,7 @@ class Worker:
             spec_decode_drafts=load.spec_steps, spec_decode_draft_tokens=load.spec_drafted,
             spec_decode_accepted_tokens=load.spec_accepted,
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
-            devices=list(engine.devices) if engine is not None else [],
+            devices=list(facts.devices) if engine is not None else [],
             start_s=self.start_s, programs_compiled=compiled, programs_total=total,
             forms_measured=measured, forms_total=units, quant=quant, compute_forms=forms,
             site=self.config.site, reconnects=self.links.drops, **self._cost_fields())

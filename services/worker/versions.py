@@ -302,9 +302,7 @@ class HotSwap(Generic[E]):
         """Runs on the loader thread."""
         engine = self.factory(info, version)
         if warm:
-            engine.warmup(False)
-            if info.kind == "decoder":
-                engine.prepare_grammars()
+            engine.warmup(False)  # a decoder's structured outputs' programs too
         return engine
 
     async def _fetch(self, version: str) -> catalog.ModelInfo:

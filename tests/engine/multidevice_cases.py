@@ -112,7 +112,7 @@ def test_decoder_split_equals_one_device(model, engines):
     # The state comes back split as it went in: every step ran one of the programs
     # compiled ahead for its shape (a state placed otherwise would fail there), and
     # nothing was compiled again behind them.
-    assert split._generate._cache_size() == 0 and split.step_counts
+    assert split.programs._generate._cache_size() == 0 and split.programs.step_counts
 
 
 def test_int8_matmuls_split_as_smollm2_equal_one_device(model_dirs):
@@ -123,7 +123,7 @@ def test_int8_matmuls_split_as_smollm2_equal_one_device(model_dirs):
     (0.1), not 2e-5; greedy tokens equal."""
     path, tp = model_dirs("llama-9q3kv")
     one, split = _engine(path, 1, "int8:w8a8"), _engine(path, tp, "int8:w8a8")
-    assert set(split.compute_forms.values()) == {"w8a8"}
+    assert set(split.forms.compute_forms.values()) == {"w8a8"}
     for prompt in PROMPTS:
         np.testing.assert_allclose(_logits(split, prompt), _logits(one, prompt), atol=0.1, rtol=0)
     assert generate_static(split, PROMPTS, NEW) == generate_static(one, PROMPTS, NEW)
@@ -132,12 +132,12 @@ def test_int8_matmuls_split_as_smollm2_equal_one_device(model_dirs):
 def test_kv_cache_is_split_by_kv_head_and_one_all_reduce_per_projection(model, engines):
     path, tp = model
     engine = engines(path, tp)
-    k0 = engine._state.k[0]  # the paged pool: [KV, NUM_BLOCKS, BLOCK, D]
+    k0 = engine.runner.state.k[0]  # the paged pool: [KV, NUM_BLOCKS, BLOCK, D]
     shard = k0.addressable_shards[0].data.shape
     assert shard == (k0.shape[0] // tp,) + k0.shape[1:]
     # The step program the engine runs with every slot in a 64-token window (the
     # one the comparison above ran; compiled here if that test was not selected).
-    hlo = engine._program("step", engine.slots, 64).as_text()
+    hlo = engine.programs.get("step", engine.slots, 64).as_text()
     # Megatron: attention output and MLP down, each one all-reduce, per layer.
     assert hlo.count("all-reduce(") == 2 * engine.cfg.layers
     assert hlo.count("all-gather(") == 0 and hlo.count("all-to-all(") == 0

@@ -71,7 +71,7 @@ def test_one_stream_steps_at_batch_bucket_one(llama):
     engine.warmup(progress=False)
     first = prefill_insert(engine, 3, PROMPTS[1], GREEDY, 0)  # any slot: rows are compacted
     tokens = [first] + [int(engine.step()[3]) for _ in range(11)]
-    assert engine.step_counts == {1: 11}
+    assert engine.programs.step_counts == {1: 11}
     assert tokens == hf_greedy(ref, PROMPTS[1], 12)
 
 
@@ -82,12 +82,13 @@ def test_sequences_joining_and_leaving_cross_buckets_and_keep_their_tokens(llama
     # 1 stream, then 2, 3 (bucket 4), 6 (bucket 8), then back down as they end.
     plan = [(0, 0, 30), (1, 3, 20), (2, 5, 40), (3, 8, 12), (4, 8, 25), (5, 9, 60)]
     got = _serve(engine, plan)
-    assert set(engine.step_counts) == {1, 2, 4, 8}
+    assert set(engine.programs.step_counts) == {1, 2, 4, 8}
     for job, _, n in plan:
         assert got[job] == hf_greedy(ref, PROMPTS[job], n), job
     # Its steps waited on the buckets warm-up left out (counted, so the worker keeps
     # those steps' time out of the model's cost), and wait on nothing now.
-    waiting, waited_s = engine.compile_wait()
+    stats = engine.stats()
+    waiting, waited_s = stats.compiling, stats.compile_waited_s
     assert not waiting and waited_s > 0
 
 
@@ -131,7 +132,7 @@ def test_first_compiles_serve_at_once_and_the_rest_join_in_the_background(llama)
     # four slots: a third window or a larger batch would only add background work.
     engine = _engine(path, compile_ahead="first", slots=4, max_context=64)
     first = engine.warmup(progress=False)
-    assert first == len(engine.first_compiles()) < len(engine.compiles)
+    assert first == len(engine.programs.first_compiles()) < len(engine.programs.compiles)
     # Served before the background is done: a prompt longer than the first context's
     # chunk, and three streams at once (batch bucket 4), compile (or borrow) what
     # they need.
@@ -139,7 +140,7 @@ def test_first_compiles_serve_at_once_and_the_rest_join_in_the_background(llama)
     got = _serve(engine, plan)
     for job, _, n in plan:
         assert got[job] == hf_greedy(ref, PROMPTS[job], n), job
-    assert engine.programs.wait_background(timeout=800)
-    done, total = engine.compile_progress()
-    assert done == total == len(engine.compiles)
-    assert engine._generate._cache_size() == 0  # every step ran a compiled program
+    assert engine.programs.cache.wait_background(timeout=800)
+    done, total = engine.programs.progress()
+    assert done == total == len(engine.programs.compiles)
+    assert engine.programs._generate._cache_size() == 0  # every step ran a compiled program

@@ -44,7 +44,7 @@ def pair(request, tmp_path_factory):
     engine = DecoderEngine(out, request.param, slots=4, max_context=CONTEXT,
                            prefill_buckets=(16, 32), decode_windows=(32, 64),
                            compile_ahead="all")  # fmt: skip
-    assert engine.warmup(progress=False) == len(engine.compiles)
+    assert engine.warmup(progress=False) == len(engine.programs.compiles)
     return ref, engine
 
 
@@ -84,9 +84,9 @@ def test_decode_logits_match_transformers_for_mixed_lengths(pair):
     ref, engine = pair
     slots = [0, 2, 3]
     firsts = [prefill_insert(engine, s, p, GREEDY, 0) for s, p in zip(slots, PROMPTS[1:])]
-    st, n = engine._state, engine.slots  # the state's last row is the padding rows' dummy
+    st, n = engine.runner.state, engine.slots  # the state's last row is the padding rows' dummy
     logits = jax.jit(lambda p, *a: decode_forward(p, engine.cfg, *a)[0])(
-        engine.params, st.tokens[:n], st.positions[:n], engine._tables[:n], engine._active,
+        engine.params, st.tokens[:n], st.positions[:n], engine.table.tables[:n], engine.table.active,
         st.k, st.v,
     )
     for s, p, first in zip(slots, PROMPTS[1:], firsts):
@@ -176,9 +176,9 @@ def test_prompt_limits(pair):
         prefill_insert(engine, 0, [], GREEDY, 0)
     assert prefill_insert(engine, 0, [1] * (CONTEXT - 1), GREEDY, 0) >= 0
     assert engine.context_left(0) == 0
-    assert 0 < engine.kv_usage <= 1
+    assert 0 < engine.table.kv_usage <= 1
     engine.free(0)
-    assert engine.kv_usage == 0
+    assert engine.table.kv_usage == 0
 
 
 # ------------------------------------------------------------------ sampling
@@ -270,11 +270,11 @@ def test_half_precision_tracks_float32_reference(tmp_path, dtype):
     assert np.abs(ours - expected).max() < 0.05 * scale
     assert (ours.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
     first = prefill_insert(engine, 1, prompt, GREEDY, 0)
-    st, n = engine._state, engine.slots
+    st, n = engine.runner.state, engine.slots
     assert st.k[0].dtype == jnp.dtype(dtype)
     step = jax.jit(lambda p, *a: decode_forward(p, engine.cfg, *a)[0])
-    got = np.asarray(step(engine.params, st.tokens[:n], st.positions[:n], engine._tables[:n],
-                          engine._active, st.k, st.v))[1]
+    got = np.asarray(step(engine.params, st.tokens[:n], st.positions[:n], engine.table.tables[:n],
+                          engine.table.active, st.k, st.v))[1]
     want = _hf_logits(ref, prompt + [first])[-1]
     assert np.abs(got - want).max() < 0.05 * scale
 

@@ -15,6 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 
 from engine.decoder import DecoderEngine
+from engine.decoder.static import newest
 from shared.messages import Sampling
 from tests.support.tiny_models import build, hf_greedy
 
@@ -60,13 +61,13 @@ def drive(eng: DecoderEngine, prompts: list[list[int]], new: int, budget: int = 
         for slot, job in list(prefilling.items()):
             if left <= 0:
                 break
-            n = min(left, eng.prefilling(slot), eng.chunk)
+            n = min(left, eng.prefilling(slot), eng.runner.chunk)
             left -= n
             first = eng.prefill_step(slot, n)
             if first is not None:
                 out[job].append(first)
                 running[slot] = prefilling.pop(slot)
-        for slot in eng.make_room():  # the newest go back to the queue, front first
+        for slot in eng.make_room(newest):  # the newest go back to the queue, front first
             job = running.pop(slot, None)
             job = prefilling.pop(slot) if job is None else job
             waiting.insert(0, job)
@@ -91,7 +92,7 @@ def test_more_slots_than_the_pool_has_rows_for_and_preemption_corrupts_nothing(t
     prompts = [[5 + i, 17, 30 + i, 42] + list(range(100 + i, 110 + i)) for i in range(8)]
     got = drive(eng, prompts, NEW + 16)
     assert eng.cache_stats().preemptions > 0
-    assert eng.pool.held == 0
+    assert eng.table.pool.held == 0
     for p, tokens in zip(prompts, got):
         assert tokens == hf_greedy(ref, p, NEW + 16)
 
@@ -105,7 +106,7 @@ def test_a_long_context_needs_only_the_pool(tiny):
     got = drive(eng, [prompt], 27)
     assert got[0] == hf_greedy(ref, prompt, 27)
     with pytest.raises(ValueError, match="KV cache holds at most"):
-        engine(path, kv_blocks=3).check_prompt(list(range(1, 60)))
+        engine(path, kv_blocks=3).check(list(range(1, 60)))
 
 
 def test_prefix_cache_reuses_blocks_and_changes_no_output(tiny):
@@ -189,4 +190,4 @@ def test_generated_blocks_after_eviction_change_no_output(tiny):
             if len(convs[c]) + NEW > CONTEXT:
                 convs[c] = convs[c][-40:]
     assert eng.cache_stats().hits > 0
-    assert eng.pool.held == 0
+    assert eng.table.pool.held == 0

@@ -12,6 +12,7 @@ import pytest
 
 from engine import forms
 from engine.decoder import DecoderEngine
+from engine.decoder.formchoice import form_bucket
 from engine.decoder.static import GREEDY, generate_static, prefill_insert
 from shared.catalog import DEMO_LM, bundled_dir
 
@@ -36,36 +37,36 @@ def _settle(engine: DecoderEngine, rounds: int = 20) -> None:
     """What the worker's runner does when idle: measure what is compiled, after the
     background compiles (which the measured choices add to) join."""
     for _ in range(rounds):
-        if engine.forms_settled:
+        if engine.forms.settled:
             return
-        assert engine.programs.wait_background(timeout=600)
-        engine.measure_forms(limit=100)
-    raise AssertionError(f"not settled: {engine.forms_progress()}")
+        assert engine.programs.cache.wait_background(timeout=600)
+        engine.tune(limit=100)
+    raise AssertionError(f"not settled: {(engine.forms.measurements, engine.forms.units)}")
 
 
 def test_a_cold_choice_file_is_measured_after_ready_and_read_by_the_next_start(
         tmp_path, monkeypatch, float32_tokens):  # fmt: skip
     path = tmp_path / "jax-cache" / forms.CACHE_NAME
     first = _demo(quant="int8", weight_budget=ROOM, forms_cache=path, compile_ahead="first")
-    assert first.form_candidates == ("float", "dequant", "w8a8")
+    assert first.forms.candidates == ("float", "dequant", "w8a8")
     first.warmup(progress=False)
     # Ready: nothing measured, every bucket in the first candidate, nothing stored.
-    assert first.forms_progress() == (0, 12) and first.form_measurements == 0
-    assert set(first.compute_forms.values()) == {"float"} and not path.exists()
+    assert (first.forms.measurements, first.forms.units) == (0, 12) and first.forms.measurements == 0
+    assert set(first.forms.compute_forms.values()) == {"float"} and not path.exists()
     # The first request is served meanwhile, in float.
     assert generate_static(first, _PROMPTS, 12) == float32_tokens
     _settle(first)
-    assert first.forms_progress() == (12, 12) and first.forms_measured
+    assert (first.forms.measurements, first.forms.units) == (12, 12) and first.forms.measured
     for bucket in BUCKETS:
-        ms = first.form_ms[bucket]
+        ms = first.forms.form_ms[bucket]
         assert set(ms) == {"float", "dequant", "w8a8"} and min(ms.values()) > 0
-        assert first.compute_forms[bucket] == min(ms, key=ms.get)
-    chosen = set(first.compute_forms.values())
-    assert set(first._forms) == chosen  # the rest dropped, with their programs
-    assert all(form == first.compute_forms[first._form_bucket(kind, size)]
-               for kind, size, _, form in first.programs.keys())  # fmt: skip
+        assert first.forms.compute_forms[bucket] == min(ms, key=ms.get)
+    chosen = set(first.forms.compute_forms.values())
+    assert set(first.forms.held) == chosen  # the rest dropped, with their programs
+    assert all(form == first.forms.compute_forms[form_bucket(kind, size)]
+               for kind, size, _, form in first.programs.cache.keys())  # fmt: skip
     (entry,) = json.loads(path.read_text()).values()
-    assert entry["choices"] == first.compute_forms and entry["ms"] == first.form_ms
+    assert entry["choices"] == first.forms.compute_forms and entry["ms"] == first.forms.form_ms
     tokens = generate_static(first, _PROMPTS, 12)
     if "w8a8" not in chosen:  # float and dequant compute the same function
         assert tokens == float32_tokens
@@ -76,13 +77,14 @@ def test_a_cold_choice_file_is_measured_after_ready_and_read_by_the_next_start(
     monkeypatch.setattr(forms, "timed", no_timing)
     second = _demo(quant="int8", weight_budget=ROOM, forms_cache=path, compile_ahead="first")
     second.warmup(progress=False)
-    assert second.forms_progress() == (0, 0) and not second.forms_due()
-    assert second.compute_forms == first.compute_forms and second.forms_settled
-    assert set(second._forms) == chosen
+    assert (second.forms.measurements, second.forms.units) == (0, 0) and not second.stats().tune_due
+    assert second.forms.compute_forms == first.forms.compute_forms and second.forms.settled
+    assert set(second.forms.held) == chosen
     assert generate_static(second, _PROMPTS, 12) == tokens
 
 
-def test_a_bucket_switches_between_steps_without_changing_greedy_tokens(float32_tokens):
+def test_a_bucket_switches_between_steps_without_changing_greedy_tokens(float32_tokens,
+                                                                          monkeypatch):
     """Two sequences decode in float; their bucket's measured form (dequant, ranked
     first by a stand-in timer that still runs each program) takes over between two
     steps, and the tokens are float32's all the same."""
@@ -91,23 +93,25 @@ def test_a_bucket_switches_between_steps_without_changing_greedy_tokens(float32_
     rank = {"dequant": 1.0, "float": 2.0, "w8a8": 3.0}
     ran: list[tuple[str, str]] = []
 
-    def timed(bucket: str, form: str) -> float:
-        eng._run_form(bucket, form)  # its program compiles and runs on the dummy row
-        ran.append((bucket, form))
-        return rank[form]
+    run_form = eng.runner.run_form
 
-    eng._timed = timed
+    def run(bucket: str, form: str):
+        ran.append((bucket, form))
+        return run_form(bucket, form)  # its program compiles and runs on the dummy row
+
+    eng.runner.run_form = run
+    monkeypatch.setattr(forms, "timed", lambda once, repeats: (once(), rank[ran[-1][1]])[1])
     seqs = [[prefill_insert(eng, i, p, GREEDY, 0)] for i, p in enumerate(_PROMPTS)]
     for _ in range(5):
         for seq, tok in zip(seqs, eng.step()):
             seq.append(int(tok))
-    assert set(eng.compute_forms.values()) == {"float"} and eng.step_counts == {2: 5}
-    assert eng.measure_forms(limit=100) == 12 and len(ran) == 12 and eng.forms_settled
-    assert set(eng.compute_forms.values()) == {"dequant"} and list(eng._forms) == ["dequant"]
+    assert set(eng.forms.compute_forms.values()) == {"float"} and eng.programs.step_counts == {2: 5}
+    assert eng.tune(limit=100) == 12 and len(ran) == 12 and eng.forms.settled
+    assert set(eng.forms.compute_forms.values()) == {"dequant"} and list(eng.forms.held) == ["dequant"]
     for _ in range(6):
         for seq, tok in zip(seqs, eng.step()):
             seq.append(int(tok))
-    assert ("step", 2, 64, "dequant") in eng.programs.keys() and eng.step_counts == {2: 11}
+    assert ("step", 2, 64, "dequant") in eng.programs.cache.keys() and eng.programs.step_counts == {2: 11}
     assert seqs == float32_tokens
 
 
@@ -121,6 +125,6 @@ def test_a_cold_start_serves_with_the_models_last_stored_choice(tmp_path):
     forms.store(path, "another-model", {"model": "another"}, {"step 2": "dequant"}, {})
     eng = _demo(quant="int8", weight_budget=ROOM, forms_cache=path)
     eng.warmup(progress=False)
-    assert eng.compute_forms == {"step 1": "w8a8", "step 2": "float", "prefill 16": "dequant",
+    assert eng.forms.compute_forms == {"step 1": "w8a8", "step 2": "float", "prefill 16": "dequant",
                                  "prefill 32": "float"}  # fmt: skip
-    assert eng.forms_progress() == (0, 12)
+    assert (eng.forms.measurements, eng.forms.units) == (0, 12)

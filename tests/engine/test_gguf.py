@@ -206,7 +206,7 @@ def test_prefix_cache_shares_a_system_prompt_and_changes_no_output(
     before = engine.cache_stats()
     try:
         for cached in (True, False):
-            engine.pool.prefix_cache = cached
+            engine.table.pool.prefix_cache = cached
             reused = []
             for ids, want in zip(prompts, theirs):
                 hits = engine.cache_stats().hits
@@ -221,7 +221,7 @@ def test_prefix_cache_shares_a_system_prompt_and_changes_no_output(
             want = [shared, len(prompts[0]) - 1] if cached else [0, 0]
             assert reused[1:] == want and shared >= 32
     finally:
-        engine.pool.prefix_cache = True
+        engine.table.pool.prefix_cache = True
     assert engine.cache_stats().queries - before.queries == 2 * sum(map(len, prompts))
 
 # --- tokenizer and chat template

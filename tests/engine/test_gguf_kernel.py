@@ -17,7 +17,7 @@ from engine.decoder.model import prompt_logits
 from engine.decoder.static import prefill_insert
 from shared import catalog
 from shared.messages import Sampling
-from tests.support.texts import perplexity
+from bench.support.texts import perplexity
 
 GREEDY = Sampling(temperature=0.0)
 CONTEXT = 64
@@ -121,7 +121,7 @@ def engine(loaded, smollm2_dir, jax_cache_dir):
     eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=4, max_context=CONTEXT,
                         prefill_buckets=(32,), decode_windows=(), quant="gguf",
                         quant_form="kernel", forms_cache=None)  # fmt: skip
-    assert eng.form_candidates == ("kernel",)
+    assert eng.forms.candidates == ("kernel",)
     return eng
 
 
@@ -163,7 +163,7 @@ def test_greedy_with_the_kernel_equals_transformers(engine, smollm2_hf, smollm2_
     theirs = [_hf_greedy(smollm2_hf, ids, 12) for ids in prompts]
     assert _greedy_together(engine, prompts[:1], 12) == theirs[:1]
     assert _greedy_together(engine, prompts, 12) == theirs
-    assert engine.step_counts.get(4, 0) > 0 and engine.step_counts.get(1, 0) > 0
+    assert engine.programs.step_counts.get(4, 0) > 0 and engine.programs.step_counts.get(1, 0) > 0
 
 
 def test_int8_activations_keep_smollm2s_perplexity(engine, smollm2_dir):
@@ -174,7 +174,7 @@ def test_int8_activations_keep_smollm2s_perplexity(engine, smollm2_dir):
     eng8 = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT,
                          prefill_buckets=(32,), decode_windows=(), quant="gguf",
                          quant_form="kernel8", forms_cache=None)  # fmt: skip
-    assert eng8.form_candidates == ("kernel8",)
+    assert eng8.forms.candidates == ("kernel8",)
     ref, got = perplexity(engine), perplexity(eng8)
     assert abs(got - ref) <= 0.02 * ref, (ref, got)
 
@@ -186,7 +186,7 @@ def test_prompt_logits_with_the_kernel_equal_the_xla_path(engine, stored, smollm
                                "thousand years, from the founding of Rome")["input_ids"]  # fmt: skip
     tokens = np.asarray((ids * 4)[:32], np.int32)
     cfg = engine.cfg
-    kern, xla = engine._forms["kernel"], stored
+    kern, xla = engine.forms.held["kernel"], stored
     f = jax.jit(lambda p, t: prompt_logits(p, cfg, t))
     np.testing.assert_allclose(f(kern, tokens), f(xla, tokens), rtol=0, atol=2e-3)
 
@@ -203,7 +203,7 @@ def test_without_a_compiler_the_xla_path_serves(monkeypatch, smollm2_dir, smollm
         eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT,
                             prefill_buckets=(32,), decode_windows=(), quant="gguf",
                             quant_form="kernel", forms_cache=None)  # fmt: skip
-        assert eng.form_candidates == ("dequant",)
+        assert eng.forms.candidates == ("dequant",)
         ids = smollm2_hf_tokenizer("The capital of France is")["input_ids"]
         assert _greedy_together(eng, [ids], 6) == [_hf_greedy(smollm2_hf, ids, 6)]
     finally:
@@ -217,11 +217,11 @@ def test_auto_measures_the_kernel_beside_the_stored_form(loaded, smollm2_dir):
     eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT,
                         prefill_buckets=(16,), decode_windows=(), quant="gguf",
                         forms_cache=None)  # fmt: skip
-    assert eng.form_candidates == ("kernel", "kernel8", "dequant"), kernels.unavailable_reason()
+    assert eng.forms.candidates == ("kernel", "kernel8", "dequant"), kernels.unavailable_reason()
     choices = eng.select_forms()
     assert set(choices) == {"step 1", "prefill 16"} and choices["step 1"] in ("kernel", "kernel8")
-    assert set(eng._forms) == set(choices.values())
-    assert set(eng.form_ms["step 1"]) == {"dequant", "kernel", "kernel8"}
+    assert set(eng.forms.held) == set(choices.values())
+    assert set(eng.forms.form_ms["step 1"]) == {"dequant", "kernel", "kernel8"}
 
 
 def test_speculation_through_the_kernel_equals_transformers(loaded, smollm2_dir, smollm2_hf,
@@ -240,4 +240,4 @@ def test_speculation_through_the_kernel_equals_transformers(loaded, smollm2_dir,
         out += [int(pending.result()[0])] + pending.more.get(0, [])
     eng.free(0)
     assert out[:n] == _hf_greedy(smollm2_hf, ids, n)
-    assert eng.spec_stats.accepted > 0
+    assert eng.speculation.stats.accepted > 0

@@ -92,5 +92,5 @@ def test_the_engine_keeps_its_weights_and_loads_them_back(smollm2_dir, tmp_path)
     cached = DecoderEngine(smollm2_dir, weights_cache=folder, **kw)
     assert _entries(folder) == [entry] and entry.stat().st_ino == inode  # read, not rewritten
     fresh = DecoderEngine(smollm2_dir, weights_cache=None, **kw)
-    _assert_identical(cached._forms, fresh._forms)
+    _assert_identical(cached.forms.held, fresh.forms.held)
     assert prepared.directory(None) is None and prepared.directory(folder) == folder

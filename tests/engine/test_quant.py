@@ -1,6 +1,6 @@
 """Quantized weights (engine/quant.py): the storage format, then accuracy against
 independent references: MiniLM embeddings against sentence-transformers, the demo
-model's perplexity on the fixed text set (tests/support/texts.py) against its float32 weights."""
+model's perplexity on the fixed text set (bench/support/texts.py) against its float32 weights."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from engine.encoder import EncoderEngine
 from engine.tokenizer import Tokenizer
 from shared.catalog import DEMO_LM, bundled_dir
 from tests.engine.minilm_inputs import mixed_texts, model_dir
-from tests.support.texts import PERPLEXITY_TEXTS, perplexity
+from bench.support.texts import PERPLEXITY_TEXTS, perplexity
 
 
 @pytest.mark.parametrize("mode, axis, shape, group, worst", [
@@ -181,7 +181,7 @@ def test_every_compute_form_agrees_with_float32(float32_demo, quant_mode, form, 
                                                 min_top1):  # fmt: skip
     want_logits, want_tokens = float32_demo
     eng = _demo(quant=quant_mode, quant_form=form, forms_cache=None)
-    assert set(eng.compute_forms.values()) == {form} and list(eng._forms) == [form]
+    assert set(eng.forms.compute_forms.values()) == {form} and list(eng.forms.held) == [form]
     got = _teacher_forced_logits(eng)
     assert _cosine(got, want_logits).min() >= min_cosine
     assert (got.argmax(1) == want_logits.argmax(1)).mean() >= min_top1
@@ -198,22 +198,22 @@ def test_fastest_form_per_bucket_is_measured_once_then_read_from_the_cache(tmp_p
     path = tmp_path / "jax-cache" / forms.CACHE_NAME
     budget = 10**9  # room for the float copy: all three forms compete
     first = _demo(quant="int8", weight_budget=budget, forms_cache=path)
-    assert first.form_candidates == ("float", "dequant", "w8a8")
+    assert first.forms.candidates == ("float", "dequant", "w8a8")
     first.warmup(progress=False)  # ready first: nothing measured yet, served in float
-    assert first.forms_progress() == (0, 12) and set(first.compute_forms.values()) == {"float"}
-    while first.forms_due():  # as the worker's runner does between steps
-        first.measure_forms()
+    assert (first.forms.measurements, first.forms.units) == (0, 12) and set(first.forms.compute_forms.values()) == {"float"}
+    while first.stats().tune_due:  # as the worker's runner does between steps
+        first.tune()
     buckets = ["step 1", "step 2", "prefill 16", "prefill 32"]  # batch buckets 1 and 2
-    assert first.forms_progress() == (12, 12) and first.forms_settled
-    assert first.forms_measured and set(first.compute_forms) == set(buckets)
+    assert (first.forms.measurements, first.forms.units) == (12, 12) and first.forms.settled
+    assert first.forms.measured and set(first.forms.compute_forms) == set(buckets)
     for bucket in buckets:
-        ms = first.form_ms[bucket]
+        ms = first.forms.form_ms[bucket]
         assert set(ms) == {"float", "dequant", "w8a8"} and min(ms.values()) > 0
-        assert first.compute_forms[bucket] == min(ms, key=ms.get)
-    assert set(first._forms) == set(first.compute_forms.values())  # the rest dropped
+        assert first.forms.compute_forms[bucket] == min(ms, key=ms.get)
+    assert set(first.forms.held) == set(first.forms.compute_forms.values())  # the rest dropped
     doc = json.loads(path.read_text())
     (entry,) = doc.values()
-    assert entry["choices"] == first.compute_forms and entry["ms"] == first.form_ms
+    assert entry["choices"] == first.forms.compute_forms and entry["ms"] == first.forms.form_ms
     tokens = generate_static(first, _PROMPTS, 8)
 
     def no_timing(*args, **kwargs):
@@ -222,7 +222,7 @@ def test_fastest_form_per_bucket_is_measured_once_then_read_from_the_cache(tmp_p
     monkeypatch.setattr(forms, "timed", no_timing)
     second = _demo(quant="int8", weight_budget=budget, forms_cache=path)
     second.warmup(progress=False)
-    assert not second.forms_measured and second.compute_forms == first.compute_forms
+    assert not second.forms.measured and second.forms.compute_forms == first.forms.compute_forms
     assert generate_static(second, _PROMPTS, 8) == tokens
     # Other shapes are another key: that engine would measure (and fail here).
     third = _demo(quant="int8", weight_budget=budget, forms_cache=path, slots=3)
@@ -232,11 +232,11 @@ def test_fastest_form_per_bucket_is_measured_once_then_read_from_the_cache(tmp_p
 
 def test_the_weight_budget_decides_whether_a_float_copy_may_compete():
     default = _demo(quant="int8", forms_cache=None)  # budget: the float32 size
-    assert default.form_candidates == ("dequant", "w8a8")
+    assert default.forms.candidates == ("dequant", "w8a8")
     tight = _demo(quant="int8", forms_cache=None, weight_budget=1)
-    assert tight.form_candidates == ("dequant",)
-    assert _demo(quant="int4", forms_cache=None).form_candidates == ("dequant",)
-    assert _demo(quant="int4", forms_cache=None, weight_budget=10**9).form_candidates == (
+    assert tight.forms.candidates == ("dequant",)
+    assert _demo(quant="int4", forms_cache=None).forms.candidates == ("dequant",)
+    assert _demo(quant="int4", forms_cache=None, weight_budget=10**9).forms.candidates == (
         "float", "dequant")
     with pytest.raises(ValueError, match="int8 weights only"):
         _demo(quant="int4", quant_form="w8a8")

@@ -37,7 +37,7 @@ def _engine(path, k: int) -> DecoderEngine:
 
 def _step(engine: DecoderEngine) -> dict[int, list[int]]:
     """One step -> each live slot's tokens (several when drafts were accepted)."""
-    live = [int(s) for s in engine._active.nonzero()[0]]
+    live = [int(s) for s in engine.table.active.nonzero()[0]]
     pending = engine.step_async()
     tokens = pending.result()
     return {s: [int(tokens[s])] + pending.more.get(s, []) for s in live}
@@ -68,10 +68,10 @@ def test_greedy_equals_transformers_with_drafts_accepted(llama):
     engine = _engine(path, k=4)
     n = 48
     assert _generate(engine, 2, REPEATING, GREEDY, 0, n) == hf_greedy(ref, REPEATING, n)
-    stats = engine.spec_stats
+    stats = engine.speculation.stats
     assert stats.accepted > 0 and stats.steps > 0
     # Fewer steps than tokens: the accepted drafts came for free.
-    assert stats.steps + sum(engine.step_counts.values()) < n - 1
+    assert stats.steps + sum(engine.programs.step_counts.values()) < n - 1
 
 
 def test_seeded_sampling_draws_the_same_tokens_on_and_off(llama, monkeypatch):
@@ -97,7 +97,7 @@ def test_seeded_sampling_draws_the_same_tokens_on_and_off(llama, monkeypatch):
     monkeypatch.setattr(speculative, "propose", known)
     engine = _engine(path, k=3)
     assert _generate(engine, 1, REPEATING, hot, 1234, 40) == off
-    stats = engine.spec_stats
+    stats = engine.speculation.stats
     assert stats.accepted > 0 and stats.accepted < stats.drafted
 
 
@@ -114,7 +114,7 @@ def test_drafts_that_keep_failing_back_off_and_change_no_token(llama, monkeypatc
     monkeypatch.setattr(speculative, "propose", lambda tokens, k: [wrong] * k)
     engine = _engine(path, k=3)
     assert _generate(engine, 0, OTHER, GREEDY, 0, 48) == want
-    stats = engine.spec_stats
+    stats = engine.speculation.stats
     assert stats.accepted == 0
     # Verifies at steps 0, 2, 5, 10, 19, 36: six, where no back-off would take 47.
     assert 3 <= stats.steps <= 7, stats
@@ -126,18 +126,18 @@ def test_a_sequence_joining_and_leaving_beside_a_speculating_one(llama):
     a = [prefill_insert(engine, 0, REPEATING, GREEDY, 0)]
     while len(a) < 10:
         a += _step(engine)[0]
-    spec_before = engine.spec_stats.steps
+    spec_before = engine.speculation.stats.steps
     assert spec_before > 0
     b = [prefill_insert(engine, 3, OTHER, GREEDY, 0)]  # joins: two live, normal steps
     for _ in range(6):
         got = _step(engine)
         a += got[0]
         b += got[3]
-    assert engine.spec_stats.steps == spec_before
+    assert engine.speculation.stats.steps == spec_before
     engine.free(3)  # leaves: the first speculates again
     while len(a) < 50:
         a += _step(engine)[0]
-    assert engine.spec_stats.steps > spec_before
+    assert engine.speculation.stats.steps > spec_before
     assert a[:50] == hf_greedy(ref, REPEATING, 50)
     assert b == hf_greedy(ref, OTHER, 7)
 
@@ -161,7 +161,7 @@ def test_a_constrained_sequence_is_never_drafted_for(llama):
     engine, plain = _engine(path, k=4), _engine(path, k=0)
     got = _generate(engine, 1, REPEATING, constrained, 0, 24)
     assert got == _generate(plain, 1, REPEATING, constrained, 0, 24)
-    assert engine.spec_stats.steps == 0
+    assert engine.speculation.stats.steps == 0
     eos = set(engine.eos_token_ids)
     text = engine.tokenizer.decode([t for t in got if t not in eos][: next(
         (i for i, t in enumerate(got) if t in eos), len(got))])
@@ -182,5 +182,5 @@ def test_an_auto_plain_answer_speculates_once_its_grammar_is_dropped(llama):
     assert first and first[0] not in " \t\n\r\x0b\x0c[{\ufffd"  # a plain answer's start
     grammar = auto_grammar([call_schema("f", {"type": "object"})], 8, tagged=False)
     got = _generate(engine, 1, REPEATING, Sampling(temperature=0.0, grammar=grammar), 0, 40)
-    assert engine.grammar.released == 1 and engine.spec_stats.accepted > 0
+    assert engine.grammar.released == 1 and engine.speculation.stats.accepted > 0
     assert got == expected

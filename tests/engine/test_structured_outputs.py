@@ -123,9 +123,9 @@ def test_unconstrained_steps_run_the_plain_program(tiny, monkeypatch):
     _, engine = tiny
     grammar = engine.grammar
     syncs, masked, masks = grammar.syncs, grammar.masked_steps, grammar.masks
-    plain = set(engine.programs.keys())
+    plain = set(engine.programs.cache.keys())
     reads = []
-    from engine.decoder import slots
+    from engine.decoder import runner as slots
 
     original = slots.PendingStep.result
 
@@ -144,7 +144,7 @@ def test_unconstrained_steps_run_the_plain_program(tiny, monkeypatch):
     for slot in range(engine.slots):
         engine.free(slot)
     assert (grammar.syncs, grammar.masked_steps, grammar.masks) == (syncs, masked, masks)
-    assert set(engine.programs.keys()) == plain  # the same compiled steps as ever
+    assert set(engine.programs.cache.keys()) == plain  # the same compiled steps as ever
 
 
 # ------------------------------------------------------- generated schemas
@@ -300,16 +300,15 @@ def test_compiling_ahead_compiles_every_masked_program(tmp_path, monkeypatch):
     build("llama", tmp_path, positions=128)
     engine = DecoderEngine(tmp_path, "structured", slots=4, max_context=128,
                            prefill_buckets=(16,), decode_windows=(128,), compile_ahead="all")
-    engine.warmup(progress=False)
-    engine.grammar.prepare_background()
+    engine.warmup(progress=False)  # the masked programs too
     masked = engine.grammar.programs().programs
-    served = [k for k in engine.compiles if k[0] in ("step", "prefill")]
+    served = [k for k in engine.programs.compiles if k[0] in ("step", "prefill")]
     assert masked.compiled == len(served) == 4  # prefill 16; steps at batch 1, 2, 4
-    plain = engine.programs.compiled
+    plain = engine.programs.cache.compiled
     plan = {i: (Sampling(temperature=1.0, grammar=_schema_grammar(SCHEMAS[0])), i)
             for i in range(3)}  # three rows: the batch-4 step
     _generate(engine, plan, new=8)
-    assert (masked.compiled, engine.programs.compiled) == (len(served), plain)
+    assert (masked.compiled, engine.programs.cache.compiled) == (len(served), plain)
 
     shapes, asked = [], threading.Event()
 
@@ -318,10 +317,10 @@ def test_compiling_ahead_compiles_every_masked_program(tmp_path, monkeypatch):
         asked.set()
 
     monkeypatch.setattr(MaskedPrograms, "start_background", record)
-    engine.compile_ahead = "first"
+    monkeypatch.setattr(engine.grammar, "_compile_ahead", "first")
     engine.grammar.prepare_background()
     assert asked.wait(60)
-    first = [k for k in engine.first_compiles() if k[0] != "verify"]
+    first = [k for k in engine.programs.first_compiles() if k[0] != "verify"]
     assert shapes[: len(first)] == first and sorted(shapes) == sorted(served)
 
 

@@ -111,7 +111,7 @@ def test_continuous_batching_greedy_equals_the_jax_engine(trio):
         assert len(ours[job]) == NEW
         assert ours[job] == theirs[job], f"request {job}"
         assert ours[job] == hf_greedy(ref, prompt, NEW), f"request {job}"
-    assert engine.active_slots == 0 and engine.kv_usage == 0
+    assert engine.stats().active == 0 and engine.stats().cache.held / engine.stats().cache.blocks == 0
 
 
 def test_async_step_then_insert_joins_the_next_step(trio):
@@ -165,13 +165,13 @@ def test_prompt_limits(trio):
     with pytest.raises(ValueError, match="empty"):
         prefill_insert(engine, 0, [], GREEDY, 0)
     with pytest.raises(ValueError, match="vocabulary"):
-        prefill_insert(engine, 0, [1, engine.vocab_size], GREEDY, 0)
+        prefill_insert(engine, 0, [1, engine.info.vocab_size], GREEDY, 0)
     assert prefill_insert(engine, 0, [1] * (CONTEXT - 1), GREEDY, 0) >= 0
     assert engine.context_left(0) == 0
-    assert 0 < engine.kv_usage <= 1
+    assert 0 < engine.stats().cache.held / engine.stats().cache.blocks <= 1
     engine.step()  # a full context decodes in place without leaving the cache
     engine.free(0)
-    assert engine.kv_usage == 0
+    assert engine.stats().cache.held / engine.stats().cache.blocks == 0
 
 
 # ------------------------------------------------------------------ sampling
@@ -241,7 +241,7 @@ def test_demo_model_matches_transformers_and_the_jax_engine(jax_cache_dir):
     jax_engine = DecoderEngine(d, DEMO_LM, slots=2, max_context=64, prefill_buckets=(16,))
     assert ours == generate_static(jax_engine, prompts, 24)
     assert ours[0] == hf_greedy(ref, ids, 24)
-    assert engine.eos_token_ids == jax_engine.eos_token_ids == (0,)
+    assert engine.info.eos_token_ids == jax_engine.info.eos_token_ids == (0,)
 
 
 def test_qwen2_attention_biases_and_tied_head(tmp_path, jax_cache_dir):
@@ -311,11 +311,10 @@ def _members(protocol) -> set[str]:
 def test_both_engines_have_every_decoder_member(trio):
     _, jax_engine, engine = trio
     members = _members(Decoder)
-    assert {"begin", "prefill_step", "step_async", "kv_usage", "tokenizer", "devices",
-            "prefix_block"} <= members
+    assert {"begin", "prefill_step", "step_async", "info", "stats"} <= members
     assert not {"prefill_insert", "generate_static"} & members  # tests' and bench's only
     for e in (jax_engine, engine):
         missing = [m for m in members if not hasattr(e, m)]
         assert not missing, f"{type(e).__name__} lacks {missing}"
     for m in ("slots", "max_context", "vocab_size", "dtype", "eos_token_ids"):
-        assert getattr(engine, m) == getattr(jax_engine, m), m
+        assert getattr(engine.info, m) == getattr(jax_engine.info, m), m

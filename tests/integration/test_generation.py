@@ -198,7 +198,7 @@ async def test_deadline_cancels_and_frees_the_slot(stack, tiny):
     assert msg.headers[HEADER_CODE] == "504"
     # The slot comes back once the worker next looks (between steps: a step that
     # compiles a longer window on a loaded machine can take seconds).
-    await wait_until(lambda: worker.runner.in_flight == 0 and engine.active_slots == 0,
+    await wait_until(lambda: worker.runner.in_flight == 0 and engine.stats().active == 0,
                      timeout=30)
 
 
@@ -209,8 +209,8 @@ async def test_the_model_card_reports_compiled_programs(stack, tiny):
     msg = await stack.client.request(subjects.MODELS, b"", timeout=5)
     card = next(c for c in msgspec.json.decode(msg.data)["data"] if c["id"] == engine.name)
     assert card["state"] == "ready" and card["kind"] == "decoder"
-    assert card["programs_total"] == len(engine.compiles)
+    assert card["programs_total"] == len(engine.programs.compiles)
     assert 0 < card["programs_compiled"] <= card["programs_total"]
     assert card["forms_measured"] == card["forms_total"] == 0  # unquantized: one form
-    assert card["quant"] == "none" and card["compute_forms"] == engine.weight_forms()[1]
+    assert card["quant"] == "none" and card["compute_forms"] == engine.forms.compute_forms
     assert set(card["compute_forms"].values()) == {"float"} and "step 1" in card["compute_forms"]

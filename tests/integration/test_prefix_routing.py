@@ -59,7 +59,7 @@ async def _ask(st, name: str, prompt: str) -> None:
 
 async def _held_in_heartbeats(st, engine) -> None:
     """Until the scheduler's view of the worker shows what the engine caches."""
-    keys = set(engine.held_prefixes(256))
+    keys = set(engine.stats(256).prefixes)
     await wait_until(lambda: keys and any(
         keys <= v.prefixes for v in st.scheduler.fleet.workers.values()), timeout=10)
 

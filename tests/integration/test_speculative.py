@@ -52,19 +52,19 @@ async def test_speculating_worker_serves_the_reference_text(stack, tiny):
     assert resp["choices"][0]["text"] == text and resp["choices"][0]["finish_reason"] == finish
     if finish == "length":
         assert resp["usage"]["completion_tokens"] == NEW
-    assert engine.speculation().accepted > 0
+    assert engine.speculation_stats().accepted > 0
 
     # The engine may run one more verify pass after the reply (a finished sequence
     # rides the step already dispatched), so the card is compared with the counts
     # the engine holds once the gateway has a heartbeat that carries them all.
     def heard() -> bool:
-        now = engine.speculation()
+        now = engine.speculation_stats()
         return any((w.hb.spec_decode_drafts, w.hb.spec_decode_draft_tokens,
                     w.hb.spec_decode_accepted_tokens) == (now.steps, now.drafted, now.accepted)
                    for w in stack.gateway.front.fleet.for_model(engine.name))  # fmt: skip
 
     await wait_until(heard, timeout=30)
-    s = engine.speculation()
+    s = engine.speculation_stats()
     msg = await stack.client.request(subjects.MODELS, b"", timeout=5)
     card = next(c for c in msgspec.json.decode(msg.data)["data"] if c["id"] == engine.name)
     assert card["spec_decode_acceptance"] == round(s.acceptance, 4) > 0

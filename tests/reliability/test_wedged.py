@@ -11,6 +11,7 @@ there is no setting for it yet (10 s)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -19,7 +20,8 @@ import msgspec
 from shared import subjects
 from shared.telemetry import heartbeat_decoder
 from tests.reliability.replies import ask
-from tests.support.mock_engine import MockDecoder, MockEncoder
+from bench.support.mock_encoder import MockEncoder
+from tests.support.mock_engine import MockDecoder
 from tests.support.stack import running_stack, wait_until
 
 MODEL = "all-MiniLM-L6-v2"
@@ -85,7 +87,7 @@ async def test_a_wedged_engine_gets_no_more_work_and_its_request_is_answered(nat
 
 class CompilingDecoder(MockDecoder):
     """Its decode step waits on `gate` the way a JAX engine's step waits on a program
-    nobody compiled yet, and says so (`compile_wait`, as engine/decoder/programs.py
+    nobody compiled yet, and says so (`stats().compiling`, as engine/decoder/programs.py
     counts it)."""
 
     def __init__(self) -> None:
@@ -93,9 +95,10 @@ class CompilingDecoder(MockDecoder):
         self.waiting, self.waited_s = False, 0.0
         self._lock = threading.Lock()
 
-    def compile_wait(self) -> tuple[bool, float]:
+    def stats(self, prefixes: int = 0):
         with self._lock:
-            return self.waiting, self.waited_s
+            return dataclasses.replace(super().stats(prefixes), compiling=self.waiting,
+                                       compile_waited_s=self.waited_s)
 
     def step_async(self):
         with self._lock:

@@ -25,15 +25,15 @@ class PoolDecoder(MockDecoder):
         self.room = room
         self.begun: list[tuple[int, list[int], int]] = []  # (slot, prompt, seed)
 
-    def can_admit(self, prompt: list[int]) -> bool:
-        return self.room is None or len(prompt) <= self.room
-
-    def begin(self, slot: int, prompt: list[int], sampling, seed: int, **kw) -> None:
+    def begin(self, slot: int, prompt: list[int], sampling, seed: int, **kw) -> bool:
+        if self.room is not None and len(prompt) > self.room:
+            return False  # no room in the pool now
         super().begin(slot, prompt, sampling, seed)
         self.begun.append((slot, list(prompt), seed))
         self.generated = kw.get("generated")  # a constrained re-run's tokens so far
         if self.room is not None:
             self.room -= len(prompt)
+        return True
 
 
 class Versions:

@@ -97,7 +97,7 @@ def test_quantized_and_split_settings_reach_the_jax_engine(tmp_path):
     engine = build_engine(cfg.with_(quant="none,tiny=int4"), info)
     assert (engine.quant, engine.devices) == ("int4", ["cpu:0"])
     engine = build_engine(cfg.with_(quant="int8", quant_form="auto,tiny=w8a8"), info)
-    assert set(engine.compute_forms.values()) == {"w8a8"}
+    assert set(engine.forms.compute_forms.values()) == {"w8a8"}
     assert build_engine(cfg.with_(quant="fp8"), info).quant == "fp8"
     with pytest.raises(SystemExit) as exit_info:  # one CPU device in this process
         build_engine(cfg.with_(tensor_parallel="2"), info)
@@ -142,9 +142,9 @@ def test_speculation_setting_reaches_the_jax_engine_per_model(tmp_path):
     build("llama", tmp_path, positions=32)
     info = catalog.describe("tiny", tmp_path)
     cfg = Config.from_env({}, data_dir=str(tmp_path / "data"), decode_slots=2, max_context=32)
-    assert build_engine(cfg, info).spec_k == 0  # off by default
-    assert build_engine(cfg.with_(speculative="off,tiny=ngram:3"), info).spec_k == 3
-    assert build_engine(cfg.with_(speculative="ngram:2,other=off"), info).spec_k == 2
+    assert build_engine(cfg, info).speculation.k == 0  # off by default
+    assert build_engine(cfg.with_(speculative="off,tiny=ngram:3"), info).speculation.k == 3
+    assert build_engine(cfg.with_(speculative="ngram:2,other=off"), info).speculation.k == 2
 
 
 def _unserved_encoder(d: Path, config: dict, st_modules: bool = True) -> Path:

@@ -41,9 +41,9 @@ class Calls:
         self.calls.append("prefill")
         return self.engine.prefill_step(slot, budget)
 
-    def measure_forms(self, limit: int = 1) -> int:
-        self.calls.append(f"measure {self.engine.form_measurements}")
-        return self.engine.measure_forms(limit)
+    def tune(self, limit: int = 1) -> int:
+        self.calls.append(f"measure {self.engine.forms.measurements}")
+        return self.engine.tune(limit)
 
 
 def _work(rid: str) -> GenerateWork:
@@ -56,7 +56,7 @@ async def test_the_runner_serves_first_then_measures_the_forms_when_idle(tmp_pat
     engine = DecoderEngine(bundled_dir(DEMO_LM), DEMO_LM, forms_cache=path,
                            compile_ahead="first", **_DEMO)  # fmt: skip
     engine.warmup(progress=False)
-    assert engine.forms_progress() == (0, 8)  # 4 buckets x 2 forms, none measured at ready
+    assert (engine.forms.measurements, engine.forms.units) == (0, 8)  # 4 buckets x 2 forms, none measured at ready
     calls = Calls(engine)
     out = Recorder()
     runner = DecoderRunner(LoadedModels(calls, "1", kind="decoder"), out, ThreadPoolExecutor(1),
@@ -65,11 +65,11 @@ async def test_the_runner_serves_first_then_measures_the_forms_when_idle(tmp_pat
     task = asyncio.create_task(runner.run())
     try:
         await wait_until(lambda: out.finished == ["r0"], timeout=300)
-        await wait_until(lambda: engine.forms_settled, timeout=600)
+        await wait_until(lambda: engine.forms.settled, timeout=600)
         assert calls.calls[0] == "prefill" and "measure 0" in calls.calls
-        assert engine.forms_progress() == (8, 8) and engine.forms_measured
+        assert (engine.forms.measurements, engine.forms.units) == (8, 8) and engine.forms.measured
         (entry,) = json.loads(path.read_text()).values()
-        assert entry["choices"] == engine.compute_forms
+        assert entry["choices"] == engine.forms.compute_forms
         runner.submit(_work("r1"))  # served in the chosen forms
         await wait_until(lambda: out.finished == ["r0", "r1"], timeout=300)
     finally:

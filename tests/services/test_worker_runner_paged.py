@@ -56,7 +56,7 @@ class Trace:
         return getattr(self.engine, name)
 
     def prefill_step(self, slot: int, budget: int = 0):
-        before, decoding = self.engine.prefilling(slot), self.engine.active_slots
+        before, decoding = self.engine.prefilling(slot), self.engine.stats().active
         first = self.engine.prefill_step(slot, budget)
         self.events.append(("prefill", (before - self.engine.prefilling(slot), decoding)))
         return first
@@ -66,7 +66,7 @@ class Trace:
         if steps + 1 == self.hold_at:
             self.held.set()
             self.go.wait(60)
-        self.events.append(("step", frozenset(self.engine._active.nonzero()[0].tolist())))
+        self.events.append(("step", frozenset(self.engine.table.active.nonzero()[0].tolist())))
         return self.engine.step_async()
 
 

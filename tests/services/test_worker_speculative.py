@@ -79,4 +79,4 @@ async def test_speculating_runner_keeps_every_text_and_counts_acceptance(tiny):
     assert out.texts("pair-a")[0][0] == _text(engine, REPEATING, greedy[:40])
     assert out.texts("pair-b")[0][0] == _text(engine, OTHER, hf_greedy(ref, OTHER, 12))
     assert load.spec_accepted > 0 and load.spec_drafted >= load.spec_accepted
-    assert load.spec_steps == engine.speculation().steps > 0
+    assert load.spec_steps == engine.speculation_stats().steps > 0

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from services.worker.service import time_decoder, time_encoder
 from tests.support.mock_engine import MockDecoder
 
@@ -32,16 +32,17 @@ def test_an_engine_that_fails_its_timing_still_starts_without_an_estimate():
 class TimedDecoder(MockDecoder):
     """A mock decoder whose prompt costs 5 ms + 1 ms a token, and a step 20 ms."""
 
-    vocab_size = 100
-
     def __init__(self) -> None:
         super().__init__(slots=2, max_context=256)
         self.prompts: list[list[int]] = []
 
-    def prefill_whole(self, slot, prompt, sampling, seed):
-        time.sleep(5e-3 + 1e-3 * len(prompt))
+    def begin(self, slot, prompt, sampling, seed, generated=0):
         self.prompts.append(list(prompt))
-        return super().prefill_whole(slot, prompt, sampling, seed)
+        return super().begin(slot, prompt, sampling, seed)
+
+    def prefill_step(self, slot, budget=0):
+        time.sleep(5e-3 + 1e-3 * self.prefilling(slot))
+        return super().prefill_step(slot, budget)
 
     def step_async(self):
         time.sleep(0.02)
@@ -55,7 +56,7 @@ def test_decoder_warmup_timing_finds_the_prompt_and_step_costs():
     assert cost.step_s(1) == pytest.approx(0.02, rel=0.3)
     assert [len(p) for p in engine.prompts] == [1, 1, 96, 96]  # each size twice
     assert len({p[0] for p in engine.prompts}) == 4  # no prefix the cache could share
-    assert engine.active_slots == 0  # its slot is free again
+    assert engine.stats().active == 0  # its slot is free again
 
 
 def test_a_decoder_that_fails_its_timing_still_starts_without_an_estimate():

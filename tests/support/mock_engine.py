@@ -1,65 +1,18 @@
 """Hand-checkable engines for serving tests: no model, exact known outputs.
 
-MockEncoder: input i's vector is one-hot at (sum of its ids) % dim, so a test can
-tell which input produced which row; it may take a fixed time per batch and per token
-(sleeping on the engine thread), a model whose cost is known exactly. bench/nomath.py
-serves it in a real worker process to measure the serving path alone; it lives here
-because tests may not import bench/, while bench/ may use this support package.
-MockDecoder: every generated token is its `tag`.
-`gate` (a threading.Event) lets a test hold a batch or a decode step on the engine
-thread for as long as it likes, to create overload, a wedged worker or a swap
-mid-stream.
+MockDecoder: every generated token is its `tag`. `gate` (a threading.Event) lets a
+test hold a decode step on the engine thread for as long as it likes, to create
+overload, a wedged worker or a swap mid-stream. (The mock encoder, which bench/nomath.py
+serves too, is bench/support/mock_encoder.py.)
 """
 
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 
-from engine.interface import WholePrompt
-
-
-class MockEncoder:
-    """Implements engine.interface.Encoder; cost = per_batch_s + per_token_s x tokens."""
-
-    def __init__(self, name: str = "all-MiniLM-L6-v2", dim: int = 8, max_batch: int = 64,
-                 fail_on: int | None = None, per_batch_s: float = 0.0,
-                 per_token_s: float = 0.0) -> None:
-        self.name = name
-        self.task = "embed"
-        self.dim = dim
-        self.normalize = True
-        self.max_tokens = 256
-        self.dtype = "float32"
-        self.device = "mock"
-        self.devices = ["mock"]
-        self.max_batch = max_batch
-        self.fail_on = fail_on  # a token id that makes the engine raise
-        self.per_batch_s = per_batch_s
-        self.per_token_s = per_token_s
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()  # set when a batch starts computing
-        self.batches: list[int] = []
-
-    def warmup(self, progress: bool = True) -> int:
-        return 0
-
-    def embed(self, inputs: list[list[int]]) -> np.ndarray:
-        self.entered.set()
-        self.gate.wait()
-        if self.fail_on is not None and any(self.fail_on in x for x in inputs):
-            raise RuntimeError("poisoned input")
-        cost = self.per_batch_s + self.per_token_s * sum(len(x) for x in inputs)
-        if cost > 0:
-            time.sleep(cost)
-        self.batches.append(len(inputs))
-        out = np.zeros((len(inputs), self.dim), np.float32)
-        for i, ids in enumerate(inputs):
-            out[i, sum(ids) % self.dim] = 1.0
-        return out
+from engine.interface import CacheStats, DecoderInfo, DecoderStats, SpecStats
 
 
 class LetterTokenizer:
@@ -78,59 +31,67 @@ class _Step:
         return self._tokens
 
 
-class MockDecoder(WholePrompt):
-    """A hand-checkable decoder: every token it generates is `tag` (so its text is
-    one letter repeated, and two versions with other tags are told apart by eye).
-    `gate` holds its decode steps on the engine thread; `entered` is set when one waits."""
-
-    def prompt_logprobs(self, tokens: list[int], top: int) -> list:
-        raise ValueError("the mock decoder computes no prompt logprobs")
-
-    def check_sampling(self, sampling) -> None:
-        """The mock samples nothing: every request is greedy over its script."""
+class MockDecoder:
+    """A hand-checkable decoder (`engine.interface.Decoder`): every token it generates
+    is `tag` (so its text is one letter repeated, and two versions with other tags are
+    told apart by eye). A prompt is computed whole, a row per slot: nothing to chunk,
+    share or preempt. `gate` holds its decode steps on the engine thread; `entered` is
+    set when one waits."""
 
     def __init__(self, name: str = "mock-lm", tag: int = 0, slots: int = 2,
                  max_context: int = 64) -> None:
         self.name = name
         self.tag = tag
+        self.info = DecoderInfo(name=name, device="mock", devices=("mock",), dtype="float32",
+                                slots=slots, max_context=max_context, vocab_size=256,
+                                eos_token_ids=(), prefix_block=0,
+                                tokenizer=LetterTokenizer())  # fmt: skip
         self.slots = slots
         self.max_context = max_context
-        self.dtype = "float32"
-        self.device = "mock"
-        self.devices = ["mock"]
-        self.eos_token_ids: tuple[int, ...] = ()
-        self.vocab_size = 256  # the Decoder protocol's; it draws only `tag`
-        self.tokenizer = LetterTokenizer()
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
         self._lengths = [0] * slots
         self._active = [False] * slots
+        self._begun: dict[int, int] = {}  # slot -> its prompt's length
 
     def warmup(self, progress: bool = True) -> int:
         return 0
 
-    def check_prompt(self, prompt: list[int]) -> None:
+    def check(self, prompt: list[int], sampling=None) -> None:
+        """The mock samples nothing: every request is greedy over its script."""
         if not prompt or len(prompt) > self.max_context - 1:
             raise ValueError(f"prompt of {len(prompt)} tokens does not fit")
 
-    def prefill_whole(self, slot: int, prompt: list[int], sampling, seed: int) -> int:
-        self._active[slot], self._lengths[slot] = True, len(prompt) + 1
+    def prompt_logprobs(self, tokens: list[int], top: int) -> list:
+        raise ValueError("the mock decoder computes no prompt logprobs")
+
+    def begin(self, slot: int, prompt: list[int], sampling, seed: int,
+              generated: int = 0) -> bool:
+        self.check(prompt)
+        self._begun[slot] = len(prompt)
+        return True
+
+    def prefilling(self, slot: int) -> int:
+        return self._begun.get(slot, 0)
+
+    def prefill_step(self, slot: int, budget: int = 0) -> int | None:
+        self._active[slot], self._lengths[slot] = True, self._begun.pop(slot) + 1
         return self.tag
+
+    def make_room(self, victim) -> list[int]:
+        return []
 
     @property
     def active_slots(self) -> int:
         return sum(self._active)
 
-    @property
-    def kv_usage(self) -> float:
-        used = sum(n for n, a in zip(self._lengths, self._active) if a)
-        return used / (self.slots * self.max_context)
-
     def context_left(self, slot: int) -> int:
         return self.max_context - self._lengths[slot]
 
-    def step_async(self) -> _Step:
+    def step_async(self) -> _Step | None:
+        if not any(self._active):
+            return None
         self.entered.set()
         self.gate.wait()
         for s in range(self.slots):
@@ -138,5 +99,27 @@ class MockDecoder(WholePrompt):
                 self._lengths[s] += 1
         return _Step(np.full(self.slots, self.tag, np.int32))
 
+    def step(self) -> np.ndarray:
+        return self.step_async().result()
+
     def free(self, slot: int) -> None:
         self._active[slot], self._lengths[slot] = False, 0
+        self._begun.pop(slot, None)
+
+    def token_logprobs(self, slot: int) -> None:
+        return None
+
+    def stats(self, prefixes: int = 0) -> DecoderStats:
+        used = sum(n for n, a in zip(self._lengths, self._active) if a)
+        held = round(used / self.max_context)
+        return DecoderStats(active=self.active_slots,
+                            cache=CacheStats(self.slots, held, 0, 0, 0, 0), spec=SpecStats())
+
+    def tune(self, limit: int = 1) -> int:
+        return 0
+
+    def on_compiled(self, callback) -> None:
+        pass
+
+    def close(self, wait_s: float = 0.0) -> bool:
+        return True

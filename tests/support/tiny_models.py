@@ -66,6 +66,5 @@ def serve_tiny(kind: str, out_dir: Path, name: str, context: int, slots: int = 4
     model = build(kind, out_dir, positions=context)
     engine = DecoderEngine(out_dir, name=name, slots=slots, max_context=context,
                            prefill_buckets=(16, 64), compile_ahead=compile_ahead)
-    engine.warmup(progress=False)
-    engine.prepare_grammars()  # nothing unless compiling ahead
+    engine.warmup(progress=False)  # structured outputs' programs too, unless lazy
     return model, engine

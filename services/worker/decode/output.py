@@ -179,4 +179,4 @@ class OutputProcessor:
 def _detokenizer(engine, work: GenerateWork):
     from engine.detok import Detokenizer
 
-    return Detokenizer(engine.tokenizer, prompt_ids=work.prompt, stop=work.stop)
+    return Detokenizer(engine.info.tokenizer, prompt_ids=work.prompt, stop=work.stop)

@@ -8,8 +8,8 @@
      token; after it, its stall timeout since its latest token and its `end_by`.
   3. `schedule()` admits at most `per_step` waiting sequences, FIFO per lane, each
      into a free slot of its lane when the engine's KV pool has room for its prompt
-     (`can_admit`; otherwise it and the rest of its lane wait: the pool, not the slot
-     count, bounds concurrency). A request's version is fixed when its first choice
+     (`begin` says so; otherwise it and the rest of its lane wait: the pool, not the
+     slot count, bounds concurrency). A request's version is fixed when its first choice
      is admitted: the pinned one, else prod at that moment; every choice and every
      token of it then come from that engine. Waiting work that was cancelled or
      expired is dropped there, never computed. The plan it returns is one engine
@@ -20,8 +20,11 @@
      moves on, and the tokens of the step read are matched to the sequences that
      were in it (a sequence's extra ride after its end, or a step before it
      joined, yields nothing).
-  5. `requeue()` puts sequences the engine preempted back at the front of the queue,
-     oldest first; they re-run their prompt plus their tokens so far.
+  5. Preemption is this scheduler's policy too: when the pool cannot give every
+     live sequence its next block, the engine asks the lane's `victim` which
+     sequence gives its cache back: the one that began last (the least work lost,
+     and the oldest requests keep going). `requeue()` puts those back at the front
+     of the queue, oldest first; they re-run their prompt plus their tokens so far.
 
 No asyncio and no clocks: the caller passes the times, so the rules are tested as
 pure functions over a mock engine (tests/services/test_decode_scheduler.py).
@@ -55,13 +58,23 @@ class Lane:
     dispatched: int = 0  # decode steps dispatched so far (the pending one's number)
     seen: tuple[int, int] = (0, 0)  # the engine's prefix-cache queries and hits, counted
     spec_seen: tuple[int, int, int] = (0, 0, 0)  # its speculation counts, counted
+    began: int = 0  # sequences begun on it so far (each one's `began` is its number)
 
     @classmethod
     def of(cls, version: str, engine: Decoder) -> "Lane":
-        return cls(version, engine, frozenset(engine.eos_token_ids), engine.max_context)
+        info = engine.info
+        return cls(version, engine, frozenset(info.eos_token_ids), info.max_context)
 
     def free_slot(self) -> int | None:
-        return next((s for s in range(self.engine.slots) if s not in self.active), None)
+        return next((s for s in range(self.engine.info.slots) if s not in self.active), None)
+
+    def victim(self, holders: list[int]) -> int:
+        """The preemption policy (`Decoder.make_room`): of the slots whose sequences
+        hold cache, the one that began last; a slot the lane does not know first."""
+        unknown = [s for s in holders if s not in self.active]
+        if unknown:
+            return unknown[-1]
+        return max(holders, key=lambda s: self.active[s].began)
 
     @property
     def busy(self) -> bool:
@@ -81,6 +94,7 @@ class Sequence:
     admitted: float = 0.0  # perf_counter of its first admission (0: never admitted)
     joined: int = 0  # number of the first decode step that includes it
     live: bool = False  # its prompt is computed: it is in decode steps
+    began: int = 0  # its lane's count when it was last begun (the newest is preempted first)
     tokens: list[int] = field(default_factory=list)  # generated so far (a re-run needs them)
     finish: str | None = None  # set by the output processor (or "cancelled" here)
 
@@ -228,23 +242,25 @@ class StepScheduler:
             slot = lane.free_slot() if lane not in full else None
             if slot is not None and not st.version:
                 try:
-                    lane.engine.check_prompt(seq.work.prompt)  # prod may have changed
+                    lane.engine.check(seq.work.prompt)  # prod may have changed
                 except ValueError as exc:
                     self._refuse(seq, st, adm, ServiceError(400, str(exc)))
                     continue
             prompt = seq.work.prompt + seq.tokens  # a preempted one re-runs its tokens too
-            if slot is None or not lane.engine.can_admit(prompt):
+            # No engine call runs in begin: it is host bookkeeping, and at most one
+            # block copy it dispatches (queued behind the step in flight, blocks.py).
+            # A constrained re-run's matcher is fed its tokens so far again.
+            again = {"generated": len(seq.tokens)} if seq.work.sampling.grammar else {}
+            if slot is None or not lane.engine.begin(slot, prompt, seq.work.sampling,
+                                                     seq.seed, **again):
                 full.add(lane)  # FIFO per lane: nobody overtakes a sequence that waits
                 kept.append(seq)  # work for other lanes may still go
                 if all(ln in full or ln.free_slot() is None for ln in self.lanes.values()):
                     break
                 continue
             st.version = version
-            # No engine call runs now: begin is host bookkeeping, and at most one block
-            # copy it dispatches (queued behind the step in flight, blocks.py).
-            # A constrained re-run's matcher is fed its tokens so far again.
-            again = {"generated": len(seq.tokens)} if seq.work.sampling.grammar else {}
-            lane.engine.begin(slot, prompt, seq.work.sampling, seq.seed, **again)
+            lane.began += 1
+            seq.began = lane.began
             seq.lane, seq.slot = lane, slot
             seq.admitted = seq.admitted or now
             lane.active[slot] = seq

@@ -1,0 +1,181 @@
+"""The decoder's compiled programs: which shapes it serves, how each is lowered, and
+which compiled one runs a given piece of work.
+
+  1. The shapes are fixed when the engine is built: prefill chunks per (length
+     bucket, context it may attend to), decode steps per (batch bucket, attention
+     window), and, with speculation, verify passes per window (engine/decoder/shapes.py).
+  2. A program is keyed (kind, size, other, form): its shape and the compute form
+     its bucket runs (engine/decoder/formchoice.py). `get` returns it compiled
+     (engine/decoder/programs.py: compiled once, where first asked for, or on the
+     background thread ahead of that).
+  3. `choose` picks the cheapest compiled shape that holds the work (a larger
+     bucket or window computes the same tokens); `step_shape` runs a step in parts
+     of a smaller compiled batch while the larger one still compiles.
+
+Every per-request value (slot, offset, length, block table, seed, sampling) is an
+argument, traced; the state is donated, so the KV pool is updated in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import jax
+import numpy as np
+
+from engine.decoder import steps
+from engine.decoder.formchoice import FormChoice, form_bucket
+from engine.decoder.programs import Programs
+from engine.decoder.shapes import i32
+from engine.decoder.verify import verify
+
+Shape = tuple[str, int, int]  # (kind, size, other): ("step", batch, window), ...
+
+
+class StepPrograms:
+    def __init__(self, name: str, cfg, forms: FormChoice, state_spec, sampling_spec,
+                 block: int, buckets: tuple[int, ...], contexts: tuple[int, ...],
+                 batches: tuple[int, ...], windows: tuple[int, ...], spec_k: int,
+                 attention: str, jit_kw: dict) -> None:
+        """state_spec, sampling_spec: the decode state's and a slot's sampling
+        arguments' shapes (lowering never reads buffers a step may have donated);
+        jit_kw: the output shardings of a sharded engine ({} otherwise)."""
+        self.name = name
+        self.cfg = cfg
+        self.forms = forms
+        self.block = block
+        self.buckets, self.contexts = buckets, contexts
+        self.batches, self.windows = batches, windows
+        self.spec_k = spec_k
+        self.attention = attention
+        self.jit_kw = jit_kw
+        self.state_spec = state_spec
+        self.sampling_spec = sampling_spec
+        self.cache = Programs(name)
+        self.step_counts: dict[int, int] = {}  # batch bucket -> decode steps run at it
+        # The Pallas kernel is written for GPUs; elsewhere it runs interpreted (tests).
+        interpret = jax.devices()[0].platform == "cpu"
+        self.interpret = interpret
+        # state is the argument after params in each: donated, so updated in place.
+        self._prefill = jax.jit(lambda params, state, *args: steps.prefill_chunk(
+            params, cfg, state, *args), donate_argnums=1, **jit_kw)  # fmt: skip
+        self._generate = jax.jit(lambda params, state, *args: steps.generate(
+            params, cfg, state, *args, attention, interpret), donate_argnums=1, **jit_kw)  # fmt: skip
+        self._verify = jax.jit(lambda params, state, *args: verify(
+            params, cfg, state, *args, attention, interpret), donate_argnums=1, **jit_kw)  # fmt: skip
+        self.copy = jax.jit(steps.copy_block, donate_argnums=0,
+                            **({"out_shardings": jit_kw["out_shardings"][0]} if jit_kw else {}))
+
+    # ---------------------------------------------------------------- shapes
+    @property
+    def compiles(self) -> list[Shape]:
+        """Every shape served: (prefill, bucket, context) and (step, batch, window),
+        cheapest first within each kind, then verify passes."""
+        pre = [("prefill", b, c) for c in self.contexts for b in self.buckets if c >= b]
+        step = sorted((("step", b, w) for b in self.batches for w in self.windows),
+                      key=lambda k: (k[1] * k[2], k[1]))  # fmt: skip
+        return pre + step + self.verify_compiles()
+
+    def verify_compiles(self) -> list[Shape]:
+        return [("verify", self.spec_k + 1, w) for w in self.windows] if self.spec_k else []
+
+    def first_compiles(self) -> list[Shape]:
+        """What a first request needs: one stream's step at the smallest window, the
+        smallest and largest prefill buckets at the smallest context (the largest
+        stands in for those between until they join: each costs ~1 s even cached)."""
+        c0 = self.contexts[0]
+        ends = sorted({self.buckets[0], max(b for b in self.buckets if b <= c0)})
+        return [("step", 1, self.windows[0])] + [
+            ("prefill", b, c0) for b in ends] + self.verify_compiles()[:1]
+
+    def bucket_for(self, length: int) -> int:
+        return next(b for b in self.buckets if b >= length)
+
+    def context_for(self, tokens: int) -> int:
+        return next(c for c in self.contexts if c >= tokens)
+
+    def batch_for(self, live: int) -> int:
+        return next(b for b in self.batches if b >= live)
+
+    def window_for(self, need: int) -> int:
+        return next(w for w in self.windows if w >= need)
+
+    def bucket_shapes(self, bucket: str) -> list[Shape]:
+        """The shapes whose compute form is `bucket`'s ("step 16", "prefill 64")."""
+        return [k for k in self.compiles if form_bucket(k[0], k[1]) == bucket]
+
+    # -------------------------------------------------------------- programs
+    def key(self, kind: str, size: int, other: int, form: str | None = None):
+        return (kind, size, other, form or self.forms.form_of(kind, size))
+
+    def lowering(self, kind: str, size: int, other: int, form: str | None = None):
+        """A function that lowers the program of one shape (not called here), in
+        `form` (default: the one its bucket runs)."""
+        form = form or self.forms.form_of(kind, size)
+        params = self.forms.params_of(form)  # ValueError: dropped while it waited
+        if kind == "verify":
+            args = (i32(size), i32(), i32(), i32(other // self.block), i32())
+            return lambda: self._verify.lower(params, self.state_spec, *args)
+        if kind == "step":
+            args = (i32(size), i32(size, other // self.block), jax.ShapeDtypeStruct((size,), bool))
+            return lambda: self._generate.lower(params, self.state_spec, *args)
+        u32 = jax.ShapeDtypeStruct((), np.uint32)
+        args = (i32(size), i32(), i32(), i32(other // self.block), i32(), self.sampling_spec, u32)
+        return lambda: self._prefill.lower(params, self.state_spec, *args)
+
+    def get(self, kind: str, size: int, other: int, form: str | None = None):
+        """The executable of one shape, compiled now if nobody has."""
+        return self.cache.get(self.key(kind, size, other, form),
+                              self.lowering(kind, size, other, form))
+
+    def has(self, key) -> bool:
+        return self.cache.has(key)
+
+    def compile_background(self, shapes: list[tuple[Shape, str | None]],
+                           first: bool = False) -> None:
+        """Compile (shape, form) pairs on the background thread (form None: the one
+        its bucket runs now); `first`: ahead of those waiting."""
+        ref = weakref.ref(self)  # the thread holds the programs weakly: a dropped engine stops
+        jobs = []
+        for shape, form in shapes:
+            form = form or self.forms.form_of(*shape[:2])
+            jobs.append((self.key(*shape, form=form), functools.partial(_lower, ref, shape, form)))
+        self.cache.start_background(jobs, first=first)
+
+    def choose(self, kind: str, size: int, other: int) -> tuple[int, int]:
+        """The compiled shape that holds (size, other) at the least cost, or the exact
+        one (compiled where it is first needed) when none is."""
+        best, cost = (size, other), None
+        for k, s, o, form in self.cache.keys():
+            if (k == kind and s >= size and o >= other and form == self.forms.form_of(k, s)
+                    and (cost is None or s * o < cost)):
+                best, cost = (s, o), s * o
+        return best
+
+    def step_shape(self, live: int, need: int) -> tuple[int, int]:
+        """(batch bucket, window) of the next step: the cheapest compiled shape that
+        holds it; else, while the background compiles, the largest compiled bucket at
+        a window that holds it, run in parts; else the exact shape, compiled now."""
+        batch, window = self.choose("step", self.batch_for(live), self.window_for(need))
+        if self.cache.has(self.key("step", batch, window)) or not self.cache.compiling:
+            return batch, window
+        parts = [(s, o) for k, s, o, form in self.cache.keys()
+                 if k == "step" and o >= window and s < batch
+                 and form == self.forms.form_of("step", s)]  # fmt: skip
+        return max(parts, key=lambda p: (p[0], -p[1])) if parts else (batch, window)
+
+    def progress(self) -> tuple[int, int]:
+        """(programs compiled, programs served; the measuring programs of the compute
+        forms too while they are measured)."""
+        return self.cache.compiled, max(self.cache.total, len(self.compiles))
+
+
+def _lower(ref, shape: Shape, form: str):
+    """The lowered program of `shape` in compute form `form` of the programs `ref`
+    (a weakref) names; LookupError when they were dropped (their engine was:
+    its background compiles stop)."""
+    programs = ref()
+    if programs is None:
+        raise LookupError("the engine was dropped")
+    return programs.lowering(*shape, form=form)()
