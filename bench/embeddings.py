@@ -204,7 +204,6 @@ async def hops(url: str, nc, bodies: list[bytes], n: int = 200) -> dict:
     Each timestamp includes this process's own wake-up, the same for every leg."""
     from shared import subjects
     from shared.bus import connect
-    from shared.natsd import free_port
     from shared.telemetry import RequestRecord, record_decoder
 
     spy = await connect(url, "bench-spy")

@@ -2,7 +2,7 @@
 
     TENSORBUS_MODEL=all-MiniLM-L6-v2 .venv/bin/python -m bench.nomath
 
-The engine is the tests' `MockEncoder` (tests/support/mock_engine.py) at the bundled
+The engine is the mock encoder (bench/support/mock_encoder.py) at the bundled
 encoder's width, 384 (so replies weigh what real ones weigh): one-hot vectors after an
 optional fixed time per batch and per token, spent sleeping on the engine thread. The
 serving path is measured alone, or against a model whose cost is known exactly. The
@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 
 DIM = 384  # all-MiniLM-L6-v2's output width
 

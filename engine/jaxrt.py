@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from engine.encoder.config import canonical_dtype
+from engine.dtypes import canonical_dtype
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

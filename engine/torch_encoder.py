@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import buckets as bk
-from engine.encoder.config import BertConfig, canonical_dtype, relative_buckets
+from engine.dtypes import canonical_dtype
+from engine.encoder.config import BertConfig, relative_buckets
 from engine.encoder.spec import UnsupportedEncoder, dense_weights
 from engine.weights import COMMON_PREFIXES, load_weights, strip_prefix
 

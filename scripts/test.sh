@@ -24,6 +24,9 @@ if [ ${#need[@]} -gt 0 ]; then
     fi
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# The import contracts first (pyproject.toml, [tool.importlinter]): the layers
+# shared <- engine <- services <- bench, no service importing another, no cycles.
+.venv/bin/lint-imports --no-cache
 # Two test processes (pytest-xdist), each taking a whole file at a time so that a
 # file's module fixtures are built once: much of a test's time is waiting on a stack
 # it started or on one thread of a compile, and two of them fill the two cores this

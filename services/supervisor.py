@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.config import Config
 from shared.natsd import NatsServer
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,21 +16,6 @@ from shared.catalog import encoder_limit
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
 
 # Accepted spellings of the three compute dtypes, mapped to the canonical name.
-DTYPE_ALIASES = {
-    "float32": "float32", "fp32": "float32", "f32": "float32", "float": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
-}  # fmt: skip
-
-
-def canonical_dtype(name: str) -> str:
-    """'bf16' -> 'bfloat16'; anything but float32/bfloat16/float16 is refused."""
-    key = str(name).strip().lower().removeprefix("jnp.").removeprefix("torch.")
-    if key not in DTYPE_ALIASES:
-        raise ValueError(f"unknown dtype {name!r}; use float32, bfloat16 or float16")
-    return DTYPE_ALIASES[key]
-
-
 # Where each family keeps a layer's weights, under `encoder.layer.{i}.`: our role ->
 # its Hugging Face name (RoBERTa and XLM-R use BERT's).
 LAYER_NAMES = {

@@ -21,29 +21,12 @@ import numpy as np
 
 from engine.encoder import modernbert
 from engine.encoder.config import BertConfig, relative_buckets
+from engine.encoder.ops import gelu, layer_norm, mm
 from engine.encoder.params import Params
-from engine.quant import QWeight, take_rows
-from engine.quant import matmul as qmatmul
+from engine.quant import take_rows
 
 
 # Shapes: B batch, S seq, D hidden, H heads, K head dim.
-
-
-def _layer_norm(x, g, b, eps: float):
-    """x: [..., D] any float dtype -> same dtype; statistics in float32."""
-    x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
-    y = (x32 - mean) * jax.lax.rsqrt(var + eps) * g + b
-    return y.astype(x.dtype)
-
-
-def _gelu(x, act: str):
-    if act in ("gelu_new", "gelu_pytorch_tanh", "gelu_fast"):
-        return jax.nn.gelu(x, approximate=True)
-    if act == "relu":
-        return jax.nn.relu(x)
-    return jax.nn.gelu(x, approximate=False)  # HF "gelu" is the exact erf form
 
 
 def _attention(qkv, bias, heads: int, tp: int = 1):
@@ -70,21 +53,14 @@ def _attention(qkv, bias, heads: int, tp: int = 1):
     return ctx.transpose(0, 2, 1, 3).reshape(b, s, d)  # [B, S, D]
 
 
-def _mm(x, w):
-    """x: [..., IN] @ w: [IN, OUT] (float, or a QWeight) -> [..., OUT]"""
-    if isinstance(w, QWeight):
-        return qmatmul(x.reshape(-1, x.shape[-1]), w).reshape(x.shape[:-1] + (-1,))
-    return x @ w
-
-
 def _layer(x, bias, p: Params, cfg: BertConfig, tp: int = 1):
     """x: [B, S, D] -> [B, S, D]: post-LN BERT block."""
-    qkv = _mm(x, p["qkv_w"]) + p["qkv_b"]  # [B, S, 3D]
-    attn = _mm(_attention(qkv, bias, cfg.heads, tp), p["o_w"]) + p["o_b"]  # [B, S, D]
-    x = _layer_norm(attn + x, p["ln1_g"], p["ln1_b"], cfg.eps)
-    h = _gelu(_mm(x, p["i_w"]) + p["i_b"], cfg.act)  # [B, S, F]
-    y = _mm(h, p["f_w"]) + p["f_b"]  # [B, S, D]
-    return _layer_norm(y + x, p["ln2_g"], p["ln2_b"], cfg.eps)
+    qkv = mm(x, p["qkv_w"]) + p["qkv_b"]  # [B, S, 3D]
+    attn = mm(_attention(qkv, bias, cfg.heads, tp), p["o_w"]) + p["o_b"]  # [B, S, D]
+    x = layer_norm(attn + x, p["ln1_g"], p["ln1_b"], cfg.eps)
+    h = gelu(mm(x, p["i_w"]) + p["i_b"], cfg.act)  # [B, S, F]
+    y = mm(h, p["f_w"]) + p["f_b"]  # [B, S, D]
+    return layer_norm(y + x, p["ln2_g"], p["ln2_b"], cfg.eps)
 
 
 def _pool(x32, m, mode: str):
@@ -136,7 +112,7 @@ def encode(params: Params, ids, mask, cfg: BertConfig, tp: int = 1, types=None):
     x = take_rows(word, ids, jnp.float32).astype(jnp.float32) + pos[:s].astype(jnp.float32)
     if types is not None:  # type 0 is already in `pos`; the table holds the differences
         x = x + params["types"][types].astype(jnp.float32)
-    x = _layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps).astype(pos.dtype)
+    x = layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps).astype(pos.dtype)
     m = mask.astype(jnp.float32)  # [B, S]
     # Padding keys get a large negative logit (not -inf: an all-padding row of a
     # padded batch must stay finite, its output is discarded anyway).

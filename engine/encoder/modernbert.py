@@ -28,6 +28,7 @@ import numpy as np
 
 from engine import jaxrt
 from engine.encoder.config import BertConfig
+from engine.encoder.ops import gelu, layer_norm, mm
 from engine.encoder.spec import UnsupportedEncoder, dense_weights
 from engine.quant import cast_tree, quantize_tree, take_rows
 
@@ -110,38 +111,32 @@ def _rotate(x, cos, sin):
 
 def _attention(x, p, bias, cos, sin, heads: int):
     """x: [B, S, D] (normed); bias: [B, 1, S, S] or [B, 1, 1, S] float32 -> [B, S, D]."""
-    from engine.encoder.model import _mm
-
     b, s, d = x.shape
     k = d // heads
-    qkv = _mm(x, p["qkv_w"]) + p["qkv_b"]  # [B, S, 3D]
+    qkv = mm(x, p["qkv_w"]) + p["qkv_b"]  # [B, S, 3D]
     qkv = qkv.reshape(b, s, 3, heads, k).transpose(2, 0, 3, 1, 4)  # [3, B, H, S, K]
     q, key, v = _rotate(qkv[0], cos, sin), _rotate(qkv[1], cos, sin), qkv[2]
     q = q * jnp.asarray(1.0 / np.sqrt(k), q.dtype)
     scores = jnp.einsum("bhqk,bhsk->bhqs", q, key, preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(scores + bias, axis=-1).astype(v.dtype)  # [B, H, S, S]
     ctx = jnp.einsum("bhqs,bhsk->bhqk", probs, v).transpose(0, 2, 1, 3).reshape(b, s, d)
-    return _mm(ctx, p["o_w"]) + p["o_b"]
+    return mm(ctx, p["o_w"]) + p["o_b"]
 
 
 def _mlp(x, p, act: str):
     """GeGLU: x: [B, S, D] -> [B, S, D]."""
-    from engine.encoder.model import _gelu, _mm
-
-    h = _mm(x, p["i_w"]) + p["i_b"]  # [B, S, 2F]
+    h = mm(x, p["i_w"]) + p["i_b"]  # [B, S, 2F]
     inp, gate = jnp.split(h, 2, axis=-1)
-    return _mm(_gelu(inp, act) * gate, p["f_w"]) + p["f_b"]
+    return mm(gelu(inp, act) * gate, p["f_w"]) + p["f_b"]
 
 
 def encode(params: Params, ids, mask, cfg: BertConfig):
     """ids, mask: [B, S] int32 -> (token states [B, S, D] after the final norm, in the
     model dtype; mask [B, S] float32)."""
-    from engine.encoder.model import _layer_norm
-
     s = ids.shape[1]
     dt = params["layers"][0]["o_b"].dtype
     x = take_rows(params["word"], ids, jnp.float32).astype(jnp.float32)  # [B, S, D]
-    x = _layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps).astype(dt)
+    x = layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps).astype(dt)
     m = mask.astype(jnp.float32)
     pad = ((m - 1.0) * 1e9)[:, None, None, :]  # [B, 1, 1, S]: padding keys
     dist = np.abs(np.arange(s)[:, None] - np.arange(s)[None, :])  # [S, S], static
@@ -151,22 +146,20 @@ def encode(params: Params, ids, mask, cfg: BertConfig):
     for i, p in enumerate(params["layers"]):
         glob = cfg.global_layers[i]
         cos, sin = tables[0 if glob else 1]
-        h = _layer_norm(x, p["ln1_g"], p["ln1_b"], cfg.eps) if i else x
+        h = layer_norm(x, p["ln1_g"], p["ln1_b"], cfg.eps) if i else x
         x = x + _attention(h, p, pad if glob else local, cos, sin, cfg.heads)
-        x = x + _mlp(_layer_norm(x, p["ln2_g"], p["ln2_b"], cfg.eps), p, cfg.act)
-    return _layer_norm(x, params["final_g"], params["final_b"], cfg.eps), m
+        x = x + _mlp(layer_norm(x, p["ln2_g"], p["ln2_b"], cfg.eps), p, cfg.act)
+    return layer_norm(x, params["final_g"], params["final_b"], cfg.eps), m
 
 
 def classify(params: Params, x32, m, cfg: BertConfig):
     """x32: [B, S, D] float32 final states, m: [B, S] -> [B, L] logits, before the
     score activation: CLS or masked mean -> dense -> act -> LayerNorm -> classifier."""
-    from engine.encoder.model import _gelu, _layer_norm
-
     c = params["classifier"]
     if cfg.classifier_pooling == "cls":
         pooled = x32[:, 0]
     else:
         pooled = jnp.einsum("bsd,bs->bd", x32, m) / jnp.maximum(jnp.sum(m, 1, keepdims=True), 1.0)
-    h = _gelu(pooled @ c["cls_w"] + c["cls_b"], cfg.head_act)  # [B, D]
-    h = _layer_norm(h, c["cls_ln_g"], c["cls_ln_b"], cfg.eps)
+    h = gelu(pooled @ c["cls_w"] + c["cls_b"], cfg.head_act)  # [B, D]
+    h = layer_norm(h, c["cls_ln_g"], c["cls_ln_b"], cfg.eps)
     return h @ c["out_w"] + c["out_b"]  # [B, L]

@@ -22,7 +22,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.gateway import codec
 from services.gateway.codec import VERSION_HEADER
 from services.gateway.call import Call
 from services.gateway.frontend import USER_HEADER, Frontend

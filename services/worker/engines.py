@@ -14,6 +14,7 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.registry.servable import encoder_refusal
 from shared import catalog
 from shared.config import Config, bad_config
 
@@ -137,25 +138,6 @@ def check_encoder(info: catalog.ModelInfo) -> None:
     why = encoder_refusal(info.path)
     if why is not None:
         raise bad_config(f"{info.name}: {why}")
-
-
-def encoder_refusal(path: str | Path) -> str | None:
-    """Why no worker would serve the encoder in `path`, in one line, from its config
-    files alone (no jax, no weights); None when one would. Also what `registry push`
-    warns of."""
-    from engine.encoder.config import BertConfig
-    from engine.encoder.spec import UnsupportedEncoder
-
-    try:
-        spec = BertConfig(path).spec
-    except UnsupportedEncoder as exc:
-        return str(exc)
-    except KeyError as exc:
-        return f"config.json has no {exc} field"
-    if spec.task == "score" and spec.num_labels != 1:  # rerank and score: one per pair
-        return (f"a cross-encoder with {spec.num_labels} labels; the rerank and score "
-                f"endpoints serve cross-encoders that give one score per pair")
-    return None
 
 
 def check_decoder(info: catalog.ModelInfo, engine: str) -> None:

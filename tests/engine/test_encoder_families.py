@@ -23,8 +23,8 @@ from engine.encoder.config import BertConfig
 from engine.encoder.spec import UnsupportedEncoder, read_spec
 from engine.tokenizer import Tokenizer
 from engine.torch_encoder import TorchEncoder
-from tests.support import tiny_encoders
-from tests.support.tiny_encoders import TEXTS
+from bench.support import tiny_encoders
+from bench.support.tiny_encoders import TEXTS
 
 KW = dict(batch_buckets=(8,), seq_buckets=(16,), max_batch=8)
 

@@ -16,8 +16,8 @@ from engine.encoder import EncoderEngine
 from engine.encoder.spec import UnsupportedEncoder, read_spec
 from engine.tokenizer import Tokenizer
 from engine.torch_encoder import TorchEncoder
-from tests.support import tiny_encoders
-from tests.support.tiny_encoders import PAIRS
+from bench.support import tiny_encoders
+from bench.support.tiny_encoders import PAIRS
 
 KW = dict(batch_buckets=(4,), seq_buckets=(16,), max_batch=4)
 

@@ -20,7 +20,7 @@ from services.gateway.service import Gateway
 from services.scheduler.service import Scheduler
 from shared import catalog, subjects
 from bench.support.load import LOST, one
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import running_stack, wait_until
 
 

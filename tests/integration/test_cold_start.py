@@ -21,7 +21,7 @@ from shared import subjects
 from shared.errors import HEADER_CODE
 from shared.messages import FleetStatus, ModelStatus, encode
 from shared.telemetry import RequestRecord, ScaleDecision, record_decoder
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import running_stack, wait_until
 
 MODEL = "all-MiniLM-L6-v2"

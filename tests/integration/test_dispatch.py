@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
-import pytest
 
 from shared import subjects
 from shared.errors import HEADER_CODE
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import running_stack, wait_until
 
 MODEL = "all-MiniLM-L6-v2"

@@ -13,7 +13,7 @@ import nats
 
 from services.gateway.service import Gateway
 from shared import catalog, subjects
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import running_stack, wait_until
 
 MODEL = catalog.ENCODER

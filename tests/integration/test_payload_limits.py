@@ -21,7 +21,7 @@ import numpy as np
 from shared import subjects
 from shared.errors import HEADER_CODE
 from shared.natsd import NatsServer
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import running_stack
 
 MODEL = "all-MiniLM-L6-v2"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from services.probe import probe
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import running_stack
 
 

@@ -22,7 +22,7 @@ import yaml
 
 from shared import catalog, subjects
 from shared.errors import HEADER_CODE
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.prometheus import running_prometheus
 from tests.support.stack import running_stack
 from tests.support.telemetry import running_telemetry

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shared import subjects
 from shared.errors import HEADER_CODE
 from shared.telemetry import RequestRecord, record_decoder
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import running_stack, wait_until
 from tests.support.telemetry import running_telemetry
 from tests.support.tiny_models import serve_tiny

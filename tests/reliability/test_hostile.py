@@ -24,7 +24,6 @@ import pytest
 
 from shared import subjects
 from tests.reliability.conftest import DECODER, DECODER_CONTEXT, ENCODER, MAX_INPUTS, MAX_PAYLOAD
-from tests.support.stack import wait_until
 from tests.reliability.replies import ask, assert_clean, assert_refused, completion_works, embedding_works
 
 E, C, CH, M = subjects.EMBEDDINGS, subjects.COMPLETIONS, subjects.CHAT_COMPLETIONS, subjects.MODELS

@@ -21,7 +21,7 @@ from shared import catalog, subjects
 from shared.errors import HEADER_CODE
 from shared.natsd import NatsSites, free_port
 from shared.telemetry import Heartbeat, RequestRecord, record_decoder
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.relay import Relay
 from tests.support.stack import running_stack, wait_until
 

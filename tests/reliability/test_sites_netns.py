@@ -21,7 +21,7 @@ from shared import catalog, subjects
 from shared.natsd import NatsServer, site_config
 from shared.telemetry import RequestRecord, record_decoder
 from tests.reliability.test_sites import FAR, MODEL, ask, burst, sees
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.netns import Host, Link, NsLoop, listening
 from tests.support.relay import Relay
 from tests.support.stack import running_stack, wait_until

@@ -10,7 +10,7 @@ from services.worker.batcher import EncoderRunner
 from services.worker.versions import LoadedModels
 from shared.messages import EmbedResult, EmbedWork
 from tests.services.test_worker_runner import Recorder
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import wait_until
 
 

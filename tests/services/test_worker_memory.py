@@ -14,7 +14,7 @@ from pathlib import Path
 from services.worker.memory import MemoryProbe, cgroup_limit, device_memory
 from shared import subjects
 from shared.telemetry import Heartbeat, record_decoder
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import running_stack, wait_until
 
 GIB = 1 << 30

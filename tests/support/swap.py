@@ -29,7 +29,7 @@ from services.gateway.codec import VERSION_HEADER
 from shared import catalog, subjects
 from shared.errors import HEADER_CODE
 from shared.telemetry import RequestRecord, record_decoder
-from tests.support.mock_engine import MockEncoder
+from bench.support.mock_encoder import MockEncoder
 
 # The bundled encoder's tokenizer and config, with tiny fake weights: what the gateway
 # needs to tokenize, and a directory the registry accepts as an encoder.
