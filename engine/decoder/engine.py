@@ -257,7 +257,9 @@ class DecoderEngine:
         and the process aborts (SIGABRT) instead of exiting 0."""
         cache = self.programs.cache
         cache.stop()
-        return cache.wait_background(wait_s) if wait_s > 0 else not cache.compiling
+        masked_done = self.grammar.close(wait_s)  # structured outputs' programs too
+        return (cache.wait_background(wait_s) if wait_s > 0 else not cache.compiling) \
+            and masked_done
 
     # ---------------------------------------------------------------- requests
     def check(self, prompt: list[int], sampling: Sampling | None = None) -> None:

@@ -83,6 +83,8 @@ class SlotGrammars:
         self._executor = None
         self._programs = None  # engine.decoder.constrained.MaskedPrograms, likewise
         self._lock = threading.Lock()  # both may be built by `prepare_background`
+        self._preparing: threading.Thread | None = None
+        self._closed = False  # `close` ran: nothing more is compiled
         self.syncs = 0  # steps read early because a constrained step needed their tokens
         self.masked_steps = 0  # step parts run with a mask
         self.masks = 0  # masks computed (rows), for the mask's cost per token
@@ -251,8 +253,24 @@ class SlotGrammars:
 
         def work() -> None:
             try:
-                self.programs().start_background(shapes)
+                masked = self.programs()
+                if not self._closed:
+                    masked.start_background(shapes)
             except Exception as exc:  # noqa: BLE001 - built again where first needed
                 log.warning("grammar_prepare_failed", model=self.name, error=repr(exc))
 
-        threading.Thread(target=work, name=f"grammar-{self.name}", daemon=True).start()
+        self._preparing = threading.Thread(target=work, name=f"grammar-{self.name}", daemon=True)
+        self._preparing.start()
+
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Compile no more masked programs; wait up to `wait_s` for the one being
+        compiled -> False while one still is (the process must not exit then)."""
+        self._closed = True
+        if self._preparing is not None and wait_s > 0:
+            self._preparing.join(wait_s)
+        masked = self._programs
+        if masked is None:
+            return self._preparing is None or not self._preparing.is_alive()
+        masked.programs.stop()
+        return (masked.programs.wait_background(wait_s) if wait_s > 0
+                else not masked.programs.compiling)
