@@ -45,6 +45,10 @@ class Encoder(Protocol):
         Any len(inputs) is accepted: larger than max_batch is split internally.
         """
 
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Compile nothing more in the background; wait up to `wait_s` for the
+        program being compiled -> False while one still is."""
+
 
 class Reranker(Protocol):
     """A cross-encoder: token ids of text pairs in, one score per label out. The JAX

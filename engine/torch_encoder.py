@@ -176,6 +176,9 @@ class TorchEncoder:
 
     # --- the engine
 
+    def close(self, wait_s: float = 0.0) -> bool:
+        return True  # nothing compiles
+
     def warmup(self, progress: bool = True) -> int:
         """Run one forward per sequence bucket (thread pool and allocator warm).
         Eager torch compiles nothing, so the count of compiled shapes is 0."""

@@ -38,6 +38,9 @@ class MockEncoder:
         self.entered = threading.Event()  # set when a batch starts computing
         self.batches: list[int] = []
 
+    def close(self, wait_s: float = 0.0) -> bool:
+        return True  # nothing compiles
+
     def warmup(self, progress: bool = True) -> int:
         return 0
 

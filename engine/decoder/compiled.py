@@ -6,7 +6,7 @@ which compiled one runs a given piece of work.
      window), and, with speculation, verify passes per window (engine/decoder/shapes.py).
   2. A program is keyed (kind, size, other, form): its shape and the compute form
      its bucket runs (engine/decoder/formchoice.py). `get` returns it compiled
-     (engine/decoder/programs.py: compiled once, where first asked for, or on the
+     (engine/programs.py: compiled once, where first asked for, or on the
      background thread ahead of that).
   3. `choose` picks the cheapest compiled shape that holds the work (a larger
      bucket or window computes the same tokens); `step_shape` runs a step in parts
@@ -26,7 +26,7 @@ import numpy as np
 
 from engine.decoder import steps
 from engine.decoder.formchoice import FormChoice, form_bucket
-from engine.decoder.programs import Programs
+from engine.programs import Programs
 from engine.decoder.shapes import i32
 from engine.decoder.verify import verify
 

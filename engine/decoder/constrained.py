@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from engine.decoder.programs import Programs
+from engine.programs import Programs
 from engine.decoder.shapes import i32
 from engine.decoder.steps import generate, prefill_chunk
 

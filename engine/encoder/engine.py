@@ -4,19 +4,27 @@ cross-encoder, `Reranker`) over one jitted forward and bucketed shapes.
 Dataflow of one `EncoderEngine.embed` (or `score`) call:
   1. `buckets.plan` sorts the inputs by length and groups them into padded batches of
      bucketed shape (at most `max_batch` rows each);
-  2. each group is padded to int32 ids + mask [B, S] (and a pair's token types) and
-     dispatched to the single jitted `forward` / `score_forward`
-     (engine/encoder/model.py; one executable per bucket, all compiled at warm-up);
-     dispatch is asynchronous, so the next group is padded while the previous one runs;
-  3. the [B, D] float32 outputs come back in one `device_get` and are written into
+  2. each group runs on the compiled program of its (batch, sequence) bucket, or,
+     while that one is still compiling in the background, on the cheapest compiled
+     one that holds it (a larger bucket), else in parts of a smaller compiled batch
+     (rows are independent: the vectors are the same);
+  3. each part is padded to int32 ids + mask [B, S] (and a pair's token types) and
+     dispatched to the jitted `forward` / `score_forward` (engine/encoder/model.py);
+     dispatch is asynchronous, so the next part is padded while the previous one runs;
+  4. the [B, D] float32 outputs come back in one `device_get` and are written into
      their input order.
+
+Compiles (`compile_ahead`): "all" compiles every bucket at `warmup`; "first"
+compiles one input at every length and the shapes of the worker's warm-up timing,
+and the rest on a background thread (engine/programs.py), so a worker is ready in a
+few programs' time instead of all of them; "lazy" compiles each where first needed.
 """
 
 from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +35,17 @@ from engine import jaxrt, sharding
 from engine.encoder.config import BertConfig
 from engine.encoder.model import decoder_forward, forward, score_forward
 from engine.encoder.params import Params, load_params
+from engine.programs import Programs
 from engine.quant import check_mode, tree_bytes
 
 # Padded tokens per executed group. On the 2-core Zen 2 development machine (16 MB L3),
 # 64 inputs of 128 tokens embed at 40 sentences/s as one group and 44 as eight groups
 # of 8; 64 x 16 stays one group (360/s, against 315/s as four of 16).
 TOKEN_BUDGET = 1024
+COMPILE_AHEAD = ("all", "first", "lazy")
+# Inputs of the batches a worker times after warm-up (services/worker/service.py): a
+# first set that holds them keeps that timing on whole batches, not parts.
+TIMED_BATCH_TOKENS = (16, 64)
 
 
 class EncoderEngine:
@@ -49,7 +62,14 @@ class EncoderEngine:
         token_budget: int | None = TOKEN_BUDGET,
         tensor_parallel: int = 1,
         quant: str = "none",
+        compile_ahead: str = "all",
     ) -> None:
+        """compile_ahead: what `warmup` compiles before it returns: "all", "first" (a
+        first set, the rest on a background thread) or "lazy" (each where first
+        needed)."""
+        if compile_ahead not in COMPILE_AHEAD:
+            raise ValueError(f"compile_ahead {compile_ahead!r}: use one of {', '.join(COMPILE_AHEAD)}")
+        self.compile_ahead = compile_ahead
         self.cfg = BertConfig(model_dir)
         self.name = name
         self.quant = check_mode(quant)
@@ -79,7 +99,7 @@ class EncoderEngine:
         self.traces = 0  # times `forward` was traced: one per bucket, at compile
         self.task = self.cfg.spec.task  # "embed", or "score" for a cross-encoder
         self._jitted = jax.jit(self._trace if self.task == "embed" else self._trace_score)
-        self._executables: dict[tuple[int, int], Any] = {}  # (B, S) -> compiled
+        self.programs = Programs(name)  # (B, S) -> compiled
         self._lock = threading.Lock()
 
     def _trace(self, params: Params, ids, mask):
@@ -98,34 +118,75 @@ class EncoderEngine:
 
     def compiled_count(self) -> int:
         """Executables held: one per bucket once warm, never more."""
-        return len(self._executables)
+        return self.programs.compiled
 
-    def _executable(self, b: int, s: int):
-        """The compiled forward for one bucket; compiled here if warm-up skipped it.
+    def first_shapes(self) -> list[tuple[int, int]]:
+        """What `compile_ahead="first"` compiles before ready: one input at every
+        length (any request is served from these, in parts), and the groups of the
+        worker's warm-up timing (full batches of short and of longer inputs)."""
+        first = [(self.batch_buckets[0], s) for s in self.seq_buckets]
+        for n in TIMED_BATCH_TOKENS:
+            n = min(n, self.max_tokens)
+            for _, b, s in bk.plan([n] * self.max_batch, self.batch_buckets, self.seq_buckets,
+                                   self.max_batch, self.token_budget):  # fmt: skip
+                if (b, s) not in first:
+                    first.append((b, s))
+        return first
+
+    def _lowering(self, b: int, s: int):
+        """A function that lowers the forward of one bucket (not called here).
 
         Ahead-of-time `lower().compile()` rather than a first call: warm-up compiles
-        every bucket without running it (running 64x256 alone is seconds of CPU),
-        and an unknown shape can never reach the compiler from the request path."""
-        exe = self._executables.get((b, s))
-        if exe is None:
-            # ids and mask: [B, S], replicated over the devices when split.
-            rep = None if self._mesh is None else sharding.replicated(self._mesh)
-            spec = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rep)
-            args = (spec, spec) if self.task == "embed" else (spec, spec, spec)  # + types
-            lowered = self._jitted.lower(self.params, *args)
-            exe = self._executables[(b, s)] = jaxrt.compile_lowered(lowered)
-        return exe
+        a bucket without running it (running 64x256 alone is seconds of CPU)."""
+        # ids and mask: [B, S], replicated over the devices when split.
+        rep = None if self._mesh is None else sharding.replicated(self._mesh)
+        spec = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=rep)
+        args = (spec, spec) if self.task == "embed" else (spec, spec, spec)  # + types
+        return lambda: self._jitted.lower(self.params, *args)
+
+    def _executable(self, b: int, s: int):
+        """The compiled forward for one bucket; compiled here if nobody has."""
+        return self.programs.get((b, s), self._lowering(b, s))
 
     def warmup(self, progress: bool = True) -> int:
+        """Compile what `compile_ahead` says; return how many programs were compiled
+        before it returned."""
         from tqdm import tqdm
 
-        shapes = self.shapes
+        shapes = {"all": self.shapes, "first": self.first_shapes(), "lazy": []}[self.compile_ahead]
         bar = tqdm(shapes, desc=f"compile {self.name}", disable=not progress, leave=False)
         with self._lock:
             for b, s in bar:
                 bar.set_postfix_str(f"{b}x{s}")
                 self._executable(b, s)
+        if self.compile_ahead == "first":
+            rest = sorted((k for k in self.shapes if k not in shapes), key=lambda k: k[0] * k[1])
+            self.programs.start_background([(k, self._lowering(*k)) for k in rest])
         return len(shapes)
+
+    def close(self, wait_s: float = 0.0) -> bool:
+        """Compile nothing more in the background; wait up to `wait_s` for the
+        program being compiled -> False while one still is (the process should not
+        exit then: XLA unwinding under the interpreter's exit aborts it)."""
+        self.programs.stop()
+        return self.programs.wait_background(wait_s) if wait_s > 0 else not self.programs.compiling
+
+    def _parts(self, rows: np.ndarray, b: int, s: int) -> list[tuple[np.ndarray, int, int]]:
+        """`rows` (planned as one group of bucket (b, s)) as groups of compiled
+        buckets: its own once compiled, else the cheapest compiled bucket that holds
+        it, else parts of the largest compiled batch at a length that holds it; the
+        exact bucket, compiled here, when nothing compiled holds its length."""
+        if self.programs.has((b, s)) or not self.programs.compiling:
+            return [(rows, b, s)]
+        done = [k for k in self.programs.keys() if k[1] >= s]
+        whole = [k for k in done if k[0] >= len(rows)]
+        if whole:
+            b2, s2 = min(whole, key=lambda k: k[0] * k[1])
+            return [(rows, b2, s2)]
+        if not done:
+            return [(rows, b, s)]
+        b2, s2 = max(done, key=lambda k: (k[0], -k[1]))
+        return [(rows[i : i + b2], b2, s2) for i in range(0, len(rows), b2)]
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         if self.task != "embed":
@@ -153,14 +214,15 @@ class EncoderEngine:
         groups = bk.plan(lengths, self.batch_buckets, self.seq_buckets, self.max_batch,
                          self.token_budget)
         pending = []
+        parts = [p for rows, b, s in groups for p in self._parts(rows, b, s)]
         with self._lock:  # one caller at a time keeps device memory bounded
-            for rows, b, s in groups:
+            for rows, b, s in parts:
                 ids, mask = bk.pad([inputs[r] for r in rows], b, s, self.cfg.pad_id)
                 args = (ids, mask)
                 if types is not None:
                     args += (bk.pad([types[r] for r in rows], b, s, 0)[0],)  # [b, s]
                 pending.append(self._executable(b, s)(self.params, *args))  # [b, D]
             results = jax.device_get(pending)  # one transfer for the whole call
-        for (rows, _, _), res in zip(groups, results):
+        for (rows, _, _), res in zip(parts, results):
             out[rows] = res[: len(rows)]
         return out

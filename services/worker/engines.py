@@ -245,7 +245,12 @@ def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp
             return TorchEncoder(info.path, **kw)
         from engine.encoder import EncoderEngine
 
-        return EncoderEngine(info.path, tensor_parallel=tp, quant=quant, **kw)
+        # "first": ready after a first set, the rest compiled in the background; an
+        # encoder's "lazy" compiles every bucket at warm-up as before (a handful of
+        # seconds; the tests' in-process stacks use it to skip decoder programs).
+        ahead = "first" if config.compile_ahead == "first" else "all"
+        return EncoderEngine(info.path, tensor_parallel=tp, quant=quant, compile_ahead=ahead,
+                             **kw)
     kw = dict(name=info.name, dtype=dtype, slots=config.decode_slots,
               max_context=config.max_context)
     if backend == "torch":

@@ -277,9 +277,7 @@ class Worker:
     def _stop_compiles(self) -> None:
         """Let every engine's background compile end before the process does (see
         DecoderEngine.close), within the drain timeout (a supervisor kills after it);
-        one that outlasts it is logged and left. Encoders compile before ready."""
-        if self.kind != "decoder":
-            return
+        one that outlasts it is logged and left."""
         wait_s = self.config.drain_timeout_s
         for engine in list(self.models.engines.values()):
             if not engine.close(wait_s):

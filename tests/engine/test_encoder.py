@@ -138,3 +138,44 @@ def test_engines_swap_without_the_caller_noticing(jax_f32, ids):
     assert {"embed", "warmup", "dim", "max_batch"} <= members
     for enc in (jax_f32, torch_enc):
         assert not [m for m in members if not hasattr(enc, m)], type(enc).__name__
+
+
+def test_compiling_first_is_ready_early_and_serves_any_batch_in_compiled_parts(ids, reference,
+                                                                             monkeypatch):
+    """compile_ahead="first": ready after one input at every length plus the worker's
+    timing shapes; while the rest compile in the background, a batch whose bucket is
+    not compiled yet runs in compiled parts (a larger bucket, or several smaller
+    ones), compiling nothing on the caller's thread, and embeds as sentence-
+    transformers does."""
+    import threading
+
+    from engine import jaxrt
+
+    hold = threading.Event()  # the background thread's first compile waits on it
+    enc = EncoderEngine(model_dir(), dtype="float32", batch_buckets=BATCH_BUCKETS,
+                        seq_buckets=SEQ_BUCKETS, max_batch=MAX_BATCH, compile_ahead="first")
+    first = enc.first_shapes()
+    assert first[: len(SEQ_BUCKETS)] == [(1, s) for s in SEQ_BUCKETS]
+    original = jaxrt.compile_lowered
+    background = []
+
+    def gated(lowered):
+        if threading.current_thread() is enc.programs._thread:
+            background.append(1)
+            hold.wait(120)
+        return original(lowered)
+
+    monkeypatch.setattr(jaxrt, "compile_lowered", gated)
+    try:
+        assert enc.warmup(progress=False) == len(first) < len(enc.shapes)
+        assert enc.programs.compiling and enc.compiled_count() == len(first)
+        waited = enc.programs.waited_s
+        got = enc.embed(ids)  # mixed lengths, more than MAX_BATCH inputs
+        assert enc.programs.waited_s == waited  # nothing waited on a compile
+        assert enc.compiled_count() == len(first)  # nor compiled one here
+        _check(got, reference, 0.9999)
+    finally:
+        hold.set()
+    assert enc.programs.wait_background(300) and enc.compiled_count() == len(enc.shapes)
+    assert background  # the rest were compiled there
+    _check(enc.embed(ids), reference, 0.9999)

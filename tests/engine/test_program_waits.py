@@ -1,4 +1,4 @@
-"""A step blocked on a program being compiled says so (engine/decoder/programs.py):
+"""A step blocked on a program being compiled says so (engine/programs.py):
 the worker's heartbeat carries it, so the stall checks let a slow step be, and the
 worker leaves that step's time out of the model's cost. A compile on the background
 thread that no step waits on is not such a wait.
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.decoder.programs import Programs
+from engine.programs import Programs
 
 
 def held(entered: threading.Event, release: threading.Event):

@@ -82,7 +82,7 @@ async def test_a_decoder_worker_stopped_while_it_compiles_exits_cleanly(tmp_path
                            TENSORBUS_MODEL_DIR=str(catalog.bundled_dir(catalog.DEMO_LM)))
         await wait_until(lambda: '"event": "ready"' in worker.log_path.read_text(), timeout=240,
                          interval=0.05)  # fmt: skip
-        assert '"decoder_compiled_all"' not in worker.log_path.read_text(), \
+        assert '"programs_compiled_all"' not in worker.log_path.read_text(), \
             "the background compiles ended before the signal: nothing was tested"
         worker.signal(signal.SIGTERM)
         code = await asyncio.get_running_loop().run_in_executor(None, worker.wait, 120)

@@ -87,7 +87,7 @@ async def test_a_wedged_engine_gets_no_more_work_and_its_request_is_answered(nat
 
 class CompilingDecoder(MockDecoder):
     """Its decode step waits on `gate` the way a JAX engine's step waits on a program
-    nobody compiled yet, and says so (`stats().compiling`, as engine/decoder/programs.py
+    nobody compiled yet, and says so (`stats().compiling`, as engine/programs.py
     counts it)."""
 
     def __init__(self) -> None:

@@ -1,11 +1,13 @@
-"""The decoder's compiled programs, by shape: what the first request needs first.
+"""An engine's compiled programs, by shape: what the first request needs first.
 
-A decoder serves many shapes (decode steps per batch bucket and attention window,
-prefill chunks per length bucket and context), far too many to compile before the
-model may answer: SmolLM2 at 64 slots and an 8k context has ~70. So:
+An engine serves many shapes (a decoder's decode steps per batch bucket and attention
+window and prefill chunks per length bucket and context; an encoder's batches per
+(batch, sequence) bucket), too many to compile before the model may answer: SmolLM2
+at 64 slots and an 8k context has ~70, MiniLM 35. So:
 
-  1. `warmup` compiles a small first set (batch bucket 1 and the smallest window,
-     the prefill buckets at the smallest context): the model is ready then.
+  1. `warmup` compiles a small first set (a decoder: batch bucket 1 and the
+     smallest window, the prefill buckets at the smallest context; an encoder: one
+     input at every length): the model is ready then.
   2. `start_background(jobs)` compiles the rest on a thread of its own, smallest
      first; a program joins the moment it is compiled (`has` says so; `listeners`
      hear it), and the engine picks among the compiled ones (a larger bucket serves
@@ -159,7 +161,7 @@ class Programs:
                     listener()
                 except Exception as exc:  # noqa: BLE001 - a listener gone (its loop closed)
                     log.debug("compile_listener_failed", model=self.name, error=repr(exc))
-        log.info("decoder_compiled_all", model=self.name, programs=self.compiled,
+        log.info("programs_compiled_all", model=self.name, programs=self.compiled,
                  seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
 
     @property
