@@ -9,8 +9,12 @@ which compiled one runs a given piece of work.
      (engine/programs.py: compiled once, where first asked for, or on the
      background thread ahead of that).
   3. `choose` picks the cheapest compiled shape that holds the work (a larger
-     bucket or window computes the same tokens); `step_shape` runs a step in parts
-     of a smaller compiled batch while the larger one still compiles.
+     bucket or window computes the same tokens); while the background still
+     compiles, `step_shape` runs a step in parts of a smaller compiled batch and
+     `prefill_shape` computes a shorter chunk on a compiled program rather than
+     compile the exact one on the serving path. The first set (`first_compiles`)
+     holds what makes that always possible: one stream's step at every window and a
+     prefill program reaching every context.
 
 Every per-request value (slot, offset, length, block table, seed, sampling) is an
 argument, traced; the state is donated, so the KV pool is updated in place.
@@ -81,13 +85,18 @@ class StepPrograms:
         return [("verify", self.spec_k + 1, w) for w in self.windows] if self.spec_k else []
 
     def first_compiles(self) -> list[Shape]:
-        """What a first request needs: one stream's step at the smallest window, the
-        smallest and largest prefill buckets at the smallest context (the largest
-        stands in for those between until they join: each costs ~1 s even cached)."""
+        """What is compiled before ready: one stream's step at every window (any
+        number of streams runs on it, in parts), the smallest and largest prefill
+        buckets at the smallest context, and that largest bucket at every other
+        context (a prompt of any length is computed in chunks of it). The rest
+        stand in for each other as they join (each costs ~1 s even cached)."""
         c0 = self.contexts[0]
-        ends = sorted({self.buckets[0], max(b for b in self.buckets if b <= c0)})
-        return [("step", 1, self.windows[0])] + [
-            ("prefill", b, c0) for b in ends] + self.verify_compiles()[:1]
+        top = max(b for b in self.buckets if b <= c0)
+        ends = sorted({self.buckets[0], top})
+        return ([("step", 1, self.windows[0])] + [("prefill", b, c0) for b in ends]
+                + [("step", 1, w) for w in self.windows[1:]]
+                + [("prefill", top, c) for c in self.contexts[1:]]
+                + self.verify_compiles()[:1])
 
     def bucket_for(self, length: int) -> int:
         return next(b for b in self.buckets if b >= length)
@@ -152,6 +161,24 @@ class StepPrograms:
                     and (cost is None or s * o < cost)):
                 best, cost = (s, o), s * o
         return best
+
+    def prefill_shape(self, done: int, end: int) -> tuple[int, int, int]:
+        """(bucket, context, where the chunk ends) for a prompt chunk [done, end): the
+        cheapest compiled program that holds it; else, while the background
+        compiles, the compiled one that computes the longest piece of it from
+        `done`; else the exact shape, compiled now."""
+        fits = self.bucket_for(end - done)
+        bucket, ctx = self.choose("prefill", fits, self.context_for(max(end, fits)))
+        if self.cache.has(self.key("prefill", bucket, ctx)) or not self.cache.compiling:
+            return bucket, ctx, end
+        best = None  # (tokens, -cost, bucket, context)
+        for k, s, o, form in self.cache.keys():
+            piece = min(end - done, s, o - done)
+            if k == "prefill" and piece > 0 and form == self.forms.form_of(k, s):
+                best = max(best or (0,), (piece, -s * o, s, o))
+        if best is None:
+            return bucket, ctx, end
+        return best[2], best[3], done + best[0]
 
     def step_shape(self, live: int, need: int) -> tuple[int, int]:
         """(batch bucket, window) of the next step: the cheapest compiled shape that

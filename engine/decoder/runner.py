@@ -83,9 +83,7 @@ class StepRunner:
         """Compute the next chunk of `slot`'s prompt (at most `most` tokens if > 0);
         return the first generated token after the last chunk, else None."""
         job, end = self.table.next_chunk(slot, min(self.chunk, most) if most > 0 else self.chunk)
-        fits = self.programs.bucket_for(end - job.done)
-        bucket, ctx = self.programs.choose("prefill", fits,
-                                           self.programs.context_for(max(end, fits)))
+        bucket, ctx, end = self.programs.prefill_shape(job.done, end)
         mask = self.grammar.first_mask(slot) if end == len(job.prompt) else None
         packed = self._chunk(slot, job.prompt[job.done : end], job.done, bucket, ctx,
                              job.sampling, job.seed, mask)

@@ -144,3 +144,47 @@ def test_first_compiles_serve_at_once_and_the_rest_join_in_the_background(llama)
     done, total = engine.programs.progress()
     assert done == total == len(engine.programs.compiles)
     assert engine.programs._generate._cache_size() == 0  # every step ran a compiled program
+
+
+@pytest.mark.timeout(900)  # a hang bound: the background compiles ~20 programs
+def test_while_the_background_compiles_nothing_is_compiled_on_the_serving_path(llama,
+                                                                               monkeypatch):
+    """With its background compiles held, an engine that compiled its first set
+    serves a prompt longer than a compiled chunk (in compiled chunks), a longer
+    context and three streams at once (in parts of a one-stream step): no step
+    waits on a compile, nothing is compiled on the caller's thread, and the tokens
+    are transformers' greedy ones."""
+    import threading
+
+    from engine import jaxrt
+
+    path, ref = llama
+    engine = _engine(path, compile_ahead="first", slots=4, prefill_buckets=(16, 32, 64))
+    hold = threading.Event()
+    original = jaxrt.compile_lowered
+
+    def gated(lowered):
+        if threading.current_thread() is engine.programs.cache._thread:
+            hold.wait(600)
+        return original(lowered)
+
+    monkeypatch.setattr(jaxrt, "compile_lowered", gated)
+    try:
+        engine.warmup(progress=False)
+        compiled, waited = engine.programs.cache.compiled, engine.programs.cache.waited_s
+        assert engine.programs.cache.compiling and ("prefill", 64, 96, "float") not in \
+            engine.programs.cache.keys()
+        long = list(range(3, 53))  # 50 tokens: the chunk of 64 is not compiled yet
+        PROMPTS.append(long)
+        try:
+            plan = [(len(PROMPTS) - 1, 0, 20), (3, 1, 16), (5, 2, 12)]
+            got = _serve(engine, plan)
+        finally:
+            PROMPTS.pop()
+        assert got[plan[0][0]] == hf_greedy(ref, long, 20)
+        assert got[3] == hf_greedy(ref, PROMPTS[3], 16) and got[5] == hf_greedy(ref, PROMPTS[5], 12)
+        assert engine.programs.cache.waited_s == waited and not engine.stats().compiling
+        assert engine.programs.cache.compiled == compiled  # none compiled on this thread
+    finally:
+        hold.set()
+    assert engine.programs.cache.wait_background(timeout=800)
