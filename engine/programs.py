@@ -18,7 +18,9 @@ at 64 slots and an 8k context has ~70, MiniLM 35. So:
      where it is asked for (`get`), once: a caller that asks for a shape the
      background thread is compiling waits for that compile, not a second one.
 
-Compiling goes through JAX's persistent cache (engine/jaxrt.py), so a restarted
+The background thread runs at the lowest CPU priority (`idle_priority`): on cores it
+shares with serving, the serving thread runs first. Compiling goes through JAX's
+persistent cache (engine/jaxrt.py), so a restarted
 worker reads its programs instead of compiling them. Compiled executables are
 called directly (donation is kept); XLA's compile runs outside the GIL, so the
 background thread costs the serving thread cores, not the interpreter.
@@ -26,6 +28,7 @@ background thread costs the serving thread cores, not the interpreter.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -137,6 +140,7 @@ class Programs:
             self._thread.start()
 
     def _work(self) -> None:
+        idle_priority()
         t0 = time.perf_counter()
         while True:
             if self._stop.is_set():
@@ -199,3 +203,14 @@ class Programs:
     def stop(self) -> None:
         """Compile nothing more in the background (the engine is being dropped)."""
         self._stop.set()
+
+
+def idle_priority() -> None:
+    """The calling thread (and the threads it starts) at the lowest CPU priority
+    (Linux: nice 19 on its thread id): a background compile takes the cores the
+    serving thread leaves, never the other way round. Elsewhere, or not permitted,
+    nothing changes."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
