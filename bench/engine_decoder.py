@@ -95,7 +95,7 @@ def _engine_figures(kind: str, model_dir, slots: int, max_context: int, max_new:
     by_streams, tokens = {}, None
     for n in streams:
         by_streams[str(n)], tokens = _static_figures(engine, n, max_new, prompt)
-    info = {"device": engine.device, "dtype": engine.dtype, "slots": slots,
+    info = {"device": engine.device, "dtype": engine.info.dtype, "slots": slots,
             "max_context": engine.max_context}
     if kind == "torch":
         info["torch_threads"] = torch.get_num_threads()

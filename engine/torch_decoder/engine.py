@@ -130,22 +130,6 @@ class TorchDecoder:
         return self._max_context
 
     @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.info.eos_token_ids
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
-
-    @property
-    def dtype(self) -> str:
-        return self.info.dtype
-
-    @property
-    def devices(self) -> list[str]:
-        return list(self.info.devices)
-
-    @property
     def kv_usage(self) -> float:
         """Fraction of the cache's positions held by active sequences."""
         used = int(self._lengths[self._active].sum())

@@ -303,5 +303,5 @@ def test_torch_decoder_serves_the_same_file(smollm2_dir, smollm2_hf, smollm2_hf_
     engine = TorchDecoder(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT)
     ids = _chat_ids(smollm2_hf_tokenizer, QUESTION)
     theirs = _hf_greedy(smollm2_hf, ids, NEW)
-    assert engine.eos_token_ids == (2,) and engine.tokenizer is not None
+    assert engine.info.eos_token_ids == (2,) and engine.tokenizer is not None
     assert _engine_greedy(engine, ids, len(theirs)) == theirs
