@@ -60,7 +60,7 @@ def test_engine_setting_picks_the_decoder_backend_per_model(tmp_path):
     cfg = Config.from_env({}, data_dir=str(tmp_path / "data"), decode_slots=2, max_context=32)
     torch_engine = build_engine(cfg.with_(engine="torch", dtype="bfloat16"), info)
     assert isinstance(torch_engine, TorchDecoder)
-    assert (torch_engine.dtype, torch_engine.slots, torch_engine.max_context) == ("bfloat16", 2, 32)
+    assert (torch_engine.info.dtype, torch_engine.slots, torch_engine.max_context) == ("bfloat16", 2, 32)
     assert isinstance(build_engine(cfg.with_(engine="torch,tiny=jax"), info), DecoderEngine)
     assert isinstance(build_engine(cfg.with_(engine="jax,tiny=torch"), info), TorchDecoder)
 
