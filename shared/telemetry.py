@@ -1,7 +1,10 @@
 """Telemetry records: what `telemetry.v1.*` carries (msgpack, tagged Structs).
 
 Consumers decode with `record_decoder`; the JetStream stream `TELEMETRY` keeps them
-for replay. Field names are stable; new fields get defaults.
+for replay. Field names are stable; new fields get defaults. Only a field with a
+default is ever removed: decoders skip fields they do not know (no Struct here sets
+`forbid_unknown_fields`), so older records still decode, and an older consumer reads
+a removed field as its default.
 """
 
 from __future__ import annotations
@@ -68,26 +71,24 @@ class Heartbeat(_Rec, tag="heartbeat"):
     kind: str  # "encoder" | "decoder"
     state: str  # starting | warming | ready | draining | unhealthy | stopped
     versions: list[str]  # loaded versions, serving one first
-    queue_depth: int
-    in_flight: int
-    max_batch: int
+    # Each value travels once, under one name, for encoders and decoders alike
+    # (vLLM's num_requests_waiting / num_requests_running are these two, for a decoder):
+    queue_depth: int  # requests (encoders) or sequences (decoders) not started yet
+    in_flight: int  # requests computing (encoders) or sequences holding a slot (decoders)
+    max_batch: int  # inputs per batch (encoders) or decode slots (decoders)
     batch_occupancy: float  # mean items per batch / max_batch, last interval
     steps: int  # forward passes completed since start (forward-progress check)
     rss_bytes: int
     device: str
     sent_at: float  # UNIX seconds
-    slots_total: int = 0
-    slots_used: int = 0
-    kv_usage: float = 0.0
     last_error: str = ""
     dtype: str = "float32"
     mem_used_bytes: int = 0  # device memory in use where the backend reports it, else host RSS
     mem_limit_bytes: int = 0  # the matching limit (device capacity, cgroup or host memory)
     mem_source: str = ""  # "device" | "host"
     compiling: bool = False  # a step waits on a program being compiled: slow, not stalled
-    # Decoders, as vLLM reports them (counters since the worker started):
-    running: int = 0  # sequences holding a slot (prefilling or decoding)
-    waiting: int = 0  # sequences queued for a slot or KV cache room
+    # Decoders, as vLLM reports them (counters since the worker started); the KV
+    # cache's usage is kv_blocks_used / kv_blocks_total (`kv_usage` below), not sent:
     kv_blocks_total: int = 0  # KV cache blocks of the loaded engines
     kv_blocks_used: int = 0  # of those, held by sequences
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
@@ -130,6 +131,11 @@ class Heartbeat(_Rec, tag="heartbeat"):
     # Times its bus connection dropped: a rise tells the scheduler that work it sent
     # meanwhile may have been lost with the path, and is sent again.
     reconnects: int = 0
+
+
+def kv_usage(hb: Heartbeat) -> float:
+    """The share of the worker's KV cache blocks held, 1 = full (0 without a cache)."""
+    return hb.kv_blocks_used / hb.kv_blocks_total if hb.kv_blocks_total else 0.0
 
 
 class ScaleDecision(_Rec, tag="scale"):

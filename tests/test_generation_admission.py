@@ -37,8 +37,7 @@ def heartbeat(worker_id: str = "w0", cost: GenCost | None = COST, running: int =
               length: float = 0.0) -> Heartbeat:
     hb = Heartbeat(worker_id=worker_id, model=M, kind="decoder", state="ready", versions=["1"],
                    queue_depth=0, in_flight=running, max_batch=SLOTS, batch_occupancy=0.0,
-                   steps=1, rss_bytes=0, device="cpu", sent_at=time.time(),
-                   slots_total=SLOTS, running=running)
+                   steps=1, rss_bytes=0, device="cpu", sent_at=time.time())
     if cost is not None:
         hb.prefill_per_chunk, hb.prefill_per_token = cost.prefill.per_batch, cost.prefill.per_token
         hb.decode_per_step, hb.decode_per_row = cost.decode.per_batch, cost.decode.per_token

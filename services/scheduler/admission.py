@@ -135,8 +135,8 @@ class Admission:
         hbs = [w.hb for w in ready]
         admission.check_generation(
             work.model, self.ahead(work.model), work.n, len(work.prompt), len(ready),
-            slots=min((hb.slots_total or hb.max_batch for hb in hbs), default=1),
-            running=sum(hb.running for hb in hbs), cost=admission.gen_cost(hbs),
+            slots=min((hb.max_batch for hb in hbs), default=1),  # a decoder's: its slots
+            running=sum(hb.in_flight for hb in hbs), cost=admission.gen_cost(hbs),
             left_s=work.deadline - time.time(),
             max_queue_per_worker=self.config.max_queue_per_worker,
             max_queue_s=self.config.max_queue_s, chunk=self.config.prefill_chunk)

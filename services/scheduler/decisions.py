@@ -47,8 +47,7 @@ class ScaleDecisions:
             held=self.holds.count(model),
             queued=self.queued(model),
             queue_depth=sum(w.hb.queue_depth for w in workers),
-            in_flight=sum(w.hb.in_flight for w in workers),
-            slots_used=sum(w.hb.slots_used for w in workers))
+            in_flight=sum(w.hb.in_flight for w in workers))
 
     def decide(self, model: str) -> ScaleDecision:
         return self.autoscaler.decide(self.demand(model), time.monotonic())

@@ -3,11 +3,11 @@
 Each decision, for one model at one instant (`now`: this process's monotonic clock):
 
   1. Bounds: (min, max) from `Config.fleet_bounds`; `MODEL=0:0` is "not served": 0.
-  2. Demand: the work this scheduler sees. Encoders: held + max(dispatched here and
-     unfinished, queued + in flight in the workers' heartbeats), against
-     `target_queue_per_replica`. Decoders: held + max(dispatched here, occupied KV
-     slots + requests waiting for a slot), against `target_slots_per_replica` (unset:
-     three quarters of `decode_slots`, the sequences a worker admits).
+  2. Demand: the work this scheduler sees: held + max(dispatched here and
+     unfinished, queued + in flight in the workers' heartbeats; a decoder's in flight
+     are its occupied KV slots, its queued the sequences waiting for one), against
+     `target_queue_per_replica` for encoders and `target_slots_per_replica` for
+     decoders (unset: three quarters of `decode_slots`, the sequences a worker admits).
      need = ceil(demand / target).
   3. Floor: the minimum when it is above 0. With a minimum of 0: 0 until the model
      first has demand or a worker; then 1, and 0 again only after the model was
@@ -47,9 +47,8 @@ class Demand:
     starting: int = 0  # workers starting or warming
     held: int = 0  # requests this scheduler holds for a cold start
     queued: int = 0  # requests this scheduler dispatched and has not seen finish
-    queue_depth: int = 0  # heartbeats: requests waiting inside the workers
-    in_flight: int = 0  # heartbeats: requests the workers are running
-    slots_used: int = 0  # heartbeats: occupied KV slots (decoders)
+    queue_depth: int = 0  # heartbeats: requests (sequences) waiting inside the workers
+    in_flight: int = 0  # heartbeats: requests running (a decoder's: KV slots held)
 
     @property
     def workers(self) -> int:
@@ -93,10 +92,7 @@ class Autoscaler:
             st.recent.append((now, min(d.workers, hi)))
         if st.busy_at is None and d.workers:  # workers appeared: their idle clock starts
             st.busy_at = now
-        if d.kind == "decoder":
-            load = d.held + max(d.queued, d.slots_used + d.queue_depth)
-        else:
-            load = d.held + max(d.queued, d.queue_depth + d.in_flight)
+        load = d.held + max(d.queued, d.queue_depth + d.in_flight)
         if load > 0:
             st.busy_at = now
         need = math.ceil(load / self.target(d.kind)) if load else 0

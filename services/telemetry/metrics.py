@@ -39,7 +39,8 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from shared.scaling import LiveDecisions
-from shared.telemetry import ENCODER_ENDPOINTS, ITL_BUCKETS, Heartbeat, RequestRecord, ScaleDecision
+from shared.telemetry import (ENCODER_ENDPOINTS, ITL_BUCKETS, Heartbeat, RequestRecord,
+                              ScaleDecision, kv_usage)
 
 NS = "tensorbus"
 
@@ -57,10 +58,20 @@ class _Seen:
     last_seen: float  # monotonic seconds in this process
     queue_depth: int
     device: str = ""
-    running: int = 0
-    waiting: int = 0
+    in_flight: int = 0
+    decoder: bool = False  # vLLM's running / waiting gauges count decoders' sequences
     # prefix queries, hits, preemptions, speculative drafts, draft and accepted tokens so far
     counted: tuple[int, ...] = (0,) * 6
+
+    @property
+    def running(self) -> int:
+        """vLLM's num_requests_running: a decoder's sequences holding a slot."""
+        return self.in_flight if self.decoder else 0
+
+    @property
+    def waiting(self) -> int:
+        """vLLM's num_requests_waiting: a decoder's sequences waiting for a slot."""
+        return self.queue_depth if self.decoder else 0
 
 
 class TokenGapHistogram:
@@ -317,25 +328,27 @@ class TelemetryMetrics:
             self._drop(w)
             old = None
         counted = old.counted if old is not None and old.model == m else (0,) * 6
-        self._workers[w] = _Seen(m, hb.state, now, hb.queue_depth, hb.device, hb.running,
-                                 hb.waiting, (hb.prefix_cache_queries, hb.prefix_cache_hits,
-                                              hb.preemptions, hb.spec_decode_drafts,
-                                              hb.spec_decode_draft_tokens,
-                                              hb.spec_decode_accepted_tokens))
+        seen = self._workers[w] = _Seen(
+            m, hb.state, now, hb.queue_depth, hb.device, hb.in_flight, hb.kind == "decoder",
+            (hb.prefix_cache_queries, hb.prefix_cache_hits, hb.preemptions,
+             hb.spec_decode_drafts, hb.spec_decode_draft_tokens,
+             hb.spec_decode_accepted_tokens))
         self._models.add(m)
         self.w_queue.labels(w, m).set(hb.queue_depth)
         self.w_in_flight.labels(w, m).set(hb.in_flight)
         self.w_occupancy.labels(w, m).set(hb.batch_occupancy)
         self.w_rss.labels(w, m).set(hb.rss_bytes)
-        self.w_kv.labels(w, m).set(hb.kv_usage)
-        self.w_slots.labels(w, m).set(hb.slots_used)
+        # One heartbeat field each: a decoder's slots used, running and waiting are its
+        # in flight and queue depth (0 for an encoder); its KV usage is blocks held / all.
+        self.w_kv.labels(w, m).set(kv_usage(hb))
+        self.w_slots.labels(w, m).set(seen.running)
         self.w_mem_used.labels(w, m).set(hb.mem_used_bytes)
         self.w_mem_limit.labels(w, m).set(hb.mem_limit_bytes)
-        self.w_running.labels(w, m).set(hb.running)
-        self.w_waiting.labels(w, m).set(hb.waiting)
+        self.w_running.labels(w, m).set(seen.running)
+        self.w_waiting.labels(w, m).set(seen.waiting)
         self.w_blocks.labels(w, m).set(hb.kv_blocks_total)
         # The worker reports totals since it started; the counters move by the change.
-        for c, new, was in zip(self._worker_counters(), self._workers[w].counted, counted):
+        for c, new, was in zip(self._worker_counters(), seen.counted, counted):
             c.labels(w, m).inc(max(new - was, 0))
         self._refresh_model(m)
         # `up` last: a scrape (another thread) that sees a worker up sees all of its

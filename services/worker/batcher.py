@@ -120,7 +120,7 @@ class EncoderRunner:
 
     def gauges(self) -> Gauges:
         return Gauges(queue_depth=self.queue_depth, in_flight=self.in_flight,
-                      capacity=self.max_batch, occupancy=self.stats.take_occupancy(self.max_batch),
+                      max_batch=self.max_batch, occupancy=self.stats.take_occupancy(self.max_batch),
                       steps=self.steps)
 
     def submit(self, work: EmbedWork) -> None:

@@ -153,18 +153,10 @@ class DecoderRunner:
             occ = used / slots
         # Cache blocks held, over every loaded engine (a retiring one still holds its).
         stats = [lane.engine.stats().cache for lane in self.lanes.values()]
-        total = sum(c.blocks for c in stats)
-        kv = sum(c.held for c in stats) / total if total else 0.0
-        return Gauges(queue_depth=self.queue_depth, in_flight=used, capacity=slots,
-                      occupancy=min(occ, 1.0), steps=self.steps, slots_total=slots,
-                      slots_used=used, kv_usage=kv, running=used, waiting=self.queue_depth,
-                      kv_blocks_total=total, kv_blocks_used=sum(c.held for c in stats),
-                      prefix_cache_queries=self.counters["prefix_queries"],
-                      prefix_cache_hits=self.counters["prefix_hits"],
-                      preemptions=self.counters["preemptions"],
-                      spec_steps=self.counters["spec_steps"],
-                      spec_drafted=self.counters["spec_drafted"],
-                      spec_accepted=self.counters["spec_accepted"],
+        return Gauges(queue_depth=self.queue_depth, in_flight=used, max_batch=slots,
+                      occupancy=min(occ, 1.0), steps=self.steps,
+                      kv_blocks_total=sum(c.blocks for c in stats),
+                      kv_blocks_used=sum(c.held for c in stats), **self.counters,
                       **self._prefix_summary(serving))
 
     @staticmethod
@@ -184,13 +176,13 @@ class DecoderRunner:
         for lane in self.lanes.values():
             counts = lane.engine.stats()
             stats = counts.cache
-            self.counters["prefix_queries"] += stats.queries - lane.seen[0]
-            self.counters["prefix_hits"] += stats.hits - lane.seen[1]
+            self.counters["prefix_cache_queries"] += stats.queries - lane.seen[0]
+            self.counters["prefix_cache_hits"] += stats.hits - lane.seen[1]
             lane.seen = (stats.queries, stats.hits)
             spec = counts.spec
             now = (spec.steps, spec.drafted, spec.accepted)
-            for name, new, was in zip(("spec_steps", "spec_drafted", "spec_accepted"), now,
-                                      lane.spec_seen):  # fmt: skip
+            for name, new, was in zip(("spec_decode_drafts", "spec_decode_draft_tokens",
+                                       "spec_decode_accepted_tokens"), now, lane.spec_seen):
                 self.counters[name] += new - was
             lane.spec_seen = now
 

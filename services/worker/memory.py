@@ -6,7 +6,8 @@ carries device bytes in use and the device's limit (`mem_source` "device"). Othe
 it carries the process's resident memory against the host limit: the tightest
 cgroup memory limit on the process's cgroup path (v2 `memory.max`, v1
 `memory.limit_in_bytes`), or the machine's `MemTotal` when no cgroup sets one
-(`mem_source` "host"). KV-cache use stays in the heartbeat's `kv_usage` and slots.
+(`mem_source` "host"). KV-cache use stays in the heartbeat's `kv_blocks_used` /
+`kv_blocks_total`.
 """
 
 from __future__ import annotations

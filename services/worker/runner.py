@@ -30,24 +30,21 @@ log = get_logger("worker.outbox")
 class Gauges:
     """A runner's load, as the heartbeat reports it."""
 
+    # The heartbeat's fields of the same names (shared.telemetry.Heartbeat): each
+    # value once, for encoders and decoders alike.
     queue_depth: int  # requests (encoders) or sequences (decoders) not started yet
     in_flight: int  # requests computing (encoders) or sequences holding a slot (decoders)
-    capacity: int  # inputs per batch (encoders) or decode slots (decoders)
+    max_batch: int  # inputs per batch (encoders) or decode slots (decoders)
     occupancy: float  # mean fill of a batch or of the slots since the last heartbeat
     steps: int  # engine calls finished since start (forward-progress check)
-    slots_total: int = 0  # decoders: KV slots of the engines traffic goes to
-    slots_used: int = 0
-    kv_usage: float = 0.0  # decoders: fraction of the KV cache blocks held (all engines)
-    running: int = 0  # decoders: sequences holding a slot (prefilling or decoding)
-    waiting: int = 0  # decoders: sequences queued for a slot or cache room
-    kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0  # decoders: KV cache blocks of every loaded engine
+    kv_blocks_used: int = 0  # of those, held by sequences
     prefix_cache_queries: int = 0  # prompt tokens looked up, since start
     prefix_cache_hits: int = 0  # of those, tokens reused
     preemptions: int = 0  # since start
-    spec_steps: int = 0  # speculative verify passes, since start
-    spec_drafted: int = 0  # draft tokens they checked
-    spec_accepted: int = 0  # of those, accepted
+    spec_decode_drafts: int = 0  # speculative verify passes (one draft each), since start
+    spec_decode_draft_tokens: int = 0  # draft tokens they checked
+    spec_decode_accepted_tokens: int = 0  # of those, accepted
     prefix_block: int = 0  # decoders: tokens per prefix key (0: none)
     prefix_keys: list[int] = field(default_factory=list)  # short keys of cached prefixes
 

@@ -342,7 +342,7 @@ class Worker:
         if self.runner is not None:
             load = self.runner.gauges()
         else:  # starting or warming: nothing taken yet
-            load = Gauges(queue_depth=0, in_flight=0, capacity=self.config.max_batch,
+            load = Gauges(queue_depth=0, in_flight=0, max_batch=self.config.max_batch,
                           occupancy=0.0, steps=0)
         engine = self.models.prod_engine  # None while starting
         decoder = self.kind == "decoder" and engine is not None
@@ -353,21 +353,21 @@ class Worker:
         compiled, total = (stats.compiled, stats.programs) if stats else (0, 0)
         measured, units = (stats.forms_measured, stats.forms_total) if stats else (0, 0)
         quant, forms = (stats.quant, stats.compute_forms) if stats else ("", {})
+        # The runner's gauges carry the heartbeat's own names: they go across as they are.
         return Heartbeat(
             worker_id=self.id, model=self.model, kind=self.kind or "encoder", state=self.state,
             versions=list(self.versions), queue_depth=load.queue_depth,
-            in_flight=load.in_flight, max_batch=load.capacity,
+            in_flight=load.in_flight, max_batch=load.max_batch,
             batch_occupancy=load.occupancy, steps=load.steps, rss_bytes=rss_bytes(),
             compiling=self.runner is not None and self.runner.compiling,
-            device=device, sent_at=time.time(), slots_total=load.slots_total,
-            slots_used=load.slots_used, kv_usage=load.kv_usage, last_error=self.models.error,
+            device=device, sent_at=time.time(), last_error=self.models.error,
             dtype=facts.dtype if engine is not None else "float32", mem_used_bytes=used,
-            mem_limit_bytes=limit, mem_source=source, running=load.running,
-            waiting=load.waiting, kv_blocks_total=load.kv_blocks_total,
+            mem_limit_bytes=limit, mem_source=source, kv_blocks_total=load.kv_blocks_total,
             kv_blocks_used=load.kv_blocks_used, prefix_cache_queries=load.prefix_cache_queries,
             prefix_cache_hits=load.prefix_cache_hits, preemptions=load.preemptions,
-            spec_decode_drafts=load.spec_steps, spec_decode_draft_tokens=load.spec_drafted,
-            spec_decode_accepted_tokens=load.spec_accepted,
+            spec_decode_drafts=load.spec_decode_drafts,
+            spec_decode_draft_tokens=load.spec_decode_draft_tokens,
+            spec_decode_accepted_tokens=load.spec_decode_accepted_tokens,
             prefix_block=load.prefix_block, prefix_keys=load.prefix_keys,
             devices=list(facts.devices) if engine is not None else [],
             start_s=self.start_s, programs_compiled=compiled, programs_total=total,

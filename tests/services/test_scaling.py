@@ -95,7 +95,7 @@ def test_fleet_bounds_per_model_and_zero_zero_is_not_served():
 
 def test_decoders_scale_on_occupied_slots():
     a = scaler()
-    d = a.decide(Demand(M, kind="decoder", ready=1, slots_used=8, in_flight=8), now=0)
+    d = a.decide(Demand(M, kind="decoder", ready=1, in_flight=8), now=0)
     assert d.desired_replicas == 2 and d.target_per_replica == 4.0
     enc = a.decide(Demand("e2", kind="encoder", ready=1, in_flight=8), now=0)
     assert enc.desired_replicas == 1
@@ -108,9 +108,9 @@ def test_the_default_decoder_target_follows_the_slots_a_worker_admits():
     cfg = Config()
     a = Autoscaler(Config(min_workers=1, max_workers=8))
     assert a.target("decoder") == 0.75 * cfg.decode_slots
-    busy = Demand(M, kind="decoder", ready=1, slots_used=40, in_flight=40)
+    busy = Demand(M, kind="decoder", ready=1, in_flight=40)
     assert a.decide(busy, now=0).desired_replicas == 1
-    busy = Demand(M, kind="decoder", ready=1, slots_used=64, queue_depth=8, in_flight=72)
+    busy = Demand(M, kind="decoder", ready=1, in_flight=64, queue_depth=8)
     assert a.decide(busy, now=1).desired_replicas == 2
     small = Autoscaler(Config(decode_slots=16))
     assert small.target("decoder") == 12.0

@@ -68,8 +68,8 @@ def _heartbeat(worker: str, model: str, *, state: str = "ready", queue: int = 0,
     return Heartbeat(
         worker_id=worker, model=model, kind="decoder", state=state, versions=["1"],
         queue_depth=queue, in_flight=in_flight, max_batch=8, batch_occupancy=0.5, steps=1,
-        rss_bytes=123_456_789, device="cpu", sent_at=time.time(), slots_total=16,
-        slots_used=3, kv_usage=0.25)
+        rss_bytes=123_456_789, device="cpu", sent_at=time.time(), kv_blocks_total=512,
+        kv_blocks_used=128)
 
 
 async def _wait_for(probe, timeout: float = 10.0, what: str = "condition"):
@@ -209,8 +209,8 @@ async def test_heartbeats_drive_gauges_and_silent_workers_disappear(started, nc)
         assert s.get("tensorbus_worker_in_flight", worker=b) == 2
         assert s.get("tensorbus_worker_rss_bytes", worker=b) == 123_456_789
         assert s.get("tensorbus_worker_batch_occupancy", worker=b) == 0.5
-        assert s.get("tensorbus_kv_cache_usage_perc", worker=b) == 0.25
-        assert s.get("tensorbus_worker_slots_used", worker=b) == 3
+        assert s.get("tensorbus_kv_cache_usage_perc", worker=b) == 0.25  # 128 / 512 blocks
+        assert s.get("tensorbus_worker_slots_used", worker=b) == 2  # a decoder's in flight
         assert s.get("tensorbus_model_queue_depth", model=model) == 7
         assert s.get("tensorbus_model_ready_workers", model=model) == 1
 
@@ -529,7 +529,7 @@ def test_decoder_cache_metrics_read_as_vllm_names_them():
 
     def beat(worker, running, waiting, queries, hits, preempted, now):
         hb = msgspec.structs.replace(
-            _heartbeat(worker, "lm"), running=running, waiting=waiting, kv_blocks_total=512,
+            _heartbeat(worker, "lm"), in_flight=running, queue_depth=waiting, kv_blocks_total=512,
             kv_blocks_used=40, prefix_cache_queries=queries, prefix_cache_hits=hits,
             preemptions=preempted)
         m.observe_heartbeat(hb, now)

@@ -92,7 +92,7 @@ async def test_a_request_finishes_on_its_version_and_the_old_lane_goes_when_unus
         models.drop("1")
         assert set(runner.lanes) == {"2"}  # the lane followed the drop: no engine kept
         load = runner.gauges()
-        assert (load.slots_total, load.slots_used, load.queue_depth) == (1, 0, 0)
+        assert (load.max_batch, load.in_flight, load.queue_depth) == (1, 0, 0)
     finally:
         task.cancel()
 
@@ -112,7 +112,7 @@ async def test_prod_and_canary_run_side_by_side_each_with_its_own_slots():
         for i in range(4):
             assert out.texts(f"p{i}") == {0: ("aaaa", {"1"})}
             assert out.texts(f"c{i}") == {0: ("bbbb", {"2"})}
-        assert runner.gauges().slots_total == 4  # prod's slots and the canary's
+        assert runner.gauges().max_batch == 4  # prod's slots and the canary's
     finally:
         task.cancel()
 

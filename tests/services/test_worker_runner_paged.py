@@ -104,7 +104,8 @@ async def test_a_small_pool_makes_requests_wait_and_preempts_without_changing_te
         assert out.texts(f"r{i}")[0][0] == _expected(engine, ref, p, 40), i
     load = runner.gauges()
     assert load.preemptions > 0 and waited > 0
-    assert (load.running, load.waiting, load.kv_blocks_used, load.kv_blocks_total) == (0, 0, 0, 12)
+    assert (load.in_flight, load.queue_depth) == (0, 0)
+    assert (load.kv_blocks_used, load.kv_blocks_total) == (0, 12)
 
 
 async def test_a_long_prompt_is_chunked_and_running_streams_miss_no_step(tiny):

@@ -78,5 +78,6 @@ async def test_speculating_runner_keeps_every_text_and_counts_acceptance(tiny):
     assert _done(out, "stop").completion_tokens == at + 1  # the stop token counts, unsaid
     assert out.texts("pair-a")[0][0] == _text(engine, REPEATING, greedy[:40])
     assert out.texts("pair-b")[0][0] == _text(engine, OTHER, hf_greedy(ref, OTHER, 12))
-    assert load.spec_accepted > 0 and load.spec_drafted >= load.spec_accepted
-    assert load.spec_steps == engine.speculation_stats().steps > 0
+    assert load.spec_decode_accepted_tokens > 0
+    assert load.spec_decode_draft_tokens >= load.spec_decode_accepted_tokens
+    assert load.spec_decode_drafts == engine.speculation_stats().steps > 0

@@ -44,6 +44,10 @@ if TYPE_CHECKING:
 
     from engine.interface import Decoder, PendingStep
 
+# The scheduler's counts since start, named as the heartbeat names them.
+COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "preemptions",
+            "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens")
+
 
 @dataclass(eq=False)
 class Lane:
@@ -153,8 +157,8 @@ class StepScheduler:
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # holding a slot, prompt not done, oldest first
         self.requests: dict[str, Request] = {}
-        self.counters = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0,
-                         "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0}
+        # Since start, under the heartbeat's names (services.worker.runner.Gauges).
+        self.counters = dict.fromkeys(COUNTERS, 0)
 
     # ------------------------------------------------------------- versions
     def follow(self, engines: dict[str, Decoder]) -> None:
