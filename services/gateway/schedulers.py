@@ -7,10 +7,12 @@ connection dropped, and whether one was heard just now.
      request out now is submitted once more (`on_lost`: the reply inbox's
      `path_lost`). The first report of a scheduler only sets its count.
   2. `back`: a submission that found no scheduler at all (NATS "no responders")
-     while one was heard within `expiry_s` waits for the next report of any
-     scheduler (within the request's deadline and `expiry_s`): it was between
-     servers, and is subscribed again when it reports. None heard lately: the 503
-     stands at once.
+     while one was heard within COMEBACK x `expiry_s` waits for the next report of
+     any scheduler (within the request's deadline and that bound): it was between
+     servers, and is subscribed again when it reports. A scheduler whose server
+     died needs its reconnect, and on a loaded machine that outlasted one expiry
+     (a node-loss test's four streams ended 503 while it came back). None heard
+     lately: the 503 stands at once.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import time
 
 from shared.messages import SchedLoad
 
+COMEBACK = 3  # expiry periods a scheduler between servers is waited for
+
 
 class SchedulerLinks:
     def __init__(self, on_lost, expiry_s: float) -> None:
         self.on_lost = on_lost  # plain function: retryable requests out ask again
         self.expiry_s = expiry_s
+        self.patience_s = COMEBACK * expiry_s  # how long one between servers is waited for
         self.reconnects: dict[str, int] = {}  # scheduler_id -> its latest `reconnects`
         self.heard_at = 0.0  # monotonic time of the latest report, any scheduler
         self.lost = 0  # reconnections seen
@@ -43,13 +48,13 @@ class SchedulerLinks:
 
     async def back(self, deadline: float) -> bool:
         """Whether a scheduler reported after now, waiting (within `deadline`, UNIX
-        seconds, and `expiry_s`) only when one was heard within `expiry_s`."""
-        if time.monotonic() - self.heard_at > self.expiry_s:
+        seconds, and `patience_s`) only when one was heard within `patience_s`."""
+        if time.monotonic() - self.heard_at > self.patience_s:
             return False
         heard = self._heard
         try:
             await asyncio.wait_for(heard.wait(),
-                                   max(0.0, min(deadline - time.time(), self.expiry_s)))
+                                   max(0.0, min(deadline - time.time(), self.patience_s)))
         except TimeoutError:
             return False
         return True

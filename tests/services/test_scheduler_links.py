@@ -49,3 +49,16 @@ async def test_a_silent_scheduler_ends_the_wait_within_its_bound():
     links = SchedulerLinks(lambda: None, expiry_s=0.2)
     links.observe(report("a", 0))
     assert not await links.back(time.time() + 30)
+
+
+async def test_one_between_servers_longer_than_an_expiry_is_still_waited_for():
+    """Its server died and its reconnect outlasted one expiry (a loaded machine): a
+    submission that found nobody waits for its report rather than answer 503."""
+    links = SchedulerLinks(lambda: None, expiry_s=1.0)
+    links.observe(report("a", 0))
+    links.heard_at -= 1.5  # silent for one and a half expiries
+    waiting = asyncio.create_task(links.back(time.time() + 30))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    links.observe(report("a", 1))
+    assert await asyncio.wait_for(waiting, 5)
