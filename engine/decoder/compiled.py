@@ -52,6 +52,7 @@ class StepPrograms:
         self.buckets, self.contexts = buckets, contexts
         self.batches, self.windows = batches, windows
         self.spec_k = spec_k
+        self.compiles = self._served()  # fixed with the shapes: read on every stats call
         self.attention = attention
         self.jit_kw = jit_kw
         self.state_spec = state_spec
@@ -72,8 +73,7 @@ class StepPrograms:
                             **({"out_shardings": jit_kw["out_shardings"][0]} if jit_kw else {}))
 
     # ---------------------------------------------------------------- shapes
-    @property
-    def compiles(self) -> list[Shape]:
+    def _served(self) -> list[Shape]:
         """Every shape served: (prefill, bucket, context) and (step, batch, window),
         cheapest first within each kind, then verify passes."""
         pre = [("prefill", b, c) for c in self.contexts for b in self.buckets if c >= b]

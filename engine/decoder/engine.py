@@ -231,15 +231,11 @@ class DecoderEngine:
             self.runner.warm(kind, size, other)
         self.runner.copy(0, 0)  # the scratch block onto itself: compiles the copy
         if self.compile_ahead != "lazy" and (background or measuring):
-            # One stream at every window first (any load runs on those, in parts),
-            # then the programs the forms are measured with (formchoice.py), then the
-            # prompts' shapes, then the rest, cheapest first.
+            # The programs the forms are measured with first (formchoice.py), then
+            # the rest, cheapest first (one stream at every window is in the first set).
             done = set(jobs)
-            ones = [k for k in programs.compiles if k[0] == "step" and k[1] == 1]
-            head = [(k, None) for k in ones if k not in done] if background else []
-            tail = [(k, None) for k in programs.compiles
-                    if k not in done and k not in set(ones)] if background else []  # fmt: skip
-            programs.compile_background(head + measuring + tail)
+            rest = [(k, None) for k in programs.compiles if k not in done] if background else []
+            programs.compile_background(measuring + rest)
         self.grammar.prepare_background()
         log.info("decoder_warm", model=self.name, compiled=len(jobs), background=background,
                  total=len(programs.compiles), measuring=len(measuring),

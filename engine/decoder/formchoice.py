@@ -177,6 +177,8 @@ class FormChoice:
 
     def due(self, programs: StepPrograms) -> bool:
         """Whether `measure` has work it can do now without compiling here."""
+        if self._final:  # settled: nothing left (the usual answer, on every stats call)
+            return False
         return (self._next_unit(programs) is not None
                 or any(self._switchable(programs, b) for b in self._pending()))
 

@@ -169,11 +169,13 @@ class SlotTable:
     def grow(self) -> list[int]:
         """Give every live slot the block its next step writes into, oldest sequence
         first, as far as the pool has free ones -> the live slots still short."""
-        short = []
-        for slot in np.flatnonzero(self.active)[np.argsort(self.order[self.active])]:
-            if self.pool.blocks_for(int(self.lengths[slot])) > self.room(int(slot),
+        held = np.fromiter((len(h) for h in self.held), np.int64, self.slots)
+        growing = np.flatnonzero(self.active & (-(-self.lengths // self.block) > held))
+        short = []  # usually none grows: each step crosses into a new block once per block
+        for slot in growing[np.argsort(self.order[growing])].tolist():
+            if self.pool.blocks_for(int(self.lengths[slot])) > self.room(slot,
                                                                          int(self.lengths[slot])):
-                short.append(int(slot))
+                short.append(slot)
         return short
 
     def room(self, slot: int, tokens: int) -> int:
