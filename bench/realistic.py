@@ -33,7 +33,8 @@ from pathlib import Path
 
 from bench.harness import parser
 from bench.support.stats import pct_ms
-from bench.vs_llamacpp import MODEL, first_token_after, start_llama, start_stack, stop, wait_ready
+from bench.vs_llamacpp import (MODEL, first_token_after, one_stream, start_llama,
+                                start_stack, stop, wait_ready)
 
 WORDS = ("the a of to and in is it that for on with as was at by an be this from or "
          "river mountain harbour engine signal market winter garden letter station "
@@ -55,39 +56,19 @@ def prompt(seed: int) -> tuple[str, int]:
 
 
 async def one(client, url: str, seed: int) -> dict:
-    """One streamed request; `error` names what went wrong (status, or a cut stream)."""
+    """One streamed request (bench/vs_llamacpp.py's client); `error` names what went
+    wrong (a status, a broken connection, or a stream cut short)."""
     import httpx
 
     text, max_tokens = prompt(seed)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": text}],
-            "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    t0 = time.perf_counter()
-    arrivals: list[float] = []
-    tokens, error = 0, ""
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                error = str(r.status_code)
-            else:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    if any((c.get("delta") or {}).get("content")
-                           for c in chunk.get("choices", [])):  # fmt: skip
-                        arrivals.append(time.perf_counter())
+        res = await one_stream(client, url, MODEL, max_tokens, text)
+    except httpx.HTTPStatusError as exc:
+        return {"tokens": 0, "ttft": None, "gaps": [], "error": str(exc.response.status_code)}
     except httpx.TransportError as exc:
-        if not arrivals and not isinstance(exc, httpx.ReadTimeout):
-            return await one(client, url, seed)  # a kept-alive connection closed: send again
-        error = type(exc).__name__
-    if not error and tokens < max_tokens:
-        error = "short"
-    return {"tokens": tokens, "ttft": arrivals[0] - t0 if arrivals else None, "error": error,
-            "gaps": [b - a for a, b in zip(arrivals, arrivals[1:])]}
+        return {"tokens": 0, "ttft": None, "gaps": [], "error": type(exc).__name__}
+    short = "short" if res["tokens"] < max_tokens else ""
+    return {**res, "ttft": res["ttft"] or None, "error": short}  # 0.0: no token came
 
 
 async def load(url: str, concurrency: int, seconds: float, first_seed: int) -> dict:

@@ -53,25 +53,27 @@ MODEL = "smollm2-135m-instruct"
 QUESTION = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-async def one_stream(client, url: str, model: str, max_tokens: int) -> dict:
+async def one_stream(client, url: str, model: str, max_tokens: int,
+                     question: str = QUESTION) -> dict:
     """One streamed request, sent once more if the connection dropped before its first
     token: llama-server (cpp-httplib) closes a kept-alive connection after a few
-    requests, and a request that raced that close never reached it."""
+    requests, and a request that raced that close never reached it. A status other
+    than 200 raises httpx.HTTPStatusError."""
     import httpx
 
     try:
-        return await _one_stream(client, url, model, max_tokens)
+        return await _one_stream(client, url, model, max_tokens, question)
     except httpx.TransportError as exc:
         if getattr(exc, "first_token", False):
             raise
-        res = await _one_stream(client, url, model, max_tokens)
+        res = await _one_stream(client, url, model, max_tokens, question)
         return {**res, "resent": 1}
 
 
-async def _one_stream(client, url: str, model: str, max_tokens: int) -> dict:
+async def _one_stream(client, url: str, model: str, max_tokens: int, question: str) -> dict:
     import httpx
 
-    body = {"model": model, "messages": [{"role": "user", "content": QUESTION}],
+    body = {"model": model, "messages": [{"role": "user", "content": question}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     t0 = time.perf_counter()
