@@ -43,6 +43,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # --- scheduler
     scheduler_id: str = ""  # stable id (probes, logs); empty = random per process
     worker_expiry_s: float = 2.0  # a worker silent this long is dropped
+    cold_start_s: float = 120.0  # a generation held for a worker that is starting waits up to this long past its deadline, within its Tensorbus-Timeout or TENSORBUS_MAX_GENERATION_S (0: its deadline)
     max_queue_per_worker: int = 256  # most requests queued per ready worker, whatever their work
     max_queue_s: float = 30.0  # queue bound in estimated compute: seconds of work ahead per ready worker
     stall_s: float = 10.0  # a worker holding work with no finished step this long is wedged (time a step waits on a compile does not count)

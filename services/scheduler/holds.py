@@ -39,8 +39,9 @@ class HeldWork:
 
 
 class Holds:
-    def __init__(self, max_queue_per_worker: int) -> None:
+    def __init__(self, max_queue_per_worker: int, cold_start_s: float = 0.0) -> None:
         self.max_queue_per_worker = max_queue_per_worker
+        self.cold_start_s = cold_start_s  # TENSORBUS_COLD_START_S: the wait past a deadline
         self.by_model: dict[str, deque[HeldWork]] = {}  # model -> waiting for a cold start
         self.start_s: dict[str, float] = {}  # model -> its slowest worker start seen (seconds)
 
@@ -50,12 +51,17 @@ class Holds:
             self.start_s[model] = start_s
 
     def until(self, work: WorkRequest) -> float:
-        """When `work`, held from now, stops waiting: its deadline, or a generation's
-        measured cold start (with margin) when that is later and its end_by allows."""
-        start = self.start_s.get(work.model, 0.0)
-        if not start or not isinstance(work, GenerateWork) or not work.end_by:
+        """When `work`, held from now, stops waiting: its deadline; a generation
+        `cold_start_s` past it, or its measured cold start (with margin) when that is
+        later, but never past its end_by (the client's own Tensorbus-Timeout, else
+        TENSORBUS_MAX_GENERATION_S)."""
+        if not isinstance(work, GenerateWork) or not work.end_by:
             return work.deadline
-        return max(work.deadline, min(work.end_by, time.time() + start * START_MARGIN))
+        later = work.deadline + self.cold_start_s
+        start = self.start_s.get(work.model, 0.0)
+        if start:
+            later = max(later, time.time() + start * START_MARGIN)
+        return max(work.deadline, min(work.end_by, later))
 
     def hold(self, work: WorkRequest, since: float | None, queued: int, n_ready: int) -> int:
         """Hold `work` (`since`: held from then, monotonic; None = now), or 429 when the

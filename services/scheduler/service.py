@@ -124,7 +124,7 @@ class Scheduler:
         # Prompts' prefixes sent to each worker, until its heartbeats announce them.
         self.routed = Routed(grace_s=ROUTED_GRACE_BEATS * config.heartbeat_s)
         self.load: dict[str, int] = {}  # worker_id -> requests outstanding here
-        self.holds = Holds(config.max_queue_per_worker)
+        self.holds = Holds(config.max_queue_per_worker, config.cold_start_s)
         self.admission = Admission(config, self.id, self.fleet, held=self.holds.tally)
         self.loads = LoadReports(nc, self.id, self.admission, self.holds, config.heartbeat_s)
         self.admission.changed = self.loads.changed
