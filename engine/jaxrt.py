@@ -2,12 +2,18 @@
 
 `setup()` turns on the persistent compilation cache so that a restarted worker loads
 its warm-up executables from disk instead of compiling them again, and returns a short
-description of the device it will run on.
+description of the device it will run on. `fingerprint()` says which executables this
+process may load (another jax, backend, device or CPU: none), and `compile_counts()`
+how many programs it compiled and how many it loaded from the cache.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import platform
+import threading
 from pathlib import Path
 
 import jax
@@ -41,7 +47,93 @@ def setup(cache_dir: str | os.PathLike | None = None) -> str:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         # -1, not 0: 0 lets JAX substitute a filesystem-dependent minimum size.
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        # JAX's default also turns on XLA's GPU autotune cache in a folder under this
+        # one, and that folder's path enters every program's cache key: two workers
+        # with different data dirs could never load each other's programs (the fleet's
+        # shelf, services/registry/programs.py). Autotuning is stored in the executable.
+        jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
+    _count_compiles()
     return describe()
+
+
+# ------------------------------------------------------- what a cached program needs
+
+def fingerprint() -> dict[str, str]:
+    """What an executable compiled here needs of the process that loads it: the same
+    jax and jaxlib, backend and platform version, device kind and count, and (on a
+    CPU, where XLA compiles for the host's instruction set) the same CPU features and
+    compile options. Two processes with equal fingerprints can load each other's
+    cached programs; `fingerprint_id` is its short hash."""
+    import jaxlib
+
+    dev = _device()
+    client = getattr(dev, "client", None)
+    fp = {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform": dev.platform,
+        "platform_version": str(getattr(client, "platform_version", "")),
+        "device_kind": str(dev.device_kind),
+        "devices": str(len(jax.devices())),
+        "machine": platform.machine(),
+        "options": json.dumps(compiler_options(), sort_keys=True),
+    }
+    if dev.platform == "cpu":
+        fp["cpu_features"] = hashlib.sha256(" ".join(_cpu_flags()).encode()).hexdigest()[:16]
+    return fp
+
+
+def fingerprint_id(fp: dict[str, str] | None = None) -> str:
+    """16 hex digits naming `fingerprint()` (a registry key token)."""
+    text = json.dumps(fp if fp is not None else fingerprint(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cpu_flags() -> list[str]:
+    """The host CPU's feature flags (Linux), sorted; [] where they cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return sorted(set(line.split(":", 1)[1].split()))
+    return []
+
+
+def cache_dir() -> Path | None:
+    """The persistent compilation cache's folder, or None when it is off."""
+    path = jax.config.jax_compilation_cache_dir
+    return Path(path) if path else None
+
+
+_counts = {"compiled": 0, "loaded": 0}
+_counting = threading.Lock()
+_listening = False
+
+
+def _count_compiles() -> None:
+    """Count the persistent cache's misses (a program compiled, then written) and
+    hits (read instead of compiled) from JAX's monitoring events, once."""
+    global _listening
+    with _counting:
+        if _listening:
+            return
+        _listening = True
+
+    def heard(event: str, **_: object) -> None:
+        if event == "/jax/compilation_cache/cache_misses":
+            _counts["compiled"] += 1
+        elif event == "/jax/compilation_cache/cache_hits":
+            _counts["loaded"] += 1
+
+    jax.monitoring.register_event_listener(heard)
+
+
+def compile_counts() -> dict[str, int]:
+    """{"compiled": programs this process compiled, "loaded": read from the cache},
+    since `setup` turned the cache on."""
+    return dict(_counts)
 
 
 # XLA CPU options for the encoder and decoder executables (compile-time, per
