@@ -7,9 +7,13 @@ new key layout. Keys (dots in names and versions are written as `=`):
     model.<NAME>.v.<VERSION>   ModelVersion   one per pushed version
     model.<NAME>.aliases       Aliases        prod / canary; the key's KV history is the
                                               alias history (who served what, when)
+    programs.<NAME>.<VERSION>.<FP>.<ENTRY>
+                               CompiledProgram one compiled executable of that version,
+                                              for processes of fingerprint FP
 
 Weight files live in the Object Store bucket `tensorbus_models` as
-`<NAME>/<VERSION>/<relative path>`.
+`<NAME>/<VERSION>/<relative path>`, compiled programs as
+`<NAME>/<VERSION>/.programs/<FP>/<ENTRY>`.
 """
 
 from __future__ import annotations
@@ -53,6 +57,22 @@ class ModelVersion(msgspec.Struct, frozen=True, kw_only=True):
     # a GGUF file's header, its metadata and tensor table without tensor data, stored
     # as `NAME/VERSION/.header/FILE`. Empty in records pushed before it existed.
     tokenizer: list[FileEntry] = []
+
+
+class CompiledProgram(msgspec.Struct, frozen=True, kw_only=True):
+    """One compiled executable of a model version: an entry of JAX's persistent
+    compilation cache, named as JAX names it (a hash of the program, its compile
+    options and the jax version), shared by every worker whose `fingerprint` is equal
+    (engine/jaxrt.py: jax and jaxlib, backend, device kind, CPU features)."""
+
+    name: str
+    version: str
+    entry: str  # the cache entry's file name, e.g. "jit_step-<sha256>-cache"
+    fingerprint: dict[str, str]  # what a process needs to load it
+    size: int
+    sha256: str
+    created_at: datetime
+    created_by: str = ""  # user@host of the process that compiled it
 
 
 class CanaryGuard(msgspec.Struct, frozen=True, kw_only=True):

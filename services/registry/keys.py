@@ -37,6 +37,20 @@ def alias_key(name: str) -> str:
     return f"model.{_token(name)}.aliases"
 
 
+def programs_pattern(name: str, version: str, fingerprint_id: str) -> str:
+    """Every compiled program of `name@version` for processes of one fingerprint."""
+    return f"programs.{_token(name)}.{_token(version)}.{fingerprint_id}.*"
+
+
+def program_key(name: str, version: str, fingerprint_id: str, entry: str) -> str:
+    return f"programs.{_token(name)}.{_token(version)}.{fingerprint_id}.{_token(entry)}"
+
+
+def program_object_name(name: str, version: str, fingerprint_id: str, entry: str) -> str:
+    """A hidden folder of the version (a push skips hidden folders: no clash)."""
+    return object_name(name, version, f".programs/{fingerprint_id}/{entry}")
+
+
 def object_name(name: str, version: str, path: str) -> str:
     return f"{name}/{version}/{path}"
 

@@ -51,6 +51,7 @@ from services.registry.keys import (
     version_key,
     versions_pattern,
 )
+from services.registry.programs import Shelf
 from services.registry.push import Pusher
 from services.registry.watch import AliasWatch
 from shared import subjects
@@ -77,6 +78,7 @@ class Registry:
         self.actor = actor or _actor()
         self._pusher = Pusher(kv, objects, self.records, self.actor, nc)
         self._aliases = AliasBook(js, kv, self, self.actor)
+        self.programs = Shelf(kv, objects, self._scan, self.actor)  # compiled, per version
 
     @classmethod
     async def open(cls, nc, actor: str | None = None) -> "Registry":
