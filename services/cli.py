@@ -4,6 +4,7 @@
     tensorbus nats --cluster 3      three routed nats-servers (ports 4222-4224, routes 6222-6224)
     tensorbus replicas [N]          raise the registry's buckets and TELEMETRY to N replicas
     tensorbus registry ...          push / list / show / promote / canary / rollback
+    tensorbus registry warm NAME[@VERSION]   compile a version's programs for the fleet
     tensorbus embed TEXT...         one embeddings request over NATS (a smoke test)
     tensorbus telemetry tail        live telemetry records, one JSON line each
     tensorbus telemetry replay --since 10m   stored records from the TELEMETRY stream
@@ -121,6 +122,10 @@ def _telemetry(args: argparse.Namespace, config: Config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["registry", "warm"]:  # builds an engine: the worker's code
+        from services.worker.warm import main as warm_main
+
+        return warm_main(argv[2:])
     if argv and argv[0] == "registry":
         from services.registry.cli import main as registry_main
 

@@ -215,6 +215,11 @@ def engine_settings(config: Config, model: str,
     return engine, dtype
 
 
+def cache_folder(config: Config) -> Path:
+    """The compilation cache (and the engines' prepared weights and kernels)."""
+    return Path(config.data_dir) / "jax-cache"
+
+
 def build_engine(config: Config, info: catalog.ModelInfo) -> Engine:
     """The engine for one model directory, by kind and the model's engine settings."""
     from engine import jaxrt
@@ -224,7 +229,7 @@ def build_engine(config: Config, info: catalog.ModelInfo) -> Engine:
     backend, dtype = engine_settings(config, info.name, info)
     tp, quant = parallel_settings(config, info.name)
     form, budget = form_settings(config, info.name, info.kind)
-    jaxrt.setup(str(Path(config.data_dir) / "jax-cache"))  # before the kernel's cache dir is read
+    jaxrt.setup(str(cache_folder(config)))  # before the kernel's cache dir is read
     quant = resolve_quant(quant, info, backend, dtype, tp)
     try:
         return _build(config, info, backend, dtype, tp, quant, form, budget)

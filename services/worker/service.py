@@ -41,6 +41,7 @@ from nats.aio.msg import Msg
 from services.micro import ServiceHealth, add_service
 from services.registry.source import LOCAL, ModelSource
 from services.worker.batcher import EncoderRunner, run_encoder
+from services.worker.fleet import FleetPrograms
 from services.worker.generation import DecoderRunner
 from services.worker.memory import MemoryProbe, rss_bytes
 from services.worker.priority import lower_threads
@@ -148,7 +149,8 @@ class Worker:
     def __init__(self, nc: Client, config: Config, engine=None, *, kind: str = "",
                  worker_id: str | None = None, version: str = LOCAL, model: str = "",
                  source: ModelSource | None = None,
-                 engine_factory: EngineFactory | None = None, time_warmup: bool = True) -> None:
+                 engine_factory: EngineFactory | None = None, time_warmup: bool = True,
+                 fleet: FleetPrograms | None = None) -> None:
         self.nc = nc
         self.links = Links(nc)  # its drops go out in heartbeats (`reconnects`)
         self.config = config
@@ -163,7 +165,8 @@ class Worker:
                 raise ValueError("a worker needs an engine or an engine factory")
             self.swap = HotSwap(self.model, self.models, source, engine_factory,
                                 in_use=self._wait_unused, grace_s=config.heartbeat_s * 3,
-                                model_dir=config.model_dir)
+                                model_dir=config.model_dir, fleet=fleet)
+        self.fleet = fleet
         self.outbox = Outbox(nc, self.id, self.model, prod=lambda: self.models.prod)
         self.runner: Runner | None = None  # built in run(), once the kind is known
         self.memory = MemoryProbe()
@@ -259,7 +262,12 @@ class Worker:
             self.health.details = {"instance": self.id, "model": self.model, "versions": self.versions}
             self._hb_now.set()
             log.info("ready", worker_id=self.id, model=self.model, kind=self.kind,
-                     versions=self.versions)
+                     versions=self.versions, seconds=round(self.start_s, 2),
+                     **self._program_fields())
+            shelving = None
+            if self.fleet is not None:
+                await self.fleet.publish_quietly()  # the first set, for the next worker
+                shelving = tg.create_task(self.fleet.run())
             follow = tg.create_task(self.swap.run()) if self.swap is not None else None
             if ready is not None:
                 ready.set()
@@ -267,6 +275,8 @@ class Worker:
             if follow is not None:  # no swap while draining
                 follow.cancel()
                 await self.swap.stop()
+            if shelving is not None:
+                shelving.cancel()  # _drain publishes the last round itself
             await self._drain()
             self._hb_now.set()
 
@@ -306,6 +316,8 @@ class Worker:
             await sub.drain()
         await self.runner.drain()
         await asyncio.get_running_loop().run_in_executor(None, self._stop_compiles)
+        if self.fleet is not None:
+            await self.fleet.publish_quietly()  # what it compiled since the last round
         self.state = "stopped"
         await self._publish_heartbeat()
         await self.nc.flush()
@@ -373,6 +385,18 @@ class Worker:
             start_s=self.start_s, programs_compiled=compiled, programs_total=total,
             forms_measured=measured, forms_total=units, quant=quant, compute_forms=forms,
             site=self.config.site, reconnects=self.links.drops, **self._cost_fields())
+
+    def _program_fields(self) -> dict[str, object]:
+        """The ready line's programs: a decoder's compiled of those it serves, and
+        (a worker that shares the fleet's) how many it compiled, loaded and fetched."""
+        out: dict[str, object] = {}
+        engine = self.models.prod_engine
+        if self.kind == "decoder" and engine is not None:
+            stats = engine.stats()
+            out["programs"] = f"{stats.compiled}/{stats.programs}"
+        if self.fleet is not None:
+            out.update(self.fleet.summary())
+        return out
 
     def _cost_fields(self) -> dict[str, float]:
         """The heartbeat's cost: an encoder's from warm-up; a decoder's as its runner

@@ -6,7 +6,8 @@
      know, the local directory serves as version "local".
   2. A KV watch follows the aliases. The newest change wins: a change that arrives
      while another loads is applied once that load ends.
-  3. A version the aliases name but the worker lacks is fetched, built and warmed on
+  3. A version the aliases name but the worker lacks is fetched (its compiled programs
+     too, services/worker/fleet.py), built and warmed on
      the loader thread, so the engine thread keeps serving the old ones meanwhile.
   4. Switch, in one step on the event loop: unpinned work closed into a batch from now
      on runs on the new prod; a heartbeat goes out at once.
@@ -35,6 +36,7 @@ from nats.errors import ConnectionClosedError
 from engine.interface import Engine
 from services.registry.errors import IncompatibleVersion, VersionNotFound
 from services.registry.source import LOCAL, ModelSource
+from services.worker.fleet import FleetPrograms
 from shared import catalog
 from shared.logging import get_logger
 from shared.registry import Aliases
@@ -125,7 +127,7 @@ class HotSwap(Generic[E]):
 
     def __init__(self, model: str, models: LoadedModels[E], source: ModelSource | None,
                  factory: EngineFactory[E], *, in_use: InUse, grace_s: float,
-                 model_dir: str = "") -> None:
+                 model_dir: str = "", fleet: FleetPrograms | None = None) -> None:
         self.model = model
         self.models = models  # filled by start(), changed by apply() and retirement
         self.source = source
@@ -134,6 +136,7 @@ class HotSwap(Generic[E]):
         self.in_use = in_use
         self.model_dir = model_dir  # a fixed local directory: version "local", no watch
         self.grace_s = grace_s
+        self.fleet = fleet  # the fleet's compiled programs, pulled before a build
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="loader")
         self.swaps = 0  # completed switches, for tests and benchmarks
         self._target: Aliases | None = None
@@ -291,6 +294,8 @@ class HotSwap(Generic[E]):
         if info.kind != kind:
             raise IncompatibleVersion(
                 f"{self.model}@{version} is of kind {info.kind}; this worker serves kind {kind}")
+        if self.fleet is not None and version != LOCAL:
+            await self.fleet.pull(version)
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
         engine = await loop.run_in_executor(self.loader, self._make, info, version, warm)
