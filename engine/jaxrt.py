@@ -136,6 +136,40 @@ def compile_counts() -> dict[str, int]:
     return dict(_counts)
 
 
+# ------------------------------------------------------------- memory maps
+
+MAP_RESERVE = 8000
+"""Memory maps one more compile may take, with writing it to the cache: XLA's CPU
+JIT maps every kernel's code, constants and data apart, about 450 maps for one of
+SmolLM2's step programs, and LLVM aborts the process (or it segfaults) when an
+mmap fails at the kernel's `vm.max_map_count` (65,530 by default on Linux)."""
+
+MAP_LIMIT_ADVICE = "sysctl -w vm.max_map_count=262144"
+
+
+class MapLimit(RuntimeError):
+    """Compiling one more program could run this process out of memory maps."""
+
+
+def map_count() -> tuple[int, int]:
+    """(memory maps this process holds, the kernel's limit); (0, 0) where unknown."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            held = f.read().count(b"\n")
+        with open("/proc/sys/vm/max_map_count") as f:
+            return held, int(f.read())
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def check_map_room() -> None:
+    """Raise MapLimit when fewer than MAP_RESERVE maps are left to this process."""
+    held, limit = map_count()
+    if limit and limit - held < MAP_RESERVE:
+        raise MapLimit(f"this process holds {held} of its {limit} memory maps, too near "
+                       f"the limit to compile another program; raise it: {MAP_LIMIT_ADVICE}")
+
+
 # XLA CPU options for the encoder and decoder executables (compile-time, per
 # executable; never process-wide XLA_FLAGS). YNNPACK fusions are switched off: XLA
 # then runs the dots on its own GEMM kernels and fuses the element-wise work into
@@ -153,7 +187,9 @@ def compiler_options() -> dict[str, str]:
 
 def compile_lowered(lowered):
     """Compile with `compiler_options()`, or with none if this jaxlib rejects them
-    (the option names are XLA's and may change between releases)."""
+    (the option names are XLA's and may change between releases); MapLimit instead
+    of a compile that could take the process down (`check_map_room`)."""
+    check_map_room()
     options = compiler_options()
     if options:
         try:

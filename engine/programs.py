@@ -154,6 +154,16 @@ class Programs:
                 self.get(key, lower)
             except LookupError:
                 return  # its engine was dropped
+            except jaxrt.MapLimit as exc:
+                # Compiling on would take the process down: what is compiled serves
+                # (in parts, engine/decoder/compiled.py); the rest is left.
+                with self._lock:
+                    left = len(self._queue)
+                    self._queue.clear()
+                    self._thread = None
+                log.warning("background_compiles_stopped", model=self.name, left=left,
+                            compiled=self.compiled, reason=str(exc))  # fmt: skip
+                return
             except Exception as exc:  # noqa: BLE001 - a shape that will not compile
                 # is compiled (and fails) where it is needed instead; log it here.
                 log.warning("background_compile_failed", model=self.name,

@@ -10,6 +10,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
+# A JAX worker maps every compiled kernel apart (SmolLM2 at the default shapes holds
+# about 60,000 maps); Linux's default limit is 65,530 (docs/operations.md, "Memory maps").
+maps=$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 262144)
+if [ "$maps" -lt 262144 ]; then
+    if [ "$(id -u)" -eq 0 ]; then
+        echo "raising vm.max_map_count from $maps to 262144 for the JAX workers" >&2
+        sysctl -q -w vm.max_map_count=262144 || true
+    else
+        echo "vm.max_map_count is $maps; a worker stops compiling near it: sudo sysctl -w vm.max_map_count=262144" >&2
+    fi
+fi
 fleet=",${TENSORBUS_FLEET:-}"
 case "${fleet// /}" in
   *,tensorbus-demo-lm=*) ;;

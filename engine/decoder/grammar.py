@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine import jaxrt
 from engine.decoder.constrained import MaskedPrograms
 from shared.logging import get_logger
 from shared.messages import GRAMMAR_RELEASE as RELEASE
@@ -248,7 +249,10 @@ class SlotGrammars:
         ones = [k for k in served if k[0] == "step" and k[1] == 1 and k not in first]
         shapes = first + ones + [k for k in served if k not in first and k not in ones]
         if self._compile_ahead == "all":
-            self.programs().compile(shapes)
+            try:
+                self.programs().compile(shapes)
+            except jaxrt.MapLimit as exc:  # the rest where first needed, if ever
+                log.warning("grammar_prepare_stopped", model=self.name, reason=str(exc))
             return
 
         def work() -> None:

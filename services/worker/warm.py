@@ -21,6 +21,7 @@ from pathlib import Path
 
 import msgspec
 
+from engine.jaxrt import MapLimit
 from services.registry.errors import RegistryError
 from services.registry.source import LOCAL, ModelSource
 from services.registry.store import Registry
@@ -89,6 +90,14 @@ async def _warm(config: Config, name: str, version: str, timeout: float) -> dict
 def _compile_all(config: Config, info: catalog.ModelInfo, timeout: float) -> None:
     """Build the engine and compile every program it serves, its compute forms measured."""
     engine = build_engine(config, info)
+    try:
+        _compile(engine, info, timeout)
+    except MapLimit as exc:  # what compiled is published all the same
+        print(f"warning: stopped compiling: {exc}", file=sys.stderr)
+    engine.close(wait_s=timeout)
+
+
+def _compile(engine, info: catalog.ModelInfo, timeout: float) -> None:
     engine.warmup(True)
     if info.kind == "decoder":
         joined = threading.Event()
@@ -103,4 +112,3 @@ def _compile_all(config: Config, info: catalog.ModelInfo, timeout: float) -> Non
                 break
             joined.wait(1.0)
             joined.clear()
-    engine.close(wait_s=timeout)

@@ -13,6 +13,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from engine.programs import Programs
 
@@ -66,3 +67,25 @@ def test_the_background_compiling_is_no_wait_until_a_step_asks_for_its_program()
     step.join(60)
     assert programs.wait_background(60)
     assert not programs.waited_on and programs.compiled == 1
+
+
+def test_near_the_memory_map_limit_compiles_stop_with_a_clear_error_not_a_crash(monkeypatch):
+    """XLA's CPU JIT maps each kernel apart; an mmap refused at vm.max_map_count
+    aborts the process from inside LLVM. Near the limit the background stops and an
+    asked-for program fails with the fix in its message; compiled ones still run."""
+    from engine import jaxrt
+
+    def lower(x):
+        return lambda: jax.jit(lambda v: v * x).lower(jax.ShapeDtypeStruct((4,), jnp.float32))
+
+    programs = Programs("t")
+    first = programs.get("a", lower(2.0))
+    held, limit = jaxrt.map_count()
+    assert limit > held > 0  # read from /proc on Linux
+    monkeypatch.setattr(jaxrt, "map_count", lambda: (limit - jaxrt.MAP_RESERVE + 1, limit))
+    programs.start_background([("b", lower(3.0)), ("c", lower(4.0))])
+    programs.wait_background(60)
+    assert not programs.compiling and programs.total == 1  # the rest was left
+    with pytest.raises(jaxrt.MapLimit, match="vm.max_map_count"):
+        programs.get("d", lower(5.0))
+    np.testing.assert_allclose(np.asarray(first(jnp.arange(4.0))), [0, 2, 4, 6])
