@@ -14,7 +14,8 @@ fastest depends on the backend and on how many rows the matmul has (a batch buck
 - "kernel8": the kernel with the activations rounded to int8 per group and integer
   dot products for 4-bit weights (the same arrays again): the rounding of w8a8, about
   half the kernel's vector work per weight, so it wins where a step has many rows
-  (docs/decisions/0064). Considered beside "kernel" where a weight is 4-bit.
+  (docs/decisions/0064). Run only when named: auto leaves it out, as its greedy
+  tokens depend on the batch (docs/decisions/0071).
 
 The engine (engine/decoder/formchoice.py) measures every allowed form at every
 bucket once (`timed`: that bucket's compiled program), keeps the `fastest` per bucket,
@@ -61,11 +62,15 @@ def check_form(form: str, quant: str) -> str:
 
 
 def candidates(quant: str, setting: str, sizes: dict[str, int], budget: int,
-               kernel: bool = False, act8: bool = False) -> tuple[str, ...]:
+               kernel: bool = False) -> tuple[str, ...]:
     """Forms to consider: the forced one, or (auto) those whose weights fit in
     `budget` bytes next to the stored ones. sizes: form -> bytes of its weights;
-    kernel: whether the kernel forms can run (auto considers them for gguf only);
-    act8: whether kernel8 differs from kernel (a 4-bit dense weight)."""
+    kernel: whether the kernel forms can run (auto considers "kernel" for gguf only).
+
+    Auto never considers "kernel8": rounding the activations to int8 turns XLA's
+    last-bit differences between batch sizes into different greedy tokens (SmolLM2,
+    16 prompts alone and then together, 24 tokens each: 10 of 16 parted with
+    kernel8, none with the float kernel; docs/decisions/0071). Name it to have it."""
     if quant == "none":
         return ("float",)
     if setting in KERNEL_FORMS and not kernel:
@@ -77,7 +82,7 @@ def candidates(quant: str, setting: str, sizes: dict[str, int], budget: int,
     # measured (engine/decoder/formchoice.py), and the XLA path's dequantizing step
     # is several times slower than the kernel's on every bucket measured (0062).
     if kernel and quant == "gguf":
-        possible = ("kernel", "kernel8")[: 1 + act8] + possible
+        possible = ("kernel",) + possible
     stored = sizes["dequant"]
     return tuple(f for f in possible
                  if f in ("dequant",) + KERNEL_FORMS or stored + sizes[f] <= budget)

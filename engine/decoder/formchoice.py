@@ -33,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import jax
 import numpy as np
 
 from engine import forms, sharding
@@ -292,7 +291,7 @@ def add_forms(trees: dict, quant: str, setting: str, budget: int, dtype, mesh) -
     sizes["kernel"] = sizes["kernel8"] = 0  # the stored arrays, shared
     budget = int(budget) or q.float_bytes(trees["dequant"], np.float32)
     kernel = forms.kernel_usable(quant, setting, dtype, mesh)
-    found = forms.candidates(quant, setting, sizes, budget, kernel, act8=has_int4(trees["dequant"]))
+    found = forms.candidates(quant, setting, sizes, budget, kernel)
     if "float" in found:
         f = q.dequantize_tree(trees["dequant"], dtype)
         trees["float"] = f if mesh is None else sharding.place(f, mesh)
@@ -303,11 +302,6 @@ def add_forms(trees: dict, quant: str, setting: str, budget: int, dtype, mesh) -
             trees[form] = packed
     return found
 
-
-def has_int4(tree) -> bool:
-    """Whether a dense weight of `tree` is 4-bit (where kernel8 computes otherwise)."""
-    return any(w.bits == 4 and w.axis == 0
-               for w in jax.tree.leaves(tree, is_leaf=q.is_qweight) if q.is_qweight(w))  # fmt: skip
 
 
 def measure_shape(programs: StepPrograms, bucket: str) -> tuple[str, int, int]:

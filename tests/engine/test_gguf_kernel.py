@@ -211,17 +211,18 @@ def test_without_a_compiler_the_xla_path_serves(monkeypatch, smollm2_dir, smollm
 
 
 def test_auto_measures_the_kernel_beside_the_stored_form(loaded, smollm2_dir):
-    """quant gguf, form auto: the kernel with float and with int8 activations and
-    the XLA path are candidates, each bucket gets the one measured fastest (a kernel
-    at batch 1, by several times here), and a form no bucket chose is dropped."""
+    """quant gguf, form auto: the float kernel and the XLA path are candidates (not
+    kernel8, whose greedy tokens depend on the batch), each bucket gets the one
+    measured fastest (the kernel at batch 1, by several times here), and a form no
+    bucket chose is dropped."""
     eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT,
                         prefill_buckets=(16,), decode_windows=(), quant="gguf",
                         forms_cache=None)  # fmt: skip
-    assert eng.forms.candidates == ("kernel", "kernel8", "dequant"), kernels.unavailable_reason()
+    assert eng.forms.candidates == ("kernel", "dequant"), kernels.unavailable_reason()
     choices = eng.select_forms()
-    assert set(choices) == {"step 1", "prefill 16"} and choices["step 1"] in ("kernel", "kernel8")
+    assert set(choices) == {"step 1", "prefill 16"} and choices["step 1"] == "kernel"
     assert set(eng.forms.held) == set(choices.values())
-    assert set(eng.forms.form_ms["step 1"]) == {"dequant", "kernel", "kernel8"}
+    assert set(eng.forms.form_ms["step 1"]) == {"dequant", "kernel"}
 
 
 def test_speculation_through_the_kernel_equals_transformers(loaded, smollm2_dir, smollm2_hf,
@@ -241,3 +242,34 @@ def test_speculation_through_the_kernel_equals_transformers(loaded, smollm2_dir,
     eng.free(0)
     assert out[:n] == _hf_greedy(smollm2_hf, ids, n)
     assert eng.speculation.stats.accepted > 0
+
+
+def test_greedy_is_the_same_alone_together_and_from_the_prefix_cache(loaded, smollm2_dir,
+                                                                      smollm2_hf_tokenizer):  # fmt: skip
+    """The default form (auto, each bucket its measured fastest): 32 distinct prompts of
+    5-90 tokens, each alone (batch 1), then all at once (batch 32, the prompts cut into
+    other chunks), then alone again with their prefixes in the cache: the same greedy
+    tokens every time."""
+    eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=32, max_context=160,
+                        prefill_buckets=(16, 64), decode_windows=(), quant="gguf",
+                        forms_cache=None)  # fmt: skip
+    eng.select_forms()
+    words = ("The history of the Roman Empire spans more than a thousand years, from the "
+             "founding of Rome to the fall of Constantinople; its roads, laws and language "
+             "shaped Europe, and its engineers built aqueducts, bridges and domes that still "
+             "stand. Merchants carried grain, oil and wine across the sea while poets wrote "
+             "of farms, wars and the gods.").split()  # fmt: skip
+    rng = np.random.default_rng(7)
+    prompts = []
+    for i in range(32):
+        n = int(rng.integers(3, len(words)))
+        start = int(rng.integers(0, len(words) - n + 1))
+        text = f"Question {i}: " + " ".join(words[start:start + n])
+        prompts.append(smollm2_hf_tokenizer(text)["input_ids"][:90])
+    alone = [_greedy_together(eng, [p], 10)[0] for p in prompts]
+    together = _greedy_together(eng, prompts, 10)
+    hits = eng.stats().cache.hits
+    cached = [_greedy_together(eng, [p], 10)[0] for p in prompts]
+    assert eng.stats().cache.hits > hits  # prompts' blocks were reused, not computed
+    assert [i for i in range(32) if together[i] != alone[i]] == []
+    assert [i for i in range(32) if cached[i] != alone[i]] == []
