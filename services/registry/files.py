@@ -13,8 +13,9 @@ import io
 from pathlib import Path, PurePosixPath
 
 import msgspec
+from nats.js.errors import DigestMismatchError, ObjectNotFoundError
 
-from services.registry.errors import RegistryError
+from services.registry.errors import ChecksumError, RegistryError
 from shared import gguf
 from shared.registry import FileEntry, ModelVersion
 
@@ -150,6 +151,21 @@ class HashingWriter:
         if self._progress is not None:
             self._progress.update(len(data))
         return self._f.write(data)
+
+
+async def get_checked(objects, obj: str, f, size: int, sha256: str, progress=None) -> None:
+    """Object `obj` written into the open file `f`, its bytes hashed as they arrive;
+    ChecksumError when it is missing, corrupted, or not `size` bytes of `sha256`."""
+    writer = HashingWriter(f, progress)
+    try:
+        await objects.get(obj, writeinto=writer)
+    except ObjectNotFoundError:
+        raise ChecksumError(f"{obj} is missing from the object store") from None
+    except DigestMismatchError:
+        raise ChecksumError(f"{obj} is corrupted in the object store") from None
+    if (writer.size, writer.sha.hexdigest()) != (size, sha256):
+        raise ChecksumError(f"{obj}: sha256 {writer.sha.hexdigest()} ({writer.size} bytes) does "
+                            f"not match the registry's {sha256} ({size} bytes)")
 
 
 def write_marker(model_dir: Path, mv: ModelVersion) -> None:

@@ -30,9 +30,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import msgspec
-from nats.js.errors import DigestMismatchError, ObjectNotFoundError
 
 from services.registry import files as fs
+from services.registry.errors import ChecksumError
 from services.registry.keys import program_key, program_object_name, programs_pattern
 from shared.logging import get_logger
 from shared.registry import CompiledProgram
@@ -89,16 +89,10 @@ class Shelf:
         fd, tmp = tempfile.mkstemp(prefix=".fetch-", dir=dest)
         try:
             with os.fdopen(fd, "wb") as f:
-                writer = fs.HashingWriter(f)
                 try:
-                    await self._obj.get(obj, writeinto=writer)
-                except ObjectNotFoundError:
-                    return "its bytes are missing from the object store"
-                except DigestMismatchError:
-                    return "its bytes are corrupted in the object store"
-            if (writer.size, writer.sha.hexdigest()) != (rec.size, rec.sha256):
-                return (f"sha256 {writer.sha.hexdigest()} ({writer.size} bytes) does not match "
-                        f"its record's {rec.sha256} ({rec.size} bytes)")
+                    await fs.get_checked(self._obj, obj, f, rec.size, rec.sha256)
+                except ChecksumError as exc:
+                    return str(exc)
             os.replace(tmp, dest / rec.entry)
             tmp = ""
             return None

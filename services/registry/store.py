@@ -30,17 +30,15 @@ from pathlib import Path
 import msgspec
 from nats.js.errors import (
     BucketNotFoundError,
-    DigestMismatchError,
     KeyDeletedError,
     KeyNotFoundError,
-    ObjectNotFoundError,
 )
 from tqdm import tqdm
 
 from services.registry import files as fs
 from services.registry.aliases import AliasBook
 from services.registry.election import SteadyKV, through
-from services.registry.errors import ChecksumError, RegistryError, VersionNotFound
+from services.registry.errors import RegistryError, VersionNotFound
 from services.registry.keys import (
     META_PREFIX,
     META_STREAM,
@@ -207,18 +205,7 @@ class Registry:
                 obj = (objects(entry) if objects is not None
                        else object_name(mv.name, mv.version, entry.path))
                 with open(path, "wb") as f:
-                    writer = fs.HashingWriter(f, bar)
-                    try:
-                        await self._obj.get(obj, writeinto=writer)
-                    except ObjectNotFoundError:
-                        raise ChecksumError(f"{obj} is missing from the object store") from None
-                    except DigestMismatchError:
-                        raise ChecksumError(f"{obj} is corrupted in the object store") from None
-                if fs.file_entry(entry.path, writer) != entry:
-                    raise ChecksumError(
-                        f"{obj}: sha256 {writer.sha.hexdigest()} ({writer.size} bytes) does not "
-                        f"match the registry's {entry.sha256} ({entry.size} bytes)"
-                    )
+                    await fs.get_checked(self._obj, obj, f, entry.size, entry.sha256, bar)
 
     # --- pushing: push.Pusher
 

@@ -103,10 +103,13 @@ class FleetPrograms:
         return sent
 
     async def run(self) -> None:
-        """Publish every PUBLISH_S until cancelled or publishing is off."""
-        while self._failures < MAX_FAILURES:
-            await asyncio.sleep(PUBLISH_S)
+        """Publish now (the first set, for the next worker), then every PUBLISH_S,
+        until cancelled or publishing is off."""
+        while True:
             await self.publish_quietly()
+            if self._failures >= MAX_FAILURES:
+                return
+            await asyncio.sleep(PUBLISH_S)
 
     async def publish_quietly(self) -> None:
         """One round; MAX_FAILURES failed rounds in a row turn publishing off (a

@@ -264,10 +264,7 @@ class Worker:
             log.info("ready", worker_id=self.id, model=self.model, kind=self.kind,
                      versions=self.versions, seconds=round(self.start_s, 2),
                      **self._program_fields())
-            shelving = None
-            if self.fleet is not None:
-                await self.fleet.publish_quietly()  # the first set, for the next worker
-                shelving = tg.create_task(self.fleet.run())
+            shelving = tg.create_task(self.fleet.run()) if self.fleet is not None else None
             follow = tg.create_task(self.swap.run()) if self.swap is not None else None
             if ready is not None:
                 ready.set()
