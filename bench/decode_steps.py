@@ -19,7 +19,8 @@ Compiles happen on first use of each shape and are not timed.
     .venv/bin/python -m bench.decode_steps --variants none,gguf:dequant,gguf:kernel \
         --cases 1x64,4x64 --steps 12 --rounds 3
 
-`--variants` (QUANT or QUANT:FORM, comma-separated) builds one engine per variant
+`--variants` (QUANT[:FORM][@KERNEL], comma-separated: none@xla,none@cpu sets two
+attention kernels side by side) builds one engine per variant
 and times them side by side: each case's steps alternate between the engines in
 rounds, and the median over all rounds is reported (a loaded machine's swings fall
 on every variant alike).
@@ -167,10 +168,13 @@ def compare(model_dir: Path, args) -> dict:
     top = max(c for _, c in cases) + args.steps * args.rounds + 16
     engines = {}
     for v in args.variants.split(","):
+        v, _, kernel = v.partition("@")
         quant, _, form = v.partition(":")
+        v = f"{v}@{kernel}" if kernel else v
         engines[v] = DecoderEngine(model_dir, "bench", dtype=args.dtype, slots=slots,
-                                   max_context=top, prefix_cache=False, quant=quant,
-                                   quant_form=form or "auto", forms_cache=None)  # fmt: skip
+                                   max_context=max(top, args.max_context), prefix_cache=False,
+                                   quant=quant, quant_form=form or "auto", forms_cache=None,
+                                   attention=kernel or "auto")  # fmt: skip
         print(json.dumps({"variant": v, "forms": engines[v].forms.candidates}), flush=True)
     out = {"variants": list(engines), "cases": []}
     for streams, context in cases:
@@ -203,7 +207,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--random", action="store_true", help="random weights in SmolLM2's shapes")
     ap.add_argument("--dry", action="store_true", help="tiny shapes (with --random): a smoke run")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--kernels", default="xla", help="comma-separated: xla, pallas")
+    ap.add_argument("--kernels", default="xla", help="comma-separated: xla, pallas, cpu")
     ap.add_argument("--cases", default="1x128,16x128", help="STREAMSxCONTEXT, comma-separated")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--quant", default="none", help="stored weights (engine/quant.py)")
@@ -211,6 +215,8 @@ def main(argv=None) -> dict:
                     help="MB every held weight form may take (0: the float32 size)")
     ap.add_argument("--variants", default="", help="QUANT[:FORM],...: side by side")
     ap.add_argument("--rounds", type=int, default=3, help="with --variants")
+    ap.add_argument("--max-context", type=int, default=0,
+                    help="with --variants: the engines' longest context (0: what the cases need)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     from engine import jaxrt

@@ -6,16 +6,23 @@ each name their blocks in a table [B, NW]; NW (static) is the step's window, the
 smallest compiled one that holds the longest live row (engine/decoder/engine.py),
 so a step costs its batch bucket x its window, never the slot count x the context.
 
-Two implementations of the same function:
+Three implementations of the same function:
 - "xla": the row's blocks gathered into one [B, KV, NW * BLOCK, D] window, then
   masked attention (`layers.cached_attention`). Portable, and the reference.
+- "cpu": a C++ kernel through the XLA FFI (engine/kernels/paged_attention.cc) that
+  reads each row's blocks in place up to the row's own position, prefill chunks
+  too (`chunk_attention`). Its cost follows what the rows hold, not the table's
+  width, so a decoder using it compiles one decode program per batch bucket and one
+  prefill program per length bucket: its tables are always a full context wide
+  (engine/decoder/engine.py; docs/decisions/0072).
 - "pallas": JAX's Pallas paged-attention kernel for GPUs
   (`jax.experimental.pallas.ops.gpu.paged_attention`): it reads each row's pages in
   place, up to that row's own length, split across the window for parallelism (a
   flash-decoding reduction), with no gathered copy. `interpret=True` runs the same
   kernel on the CPU, which is how the tests hold it equal to "xla".
 
-`pick("auto", platform)` is "pallas" on a GPU and "xla" elsewhere.
+`pick("auto", platform)` is "pallas" on a GPU, "cpu" on a CPU where the kernel
+builds (g++), and "xla" elsewhere.
 """
 
 from __future__ import annotations
@@ -25,15 +32,38 @@ import jax.numpy as jnp
 from engine.decoder.config import DecoderConfig
 from engine.decoder.layers import cached_attention
 
-KERNELS = ("auto", "xla", "pallas")
+KERNELS = ("auto", "xla", "pallas", "cpu")
+IN_PLACE = ("cpu",)  # kernels whose cost does not grow with the table's width
 
 
-def pick(setting: str, platform: str) -> str:
+def pick(setting: str, platform: str, devices: int = 1) -> str:
+    """The kernel a setting names on `platform` ("cpu" named where it cannot be
+    built: ValueError). Over several devices (tensor parallelism) auto is "xla":
+    the kernels have no rule for a pool split by KV head, and XLA would gather the
+    whole pool onto each device around them."""
     if setting not in KERNELS:
         raise ValueError(f"attention kernel {setting!r}: use one of {', '.join(KERNELS)}")
+    if setting == "auto" and devices > 1:
+        return "xla"
+    if setting == "cpu" and devices > 1:
+        raise ValueError("attention kernel 'cpu' runs on one device: use xla with tensor "
+                         "parallelism")
     if setting == "auto":
-        return "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
+        if platform in ("gpu", "cuda", "rocm"):
+            return "pallas"
+        return "cpu" if platform == "cpu" and _cpu_kernel() else "xla"
+    if setting == "cpu" and not (platform == "cpu" and _cpu_kernel()):
+        from engine import kernels
+
+        raise ValueError(f"attention kernel 'cpu' is not available here: "
+                         f"{kernels.unavailable_reason() or 'not a CPU backend'}")  # fmt: skip
     return setting
+
+
+def _cpu_kernel() -> bool:
+    from engine import kernels  # builds the kernels on first use (a g++ run, cached)
+
+    return kernels.compiler() is not None and kernels.load() is not None
 
 
 def write(cache, blocks, offsets, new):
@@ -63,6 +93,10 @@ def paged_decode(q, k_cache, v_cache, tables, positions, cfg: DecoderConfig,
     `window`, are never attended to. The Pallas kernel knows neither windows nor
     soft-capping: a layer with either takes the XLA path.
     """
+    if kernel == "cpu":
+        b = q.shape[0]
+        rows = jnp.arange(b, dtype=jnp.int32)
+        return _in_place(q, k_cache, v_cache, tables, rows, positions, cfg, window)
     if kernel == "xla" or window is not None or cfg.attn_softcap:
         return cached_attention(q, gather(k_cache, tables), gather(v_cache, tables),
                                 positions, cfg, window)  # fmt: skip
@@ -77,3 +111,21 @@ def paged_decode(q, k_cache, v_cache, tables, positions, cfg: DecoderConfig,
         k_splits=splits, pages_per_compute_block=per_block, interpret=interpret,
     )  # fmt: skip  # out: [B, H, D]
     return out.astype(q.dtype).reshape(b, cfg.heads * cfg.head_dim)
+
+
+def chunk_attention(q, k_cache, v_cache, table, positions, cfg: DecoderConfig,
+                    window: int | None = None):
+    """A prefill chunk of one sequence against its blocks, read in place ("cpu").
+
+    q: [T, H, D]; table: [NC] int32; positions: [T] int32 (each query's own; the
+    chunk's K/V already written) -> [T, H * D]"""
+    rows = jnp.zeros(q.shape[0], jnp.int32)
+    return _in_place(q, k_cache, v_cache, table[None], rows, positions, cfg, window)
+
+
+def _in_place(q, k_cache, v_cache, tables, rows, positions, cfg: DecoderConfig, window):
+    from engine import kernels
+
+    out = kernels.paged_attention(q, k_cache, v_cache, tables, rows, positions, cfg.scale,
+                                  cfg.attn_softcap or 0.0, window)  # fmt: skip
+    return out.astype(q.dtype).reshape(q.shape[0], cfg.heads * cfg.head_dim)

@@ -64,7 +64,7 @@ class StepPrograms:
         self.interpret = interpret
         # state is the argument after params in each: donated, so updated in place.
         self._prefill = jax.jit(lambda params, state, *args: steps.prefill_chunk(
-            params, cfg, state, *args), donate_argnums=1, **jit_kw)  # fmt: skip
+            params, cfg, state, *args, kernel=attention), donate_argnums=1, **jit_kw)  # fmt: skip
         self._generate = jax.jit(lambda params, state, *args: steps.generate(
             params, cfg, state, *args, attention, interpret), donate_argnums=1, **jit_kw)  # fmt: skip
         self._verify = jax.jit(lambda params, state, *args: verify(

@@ -32,7 +32,7 @@ class MaskedPrograms:
         cfg, kernel, interpret = steps.cfg, steps.attention, steps.interpret
         self._prefill = jax.jit(
             lambda params, state, *args: prefill_chunk(params, cfg, state, *args[:-1],
-                                                       mask=args[-1]),
+                                                       mask=args[-1], kernel=kernel),
             donate_argnums=1, **steps.jit_kw)  # fmt: skip
         self._generate = jax.jit(
             lambda params, state, rows, tables, live, mask: generate(

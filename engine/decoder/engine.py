@@ -123,14 +123,16 @@ class DecoderEngine:
                              sharding.engine_devices(mesh), device_name(),
                              prefix_block=block if prefix_cache else 0)  # fmt: skip
         self.info = info
+        kernel = attention_kernel.pick(attention, jax.devices()[0].platform, tp)
         windows = shapes.decode_windows(decode_windows, info.max_context, block)
+        if kernel in attention_kernel.IN_PLACE:  # it reads what rows hold: no window axis
+            windows = windows[-1:]
         batches = shapes.decode_batches(info.slots)
         chunk = min(int(prefill_chunk) or max(prefill_buckets), windows[-1])
         buckets = shapes.prefill_buckets(tuple(prefill_buckets), chunk)
         # Contexts a prefill chunk may attend to: every other decode window and the
         # largest (fewer compiles; a chunk reads at most one step up).
         contexts = tuple(sorted(w for i, w in enumerate(reversed(windows)) if i % 2 == 0))
-        kernel = attention_kernel.pick(attention, jax.devices()[0].platform)
         self.forms = FormChoice(
             name, model_dir, cfg, info.dtype, self._jdtype, self.quant, quant_form, mesh,
             weight_budget, forms_cache, weights_cache,

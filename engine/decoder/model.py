@@ -23,7 +23,7 @@ import numpy as np
 from engine.decoder import gpt2, llama
 from engine.decoder.config import GPT2, LLAMA, DecoderConfig
 from engine.decoder.blocks import SCRATCH
-from engine.decoder.attention import gather, paged_decode, write
+from engine.decoder.attention import chunk_attention, gather, paged_decode, write
 from engine.decoder.layers import causal_attention, context_attention, inv_frequencies
 
 FAMILIES = {GPT2: gpt2, LLAMA: llama}
@@ -257,13 +257,14 @@ def decode_forward(params: dict, cfg: DecoderConfig, tokens, positions, tables, 
 
 
 def forward_chunk(params: dict, cfg: DecoderConfig, tokens, offset, length, table,
-                  k_cache, v_cache):
+                  k_cache, v_cache, kernel: str = "xla"):
     """A piece of one prompt, written into its blocks, attending to everything before.
 
     tokens: [T] int32 (padded), offset: [] int32 (tokens of this sequence already in
     the cache: a reused prefix, earlier chunks), length: [] int32 (true tokens in this
     chunk), table: [NC] int32 (the sequence's first NC blocks, NC * BLOCK >= offset +
-    length), k_cache, v_cache: L x [KV, NB, BLOCK, D]
+    length), k_cache, v_cache: L x [KV, NB, BLOCK, D]; kernel: "cpu" reads the blocks
+    in place (engine/decoder/attention.py), anything else gathers the table's window
     -> x: [T, E] (before the final norm), and both caches. Padding writes go to the
     scratch block; its queries are computed and ignored.
     """
@@ -278,8 +279,13 @@ def forward_chunk(params: dict, cfg: DecoderConfig, tokens, offset, length, tabl
     for i, (lp, kc, vc) in enumerate(zip(params["layers"], k_cache, v_cache)):
         q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freqs[i])  # k, v: [T, KV, D]
         kc, vc = write(kc, blocks, offsets, k), write(vc, blocks, offsets, v)
-        kw, vw = gather(kc, table), gather(vc, table)  # [KV, NC * BLOCK, D]
-        x = fam.attn_out(lp, cfg, x, context_attention(q, kw, vw, positions, cfg, cfg.window(i)))
+        if kernel == "cpu":  # padding queries (position -1) read nothing
+            seen = jnp.where(real, positions, -1)
+            att = chunk_attention(q, kc, vc, table, seen, cfg, cfg.window(i))
+        else:
+            kw, vw = gather(kc, table), gather(vc, table)  # [KV, NC * BLOCK, D]
+            att = context_attention(q, kw, vw, positions, cfg, cfg.window(i))
+        x = fam.attn_out(lp, cfg, x, att)
         new_k.append(kc)
         new_v.append(vc)
     return x, tuple(new_k), tuple(new_v)

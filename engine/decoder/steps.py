@@ -32,12 +32,14 @@ from engine.decoder.sampling import apply_mask, controlled, sample, seed_key, to
 
 def prefill_chunk(
     params: dict, cfg: DecoderConfig, state: DecodeState, padded_tokens, offset, length,
-    table, slot, sampling: SlotSampling, seed, mask=None,
+    table, slot, sampling: SlotSampling, seed, mask=None, kernel: str = "xla",
 ):  # fmt: skip
     """padded_tokens: [T] int32, offset, length: [] int32, table: [NC] int32,
-    seed: [] uint32 -> (state, packed: [2 + 2K] int32, the token drawn after the
-    chunk's last token and its logprobs)"""
-    x, k, v = forward_chunk(params, cfg, padded_tokens, offset, length, table, state.k, state.v)
+    seed: [] uint32, kernel: the attention's ("cpu" reads the blocks in place)
+    -> (state, packed: [2 + 2K] int32, the token drawn after the chunk's last token
+    and its logprobs)"""
+    x, k, v = forward_chunk(params, cfg, padded_tokens, offset, length, table, state.k, state.v,
+                            kernel)  # fmt: skip
     raw = last_logits(params, cfg, x, length)[None]  # [1, V]
     key = seed_key(seed)
     end = (offset + length).astype(jnp.int32)  # the drawn token's position

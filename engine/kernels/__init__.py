@@ -1,7 +1,8 @@
-"""CPU kernels reached from JAX through the XLA FFI: today one, a matrix-vector
-product over integer weight groups (gguf_matvec.cc; docs/decisions/0062).
+"""CPU kernels reached from JAX through the XLA FFI: a matrix-vector product over
+integer weight groups (gguf_matvec.cc; docs/decisions/0062) and paged attention that
+reads each sequence's K/V blocks in place (paged_attention.cc; docs/decisions/0072).
 
-The source is compiled on first use (`load`) with the system's g++ for this
+The sources are compiled on first use (`load`) with the system's g++ for this
 machine's CPU (-O3 -march=native) into a cache folder keyed by a hash of the source,
 the compiler ($CXX, else g++) and the CPU's flags, loaded with ctypes and registered as an FFI target.
 Where that cannot be done (not on CPU, no compiler, a failed build) `load` returns
@@ -27,8 +28,9 @@ from shared.logging import get_logger
 
 log = get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("gguf_matvec.cc")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gguf_matvec.cc", "paged_attention.cc"))
 TARGET = "tensorbus_gguf_matvec"
+ATTENTION = "tensorbus_paged_attention"
 COMPILER = "g++"  # the CXX environment variable overrides, as in make
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
@@ -63,15 +65,15 @@ def _build(cxx: str) -> Path:
     """The shared library for this source, compiler and CPU (built if not cached)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True,
                              timeout=30).stdout  # fmt: skip
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), cxx, version, " ".join(FLAGS),
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES), cxx, version, " ".join(FLAGS),
                                     _cpu_flags(), jax.__version__]).encode()).hexdigest()[:20]
-    out = cache_dir() / f"gguf_matvec-{key}.so"
+    out = cache_dir() / f"tensorbus-kernels-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
-    log.info("kernel_compiling", kernel=SOURCE.name, compiler=cxx, into=str(out))
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+    log.info("kernel_compiling", kernels=[s.name for s in SOURCES], compiler=cxx, into=str(out))
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode:
         raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
@@ -95,6 +97,9 @@ def load():
             if not _registered:  # a target name is registered once per process
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.TensorbusGgufMatvec),
+                                            platform="cpu")  # fmt: skip
+                jax.ffi.register_ffi_target(ATTENTION,
+                                            jax.ffi.pycapsule(lib.TensorbusPagedAttention),
                                             platform="cpu")  # fmt: skip
                 _registered.append(lib)
             lib = _state["lib"] = _registered[0]
@@ -133,3 +138,17 @@ def matvec(x, q, scale, offset, axis: int, bits: int, group: int, n: int = 0,
     return call(x.astype(jnp.float32), q, scale, off, bits=np.int64(bits),
                 group=np.int64(group), axis=np.int64(axis), has_offset=offset is not None,
                 act8=bool(act8))
+
+
+def paged_attention(q, k_cache, v_cache, tables, rows, positions, scale: float,
+                    softcap: float = 0.0, window: int | None = None):
+    """q: [N, H, D]; k_cache, v_cache: [KV, NB, BLOCK, D] (float32, bfloat16 or
+    float16); tables: [R, NW] int32; rows: [N] int32 (the table row of each query);
+    positions: [N] int32 -> [N, H, D] float32: each query against the keys of its
+    row's blocks at positions <= its own (and within `window` when given), read in
+    place (paged_attention.cc). Needs `load()` to have succeeded."""
+    call = jax.ffi.ffi_call(ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")  # fmt: skip
+    return call(q.astype(jnp.float32), k_cache, v_cache, tables.astype(jnp.int32),
+                rows.astype(jnp.int32), positions.astype(jnp.int32), scale=np.float32(scale),
+                softcap=np.float32(softcap or 0.0), window=np.int64(window or 0))
