@@ -2,7 +2,9 @@
 and every request is a different prompt with its own answer length.
 
 Each start (a `cold` one on an empty data directory, then a `warm` one on the same
-directory, its compilation cache filled by the first) runs the whole stack as
+directory, its compilation cache filled by the first, then a `shelf` one whose local
+compilation cache, prepared weights and kernels were deleted: an empty local disk,
+with the registry's JetStream store holding what the first two published) runs the whole stack as
 `scripts/up.sh` does (bench/vs_llamacpp.py's `start_stack`), waits for the first
 token of one chat request sent at launch, and at once loads it with a closed-loop
 streaming client (OpenAI chat completions over HTTP, SSE, greedy, `ignore_eos`) at
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -110,7 +113,9 @@ async def main_async(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         data, log = Path(tmp) / "data", out_dir / "realistic_stack.log"
         extra = dict(kv.split("=", 1) for kv in args.env)
-        for start in ("cold", "warm"):
+        for start in args.starts.split(","):
+            if start == "shelf":  # an empty local disk; the registry keeps the fleet's programs
+                shutil.rmtree(data / "jax-cache", ignore_errors=True)
             proc, url, t0 = start_stack(data, args.fleet, log, extra)
             try:
                 first = await first_token_after(url, t0, MODEL)
@@ -145,6 +150,7 @@ def main(argv=None) -> dict:
     ap = parser(__doc__)
     ap.add_argument("--llama-server", default="", help="path of a llama-server binary")
     ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--starts", default="cold,warm,shelf", help="in this order")
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--fleet", default="all-MiniLM-L6-v2=0:0,tensorbus-demo-lm=0:0",
                     help="TENSORBUS_FLEET (default: the chat model alone)")

@@ -16,8 +16,9 @@ which compiled one runs a given piece of work.
      holds what makes that always possible: one stream's step at every window and a
      prefill program reaching every context.
 
-Every per-request value (slot, offset, length, block table, seed, sampling) is an
-argument, traced; the state is donated, so the KV pool is updated in place.
+Every per-request value (slot, offset, length, block table, seed, sampling, the
+structured outputs' token mask) is an argument, traced; the state is donated, so the
+KV pool is updated in place.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ import weakref
 import jax
 import numpy as np
 
+import jax.numpy as jnp
+
 from engine.decoder import steps
 from engine.decoder.formchoice import FormChoice, form_bucket
+from engine.decoder.sampling import mask_words
 from engine.programs import Programs
 from engine.decoder.shapes import i32
 from engine.decoder.verify import verify
@@ -52,6 +56,8 @@ class StepPrograms:
         self.buckets, self.contexts = buckets, contexts
         self.batches, self.windows = batches, windows
         self.spec_k = spec_k
+        self.width = mask_words(cfg.vocab_size)  # int32 words of a row's token mask
+        self._allowed: dict[int, jax.Array] = {}  # rows -> all-set masks, kept on device
         self.compiles = self._served()  # fixed with the shapes: read on every stats call
         self.attention = attention
         self.jit_kw = jit_kw
@@ -65,8 +71,9 @@ class StepPrograms:
         # state is the argument after params in each: donated, so updated in place.
         self._prefill = jax.jit(lambda params, state, *args: steps.prefill_chunk(
             params, cfg, state, *args, kernel=attention), donate_argnums=1, **jit_kw)  # fmt: skip
-        self._generate = jax.jit(lambda params, state, *args: steps.generate(
-            params, cfg, state, *args, attention, interpret), donate_argnums=1, **jit_kw)  # fmt: skip
+        self._generate = jax.jit(lambda params, state, rows, tables, live, mask: steps.generate(
+            params, cfg, state, rows, tables, live, attention, interpret, mask=mask),
+            donate_argnums=1, **jit_kw)  # fmt: skip
         self._verify = jax.jit(lambda params, state, *args: verify(
             params, cfg, state, *args, attention, interpret), donate_argnums=1, **jit_kw)  # fmt: skip
         self.copy = jax.jit(steps.copy_block, donate_argnums=0,
@@ -127,16 +134,27 @@ class StepPrograms:
             args = (i32(size), i32(), i32(), i32(other // self.block), i32())
             return lambda: self._verify.lower(params, self.state_spec, *args)
         if kind == "step":
-            args = (i32(size), i32(size, other // self.block), jax.ShapeDtypeStruct((size,), bool))
+            args = (i32(size), i32(size, other // self.block), jax.ShapeDtypeStruct((size,), bool),
+                    i32(size, self.width))  # fmt: skip
             return lambda: self._generate.lower(params, self.state_spec, *args)
         u32 = jax.ShapeDtypeStruct((), np.uint32)
-        args = (i32(size), i32(), i32(), i32(other // self.block), i32(), self.sampling_spec, u32)
+        args = (i32(size), i32(), i32(), i32(other // self.block), i32(), self.sampling_spec, u32,
+                i32(self.width))  # fmt: skip
         return lambda: self._prefill.lower(params, self.state_spec, *args)
 
     def get(self, kind: str, size: int, other: int, form: str | None = None):
         """The executable of one shape, compiled now if nobody has."""
         return self.cache.get(self.key(kind, size, other, form),
                               self.lowering(kind, size, other, form))
+
+    def allowed(self, rows: int = 0) -> jax.Array:
+        """The all-set mask of `rows` rows ([rows, W]; 0: one row's [W]): what a row
+        with no grammar passes. Made once per size and kept on the device."""
+        mask = self._allowed.get(rows)
+        if mask is None:
+            mask = self._allowed[rows] = jnp.full((rows, self.width) if rows else (self.width,),
+                                                  -1, jnp.int32)  # fmt: skip
+        return mask
 
     def has(self, key) -> bool:
         return self.cache.has(key)

@@ -9,7 +9,7 @@ Parts (each built here, with what it needs passed in; none inherits another):
     compiled programs (programs.py) and which one runs a piece of work.
   - `StepRunner` (runner.py): the decode state on the device; prefill chunks,
     decode steps, block copies; the step in flight.
-  - `SlotGrammars` (grammar.py): structured outputs' matchers and masked programs.
+  - `SlotGrammars` (grammar.py): structured outputs' matchers and their token masks.
   - `Speculation` (speculative.py): prompt-lookup drafts for a lone stream.
 
 Dataflow of a served sequence:
@@ -25,8 +25,9 @@ Dataflow of a served sequence:
   4. `free(slot)`: its blocks go back to the pool, full ones keyed for reuse.
 
 Compiles: `warmup()` compiles what a first request needs and, with
-`compile_ahead="first"`, the rest on a background thread, cheapest first, and
-structured outputs' masked twins after them; until a shape is compiled the
+`compile_ahead="first"`, the rest on a background thread, cheapest first
+(structured outputs run on the same programs: a token mask is one of their
+arguments); until a shape is compiled the
 smallest compiled one that holds the work stands in.
 """
 
@@ -158,8 +159,7 @@ class DecoderEngine:
             name, cfg, self.forms, shapes.spec(state), sampling_spec, block, buckets,
             contexts, batches, windows, int(speculative), kernel, jit_kw)  # fmt: skip
         self.grammar = SlotGrammars(name, info.slots, cfg.vocab_size, info.tokenizer,
-                                    info.eos_token_ids, self.programs, compile_ahead,
-                                    on_release=self._grammar_released)  # fmt: skip
+                                    info.eos_token_ids, on_release=self._grammar_released)  # fmt: skip
         self.runner = StepRunner(state, self.table, self.programs, self.forms, self.grammar,
                                  warm_sampling, chunk)  # fmt: skip
         self.speculation = Speculation(speculative, self.table, self.programs, self.runner)
@@ -220,7 +220,7 @@ class DecoderEngine:
     # ----------------------------------------------------------------- warm-up
     def warmup(self, progress: bool = True) -> int:
         """Compile what `compile_ahead` says and run each once; with "first", the rest
-        (and structured outputs' masked twins) on background threads. Return how
+        on a background thread. Return how
         many programs were compiled here."""
         programs = self.programs
         background = self.compile_ahead == "first"
@@ -238,7 +238,6 @@ class DecoderEngine:
             done = set(jobs)
             rest = [(k, None) for k in programs.compiles if k not in done] if background else []
             programs.compile_background(measuring + rest)
-        self.grammar.prepare_background()
         log.info("decoder_warm", model=self.name, compiled=len(jobs), background=background,
                  total=len(programs.compiles), measuring=len(measuring),
                  seconds=round(time.perf_counter() - t0, 3))
@@ -255,9 +254,7 @@ class DecoderEngine:
         and the process aborts (SIGABRT) instead of exiting 0."""
         cache = self.programs.cache
         cache.stop()
-        masked_done = self.grammar.close(wait_s)  # structured outputs' programs too
-        return (cache.wait_background(wait_s) if wait_s > 0 else not cache.compiling) \
-            and masked_done
+        return cache.wait_background(wait_s) if wait_s > 0 else not cache.compiling
 
     # ---------------------------------------------------------------- requests
     def check(self, prompt: list[int], sampling: Sampling | None = None) -> None:
@@ -342,8 +339,7 @@ class DecoderEngine:
     # ------------------------------------------------------------------ stats
     def stats(self, prefixes: int = 0) -> DecoderStats:
         compiled, total = self.programs.progress()
-        masked = self.grammar.built
-        caches = [self.programs.cache] + ([masked.programs] if masked is not None else [])
+        caches = [self.programs.cache]
         return DecoderStats(
             active=int(self.table.active.sum()), cache=self.cache_stats(),
             spec=self.speculation.counts(), compiled=compiled, programs=total,
@@ -365,7 +361,7 @@ class DecoderEngine:
     def tune(self, limit: int = 1) -> int:
         """Measure up to `limit` (bucket, form) pairs and switch the buckets that may
         switch (engine/decoder/formchoice.py) -> pairs measured."""
-        return self.forms.measure(self.programs, self.runner.run_form, self.grammar.built, limit)
+        return self.forms.measure(self.programs, self.runner.run_form, limit)
 
     def select_forms(self) -> dict[str, str]:
         """Every bucket's form now, measured here where not stored (tests, benchmarks)."""

@@ -144,7 +144,7 @@ class FormChoice:
         entry = forms.lookup(key, self.buckets, self._cache)
         if entry is not None:  # warm: nothing compiled yet, so every bucket switches now
             self.form_ms, self._winners = entry.get("ms", {}), dict(entry["choices"])
-            self._settle(programs, None, at_once=True)
+            self._settle(programs, at_once=True)
             return []
         last = forms.last_choice(self.name, self._cache)
         first = self.candidates[0]
@@ -171,7 +171,7 @@ class FormChoice:
         self.start(programs)
         while self._todo:
             self._measure_unit(programs, run, *self._todo[0])
-        self._settle(programs, None, at_once=True)
+        self._settle(programs, at_once=True)
         return dict(self.compute_forms)
 
     def due(self, programs: StepPrograms) -> bool:
@@ -181,17 +181,16 @@ class FormChoice:
         return (self._next_unit(programs) is not None
                 or any(self._switchable(programs, b) for b in self._pending()))
 
-    def measure(self, programs: StepPrograms, run: Callable[[str, str], object], masked,
+    def measure(self, programs: StepPrograms, run: Callable[[str, str], object],
                 limit: int = 1) -> int:
         """Measure up to `limit` (bucket, form) pairs whose programs are compiled,
         then switch the buckets that may switch -> pairs measured. On the engine
-        thread, between steps. masked: structured outputs' programs (or None),
-        whose twins of a switched bucket are compiled in its new form."""
+        thread, between steps."""
         done = 0
         while done < limit and (unit := self._next_unit(programs)) is not None:
             self._measure_unit(programs, run, *unit, tolerant=True)
             done += 1
-        self._settle(programs, masked, at_once=self.compile_ahead == "lazy")
+        self._settle(programs, at_once=self.compile_ahead == "lazy")
         return done
 
     def _next_unit(self, programs: StepPrograms) -> tuple[str, str] | None:
@@ -245,15 +244,12 @@ class FormChoice:
         return all(programs.has((*k, new)) for k in programs.bucket_shapes(bucket)
                    if programs.has((*k, now)))
 
-    def _settle(self, programs: StepPrograms, masked, at_once: bool = False) -> None:
+    def _settle(self, programs: StepPrograms, at_once: bool = False) -> None:
         """Switch the buckets whose choice may run now; once every bucket runs its
         choice, drop the forms (weights, programs) nothing runs."""
         switched = [b for b in self._pending() if at_once or self._switchable(programs, b)]
         for bucket in switched:
             self.compute_forms[bucket] = self._winners[bucket]
-            if masked is not None and self.compile_ahead != "lazy":  # structured outputs' twins
-                masked.start_background([k for k in programs.bucket_shapes(bucket)
-                                         if k[0] in ("step", "prefill")])  # fmt: skip
         if switched:
             log.info("compute_form_switched", model=self.name,
                      forms={b: self.compute_forms[b] for b in switched})  # fmt: skip

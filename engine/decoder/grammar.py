@@ -1,5 +1,7 @@
 """Structured outputs on the host: one llguidance matcher per constrained slot, and
-the token masks the masked programs apply inside the step (docs/decisions/0048).
+the token masks the engine's own programs apply inside the step (docs/decisions/0048,
+0072: the mask is an argument of every step and prefill program, all set for a row
+with no grammar, so structured outputs compile nothing of their own).
 
   1. `begin(slot, grammar, replay)`: a request's grammar (llguidance's JSON form,
      built and validated by the gateway) is noted; nothing is compiled on the
@@ -7,16 +9,15 @@ the token masks the masked programs apply inside the step (docs/decisions/0048).
   2. `first_mask(slot)`, from `prefill_step` on the engine thread: the matcher is
      built (a copy of the one compiled when the grammar was first seen; a preempted
      sequence's generated tokens, `replay`, fed back to it) and
-     the mask of its first token computed; the last prompt chunk runs the masked
-     prefill (engine/decoder/constrained.py).
+     the mask of its first token computed; the last prompt chunk applies it.
   3. Every token a constrained slot gets (the prefill's first, each step's as it
      reaches the host) advances its matcher (`consume`).
-  4. `step_program`: a step with no constrained row runs the engine's own program,
-     untouched: no mask, no wait. A step with one first reads the step before it
-     (the tokens the masks depend on; so constrained steps do not overlap the
-     host's work with the device's), then computes every constrained row's mask
-     at once (llguidance's executor, on its own threads; the GIL is released) and
-     runs the masked program; unconstrained rows get an all-allowed mask.
+  4. `step_program`: a step with no constrained row passes the all-set mask kept on
+     the device: no host work, no wait. A step with one first reads the step before
+     it (the tokens the masks depend on; so constrained steps do not overlap the
+     host's work with the device's), then computes every constrained row's mask at
+     once (llguidance's executor, on its own threads; the GIL is released);
+     unconstrained rows get an all-allowed mask.
 
 A grammar may mark the point after which it constrains nothing (`tool_choice:
 "auto"`'s, once a plain answer has begun: services/gateway/tool_auto.py) with a
@@ -36,43 +37,28 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-from engine import jaxrt
-from engine.decoder.constrained import MaskedPrograms
+from engine.decoder.sampling import mask_words
 from shared.logging import get_logger
 from shared.messages import GRAMMAR_RELEASE as RELEASE
-
-if TYPE_CHECKING:
-    from engine.decoder.compiled import StepPrograms
 
 log = get_logger(__name__)
 
 COMPILED_KEPT = 64  # compiled grammars kept for the next sequence that brings one again
 
 
-def mask_words(vocab: int) -> int:
-    """int32 words of one row's bit mask (bit j of word i: token 32 i + j)."""
-    return (vocab + 31) // 32
-
-
 class SlotGrammars:
     """The matchers of one engine's slots; see the module docstring."""
 
     def __init__(self, name: str, slots: int, vocab: int, tokenizer, eos: tuple[int, ...],
-                 steps: StepPrograms, compile_ahead: str,
                  on_release: Callable[[int], None]) -> None:
         """tokenizer: the model's (engine.tokenizer.Tokenizer, or None: no structured
-        outputs); steps: the engine's programs, whose masked twins this builds;
-        on_release(slot): a grammar was dropped at its RELEASE capture."""
+        outputs); on_release(slot): a grammar was dropped at its RELEASE capture."""
         self.name = name
         self._vocab = vocab
         self._model_tokenizer = tokenizer
         self._eos = list(eos)
-        self._steps = steps
-        self._compile_ahead = compile_ahead
         self._on_release = on_release
         self._spec = [""] * slots  # slot -> its grammar ("" = unconstrained)
         self._releasable = [False] * slots  # its grammar has the RELEASE capture
@@ -82,12 +68,9 @@ class SlotGrammars:
         self._pending = None  # the last step dispatched (its tokens feed the masks)
         self._tokenizer = None  # llguidance.LLTokenizer, built at the first grammar
         self._executor = None
-        self._programs = None  # engine.decoder.constrained.MaskedPrograms, likewise
-        self._lock = threading.Lock()  # both may be built by `prepare_background`
-        self._preparing: threading.Thread | None = None
-        self._closed = False  # `close` ran: nothing more is compiled
+        self._lock = threading.Lock()
         self.syncs = 0  # steps read early because a constrained step needed their tokens
-        self.masked_steps = 0  # step parts run with a mask
+        self.masked_steps = 0  # step parts run with a grammar's mask
         self.masks = 0  # masks computed (rows), for the mask's cost per token
         self.mask_seconds = 0.0
         self.released = 0  # sequences whose grammar was dropped at its RELEASE capture
@@ -124,7 +107,7 @@ class SlotGrammars:
 
     @property
     def width(self) -> int:
-        return mask_words(max(self._vocab, self.tokenizer().vocab_size))
+        return mask_words(self._vocab)  # the programs' (llguidance's n_vocab is the same)
 
     def tokenizer(self):
         with self._lock:
@@ -200,81 +183,20 @@ class SlotGrammars:
         slots = len(self._spec)
         return any(s < slots and self._spec[s] for s in rows.tolist())
 
-    def step_program(self, run, batch: int, window: int, rows: np.ndarray):
-        """The step to call for `rows` ([parts x B] slots): `run` itself when none is
-        constrained, else the masked program with each part's masks bound."""
+    def step_program(self, run, allowed, rows: np.ndarray):
+        """The step to call for `rows` ([parts x B] slots) as (params, state, part,
+        tables, live): `run` with `allowed` (the all-set masks) when no row is
+        constrained, else with each part's masks computed here."""
         if not self.constrained(rows):
-            return run
+            return lambda params, state, part, tables, live: run(params, state, part, tables,
+                                                                 live, allowed)  # fmt: skip
         if self._pending is not None:
             self._pending.result()  # its tokens reach the matchers (`consume`)
             self._pending = None
             self.syncs += 1
-        exe = self.programs().step(batch, window)
 
         def masked(params, state, part, tables, live):
             self.masked_steps += 1
-            return exe(params, state, part, tables, live, self._fill(np.asarray(part)))
+            return run(params, state, part, tables, live, self._fill(np.asarray(part)))
 
         return masked
-
-    def prefill_program(self, bucket: int, ctx: int, mask: np.ndarray):
-        exe = self.programs().prefill(bucket, ctx)
-        return lambda *args: exe(*args, mask)
-
-    @property
-    def built(self):
-        """The masked programs (MaskedPrograms) once anything built them, else None."""
-        return self._programs
-
-    def programs(self):
-        width = self.width
-        with self._lock:
-            if self._programs is None:
-                self._programs = MaskedPrograms(self._steps, width)
-            return self._programs
-
-    def prepare_background(self) -> None:
-        """After warm-up, when the engine compiles ahead: build the tokenizer tables
-        and compile the masked twin of every program the engine serves (a first
-        request's shapes first, then one stream at every window, then the rest, as
-        the engine orders its own), so no constrained step compiles on the engine
-        thread. `compile_ahead: "all"` compiles them here, before the engine serves;
-        "first" on a thread. Where that cannot be done (no tokenizer) they are
-        built where first needed."""
-        steps = self._steps
-        if self._compile_ahead == "lazy" or self._model_tokenizer is None:
-            return
-        served = [k for k in steps.compiles if k[0] in ("step", "prefill")]
-        first = [k for k in steps.first_compiles() if k in served]
-        ones = [k for k in served if k[0] == "step" and k[1] == 1 and k not in first]
-        shapes = first + ones + [k for k in served if k not in first and k not in ones]
-        if self._compile_ahead == "all":
-            try:
-                self.programs().compile(shapes)
-            except jaxrt.MapLimit as exc:  # the rest where first needed, if ever
-                log.warning("grammar_prepare_stopped", model=self.name, reason=str(exc))
-            return
-
-        def work() -> None:
-            try:
-                masked = self.programs()
-                if not self._closed:
-                    masked.start_background(shapes)
-            except Exception as exc:  # noqa: BLE001 - built again where first needed
-                log.warning("grammar_prepare_failed", model=self.name, error=repr(exc))
-
-        self._preparing = threading.Thread(target=work, name=f"grammar-{self.name}", daemon=True)
-        self._preparing.start()
-
-    def close(self, wait_s: float = 0.0) -> bool:
-        """Compile no more masked programs; wait up to `wait_s` for the one being
-        compiled -> False while one still is (the process must not exit then)."""
-        self._closed = True
-        if self._preparing is not None and wait_s > 0:
-            self._preparing.join(wait_s)
-        masked = self._programs
-        if masked is None:
-            return self._preparing is None or not self._preparing.is_alive()
-        masked.programs.stop()
-        return (masked.programs.wait_background(wait_s) if wait_s > 0
-                else not masked.programs.compiling)

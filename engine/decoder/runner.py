@@ -5,8 +5,8 @@ every program, so updated in place) and runs the three kinds of work on it:
 
   1. `prefill(slot, most)`: the next chunk of a prompt, padded to a length bucket,
      attending to the sequence's blocks through its table and writing its K/V into
-     them; the last chunk draws the first token (the masked twin when the sequence
-     has a grammar) and the slot goes live (slots.py).
+     them; the last chunk draws the first token (under its grammar's mask when the
+     sequence has one) and the slot goes live (slots.py).
   2. `step()`: one decode step of the live slots only, compacted into the smallest
      compiled batch bucket that holds them (in parts of a smaller one while the
      larger compiles), each reading its own blocks up to the smallest window that
@@ -97,11 +97,11 @@ class StepRunner:
         padded = np.zeros(bucket, np.int32)  # padded: [T]
         padded[: len(piece)] = piece
         table = np.array(self.table.tables[slot, : ctx // self.table.block])  # [NC]
-        run = (self.programs.get("prefill", bucket, ctx) if mask is None
-               else self.grammar.prefill_program(bucket, ctx, mask))  # structured outputs
+        run = self.programs.get("prefill", bucket, ctx)
         self.state, token = run(
             self.forms.params_for("prefill", bucket), self.state, padded, np.int32(offset),
             np.int32(len(piece)), table, np.int32(slot), sampling, seed,
+            self.programs.allowed() if mask is None else mask,  # structured outputs
         )  # fmt: skip
         return token
 
@@ -138,8 +138,8 @@ class StepRunner:
         rows = np.full(parts * batch, self._dummy, np.int32)  # [parts x B]
         rows[: len(live)] = live
         params = self.forms.params_for("step", batch)
-        run = self.grammar.step_program(self.programs.get("step", batch, window), batch,
-                                        window, rows)  # itself when unconstrained
+        run = self.grammar.step_program(self.programs.get("step", batch, window),
+                                        self.programs.allowed(batch), rows)  # fmt: skip
         out = []
         for part in rows.reshape(parts, batch):
             tables = self.table.tables[part, : window // self.table.block]  # [B, NW] (a copy)
@@ -178,10 +178,11 @@ class StepRunner:
         if kind == "step":
             rows = np.full(size, self._dummy, np.int32)  # [B]: all the dummy row
             tables = self.table.tables[rows, : other // block]  # [B, NW]
-            self.state, out = run(params, self.state, rows, tables, rows < self._dummy)
+            self.state, out = run(params, self.state, rows, tables, rows < self._dummy,
+                                  self.programs.allowed(size))  # fmt: skip
             return out
         table = np.array(self.table.tables[self._dummy, : other // block])  # [NC]
         self.state, token = run(params, self.state, np.zeros(size, np.int32), np.int32(0),
                                 np.int32(size), table, np.int32(self._dummy),
-                                self._warm_sampling, np.uint32(0))  # fmt: skip
+                                self._warm_sampling, np.uint32(0), self.programs.allowed())  # fmt: skip
         return token

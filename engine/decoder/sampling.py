@@ -147,6 +147,11 @@ def sample(logits, keys, positions, temperature, top_k, top_p, min_p=None):
     return jnp.where(hot, tokens, greedy)
 
 
+def mask_words(vocab: int) -> int:
+    """int32 words of one row's bit mask (bit j of word i: token 32 i + j)."""
+    return (vocab + 31) // 32
+
+
 def apply_mask(logits, mask):
     """logits: [B, V] float32, mask: [B, W] int32 bits -> logits, -inf where a
     row's bit is clear (tokens past the mask's width included)."""

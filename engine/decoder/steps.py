@@ -2,7 +2,7 @@
 driver jits them with the state donated.
 
 - prefill_chunk(params, state, padded_tokens, offset, length, table, slot, sampling,
-  seed) -> (state, packed)
+  seed, mask) -> (state, packed)
     one piece of one prompt, padded to a length bucket (static), attending to the
     sequence's blocks through `table` (its length, the context bucket, is static);
     offset, length and slot are traced. Every chunk draws a token and claims the slot
@@ -10,7 +10,7 @@ driver jits them with the state donated.
     since a slot joins decode steps only once the host marks it live.
 - copy_block(state, src, dst) -> state
     one block's K/V copied into another, for a prompt that shares its start.
-- generate(params, state, rows, tables, live) -> (state, packed)
+- generate(params, state, rows, tables, live, mask) -> (state, packed)
     one decode step for the slots `rows` names (a batch bucket, static: the live
     sequences compacted, padded with the dummy row); positions are per row and
     traced; the only output that leaves the device is `packed` [B, 2 + 2K] int32
@@ -18,6 +18,13 @@ driver jits them with the state donated.
     copy per step. The tables' width (blocks per row, static) is the attention
     window, so a step costs its batch bucket x its window, not the slot count.
     Each drawn token is counted in its slot's row of `counts` (the penalties').
+
+Both take each row's token mask (structured outputs, engine/decoder/grammar.py) as
+an argument: [W] / [B, W] int32 bits, all set for a row with no grammar. It is
+applied after the penalties and before temperature, top-k, top-p, min-p and the
+draw (so a filter never leaves a row with nothing allowed). One program serves
+constrained and unconstrained rows alike, so structured outputs compile nothing of
+their own (docs/decisions/0072).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ def prefill_chunk(
         one(sampling.presence), one(sampling.frequency), one(sampling.repetition),
         one(sampling.bias_ids), one(sampling.bias_vals),
     )  # fmt: skip
-    if mask is not None:  # structured outputs (engine/decoder/constrained.py)
+    if mask is not None:  # structured outputs (engine/decoder/grammar.py)
         logits = apply_mask(logits, mask[None])
     token = sample(
         logits, key[None], one(end), one(sampling.temperature),
@@ -90,7 +97,7 @@ def generate(params: dict, cfg: DecoderConfig, state: DecodeState, rows, tables,
         state.frequency[rows], state.repetition[rows], state.bias_ids[rows],
         state.bias_vals[rows],
     )  # fmt: skip
-    if mask is not None:  # [B, W] int32 bits (engine/decoder/constrained.py)
+    if mask is not None:  # [B, W] int32 bits (engine/decoder/grammar.py)
         logits = apply_mask(logits, mask)
     # The drawn tokens sit one past the ones just fed.
     tokens = sample(

@@ -6,8 +6,8 @@ come from them: run it with the workers' environment), pulls what the registry a
 holds for this machine's fingerprint, compiles every program of the served form
 (`compile_ahead=all`, the compute forms measured), and publishes what it compiled
 (services/worker/fleet.py). A worker of the same fingerprint that starts afterwards
-loads those programs instead of compiling them. Structured outputs' masked programs
-are left to the serving workers, which publish them as they compile them.
+loads those programs instead of compiling them (structured outputs run on the same
+programs: a token mask is one of their arguments).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Structured outputs in the JAX engine (engine/decoder/grammar.py, constrained.py):
+"""Structured outputs in the JAX engine (engine/decoder/grammar.py, the mask in steps.py):
 on a tiny decoder with random weights, sampled hot, every constrained sequence's
 text parses and validates against its schema (the independent check: `jsonschema`);
 unconstrained batch-mates draw exactly transformers' greedy tokens beside them; and
@@ -288,40 +288,27 @@ def test_a_grammar_seen_again_is_copied_not_compiled(tiny):
     assert engine.grammar.compiles == before + 1
 
 
-def test_compiling_ahead_compiles_every_masked_program(tmp_path, monkeypatch):
-    """A worker that compiles ahead compiles the masked twin of every program its
-    engine serves ("all": before it serves; "first": on a thread, a first request's
-    shapes first), so a constrained step of any batch shape compiles nothing on the
-    engine thread (counted)."""
-    import threading
-
-    from engine.decoder.constrained import MaskedPrograms
-
+def test_structured_outputs_compile_nothing_of_their_own(tmp_path):
+    """A token mask is an argument of the engine's own programs: after a warm-up
+    that compiled every program, constrained rows in a prefill and in steps of
+    several batch shapes (beside unconstrained ones) compile nothing more, and the
+    engine serves no more programs than its shapes (counted)."""
     build("llama", tmp_path, positions=128)
     engine = DecoderEngine(tmp_path, "structured", slots=4, max_context=128,
-                           prefill_buckets=(16,), decode_windows=(128,), compile_ahead="all")
-    engine.warmup(progress=False)  # the masked programs too
-    masked = engine.grammar.programs().programs
-    served = [k for k in engine.programs.compiles if k[0] in ("step", "prefill")]
-    assert masked.compiled == len(served) == 4  # prefill 16; steps at batch 1, 2, 4
-    plain = engine.programs.cache.compiled
-    plan = {i: (Sampling(temperature=1.0, grammar=_schema_grammar(SCHEMAS[0])), i)
-            for i in range(3)}  # three rows: the batch-4 step
-    _generate(engine, plan, new=8)
-    assert (masked.compiled, engine.programs.cache.compiled) == (len(served), plain)
-
-    shapes, asked = [], threading.Event()
-
-    def record(self, given):
-        shapes.extend(given)
-        asked.set()
-
-    monkeypatch.setattr(MaskedPrograms, "start_background", record)
-    monkeypatch.setattr(engine.grammar, "_compile_ahead", "first")
-    engine.grammar.prepare_background()
-    assert asked.wait(60)
-    first = [k for k in engine.programs.first_compiles() if k[0] != "verify"]
-    assert shapes[: len(first)] == first and sorted(shapes) == sorted(served)
+                           prefill_buckets=(16,), compile_ahead="all")
+    engine.warmup(progress=False)
+    served = engine.programs.compiles
+    assert len(served) == 4  # prefill 16; steps at batch 1, 2, 4
+    compiled = engine.programs.cache.compiled
+    assert compiled == len(served)
+    schema = Sampling(temperature=1.0, grammar=_schema_grammar(SCHEMAS[0]))
+    plan = {0: (schema, 0), 1: (schema, 1), 2: (Sampling(temperature=1.0), 2)}
+    masked = engine.grammar.masked_steps
+    out = _generate(engine, plan, new=8)
+    assert engine.grammar.masked_steps > masked and len(out) == 3
+    assert engine.programs.cache.compiled == compiled
+    done, total = engine.programs.progress()
+    assert done == total == len(served)
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -57,8 +57,8 @@ def smollm2(smollm2_dir, smollm2_hf, smollm2_hf_tokenizer, jax_cache_dir):
                            prefill_buckets=(PREFILL,), decode_windows=(), compile_ahead="all",
                            quant="gguf", quant_form="kernel")  # fmt: skip
     assert set(engine.forms.compute_forms.values()) == {"kernel"}, engine.forms.compute_forms
-    engine.warmup(progress=False)  # the masked programs too, as a worker does:
-    # compiled inside the structured request, they could outlast its deadline
+    engine.warmup(progress=False)  # every program, as a worker does: compiled inside
+    # the structured request, they could outlast its deadline
     return engine, refs
 
 

@@ -45,12 +45,12 @@ PLAIN_ASK = [{"role": "user", "content": "a stream of tokens"}]  # answered in p
 def tiny(tmp_path_factory, jax_cache_dir):
     path = tmp_path_factory.mktemp("tools")
     _, engine = serve_tiny("llama", path, "tiny-tools", CONTEXT)
-    _warm_masked(engine)
+    _warm_tool_shapes(engine)
     return engine, str(path)
 
 
-def _warm_masked(engine) -> None:
-    """Compile the masked programs a tool request runs (a prompt as long as the tool
+def _warm_tool_shapes(engine) -> None:
+    """Compile the programs a tool request runs (a prompt as long as the tool
     prompt, decoded past the next windows) before the stack starts: compiled inside
     the first requests, they would run on those requests' deadlines (a busy machine
     takes seconds a program). Fewer than `compile_ahead="all"` would compile at this

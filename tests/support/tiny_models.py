@@ -56,8 +56,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
 def serve_tiny(kind: str, out_dir: Path, name: str, context: int, slots: int = 4,
                compile_ahead: str = "lazy"):
     """Build a tiny `kind` model in out_dir and a warmed DecoderEngine on it.
-    Returns (torch model, engine). `compile_ahead="all"`: every program, structured
-    outputs' masked twins too, compiled here, as a worker's background does, rather
+    Returns (torch model, engine). `compile_ahead="all"`: every program compiled here, as a worker's background does, rather
     than on the engine thread while the first requests' deadlines run (a busy
     machine takes 4-6 s a program). Compiles go through the session's compilation
     cache (tests/conftest.py)."""
@@ -66,5 +65,5 @@ def serve_tiny(kind: str, out_dir: Path, name: str, context: int, slots: int = 4
     model = build(kind, out_dir, positions=context)
     engine = DecoderEngine(out_dir, name=name, slots=slots, max_context=context,
                            prefill_buckets=(16, 64), compile_ahead=compile_ahead)
-    engine.warmup(progress=False)  # structured outputs' programs too, unless lazy
+    engine.warmup(progress=False)
     return model, engine
