@@ -70,19 +70,22 @@ def candidates(quant: str, setting: str, sizes: dict[str, int], budget: int,
     Auto never considers "kernel8": rounding the activations to int8 turns XLA's
     last-bit differences between batch sizes into different greedy tokens (SmolLM2,
     16 prompts alone and then together, 24 tokens each: 10 of 16 parted with
-    kernel8, none with the float kernel; docs/decisions/0071). Name it to have it."""
+    kernel8, none with the float kernel; docs/decisions/0071). Name it to have it.
+
+    A GGUF file whose blocks the kernel reads runs on the kernel alone, unmeasured:
+    measured on every bucket of a served SmolLM2 it was 5-18x faster than the XLA
+    path's dequantizing step and faster or level on prefill, while measuring cost the
+    first minutes a second program per bucket and seconds-long runs on the engine
+    thread between steps (docs/decisions/0073)."""
     if quant == "none":
         return ("float",)
     if setting in KERNEL_FORMS and not kernel:
         return ("dequant",)  # engine/kernels logged why
     if setting != "auto":
         return (setting,)
-    possible = ("float", "dequant", "w8a8") if quant == "int8" else ("float", "dequant")
-    # The kernel first: a bucket runs the first candidate until its forms are
-    # measured (engine/decoder/formchoice.py), and the XLA path's dequantizing step
-    # is several times slower than the kernel's on every bucket measured (0062).
     if kernel and quant == "gguf":
-        possible = ("kernel",) + possible
+        return ("kernel",)
+    possible = ("float", "dequant", "w8a8") if quant == "int8" else ("float", "dequant")
     stored = sizes["dequant"]
     return tuple(f for f in possible
                  if f in ("dequant",) + KERNEL_FORMS or stored + sizes[f] <= budget)

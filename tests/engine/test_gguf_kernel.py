@@ -210,19 +210,18 @@ def test_without_a_compiler_the_xla_path_serves(monkeypatch, smollm2_dir, smollm
         kernels.reset()
 
 
-def test_auto_measures_the_kernel_beside_the_stored_form(loaded, smollm2_dir):
-    """quant gguf, form auto: the float kernel and the XLA path are candidates (not
-    kernel8, whose greedy tokens depend on the batch), each bucket gets the one
-    measured fastest (the kernel at batch 1, by several times here), and a form no
-    bucket chose is dropped."""
+def test_auto_runs_a_gguf_file_on_the_kernel_without_measuring(loaded, smollm2_dir):
+    """quant gguf, form auto, the kernel built: every bucket runs the float kernel
+    (not kernel8, whose greedy tokens depend on the batch), nothing is measured or
+    compiled to measure, and only the stored arrays are held."""
     eng = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=CONTEXT,
                         prefill_buckets=(16,), decode_windows=(), quant="gguf",
                         forms_cache=None)  # fmt: skip
-    assert eng.forms.candidates == ("kernel", "dequant"), kernels.unavailable_reason()
+    assert eng.forms.candidates == ("kernel",), kernels.unavailable_reason()
+    assert eng.forms.start(eng.programs) == []  # no measuring programs
     choices = eng.select_forms()
-    assert set(choices) == {"step 1", "prefill 16"} and choices["step 1"] == "kernel"
-    assert set(eng.forms.held) == set(choices.values())
-    assert set(eng.forms.form_ms["step 1"]) == {"dequant", "kernel"}
+    assert choices == {"step 1": "kernel", "prefill 16": "kernel"}
+    assert list(eng.forms.held) == ["kernel"] and eng.forms.measurements == 0
 
 
 def test_speculation_through_the_kernel_equals_transformers(loaded, smollm2_dir, smollm2_hf,
