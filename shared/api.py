@@ -4,14 +4,18 @@ Requests are decoded once at the edge (gateway) with typed decoders; past that n
 code sees dicts. Hard limits live here as `Meta` constraints; limits an operator can
 change (inputs per request, tokens per input) are checked against `shared.config`.
 Unknown fields are refused so that a typo is a 400, not a silently ignored option.
+Fields OpenAI documents that tensorbus does not act on (`metadata`, `store`,
+`service_tier`, ...) are accepted and named back: each request type's `IGNORED`, read
+by `ignored_fields`, which the gateway lists in its `Tensorbus-Ignored-Fields` header
+and its log, as vLLM warns of them.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
-from msgspec import Meta
+from msgspec import UNSET, Meta, UnsetType
 
 # Hard ceilings. Operators lower them through config; nothing raises them.
 MAX_STRING = 1_000_000
@@ -129,6 +133,7 @@ class ScoreResponse(msgspec.Struct):
 class StreamOptions(_Request, kw_only=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's extension: usage so far on every chunk
+    include_obfuscation: bool | UnsetType = UNSET  # OpenAI's padding of chunks: not done
 
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -165,6 +170,9 @@ class _Sampling(_Request, kw_only=True):
     logit_bias: Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKENS)] | None = None
     response_format: "ResponseFormat | None" = None  # structured outputs
+    # Candidates sampled to return the n best: up to n it is what n does (the gateway
+    # refuses more); LiteLLM and older clients send best_of: 1.
+    best_of: Annotated[int, Meta(ge=1)] | None | UnsetType = UNSET
 
 
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
@@ -189,10 +197,13 @@ class ResponseFormat(_Request, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
+    IGNORED: ClassVar[tuple[str, ...]] = ("suffix",)
+
     prompt: Text | Annotated[list[Text | TokenId | TokenList], Meta(max_length=MAX_LIST * 4)] = ""
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     echo: bool = False
     logprobs: TopLogprobs | None = None  # top logprobs per token (0: the sampled token's)
+    suffix: Any = UNSET  # documented, not acted on (IGNORED)
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -267,6 +278,12 @@ class ChatMessage(_Request, kw_only=True):
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
+    # OpenAI's documented fields accepted and not acted on (`ignored_fields`).
+    IGNORED: ClassVar[tuple[str, ...]] = (
+        "audio", "function_call", "functions", "metadata", "modalities", "prediction",
+        "prompt_cache_key", "reasoning_effort", "safety_identifier", "service_tier", "store",
+        "verbosity", "web_search_options")
+
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=1024)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool = False
@@ -275,6 +292,29 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Documented, not acted on (IGNORED): any value a client sends is accepted.
+    audio: Any = UNSET
+    function_call: Any = UNSET  # the legacy function calling (use tools)
+    functions: Any = UNSET
+    metadata: Any = UNSET
+    modalities: Any = UNSET
+    prediction: Any = UNSET
+    prompt_cache_key: Any = UNSET
+    reasoning_effort: Any = UNSET
+    safety_identifier: Any = UNSET
+    service_tier: Any = UNSET
+    store: Any = UNSET
+    verbosity: Any = UNSET
+    web_search_options: Any = UNSET
+
+
+def ignored_fields(req: CompletionRequest | ChatCompletionRequest) -> list[str]:
+    """The documented fields `req` carries that nothing acts on, in its type's order
+    (`stream_options.include_obfuscation` included)."""
+    names = [n for n in type(req).IGNORED if getattr(req, n) is not UNSET]
+    if req.stream_options is not None and req.stream_options.include_obfuscation is not UNSET:
+        names.append("stream_options.include_obfuscation")
+    return names
 
 
 # --------------------------------------------------------------- logprobs

@@ -44,6 +44,7 @@ class Call:
     end_by: float = 0.0  # time.time() by which a generation must have ended
     parts: list[str] = field(default_factory=list)  # ids of the works it was cut into
     over_bus: bool = False  # a NATS request: its whole answer goes back as one bus message
+    ignored: list[str] = field(default_factory=list)  # documented fields not acted on
 
     @classmethod
     def open(cls, front: Frontend, endpoint: str, *, client_id: str | None,

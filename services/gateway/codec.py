@@ -11,6 +11,7 @@ from shared.errors import ServiceError, bad_request
 MSGPACK = "application/msgpack"
 JSON = "application/json"
 VERSION_HEADER = "Tensorbus-Model-Version"  # which version of the model answered
+IGNORED_HEADER = "Tensorbus-Ignored-Fields"  # documented request fields not acted on
 
 _json_enc = msgspec.json.Encoder()
 _mp_enc = msgspec.msgpack.Encoder()
@@ -52,11 +53,15 @@ def encode(obj, msgpack: bool = False) -> bytes:
     return _mp_enc.encode(obj) if msgpack else _json_enc.encode(obj)
 
 
-def reply_headers(msgpack: bool, version: str = "") -> dict[str, str] | None:
-    """Headers of a successful reply: its encoding, and the version that answered."""
+def reply_headers(msgpack: bool, version: str = "",
+                  ignored: list[str] | None = None) -> dict[str, str] | None:
+    """Headers of a successful reply: its encoding, the version that answered, and
+    the request's fields that nothing acted on."""
     headers = {"Content-Type": MSGPACK} if msgpack else {}
     if version:
         headers[VERSION_HEADER] = version
+    if ignored:
+        headers[IGNORED_HEADER] = ", ".join(ignored)
     return headers or None
 
 

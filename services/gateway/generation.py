@@ -48,12 +48,16 @@ from shared.api import (
     CompletionRequest,
     CompletionResponse,
     Usage,
+    ignored_fields,
 )
 from shared.errors import bad_request
+from shared.logging import get_logger
 from shared.messages import GenChunk, GenDone, GenerateWork, TokenLogprob
 
 if TYPE_CHECKING:
     from services.gateway.call import Call
+
+log = get_logger("gateway")
 
 
 @dataclass
@@ -93,6 +97,12 @@ class Generation:
         self.front.check_size(body)
         chat, out, rid, deadline = self.chat, call.out, call.wire, call.deadline
         req = codec.decode(body, self._request_type, call.msgpack)
+        if isinstance(req.best_of, int) and req.best_of > req.n:
+            raise bad_request(f"'best_of' is {req.best_of}: sampling more candidates than 'n' "
+                              f"({req.n}) to return the best is not supported; leave it out")
+        call.ignored = ignored_fields(req)
+        if call.ignored:  # accepted as OpenAI documents them, named back (docs/protocol.md)
+            log.info("request_fields_ignored", request_id=call.rid, fields=call.ignored)
         name, version = split_name(req.model)
         out.model = name
         user = user_key(req.user, call.user)

@@ -22,7 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.gateway.codec import VERSION_HEADER
+from services.gateway.codec import IGNORED_HEADER, VERSION_HEADER
 from services.gateway.call import Call
 from services.gateway.frontend import USER_HEADER, Frontend
 from services.gateway.openapi import openapi_document
@@ -208,6 +208,8 @@ def _headers(call: Call) -> dict[str, str]:
     headers = {"X-Request-Id": call.rid}
     if call.out.version:
         headers[VERSION_HEADER] = call.out.version
+    if call.ignored:
+        headers[IGNORED_HEADER] = ", ".join(call.ignored)
     return headers
 
 

@@ -161,7 +161,7 @@ class Gateway:
                 if len(body) > self.nc.max_payload > 0:  # estimated ahead; this is the backstop
                     raise too_large(f"the answer takes {len(body)} bytes and one bus message "
                                     f"carries at most {self.nc.max_payload}: ask for less")
-                await self._respond(msg, body, mp, call.out.version)
+                await self._respond(msg, body, mp, call.out.version, call.ignored)
         if call.error is not None:
             await self._respond_error(msg, call.error, mp, call.out.version)
         return call.out.status < 400
@@ -174,7 +174,7 @@ class Gateway:
         mp, out, publish = call.msgpack, call.out, self.nc.publish
         try:
             async for ready in pipe.chunks(prep, call):
-                headers = codec.reply_headers(mp, out.version)
+                headers = codec.reply_headers(mp, out.version, call.ignored)
                 for chunk in ready:
                     await publish(msg.reply, codec.encode(chunk, mp), headers=headers)
         except ServiceError as err:
@@ -183,10 +183,11 @@ class Gateway:
             await publish(msg.reply, body, headers=eh)
         await publish(msg.reply, STREAM_DONE, headers=codec.reply_headers(False, out.version))
 
-    async def _respond(self, msg: Msg, body: bytes, mp: bool, version: str = "") -> None:
+    async def _respond(self, msg: Msg, body: bytes, mp: bool, version: str = "",
+                       ignored: list[str] | None = None) -> None:
         if not msg.reply:
             return
-        await self.nc.publish(msg.reply, body, headers=codec.reply_headers(mp, version))
+        await self.nc.publish(msg.reply, body, headers=codec.reply_headers(mp, version, ignored))
 
     async def _respond_error(self, msg: Msg, err: ServiceError, mp: bool, version: str = "") -> None:
         if not msg.reply:

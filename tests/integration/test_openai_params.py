@@ -117,6 +117,57 @@ async def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(client
     assert ok.choices[0].finish_reason in ("stop", "length")
 
 
+LENIENT = {  # OpenAI documents them; LangChain, LiteLLM and agent frameworks send them
+    "metadata": {"job": "nightly"}, "store": False, "service_tier": "auto",
+    "reasoning_effort": "low", "prediction": {"type": "content", "content": "x"},
+    "functions": [{"name": "f", "parameters": {"type": "object"}}], "best_of": 1,
+    "stream_options": {"include_usage": True, "include_obfuscation": False},
+}
+
+
+async def test_documented_fields_are_accepted_and_named_back(stack, tiny):
+    """Fields OpenAI documents that nothing here acts on are accepted, whole and
+    streamed, over HTTP and NATS: the answer is transformers' greedy text as without
+    them, and the Tensorbus-Ignored-Fields header names them. A field no API
+    documents stays a 400 naming it, and best_of above n is a 400 naming best_of."""
+    _, engine, _, refs = tiny
+    want = engine.tokenizer.decode(refs["chat"])
+    base = {"model": engine.name, "messages": CHAT, "max_tokens": NEW, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    named = {"metadata", "store", "service_tier", "reasoning_effort", "prediction", "functions"}
+
+    def listed(res) -> set[str]:
+        return set(res.headers["tensorbus-ignored-fields"].split(", "))
+
+    async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as http:
+        whole = {k: v for k, v in LENIENT.items() if k != "stream_options"}
+        res = await http.post("/v1/chat/completions", json={**base, **whole})
+        assert res.status_code == 200, res.text
+        assert res.json()["choices"][0]["message"]["content"] == want
+        assert listed(res) == named
+        plain = await http.post("/v1/chat/completions", json=base)
+        assert "tensorbus-ignored-fields" not in plain.headers
+        async with http.stream("POST", "/v1/chat/completions",
+                               json={**base, **LENIENT, "stream": True}) as streamed:
+            assert streamed.status_code == 200
+            assert listed(streamed) == named | {"stream_options.include_obfuscation"}
+            text = ""
+            async for line in streamed.aiter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        text += choice["delta"].get("content") or ""
+        assert text == want
+        typo = await http.post("/v1/chat/completions", json={**base, "temprature": 0.5})
+        assert typo.status_code == 400 and "temprature" in typo.text
+        many = await http.post("/v1/chat/completions", json={**base, "best_of": 3})
+        assert many.status_code == 400 and "best_of" in many.text
+    reply = await stack.client.request(subjects.CHAT_COMPLETIONS,
+                                       json.dumps({**base, "metadata": {"a": "b"}}).encode(),
+                                       timeout=60)  # fmt: skip
+    assert reply.headers["Tensorbus-Ignored-Fields"] == "metadata"
+    assert json.loads(reply.data)["choices"][0]["message"]["content"] == want
+
+
 async def test_stream_options_without_stream_is_a_400(client, tiny):
     _, engine, _, _ = tiny
     with pytest.raises(openai.BadRequestError, match="stream_options"):
