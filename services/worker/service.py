@@ -84,12 +84,12 @@ def time_encoder(engine, max_batch: int) -> Cost | None:
     return book.cost("probe")
 
 
-DECODE_PROBE = (1, 96)  # prompt tokens of the prompts a decoder times at warm-up: far
-# apart, so the fit finds the cost per token, and both within the smallest context,
-# whose smallest and largest prompt shapes a warm-up compiles first (another would run
-# at the largest, or compile here)
-DECODE_TRIES = 2  # prompts timed per size: the fastest counts (a shared machine's noise,
-# and the warm-up's background compiles, only ever add time)
+DECODE_PROBE = 1  # the short prompt a decoder times at warm-up; the long one is a whole
+# chunk: far apart, so the fit finds the cost per token, and the two prompt shapes a
+# warm-up compiles first (a 96-token probe ran on the chunk's program while the smaller
+# ones compiled: about 5x the cost per token it has later, and a first minute of 429s)
+DECODE_TRIES = 2  # short prompts timed: the fastest counts (a shared machine's noise,
+# and the warm-up's background compiles, only ever add time); the long one, once
 DECODE_STEPS = 3  # decode steps timed at warm-up (the fastest counts: one stream's step)
 
 
@@ -99,9 +99,9 @@ def _no_victim(holders: list[int]) -> int:
 
 def time_decoder(engine, chunk: int) -> GenCost | None:
     """A decoder's engine time (`shared.admission.GenCost`) after its warm-up:
-    prompts of DECODE_PROBE tokens computed in one slot, one chunk each (per chunk
-    and per prompt token), then DECODE_STEPS decode steps of one sequence, at the
-    batch bucket the warm-up compiled first. One sequence cannot tell a step's fixed
+    prompts of DECODE_PROBE tokens and of a whole chunk computed in one slot (per
+    chunk and per prompt token), then DECODE_STEPS decode steps of one sequence, at
+    the batch bucket the warm-up compiled first. One sequence cannot tell a step's fixed
     cost from its cost per sequence: it counts as the step's (a small batch's step
     costs about what one stream's does), and the runner's own steps refit it. None
     if it failed."""
@@ -109,10 +109,11 @@ def time_decoder(engine, chunk: int) -> GenCost | None:
     slot, vocab = 0, max(engine.info.vocab_size - 1, 1)
     steps: list[float] = []
     try:
-        for i, n in enumerate(DECODE_PROBE):
-            n = max(1, min(n, chunk or n, engine.info.max_context - DECODE_STEPS - 2))
+        top = engine.info.max_context - DECODE_STEPS - 2
+        for i, (n, tries) in enumerate([(DECODE_PROBE, DECODE_TRIES), (chunk or top, 1)]):
+            n = max(1, min(n, top))
             best = float("inf")
-            for r in range(DECODE_TRIES):
+            for r in range(tries):
                 prompt = [(7 * (i * DECODE_TRIES + r) + k) % vocab + 1 for k in range(n)]  # no shared prefix
                 t0 = time.perf_counter()
                 engine.begin(slot, prompt, Sampling(temperature=0.0), 0)
