@@ -10,8 +10,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-# A JAX worker maps every compiled kernel apart (SmolLM2 at the default shapes holds
-# about 60,000 maps); Linux's default limit is 65,530 (docs/operations.md, "Memory maps").
+# The CPU kernels (paged attention, GGUF blocks: engine/kernels) are built with g++ on
+# a worker's first start; without it a decoder runs the slower XLA path, with more programs.
+if ! command -v "${CXX:-g++}" >/dev/null; then
+    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+        echo "installing g++ (Debian package) for the CPU kernels ..." >&2
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends g++ >/dev/null
+    else
+        echo "no g++: decoders run without the CPU kernels (sudo apt-get install g++)" >&2
+    fi
+fi
+# A JAX worker maps every compiled kernel apart (tens of thousands of maps with the
+# compute forms' programs); Linux's default limit is 65,530 (docs/operations.md, "Memory maps").
 maps=$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 262144)
 if [ "$maps" -lt 262144 ]; then
     if [ "$(id -u)" -eq 0 ]; then
