@@ -29,6 +29,7 @@ from shared.logging import get_logger
 log = get_logger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gguf_matvec.cc", "paged_attention.cc"))
+HEADERS = (Path(__file__).with_name("pool.h"),)  # part of the build's key too
 TARGET = "tensorbus_gguf_matvec"
 ATTENTION = "tensorbus_paged_attention"
 COMPILER = "g++"  # the CXX environment variable overrides, as in make
@@ -65,7 +66,7 @@ def _build(cxx: str) -> Path:
     """The shared library for this source, compiler and CPU (built if not cached)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True,
                              timeout=30).stdout  # fmt: skip
-    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES), cxx, version, " ".join(FLAGS),
+    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES + HEADERS), cxx, version, " ".join(FLAGS),
                                     _cpu_flags(), jax.__version__]).encode()).hexdigest()[:20]
     out = cache_dir() / f"tensorbus-kernels-{key}.so"
     if out.exists():

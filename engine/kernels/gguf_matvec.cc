@@ -59,6 +59,7 @@
 #define TB_VNNI 0
 #endif
 
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -360,35 +361,6 @@ void compute(const Problem& p, int64_t n0, int64_t n1, bool cols) {
   scalar(p, n0, n1, cols);
 }
 
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-// Chunks [0, chunks) run by `fn`, on the pool's threads and this one.
-template <typename F>
-void parallel(ffi::ThreadPool& pool, int64_t chunks, const F& fn) {
-  auto state = std::make_shared<Shared>();
-  auto work = [state, chunks, &fn]() {
-    for (int64_t i; (i = state->next.fetch_add(1)) < chunks;) {
-      fn(i);
-      state->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks - 1);
-  for (int64_t h = 0; h < helpers; ++h) {
-    // A late helper finds no chunk left and touches nothing but `state`.
-    pool.Schedule([state, chunks, fnp = &fn]() {
-      for (int64_t i; (i = state->next.fetch_add(1)) < chunks;) {
-        (*fnp)(i);
-        state->done.fetch_add(1, std::memory_order_release);
-      }
-    });
-  }
-  work();
-  while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
-}
-
 ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
                   ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group, int64_t axis,
@@ -463,7 +435,7 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   // Chunks of whole cache lines of output columns (cols) or rows of outputs (rows).
   const int64_t unit = cols ? 4 * kTile : 256;
   const int64_t chunks = std::max<int64_t>(1, (p.N + unit - 1) / unit);
-  parallel(pool, chunks, [&](int64_t i) {
+  tensorbus::parallel(pool, chunks, [&](int64_t i) {
     compute(p, i * unit, std::min(p.N, (i + 1) * unit), cols);
   });
   return ffi::Error::Success();

@@ -34,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -192,32 +193,6 @@ void tile(const Problem& p, int64_t n0, int64_t n1, int64_t kv) {
   }
 }
 
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-// Items [0, count) run by `fn`, on the pool's threads and this one.
-template <typename F>
-void parallel(ffi::ThreadPool& pool, int64_t count, const F& fn) {
-  auto state = std::make_shared<Shared>();
-  int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
-  for (int64_t h = 0; h < helpers; ++h) {
-    // A late helper finds no item left and touches nothing but `state`.
-    pool.Schedule([state, count, fnp = &fn]() {
-      for (int64_t i; (i = state->next.fetch_add(1)) < count;) {
-        (*fnp)(i);
-        state->done.fetch_add(1, std::memory_order_release);
-      }
-    });
-  }
-  for (int64_t i; (i = state->next.fetch_add(1)) < count;) {
-    fn(i);
-    state->done.fetch_add(1, std::memory_order_release);
-  }
-  while (state->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
-}
-
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::Buffer<ffi::S32> tables,
                           ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> positions,
@@ -261,7 +236,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
     if (n == 0 || p.rows[n] != p.rows[n - 1] || n - starts.back() == kTile) starts.push_back(n);
   starts.push_back(p.N);
   const int64_t tiles = static_cast<int64_t>(starts.size()) - 1;
-  parallel(pool, tiles * p.KV, [&](int64_t i) {
+  tensorbus::parallel(pool, tiles * p.KV, [&](int64_t i) {
     const int64_t t = i / p.KV;
     tile(p, starts[t], starts[t + 1], i % p.KV);
   });

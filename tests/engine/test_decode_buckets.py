@@ -22,7 +22,7 @@ from engine.decoder import DecoderEngine
 from engine.decoder.attention import paged_decode, pick
 from engine.decoder.static import prefill_insert
 from shared.messages import Sampling
-from tests.support.tiny_models import build, hf_greedy
+from tests.support.tiny_models import build, hf_greedy, serve_plan
 
 GREEDY = Sampling(temperature=0.0)
 CONTEXT = 96
@@ -45,26 +45,7 @@ def _engine(path, **kw) -> DecoderEngine:
 
 
 def _serve(engine: DecoderEngine, plan: list[tuple[int, int, int]]) -> dict[int, list[int]]:
-    """plan: (job, step it starts at, tokens to generate); greedy, each job into the
-    lowest free slot when it starts, freed when done -> job -> tokens."""
-    got: dict[int, list[int]] = {}
-    running: dict[int, tuple[int, int]] = {}  # slot -> (job, length)
-    step = 0
-    while len(got) < len(plan) or running:
-        for job, at, n in plan:
-            if at == step:
-                slot = next(s for s in range(engine.slots) if s not in running)
-                got[job] = [prefill_insert(engine, slot, PROMPTS[job], GREEDY, 0)]
-                running[slot] = (job, n)
-        if running:
-            tokens = engine.step()
-            for slot, (job, n) in list(running.items()):
-                got[job].append(int(tokens[slot]))
-                if len(got[job]) == n:
-                    engine.free(slot)
-                    del running[slot]
-        step += 1
-    return got
+    return serve_plan(engine, PROMPTS, plan)
 
 
 def test_one_stream_steps_at_batch_bucket_one(llama):

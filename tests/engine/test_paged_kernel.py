@@ -23,9 +23,7 @@ from engine import kernels
 from engine.decoder import DecoderEngine
 from engine.decoder.attention import chunk_attention, gather, paged_decode, pick
 from engine.decoder.layers import context_attention
-from engine.decoder.static import prefill_insert
-from shared.messages import Sampling
-from tests.support.tiny_models import build, hf_greedy
+from tests.support.tiny_models import build, hf_greedy, serve_plan
 
 KV, BLOCKS, BLOCK, D = 3, 60, 16, 64
 CFG = SimpleNamespace(kv_heads=3, groups=3, heads=9, head_dim=D, scale=D**-0.5,
@@ -122,27 +120,10 @@ def test_the_default_on_a_cpu_reads_in_place_with_no_window_or_context_axis(llam
     # One program per batch bucket (1, 2, 4, 8) and per length bucket (16, 32).
     assert kinds.count("step") == 4 and kinds.count("prefill") == 2
     engine.warmup(progress=False)
-    greedy = Sampling(temperature=0.0)
     system = list(range(30, 90))  # 60 tokens: two chunks of 32, then shared by the next
     prompts = [[5, 17, 300, 42], system + [7, 8, 9], list(range(100, 117)), system + [11, 12]]
     plan = [(0, 0, 12), (1, 1, 20), (2, 3, 8), (3, 5, 10)]  # (job, start step, tokens)
-    got: dict[int, list[int]] = {}
-    running: dict[int, tuple[int, int]] = {}
-    step = 0
-    while len(got) < len(plan) or running:
-        for job, at, n in plan:
-            if at == step:
-                slot = next(s for s in range(engine.slots) if s not in running)
-                got[job] = [prefill_insert(engine, slot, prompts[job], greedy, 0)]
-                running[slot] = (job, n)
-        if running:
-            tokens = engine.step()
-            for slot, (job, n) in list(running.items()):
-                got[job].append(int(tokens[slot]))
-                if len(got[job]) == n:
-                    engine.free(slot)
-                    del running[slot]
-        step += 1
+    got = serve_plan(engine, prompts, plan)
     for job, _, n in plan:
         assert got[job] == hf_greedy(ref, prompts[job], n), job
     assert engine.stats().cache.hits >= 48  # the last prompt reused the system prompt's blocks

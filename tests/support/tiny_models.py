@@ -67,3 +67,33 @@ def serve_tiny(kind: str, out_dir: Path, name: str, context: int, slots: int = 4
                            prefill_buckets=(16, 64), compile_ahead=compile_ahead)
     engine.warmup(progress=False)
     return model, engine
+
+
+def serve_plan(engine, prompts: list[list[int]],
+               plan: list[tuple[int, int, int]]) -> dict[int, list[int]]:
+    """plan: (job, step it starts at, tokens to generate); greedy, each job's prompt
+    (`prompts[job]`) into the lowest free slot when it starts, freed when done
+    -> job -> its tokens. Streams join and leave the engine's steps as they would
+    under a worker."""
+    from engine.decoder.static import prefill_insert
+    from shared.messages import Sampling
+
+    greedy = Sampling(temperature=0.0)
+    got: dict[int, list[int]] = {}
+    running: dict[int, tuple[int, int]] = {}  # slot -> (job, length)
+    step = 0
+    while len(got) < len(plan) or running:
+        for job, at, n in plan:
+            if at == step:
+                slot = next(s for s in range(engine.slots) if s not in running)
+                got[job] = [prefill_insert(engine, slot, prompts[job], greedy, 0)]
+                running[slot] = (job, n)
+        if running:
+            tokens = engine.step()
+            for slot, (job, n) in list(running.items()):
+                got[job].append(int(tokens[slot]))
+                if len(got[job]) == n:
+                    engine.free(slot)
+                    del running[slot]
+        step += 1
+    return got
