@@ -65,6 +65,20 @@ async def _until_ready(nc, proc: subprocess.Popen) -> None:
     pytest.fail(f"the scheduler exited early: {proc.stderr.read()}")
 
 
+async def _exit(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """(exit status, the rest of its stderr), read while waiting: a child that logs more
+    than a pipe holds (64 KiB) while nobody reads would block on its next line and never
+    exit (a busy machine's slower shutdown logs more reconnect warnings). Past
+    `timeout` (a hang bound) it is killed and the test fails with what it logged."""
+    try:
+        _, err = await asyncio.to_thread(proc.communicate, None, timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"still running {timeout} s later; its log ends:\n{err[-4000:]}")
+    return proc.returncode, err
+
+
 def _events(stderr: str) -> list[dict]:
     return [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
 
@@ -81,8 +95,7 @@ async def test_a_failed_background_task_ends_the_process_with_an_error(nats_serv
                     break
                 except Exception:  # noqa: BLE001 - no responders yet
                     continue
-        rc = await asyncio.to_thread(proc.wait, 30)
-        stderr = proc.stderr.read()
+        rc, stderr = await _exit(proc, 90)
         assert rc == 1, stderr
         failed = [e for e in _events(stderr) if e["event"] == "task_failed"]
         assert failed and "housekeeping broke" in json.dumps(failed[0]), stderr
@@ -97,8 +110,8 @@ async def test_sigterm_still_exits_cleanly(nats_server, nc):
     try:
         await _until_ready(nc, proc)
         proc.send_signal(signal.SIGTERM)
-        rc = await asyncio.to_thread(proc.wait, 30)
-        assert rc == 0, proc.stderr.read()
+        rc, stderr = await _exit(proc, 30)
+        assert rc == 0, stderr
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -132,8 +145,8 @@ async def test_a_service_stopped_while_the_bus_is_down_exits_cleanly_at_once(ser
         assert await asyncio.wait_for(asyncio.to_thread(started), 60), "".join(lines)
         server.stop()
         proc.send_signal(signal.SIGTERM)
-        rc = await asyncio.to_thread(proc.wait, 20)
-        out = "".join(lines) + proc.stderr.read()
+        rc, rest = await _exit(proc, 20)
+        out = "".join(lines) + rest
         assert rc == 0 and "Traceback" not in out, out[-4000:]
     finally:
         if proc.poll() is None:
