@@ -43,16 +43,16 @@ def pick(setting: str, platform: str, devices: int = 1) -> str:
     whole pool onto each device around them."""
     if setting not in KERNELS:
         raise ValueError(f"attention kernel {setting!r}: use one of {', '.join(KERNELS)}")
-    if setting == "auto" and devices > 1:
-        return "xla"
+    if setting == "auto":
+        if devices > 1:
+            return "xla"
+        if platform in ("gpu", "cuda", "rocm"):
+            return "pallas"
+        return "cpu" if _cpu_kernel(platform) else "xla"
     if setting == "cpu" and devices > 1:
         raise ValueError("attention kernel 'cpu' runs on one device: use xla with tensor "
                          "parallelism")
-    if setting == "auto":
-        if platform in ("gpu", "cuda", "rocm"):
-            return "pallas"
-        return "cpu" if platform == "cpu" and _cpu_kernel() else "xla"
-    if setting == "cpu" and not (platform == "cpu" and _cpu_kernel()):
+    if setting == "cpu" and not _cpu_kernel(platform):
         from engine import kernels
 
         raise ValueError(f"attention kernel 'cpu' is not available here: "
@@ -60,10 +60,11 @@ def pick(setting: str, platform: str, devices: int = 1) -> str:
     return setting
 
 
-def _cpu_kernel() -> bool:
-    from engine import kernels  # builds the kernels on first use (a g++ run, cached)
+def _cpu_kernel(platform: str) -> bool:
+    """Whether the CPU kernel runs here: built on first use (a g++ run, cached)."""
+    from engine import kernels
 
-    return kernels.compiler() is not None and kernels.load() is not None
+    return platform == "cpu" and kernels.load() is not None
 
 
 def write(cache, blocks, offsets, new):

@@ -27,9 +27,8 @@ import functools
 import weakref
 
 import jax
-import numpy as np
-
 import jax.numpy as jnp
+import numpy as np
 
 from engine.decoder import steps
 from engine.decoder.formchoice import FormChoice, form_bucket
@@ -71,9 +70,8 @@ class StepPrograms:
         # state is the argument after params in each: donated, so updated in place.
         self._prefill = jax.jit(lambda params, state, *args: steps.prefill_chunk(
             params, cfg, state, *args, kernel=attention), donate_argnums=1, **jit_kw)  # fmt: skip
-        self._generate = jax.jit(lambda params, state, rows, tables, live, mask: steps.generate(
-            params, cfg, state, rows, tables, live, attention, interpret, mask=mask),
-            donate_argnums=1, **jit_kw)  # fmt: skip
+        self._generate = jax.jit(lambda params, state, *args: steps.generate(
+            params, cfg, state, *args, attention, interpret), donate_argnums=1, **jit_kw)  # fmt: skip
         self._verify = jax.jit(lambda params, state, *args: verify(
             params, cfg, state, *args, attention, interpret), donate_argnums=1, **jit_kw)  # fmt: skip
         self.copy = jax.jit(steps.copy_block, donate_argnums=0,

@@ -39,7 +39,7 @@ from engine.decoder.sampling import apply_mask, controlled, sample, seed_key, to
 
 def prefill_chunk(
     params: dict, cfg: DecoderConfig, state: DecodeState, padded_tokens, offset, length,
-    table, slot, sampling: SlotSampling, seed, mask=None, kernel: str = "xla",
+    table, slot, sampling: SlotSampling, seed, mask, kernel: str = "xla",
 ):  # fmt: skip
     """padded_tokens: [T] int32, offset, length: [] int32, table: [NC] int32,
     seed: [] uint32, kernel: the attention's ("cpu" reads the blocks in place)
@@ -57,8 +57,7 @@ def prefill_chunk(
         one(sampling.presence), one(sampling.frequency), one(sampling.repetition),
         one(sampling.bias_ids), one(sampling.bias_vals),
     )  # fmt: skip
-    if mask is not None:  # structured outputs (engine/decoder/grammar.py)
-        logits = apply_mask(logits, mask[None])
+    logits = apply_mask(logits, mask[None])  # structured outputs (engine/decoder/grammar.py)
     token = sample(
         logits, key[None], one(end), one(sampling.temperature),
         one(sampling.top_k), one(sampling.top_p), one(sampling.min_p),
@@ -82,10 +81,10 @@ def pack(raw, tokens, want):
     return jnp.concatenate([tokens[:, None], token_logprobs(raw, tokens, want)], axis=-1)
 
 
-def generate(params: dict, cfg: DecoderConfig, state: DecodeState, rows, tables, live,
-             kernel: str = "xla", interpret: bool = False, mask=None):
+def generate(params: dict, cfg: DecoderConfig, state: DecodeState, rows, tables, live, mask,
+             kernel: str = "xla", interpret: bool = False):
     """rows: [B] int32 (slots; padding names the dummy row), tables: [B, NW] int32,
-    live: [B] bool -> (state, packed: [B, 2 + 2K] int32, row i's token and logprobs
+    live: [B] bool, mask: [B, W] int32 -> (state, packed: [B, 2 + 2K] int32, row i's token and logprobs
     for slot rows[i]).
     Padding rows compute too (their output is ignored, their writes go to the
     scratch block and to the dummy row); cursors are clamped inside the positions."""
@@ -97,8 +96,7 @@ def generate(params: dict, cfg: DecoderConfig, state: DecodeState, rows, tables,
         state.frequency[rows], state.repetition[rows], state.bias_ids[rows],
         state.bias_vals[rows],
     )  # fmt: skip
-    if mask is not None:  # [B, W] int32 bits (engine/decoder/grammar.py)
-        logits = apply_mask(logits, mask)
+    logits = apply_mask(logits, mask)  # [B, W] int32 bits (engine/decoder/grammar.py)
     # The drawn tokens sit one past the ones just fed.
     tokens = sample(
         logits, state.keys[rows], at + 1, state.temperature[rows], state.top_k[rows],

@@ -3,7 +3,7 @@ integer weight groups (gguf_matvec.cc; docs/decisions/0062) and paged attention 
 reads each sequence's K/V blocks in place (paged_attention.cc; docs/decisions/0072).
 
 The sources are compiled on first use (`load`) with the system's g++ for this
-machine's CPU (-O3 -march=native) into a cache folder keyed by a hash of the source,
+machine's CPU (-O3 -march=native), into one library in a cache folder keyed by a hash of the sources,
 the compiler ($CXX, else g++) and the CPU's flags, loaded with ctypes and registered as an FFI target.
 Where that cannot be done (not on CPU, no compiler, a failed build) `load` returns
 None, says why once in the log, and the engine keeps its XLA path. Importing this
@@ -63,11 +63,12 @@ def _cpu_flags() -> str:
 
 
 def _build(cxx: str) -> Path:
-    """The shared library for this source, compiler and CPU (built if not cached)."""
+    """The shared library for these sources, compiler and CPU (built if not cached)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True,
                              timeout=30).stdout  # fmt: skip
-    key = hashlib.sha256("\n".join([*(s.read_text() for s in SOURCES + HEADERS), cxx, version, " ".join(FLAGS),
-                                    _cpu_flags(), jax.__version__]).encode()).hexdigest()[:20]
+    texts = [s.read_text() for s in SOURCES + HEADERS]
+    key = hashlib.sha256("\n".join([*texts, cxx, version, " ".join(FLAGS), _cpu_flags(),
+                                    jax.__version__]).encode()).hexdigest()[:20]
     out = cache_dir() / f"tensorbus-kernels-{key}.so"
     if out.exists():
         return out

@@ -111,14 +111,24 @@ struct Problem {
   int64_t window;
 };
 
+// A thread's working memory, kept between items and calls: a decode step runs
+// (rows x KV heads) items per layer, too many for fresh allocations each.
+struct Scratch {
+  std::vector<float> qs, acc, m, l, kb, vb, s;
+  std::vector<int64_t> lo, hi;
+};
+
 // One tile [n0, n1) of queries (one table row) against KV head `kv`.
 void tile(const Problem& p, int64_t n0, int64_t n1, int64_t kv) {
   const int64_t G = p.G, D = p.D, BS = p.BS, Q = (n1 - n0) * G;
   const int32_t* table = p.tables + static_cast<int64_t>(p.rows[n0]) * p.NW;
   const int64_t limit = p.NW * BS - 1;  // the last key the table can name
-  std::vector<float> qs(Q * D), acc(Q * D, 0.f), m(Q, -INFINITY), l(Q, 0.f);
-  std::vector<float> kb(BS * D), vb(BS * D), s(BS);
-  std::vector<int64_t> lo(n1 - n0), hi(n1 - n0);
+  thread_local Scratch w;
+  w.qs.resize(Q * D), w.acc.assign(Q * D, 0.f), w.m.assign(Q, -INFINITY), w.l.assign(Q, 0.f);
+  w.s.resize(BS), w.lo.resize(n1 - n0), w.hi.resize(n1 - n0);
+  if (p.kind != Kind::F32) w.kb.resize(BS * D), w.vb.resize(BS * D);  // f32 is read in place
+  std::vector<float>&qs = w.qs, &acc = w.acc, &m = w.m, &l = w.l, &kb = w.kb, &vb = w.vb, &s = w.s;
+  std::vector<int64_t>&lo = w.lo, &hi = w.hi;
   int64_t first = limit, last = -1;
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t pos = std::min<int64_t>(p.positions[n], limit);
