@@ -35,7 +35,7 @@ from services.gateway.outcome import Outcome
 from services.gateway.recorder import Recorder
 from shared import subjects
 from shared.bus import Links
-from shared.api import ModelList
+from shared.api_models import ModelList
 from shared.config import Config
 from shared.errors import deadline_exceeded, too_large, unavailable
 from shared.logging import get_logger

@@ -21,7 +21,7 @@ from typing import Awaitable, Callable
 
 from services.fleet import Fleet
 from shared import catalog
-from shared.api import ModelCard
+from shared.api_models import ModelCard
 from shared.errors import bad_request, not_found
 from shared.logging import get_logger
 

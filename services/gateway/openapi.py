@@ -12,18 +12,15 @@ from shared.api import (
     CompletionChunk,
     CompletionRequest,
     CompletionResponse,
-    DetokenizeRequest,
-    DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
-    ModelList,
     RerankRequest,
     RerankResponse,
     ScoreRequest,
     ScoreResponse,
-    TokenizeRequest,
-    TokenizeResponse,
 )
+from shared.api_models import (DetokenizeRequest, DetokenizeResponse, ModelList, TokenizeRequest,
+                               TokenizeResponse)
 from shared.errors import ErrorBody
 
 _ERRORS = {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model",
