@@ -3,8 +3,9 @@
     .venv/bin/python -m bench.engine_encoder [--seconds 4] [--kinds short,long]
 
 What `run()` measures, in one process, side by side:
-  1. the JAX engine (`EncoderEngine.embed`, default buckets) at `batch` inputs per call,
-     and its batch-1 latency;
+  1. the JAX engine (`EncoderEngine.embed`, default layout: packed rows for MiniLM)
+     at `batch` inputs per call, and its batch-1 latency; beside it the same engine on
+     the padded (batch x length) grid it used before packing (`jax_grid`);
   2. torch eager, two ways: transformers' `BertModel` plus mean pooling (the
      reference, as sentence-transformers runs it) and our `TorchEncoder`, both under
      `torch.inference_mode()` with torch's default thread count;
@@ -12,7 +13,9 @@ What `run()` measures, in one process, side by side:
      shape, so the encoder's GFLOP/s can be read as a share of the CPU's GEMM rate.
 Everything alternates in short rounds and each reports its median round, so that
 load from other processes on a shared machine hits all of them alike. FLOPs are
-counted on the padded shapes actually computed (the buckets), not the real tokens.
+counted on the padded shapes actually computed (the programs), not the real tokens.
+Kinds: short (14-17 tokens), long (128), mixed (half short, half cut to 24-200
+tokens: distinct lengths, as a retrieval corpus is).
 """
 
 from __future__ import annotations
@@ -40,14 +43,19 @@ def _inputs(tok, kind: str, n: int) -> list[list[int]]:
     The long texts run a little past 128 tokens (some words split), and a batch that
     spills into the 256 bucket measures padding policy, not engine speed; they are cut
     to 128 ids ([SEP] kept) so JAX and torch compute the same shapes."""
-    from bench.support.workload import long_inputs, short_inputs
+    from bench.support.workload import long_inputs, sentences, short_inputs
 
     if kind == "short":
         return tok.encode_batch(short_inputs(n))
     if kind == "long":
         ids = tok.encode_batch(long_inputs(n))
         return [x[: LONG_TOKENS - 1] + x[-1:] if len(x) > LONG_TOKENS else x for x in ids]
-    raise ValueError(f"kind must be 'short' or 'long', not {kind!r}")
+    if kind == "mixed":
+        cut = np.random.default_rng(0).integers(24, 201, n - n // 2)
+        texts = tok.encode_batch(sentences(n - n // 2, 200, seed=3))
+        longs = [x[: c - 1] + x[-1:] for x, c in zip(texts, cut)]
+        return tok.encode_batch(short_inputs(n // 2)) + longs
+    raise ValueError(f"kind must be 'short', 'long' or 'mixed', not {kind!r}")
 
 
 def encoder_flops(batch: int, seq: int, hidden: int, ffn: int, layers: int) -> float:
@@ -132,7 +140,7 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
     from engine import jaxrt
     from engine.encoder.config import BertConfig
     from engine.buckets import pad, plan
-    from engine.encoder import EncoderEngine
+    from engine.encoder import EncoderEngine, packing
     from engine.tokenizer import Tokenizer
     from engine.torch_encoder import TorchEncoder
 
@@ -140,8 +148,9 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
     d = catalog.bundled_dir(MODEL)
     ids = _inputs(Tokenizer.from_dir(d), kind, batch)  # batch x ~S ids
     jax_enc = EncoderEngine(d, name=MODEL, max_batch=max(batch, 1))
+    grid = EncoderEngine(d, name=MODEL, max_batch=max(batch, 1), layout="grid")
     t0 = time.perf_counter()
-    jax_enc.embed(ids)  # compiles the one bucket this batch needs
+    jax_enc.embed(ids)  # compiles the programs this batch needs
     jax_enc.embed(ids[:1])
     compile_s = time.perf_counter() - t0
     torch_enc = TorchEncoder(d, name=MODEL)
@@ -151,6 +160,7 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
     refs = _matmuls()
     fns = {
         "jax": lambda: jax_enc.embed(ids),
+        "jax_grid": lambda: grid.embed(ids),
         "torch_hf": lambda: hf(hf_ids, hf_mask),
         "torch_ours": lambda: torch_enc.embed(ids),
         **{name: call for name, (call, _) in refs.items()},
@@ -160,22 +170,29 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
     t = _rounds(fns, seconds, rounds)
     cfg = BertConfig(d)
     ffn = int(json.loads((d / "config.json").read_text())["intermediate_size"])
-    groups = plan([len(x) for x in ids], jax_enc.batch_buckets, jax_enc.seq_buckets,
-                  jax_enc.max_batch)  # fmt: skip
-    flops = sum(encoder_flops(b, s, cfg.hidden, ffn, cfg.layers) for _, b, s in groups)
+    lengths = [len(x) for x in ids]
+    groups = packing.plan(lengths, jax_enc.shapes)  # what the packed engine runs
+    flops = sum(encoder_flops(g.shape.rows, g.shape.width, cfg.hidden, ffn, cfg.layers)
+                for g in groups)  # fmt: skip
+    grid_groups = plan(lengths, grid.batch_buckets, grid.seq_buckets, grid.max_batch,
+                       grid.token_budget)  # fmt: skip
     gflops = flops / t["jax"] / 1e9
     matmul = refs["matmul"][1] / t["matmul"] / 1e9
     gemm = refs["gemm"][1] / t["gemm"] / 1e9
     return {
         "kind": kind, "batch": batch, "tokens_mean": float(np.mean([len(x) for x in ids])),
-        "buckets": [[len(r), b, s] for r, b, s in groups],  # [inputs, B, S] per forward
+        "programs": [[len(g.index), g.shape.name] for g in groups],  # inputs, RxW per forward
+        "grid_buckets": [[len(r), b, s] for r, b, s in grid_groups],  # [inputs, B, S]
         "device": device, "compile_s": round(compile_s, 2),
         "jax_sentences_per_s": batch / t["jax"],
+        "jax_grid_sentences_per_s": batch / t["jax_grid"],
+        "ratio_packed_vs_grid": t["jax_grid"] / t["jax"],
         "torch_eager_sentences_per_s": batch / t["torch_hf"],
         "torch_engine_sentences_per_s": batch / t["torch_ours"],
         "ratio_vs_torch_eager": t["torch_hf"] / t["jax"],
         "ratio_vs_torch_engine": t["torch_ours"] / t["jax"],
         "jax_batch1_p50_ms": _latency_ms(lambda: jax_enc.embed(ids[:1]), min(seconds, 2.0)),
+        "jax_grid_batch1_p50_ms": _latency_ms(lambda: grid.embed(ids[:1]), min(seconds, 2.0)),
         "torch_eager_batch1_p50_ms": _latency_ms(
             lambda: hf(hf_ids[:1, : len(ids[0])], hf_mask[:1, : len(ids[0])]), min(seconds, 2.0)
         ),

@@ -37,7 +37,10 @@ class Encoder(Protocol):
     task: str  # "embed"; "score" for a cross-encoder, which also implements `Reranker`
 
     def warmup(self, progress: bool = True) -> int:
-        """Compile every (batch, seq) bucket; return how many were compiled."""
+        """Compile what it serves first; return how many programs were compiled."""
+
+    def program_counts(self) -> tuple[int, int]:
+        """(programs compiled so far, programs it serves): (0, 0) where nothing compiles."""
 
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         """[len(inputs), dim] float32. Inputs already tokenized (with [CLS]/[SEP]).

@@ -179,6 +179,9 @@ class TorchEncoder:
     def close(self, wait_s: float = 0.0) -> bool:
         return True  # nothing compiles
 
+    def program_counts(self) -> tuple[int, int]:
+        return 0, 0  # eager: nothing compiled
+
     def warmup(self, progress: bool = True) -> int:
         """Run one forward per sequence bucket (thread pool and allocator warm).
         Eager torch compiles nothing, so the count of compiled shapes is 0."""

@@ -44,6 +44,9 @@ class MockEncoder:
     def warmup(self, progress: bool = True) -> int:
         return 0
 
+    def program_counts(self) -> tuple[int, int]:
+        return 0, 0
+
     def embed(self, inputs: list[list[int]]) -> np.ndarray:
         self.entered.set()
         self.gate.wait()

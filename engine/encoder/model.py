@@ -90,8 +90,13 @@ _HEAD_ACTS = {
 def head(params: Params, x32, m, cfg: BertConfig):
     """x32: [B, S, D] float32 token states -> [B, dim] float32: the model's pooling,
     Dense layers and (when it has one) Normalize."""
+    y = jnp.concatenate([_pool(x32, m, mode) for mode in cfg.spec.pooling], axis=-1)  # [B, P]
+    return _project(params, y, cfg)
+
+
+def _project(params: Params, y, cfg: BertConfig):
+    """Pooled [N, P] float32 -> [N, dim]: the Dense layers, then Normalize if any."""
     spec = cfg.spec
-    y = jnp.concatenate([_pool(x32, m, mode) for mode in spec.pooling], axis=-1)  # [B, P]
     for layer, p in zip(spec.dense, params["head"]):
         out = _HEAD_ACTS[layer.activation](y @ p["head_w"] + p["head_b"])  # [B, OUT]
         y = out + y @ p["head_r"] if "head_r" in p else out
@@ -126,6 +131,73 @@ def encode(params: Params, ids, mask, cfg: BertConfig, tp: int = 1, types=None):
     return x, m
 
 
+def _pool_packed(xf, slot, pos, n: int, mode: str):
+    """xf: [T, D] float32 token states of a packed program, slot: [T] int32 output row
+    of each token (n for padding), pos: [T] its position in its input -> [n, D], as
+    `_pool` computes `mode` for each input alone."""
+    seg = lambda v: jax.ops.segment_sum(v, slot, n + 1)[:n]  # noqa: E731 - [n, ...]
+    at = jnp.arange(slot.shape[0], dtype=jnp.int32)  # [T]
+    if mode in ("cls", "lasttoken"):
+        pick = jax.ops.segment_min if mode == "cls" else jax.ops.segment_max
+        idx = jnp.clip(pick(at, slot, n + 1)[:n], 0, slot.shape[0] - 1)  # [n]
+        return xf[idx]
+    if mode == "max":
+        top = jax.ops.segment_max(xf, slot, n + 1)[:n]
+        return jnp.where(jnp.isfinite(top), top, 0.0)  # empty slots: discarded, finite
+    w = (pos + 1).astype(jnp.float32) if mode == "weightedmean" else jnp.ones_like(pos, jnp.float32)
+    count = jnp.maximum(seg(w)[:, None], 1e-9)  # [n, 1]
+    return seg(xf * w[:, None]) / (jnp.sqrt(count) if mode == "mean_sqrt_len_tokens" else count)
+
+
+def encode_packed(params: Params, ids, slot, pos, cfg: BertConfig, tp: int = 1, types=None):
+    """A packed program (engine/encoder/packing.py): ids, slot, pos (and a pair's
+    token types): [R, W] int32 -> token states [R, W, D] in the model dtype. A token
+    attends to the tokens of its own slot only, so each input is computed as alone;
+    positions restart at each input. MPNet's relative bias is the row's: inside one
+    input a key's distance in the row is its distance in the input."""
+    word, table = params["word"], params["pos"]
+    x = take_rows(word, ids, jnp.float32).astype(jnp.float32) + table[pos].astype(jnp.float32)
+    if types is not None:
+        x = x + params["types"][types].astype(jnp.float32)
+    x = layer_norm(x, params["emb_ln_g"], params["emb_ln_b"], cfg.eps).astype(table.dtype)
+    same = slot[:, :, None] == slot[:, None, :]  # [R, W, W]
+    bias = jnp.where(same, 0.0, -1e9).astype(jnp.float32)[:, None]  # [R, 1, W, W]
+    if "rel_bias" in params:
+        buckets = relative_buckets(ids.shape[1])  # [W, W], static
+        bias = bias + params["rel_bias"][buckets].transpose(2, 0, 1)[None]  # [R, H, W, W]
+    for p in params["layers"]:
+        x = _layer(x, bias, p, cfg, tp)
+    return x
+
+
+def forward_packed(params: Params, ids, slot, pos, cfg: BertConfig, tp: int = 1, *, slots: int):
+    """A packed program -> [slots, dim] float32: output row k is the input of slot k
+    (rows past the program's inputs are discarded by the caller)."""
+    x = encode_packed(params, ids, slot, pos, cfg, tp)
+    xf = x.astype(jnp.float32).reshape(-1, x.shape[-1])  # [T, D]
+    sf, pf = slot.reshape(-1), pos.reshape(-1)
+    y = jnp.concatenate([_pool_packed(xf, sf, pf, slots, m) for m in cfg.spec.pooling], axis=-1)
+    return _project(params, y, cfg)  # [slots, dim]
+
+
+def score_packed(params: Params, ids, slot, pos, types, cfg: BertConfig, tp: int = 1, *,
+                 slots: int):
+    """A cross-encoder's packed program -> [slots, L] float32 scores (`score_forward`
+    on each pair's first token)."""
+    x = encode_packed(params, ids, slot, pos, cfg, tp, types)
+    xf = x.astype(jnp.float32).reshape(-1, x.shape[-1])  # [T, D]
+    return _classify(params, _pool_packed(xf, slot.reshape(-1), pos.reshape(-1), slots, "cls"),
+                     cfg)
+
+
+def _classify(params: Params, cls, cfg: BertConfig):
+    """First-token states [N, D] float32 -> [N, L]: BERT's pooler (dense, tanh; RoBERTa's
+    classifier head has the same shape), the logits, the model's activation."""
+    c = params["classifier"]
+    h = jnp.tanh(cls @ c["cls_w"] + c["cls_b"])  # [N, D]
+    return _HEAD_ACTS[cfg.spec.score_activation](h @ c["out_w"] + c["out_b"])  # [N, L]
+
+
 def forward(params: Params, ids, mask, cfg: BertConfig, tp: int = 1):
     """ids, mask: [B, S] int32 -> [B, dim] float32 sentence embeddings (`head`)."""
     x, m = encode(params, ids, mask, cfg, tp)
@@ -140,9 +212,7 @@ def score_forward(params: Params, ids, mask, types, cfg: BertConfig, tp: int = 1
     if cfg.family == "modernbert":  # no token types; its own head
         logits = modernbert.classify(params, x.astype(jnp.float32), m, cfg)
         return _HEAD_ACTS[cfg.spec.score_activation](logits)  # [B, L]
-    c = params["classifier"]
-    h = jnp.tanh(x[:, 0].astype(jnp.float32) @ c["cls_w"] + c["cls_b"])  # [B, D]
-    return _HEAD_ACTS[cfg.spec.score_activation](h @ c["out_w"] + c["out_b"])  # [B, L]
+    return _classify(params, x[:, 0].astype(jnp.float32), cfg)  # [B, L]
 
 
 def decoder_forward(params: Params, ids, mask, cfg: BertConfig):

@@ -361,6 +361,8 @@ class Worker:
         used, limit, source = self.memory.read(device)
         stats = engine.stats() if decoder else None
         compiled, total = (stats.compiled, stats.programs) if stats else (0, 0)
+        if engine is not None and not decoder:
+            compiled, total = engine.program_counts()
         measured, units = (stats.forms_measured, stats.forms_total) if stats else (0, 0)
         quant, forms = (stats.quant, stats.compute_forms) if stats else ("", {})
         # The runner's gauges carry the heartbeat's own names: they go across as they are.
@@ -385,13 +387,15 @@ class Worker:
             site=self.config.site, reconnects=self.links.drops, **self._cost_fields())
 
     def _program_fields(self) -> dict[str, object]:
-        """The ready line's programs: a decoder's compiled of those it serves, and
-        (a worker that shares the fleet's) how many it compiled, loaded and fetched."""
+        """The ready line's programs: compiled of those the engine serves, and (a
+        worker that shares the fleet's) how many it compiled, loaded and fetched."""
         out: dict[str, object] = {}
         engine = self.models.prod_engine
         if self.kind == "decoder" and engine is not None:
             stats = engine.stats()
             out["programs"] = f"{stats.compiled}/{stats.programs}"
+        elif engine is not None and engine.program_counts()[1]:
+            out["programs"] = "{}/{}".format(*engine.program_counts())
         if self.fleet is not None:
             out.update(self.fleet.summary())
         return out

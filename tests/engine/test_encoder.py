@@ -1,8 +1,9 @@
 """Both encoder engines against sentence-transformers on the same MiniLM weights.
 
-Small bucket sets keep compile time down; the mixed batch holds short sentences and
-129..256-token texts and is larger than max_batch, so it exercises splitting, the
-length-sorted grouping and every sequence bucket.
+The JAX engine in both layouts: packed rows (MiniLM's default: a ladder of 7 token
+counts) and the padded grid (small bucket sets keep its compile time down). The
+mixed batch holds short sentences and 129..256-token texts and is larger than
+max_batch, so it exercises splitting, grouping and the longest program.
 """
 
 from __future__ import annotations
@@ -43,11 +44,23 @@ def reference(texts) -> np.ndarray:
 @pytest.fixture(scope="module")
 def jax_f32() -> EncoderEngine:
     # The session's compilation cache (tests/conftest.py), which the integration
-    # tests use too: same buckets, compiled once.
+    # tests use too: same programs, compiled once.
+    enc = EncoderEngine(model_dir(), dtype="float32", max_batch=MAX_BATCH)
+    assert enc.packed and enc.warmup(progress=False) == len(enc.shapes)
+    return enc
+
+
+@pytest.fixture(scope="module")
+def jax_grid() -> EncoderEngine:
     enc = EncoderEngine(model_dir(), dtype="float32", batch_buckets=BATCH_BUCKETS,
-                        seq_buckets=SEQ_BUCKETS, max_batch=MAX_BATCH)  # fmt: skip
+                        seq_buckets=SEQ_BUCKETS, max_batch=MAX_BATCH, layout="grid")  # fmt: skip
     assert enc.warmup(progress=False) == len(BATCH_BUCKETS) * len(SEQ_BUCKETS)
     return enc
+
+
+@pytest.fixture(params=["packed", "grid"])
+def layout(request) -> EncoderEngine:
+    return request.getfixturevalue("jax_f32" if request.param == "packed" else "jax_grid")
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -69,8 +82,8 @@ def test_inputs_cover_long_buckets_and_exceed_max_batch(ids):
     assert min(lengths) < 16
 
 
-def test_jax_float32_matches_sentence_transformers(jax_f32, ids, reference):
-    _check(jax_f32.embed(ids), reference, 0.9999)
+def test_jax_float32_matches_sentence_transformers(layout, ids, reference):
+    _check(layout.embed(ids), reference, 0.9999)
 
 
 def test_jax_engine_describes_itself(jax_f32):
@@ -78,23 +91,47 @@ def test_jax_engine_describes_itself(jax_f32):
     assert (jax_f32.dtype, jax_f32.device, jax_f32.max_batch) == ("float32", "cpu", 16)
 
 
-def test_jax_result_does_not_depend_on_batch_company(jax_f32, ids, reference):
-    """One input alone, or padded among others of different length, embeds the same."""
-    alone = np.concatenate([jax_f32.embed([x]) for x in ids[:6]])
+def test_jax_result_does_not_depend_on_batch_company(layout, ids, reference):
+    """One input alone, or padded (or packed into a row) among others of different
+    length, embeds the same."""
+    alone = np.concatenate([layout.embed([x]) for x in ids[:6]])
     _check(alone, reference[:6], 0.9999)
-    np.testing.assert_allclose(alone, jax_f32.embed(ids)[:6], atol=2e-6)
+    np.testing.assert_allclose(alone, layout.embed(ids)[:6], atol=2e-6)
 
 
-def test_compiled_shapes_stay_at_the_bucket_count(jax_f32, ids):
-    count = len(BATCH_BUCKETS) * len(SEQ_BUCKETS)
-    assert jax_f32.compiled_count() == count and jax_f32.traces == count
+def test_packed_rows_hold_several_inputs_and_each_embeds_as_alone(jax_f32, ids, reference):
+    """Short inputs share rows (here 3 to 10 per row); none leaks into another."""
+    from engine.encoder import packing
+
+    short = [x for x in ids if len(x) < 40][:12]
+    groups = packing.plan([len(x) for x in short], jax_f32.shapes)
+    assert len(groups) == 1 and len(set(groups[0].row)) < len(short)
+    got = jax_f32.embed(short)
+    np.testing.assert_allclose(got, np.concatenate([jax_f32.embed([x]) for x in short]),
+                               atol=2e-6)  # fmt: skip
+    _check(got, reference[[ids.index(x) for x in short]], 0.9999)
+
+
+@pytest.mark.parametrize("which", ["packed", "grid"])
+def test_compiled_programs_stay_at_their_count(which, ids, request):
+    """A packed MiniLM serves everything from 8 programs (the target for an encoder);
+    the grid from its buckets. No batch or length compiles another."""
+    enc = request.getfixturevalue("jax_f32" if which == "packed" else "jax_grid")
+    count = 8 if which == "packed" else len(BATCH_BUCKETS) * len(SEQ_BUCKETS)
+    assert enc.compiled_count() == count and enc.traces == count
     rng = np.random.default_rng(0)
     for n in (1, 3, 5, 17, 33):
         batch = [ids[i] for i in rng.integers(0, len(ids), n)]
-        assert jax_f32.embed(batch).shape == (n, 384)
+        assert enc.embed(batch).shape == (n, 384)
     for length in (2, 15, 16, 17, 63, 64, 65, 255, 256):
-        jax_f32.embed([[101] + [2000] * (length - 2) + [102]])
-    assert jax_f32.compiled_count() == count and jax_f32.traces == count
+        enc.embed([[101] + [2000] * (length - 2) + [102]])
+    assert enc.compiled_count() == count and enc.traces == count
+
+
+def test_a_packed_encoder_at_the_worker_defaults_has_at_most_8_programs():
+    enc = EncoderEngine(model_dir(), max_batch=64)  # the worker's default batch
+    assert [s.name for s in enc.shapes] == ["1x16", "1x32", "1x64", "1x128", "1x256",
+                                            "2x256", "4x256", "16x64"]  # fmt: skip
 
 
 def test_rejects_inputs_no_bucket_holds(jax_f32):
@@ -108,9 +145,7 @@ def test_rejects_inputs_no_bucket_holds(jax_f32):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_jax_half_precision_matches_sentence_transformers(dtype, ids, reference):
     # One batch bucket and the shortest useful seq set: half the compile time.
-    enc = EncoderEngine(model_dir(), dtype=dtype, batch_buckets=(16,), seq_buckets=(64,),
-                        max_batch=16)  # fmt: skip
-    assert enc.seq_buckets == (64, 256)  # the model's limit is always a bucket
+    enc = EncoderEngine(model_dir(), dtype=dtype, max_batch=16)
     assert enc.params["layers"][0]["qkv_w"].dtype == np.dtype(dtype)
     _check(enc.embed(ids), reference, 0.999)
 
@@ -140,12 +175,14 @@ def test_engines_swap_without_the_caller_noticing(jax_f32, ids):
         assert not [m for m in members if not hasattr(enc, m)], type(enc).__name__
 
 
-def test_compiling_first_is_ready_early_and_serves_any_batch_in_compiled_parts(ids, reference,
-                                                                             monkeypatch):
-    """compile_ahead="first": ready after one input at every length plus the worker's
-    timing shapes; while the rest compile in the background, a batch whose bucket is
-    not compiled yet runs in compiled parts (a larger bucket, or several smaller
-    ones), compiling nothing on the caller's thread, and embeds as sentence-
+@pytest.mark.parametrize("which", ["packed", "grid"])
+def test_compiling_first_is_ready_early_and_serves_any_batch_in_compiled_parts(
+        which, ids, reference, monkeypatch):  # fmt: skip
+    """compile_ahead="first": ready after a first set (packed: the smallest program,
+    one row of the limit and the largest; grid: one input at every length plus the
+    worker's timing shapes); while the rest compile in the background, a batch whose
+    program is not compiled yet runs on compiled ones (a larger one, or several
+    smaller ones), compiling nothing on the caller's thread, and embeds as sentence-
     transformers does."""
     import threading
 
@@ -153,9 +190,13 @@ def test_compiling_first_is_ready_early_and_serves_any_batch_in_compiled_parts(i
 
     hold = threading.Event()  # the background thread's first compile waits on it
     enc = EncoderEngine(model_dir(), dtype="float32", batch_buckets=BATCH_BUCKETS,
-                        seq_buckets=SEQ_BUCKETS, max_batch=MAX_BATCH, compile_ahead="first")
+                        seq_buckets=SEQ_BUCKETS, max_batch=MAX_BATCH, compile_ahead="first",
+                        layout=which)  # fmt: skip
     first = enc.first_shapes()
-    assert first[: len(SEQ_BUCKETS)] == [(1, s) for s in SEQ_BUCKETS]
+    if which == "grid":
+        assert first[: len(SEQ_BUCKETS)] == [(1, s) for s in SEQ_BUCKETS]
+    else:
+        assert [s.name for s in first] == ["1x16", "1x256", "4x256", "16x64"]
     original = jaxrt.compile_lowered
     background = []
 

@@ -84,6 +84,8 @@ async def test_models_lists_what_is_served_and_ready(stack):
     cards = msgspec.json.decode(msg.data)["data"]
     card = next(c for c in cards if c["id"] == MODEL)
     assert card["ready_workers"] == 1 and card["kind"] == "encoder"
+    # An encoder's programs: MiniLM packs, 8 of them serve every batch and length.
+    assert card["programs_compiled"] == card["programs_total"] == 8
 
 
 BAD = [
