@@ -24,6 +24,8 @@ if [ ${#need[@]} -gt 0 ]; then
     fi
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# The CPU kernels' library, built into .venv as scripts/up.sh builds it.
+.venv/bin/python -m engine.kernels
 # The import contracts first (pyproject.toml, [tool.importlinter]): the layers
 # shared <- engine <- services <- bench, no service importing another, no cycles.
 .venv/bin/lint-imports --no-cache

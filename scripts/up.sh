@@ -10,8 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-# The CPU kernels (paged attention, GGUF blocks: engine/kernels) are built with g++ on
-# a worker's first start; without it a decoder runs the slower XLA path, with more programs.
+# The CPU kernels (paged attention, GGUF blocks: engine/kernels) are built with g++ here,
+# once per install, not at a worker's start; without g++ a decoder runs the slower XLA
+# path, with more programs.
 if ! command -v "${CXX:-g++}" >/dev/null; then
     if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
         echo "installing g++ (Debian package) for the CPU kernels ..." >&2
@@ -21,6 +22,7 @@ if ! command -v "${CXX:-g++}" >/dev/null; then
         echo "no g++: decoders run without the CPU kernels (sudo apt-get install g++)" >&2
     fi
 fi
+.venv/bin/python -m engine.kernels
 # A JAX worker maps every compiled kernel apart (tens of thousands of maps with the
 # compute forms' programs); Linux's default limit is 65,530 (docs/operations.md, "Memory maps").
 maps=$(cat /proc/sys/vm/max_map_count 2>/dev/null || echo 262144)

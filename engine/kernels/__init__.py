@@ -2,9 +2,14 @@
 integer weight groups (gguf_matvec.cc; docs/decisions/0062) and paged attention that
 reads each sequence's K/V blocks in place (paged_attention.cc; docs/decisions/0072).
 
-The sources are compiled on first use (`load`) with the system's g++ for this
-machine's CPU (-O3 -march=native), into one library in a cache folder keyed by a hash of the sources,
-the compiler ($CXX, else g++) and the CPU's flags, loaded with ctypes and registered as an FFI target.
+The sources are compiled with the system's g++ for this machine's CPU (-O3
+-march=native), each on its own core, into one library named by a hash of the
+sources, the compiler ($CXX, else g++), the CPU's flags and jax's version; it is
+loaded with ctypes and registered as an FFI target. The install builds it
+(`python -m engine.kernels`, run by scripts/bootstrap.sh) into the environment's
+`share/tensorbus/kernels`, so a worker on an empty data directory finds it there;
+failing that, the first `load` builds it into the cache folder beside the JAX
+compilation cache (8 s on two cores, at every cold start before).
 Where that cannot be done (not on CPU, no compiler, a failed build) `load` returns
 None, says why once in the log, and the engine keeps its XLA path. Importing this
 module compiles nothing.
@@ -17,6 +22,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -33,7 +39,7 @@ HEADERS = (Path(__file__).with_name("pool.h"),)  # part of the build's key too
 TARGET = "tensorbus_gguf_matvec"
 ATTENTION = "tensorbus_paged_attention"
 COMPILER = "g++"  # the CXX environment variable overrides, as in make
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fPIC")
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib" once loaded, "why" once refused
@@ -52,6 +58,11 @@ def cache_dir() -> Path:
     return root / "kernels"
 
 
+def installed_dir() -> Path:
+    """Where the install puts the library it builds: inside the environment."""
+    return Path(sys.prefix) / "share" / "tensorbus" / "kernels"
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -62,25 +73,54 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(cxx: str) -> Path:
-    """The shared library for these sources, compiler and CPU (built if not cached)."""
+def _name(cxx: str) -> str:
+    """The library's file name: a hash of everything that makes it valid here."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True,
                              timeout=30).stdout  # fmt: skip
     texts = [s.read_text() for s in SOURCES + HEADERS]
     key = hashlib.sha256("\n".join([*texts, cxx, version, " ".join(FLAGS), _cpu_flags(),
                                     jax.__version__]).encode()).hexdigest()[:20]
-    out = cache_dir() / f"tensorbus-kernels-{key}.so"
-    if out.exists():
-        return out
+    return f"tensorbus-kernels-{key}.so"
+
+
+def _build(cxx: str, into: Path | None = None) -> Path:
+    """The shared library for these sources, compiler and CPU: the install's or the
+    cache's if either holds it, else built into `into` (default: the cache)."""
+    name = _name(cxx)
+    for d in (cache_dir(), installed_dir()):
+        if (d / name).exists():
+            return d / name
+    out = (into or cache_dir()) / name
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
     log.info("kernel_compiling", kernels=[s.name for s in SOURCES], compiler=cxx, into=str(out))
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if done.returncode:
-        raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+    objs = [tmp.with_name(f"{tmp.name}.{s.stem}.o") for s in SOURCES]
+    try:  # each source on its own core, then one link
+        procs = [subprocess.Popen([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", "-c", str(s),
+                                   "-o", str(o)], stderr=subprocess.PIPE, text=True)
+                 for s, o in zip(SOURCES, objs)]  # fmt: skip
+        errors = [p.communicate(timeout=300)[1] for p in procs]
+        for p, err in zip(procs, errors):
+            if p.returncode:
+                raise RuntimeError(f"{cxx} failed: {err.strip()[-2000:]}")
+        done = subprocess.run([cxx, "-shared", *map(str, objs), "-o", str(tmp)],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        if done.returncode:
+            raise RuntimeError(f"{cxx} failed to link: {done.stderr.strip()[-2000:]}")
+    finally:
+        for o in objs:
+            o.unlink(missing_ok=True)
     os.replace(tmp, out)  # atomically: another worker may be building the same
     return out
+
+
+def build_installed() -> Path:
+    """Build the library into the environment (the install's step); raises with the
+    reason where it cannot be built."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX') or COMPILER})")
+    return _build(cxx, into=installed_dir())
 
 
 def load():
