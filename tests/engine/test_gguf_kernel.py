@@ -272,3 +272,47 @@ def test_greedy_is_the_same_alone_together_and_from_the_prefix_cache(loaded, smo
     assert eng.stats().cache.hits > hits  # prompts' blocks were reused, not computed
     assert [i for i in range(32) if together[i] != alone[i]] == []
     assert [i for i in range(32) if cached[i] != alone[i]] == []
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_dequantized_blocks_are_the_gguf_packages_bit_for_bit(qtype):
+    """engine/gguf.py dequantizes the common block types itself (whole tensors at
+    once); the result is the gguf package's, every bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as reference
+    from gguf.quants import quantize
+
+    from engine.gguf import dequantize
+
+    t = GGMLQuantizationType[qtype]
+    w = np.random.default_rng(1).standard_normal((96, 512)).astype(np.float32)
+    q = quantize(w, t)  # Q5_0: the package's own path, through the same function
+    ours, theirs = dequantize(q, t), reference(q, t)
+    assert ours.shape == theirs.shape == (96, 512) and ours.dtype == np.float32
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+def test_the_install_built_library_serves_a_worker_on_an_empty_cache(tmp_path, monkeypatch):
+    """`python -m engine.kernels` (the install's step) builds into the environment; a
+    worker whose cache folder is empty finds it there and compiles nothing."""
+    from engine import kernels
+
+    path = kernels.build_installed()  # built already by the install: found, not rebuilt
+    assert path.parent == kernels.installed_dir() and path.exists()
+    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path / "kernels")
+    assert kernels._build(kernels.compiler()) == path
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_a_fresh_build_compiles_both_sources_and_links_one_library(tmp_path, monkeypatch):
+    import ctypes
+
+    from engine import kernels
+
+    monkeypatch.setattr(kernels, "cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(kernels, "installed_dir", lambda: tmp_path / "none")
+    path = kernels._build(kernels.compiler())
+    assert path.parent == tmp_path / "cache"
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+    lib = ctypes.CDLL(str(path))  # no leftover objects beside it; both kernels inside
+    assert lib.TensorbusGgufMatvec and lib.TensorbusPagedAttention
