@@ -38,7 +38,9 @@ class ModelSource:
         return LOCAL, self._local(name)
 
     async def _fetch(self, name: str, version: str) -> Path:
-        return await self.registry.fetch(name, version, self.cache_dir / name / version)
+        # A bundled model's files are copied from the install where they match.
+        return await self.registry.fetch(name, version, self.cache_dir / name / version,
+                                         local=catalog.bundled_dir(name))  # fmt: skip
 
     def _local(self, name: str) -> Path:
         info = catalog.resolve(name)

@@ -20,6 +20,7 @@ pushes to `push.Pusher` and alias changes to `aliases.AliasBook`.
 
 from __future__ import annotations
 
+import asyncio
 import getpass
 import os
 import shutil
@@ -155,14 +156,16 @@ class Registry:
     # --- fetching
 
     async def fetch(self, name: str, version: str, dest_dir: str | Path,
-                    progress: bool = False) -> Path:
+                    progress: bool = False, local: Path | None = None) -> Path:
         """Download a version into `dest_dir` (the model directory itself), verified.
 
         An already verified copy there is reused. Files land in a temporary sibling
-        directory that is renamed to `dest_dir` only after every sha256 matched.
+        directory that is renamed to `dest_dir` only after every sha256 matched. A
+        file `local` (a directory, e.g. the bundled model's) holds with the entry's
+        size and sha256 is copied from there instead of downloaded.
         """
         mv = await self.require(name, version)
-        dest = await self._fetch_into(mv, Path(dest_dir), progress)
+        dest = await self._fetch_into(mv, Path(dest_dir), progress, local=local)
         log.info("model_fetched", model=name, version=version, path=str(dest))
         return dest
 
@@ -178,7 +181,7 @@ class Registry:
         return dest
 
     async def _fetch_into(self, mv: ModelVersion, dest: Path, progress: bool,
-                          objects=None) -> Path:
+                          objects=None, local: Path | None = None) -> Path:
         """`mv`'s files into `dest`, through a temporary sibling renamed into place
         once every sha256 matched; a verified copy already there is kept."""
         if fs.is_verified_copy(dest, mv):
@@ -186,7 +189,7 @@ class Registry:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.fetch-", dir=dest.parent))
         try:
-            await self._download(mv, tmp, progress, objects)
+            await self._download(mv, tmp, progress, objects, local)
             fs.write_marker(tmp, mv)
             _publish_dir(tmp, dest, mv)
         finally:
@@ -194,7 +197,7 @@ class Registry:
         return dest
 
     async def _download(self, mv: ModelVersion, root: Path, progress: bool,
-                        objects=None) -> None:
+                        objects=None, local: Path | None = None) -> None:
         """Every file of `mv` under `root`; `objects(entry)` names each one's object
         (default: the version's file of that path)."""
         with tqdm(total=mv.total_size, unit="B", unit_scale=True, unit_divisor=1024,
@@ -202,6 +205,10 @@ class Registry:
             for entry in mv.files:
                 path = fs.safe_join(root, entry.path)
                 path.parent.mkdir(parents=True, exist_ok=True)
+                if local is not None and await asyncio.to_thread(fs.copy_if_same, local,
+                                                                 entry, path):  # fmt: skip
+                    bar.update(entry.size)
+                    continue
                 obj = (objects(entry) if objects is not None
                        else object_name(mv.name, mv.version, entry.path))
                 with open(path, "wb") as f:

@@ -163,6 +163,25 @@ async def test_fetch_verifies_and_reuses_cache(reg, enc_dir, tmp_path, nc):
     assert sha256_files(dest) == sha256_files(enc_dir)
 
 
+async def test_fetch_copies_matching_local_files_and_downloads_the_rest(reg, enc_dir, tmp_path,
+                                                                      nc):  # fmt: skip
+    """A local directory (a bundled model's) whose file has the version's size and
+    sha256 is copied from; one that differs is not trusted: it is downloaded."""
+    import shutil
+
+    name = _name()
+    await reg.push(enc_dir, name, progress=False)
+    local = tmp_path / "bundled"
+    shutil.copytree(enc_dir, local)
+    (local / "vocab.txt").write_text((local / "vocab.txt").read_text() + "extra\n")
+    obs = await nc.jetstream().object_store(subjects.REGISTRY_OBJECTS)
+    # The store's weights are corrupted: a download of them would fail its check.
+    await obs.put(f"{name}/1/model.safetensors", b"not the weights")
+    dest = tmp_path / "cache" / name / "1"
+    assert await reg.fetch(name, "1", dest, local=local) == dest
+    assert sha256_files(dest) == sha256_files(enc_dir)  # vocab.txt downloaded, intact
+
+
 async def test_corrupted_object_raises_and_leaves_nothing(reg, enc_dir, tmp_path, nc):
     name = _name()
     await reg.push(enc_dir, name, progress=False)
