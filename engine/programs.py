@@ -70,6 +70,23 @@ class Programs:
         step) is blocked on a compile now: its step is slow, not stuck."""
         return self._waiting > 0
 
+    def compile_together(self, jobs: list[tuple[Hashable, Callable[[], object]]],
+                         threads: int = 0) -> None:
+        """Compile `jobs` now, `threads` at a time (0: one per core, at most 4): the
+        first set before ready. XLA compiles a program mostly on one core, so two
+        cores compile two programs in about the time of the longer."""
+        threads = threads or min(4, os.cpu_count() or 1)
+        todo = [(k, f) for k, f in jobs if k not in self._done]
+        if threads < 2 or len(todo) < 2:
+            for key, lower in todo:
+                self.get(key, lower)
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="compile") as pool:
+            for f in [pool.submit(self.get, key, lower) for key, lower in todo]:
+                f.result()  # a failed compile fails the warm-up, as it would one by one
+
     def get(self, key: Hashable, lower: Callable[[], object]):
         """The executable for `key`, compiled now (from `lower()`) if nobody has."""
         exe = self._done.get(key)

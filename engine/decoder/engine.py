@@ -226,8 +226,9 @@ class DecoderEngine:
         background = self.compile_ahead == "first"
         measuring = self.forms.start(programs) if self.quant != "none" else []
         jobs = programs.compiles if self.compile_ahead == "all" else programs.first_compiles()
-        bar = tqdm(jobs, desc=f"compile {self.name}", file=sys.stderr, disable=not progress)
         t0 = time.perf_counter()
+        programs.cache.compile_together([(programs.key(*j), programs.lowering(*j)) for j in jobs])
+        bar = tqdm(jobs, desc=f"compile {self.name}", file=sys.stderr, disable=not progress)
         for kind, size, other in bar:
             bar.set_postfix_str(f"{kind} {size} {other}")
             self.runner.warm(kind, size, other)

@@ -217,6 +217,7 @@ class EncoderEngine:
         shapes = {"all": self.shapes, "first": self.first_shapes(), "lazy": []}[self.compile_ahead]
         bar = tqdm(shapes, desc=f"compile {self.name}", disable=not progress, leave=False)
         with self._lock:
+            self.programs.compile_together([(k, self._lowering(k)) for k in shapes])
             for key in bar:
                 bar.set_postfix_str(self._label(key))
                 self._executable(key)
