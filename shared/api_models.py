@@ -43,6 +43,9 @@ class ModelCard(msgspec.Struct):
     created: int
     owned_by: str = "tensorbus"
     object: str = "model"
+    # Tokens a request may hold (vLLM's field): a decoder's context (prompt and
+    # answer), an encoder's longest input; null until the gateway has read the model.
+    max_model_len: int | None = None
     kind: str = ""
     versions: list[str] = []
     ready_workers: int = 0

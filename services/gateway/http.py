@@ -27,6 +27,7 @@ from services.gateway.call import Call
 from services.gateway.frontend import USER_HEADER, Frontend
 from services.gateway.openapi import openapi_document
 from services.gateway.pipeline import Pipeline, Route as PipelineRoute
+from shared import VERSION
 from shared.errors import ServiceError, too_large
 from shared.logging import get_logger
 
@@ -146,8 +147,26 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
         front.fleet.expire()
         return Response(_json.encode(front.model_list()), media_type="application/json")
 
+    async def model(request: Request) -> Response:
+        """GET /v1/models/{id}: one card (OpenAI's retrieve), or 404."""
+        if not authorised(request):
+            return error_response(ServiceError(401, "a valid API key is required", code="invalid_api_key"))
+        front.fleet.expire()
+        name = request.path_params["model"]
+        card = next((c for c in front.model_list().data if c.id == name), None)
+        if card is None:
+            return error_response(ServiceError(404, f"the model '{name}' does not exist",
+                                               code="model_not_found"))  # fmt: skip
+        return Response(_json.encode(card), media_type="application/json")
+
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=200)  # vLLM's /health: 200, empty body
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": VERSION})
 
     async def readyz(request: Request) -> Response:
         # The gateway's own readiness: serving and connected to the bus. Not the
@@ -162,9 +181,13 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
         return JSONResponse(spec)
 
     routes = [
-        *(Route(r.path, partial(serve, r.pipeline, r.cut), methods=["POST"]) for r in pipeline_routes),
+        *(Route(path, partial(serve, r.pipeline, r.cut), methods=["POST"])
+          for r in pipeline_routes for path in (r.path, *ALIASES.get(r.path, ()))),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
@@ -177,6 +200,14 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
                                            code="method_not_allowed"))
 
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})
+
+
+# The paths other servers use for the same endpoints: vLLM's unversioned ones, and
+# Cohere v2's rerank (its client's shape is the one /v1/rerank reads).
+ALIASES = {
+    "/v1/tokenize": ("/tokenize",), "/v1/detokenize": ("/detokenize",),
+    "/v1/rerank": ("/rerank", "/v2/rerank"), "/v1/score": ("/score",),
+}  # fmt: skip
 
 
 async def _unless_gone(request: Request, answer):

@@ -116,11 +116,8 @@ class ModelTable:
             await stop()
 
     @staticmethod
-    @functools.cache
     def _bundled() -> tuple[str, ...]:
-        """The bundled models' names: installed packages, fixed for the process's life
-        (read once: describing them parses a GGUF header, and /v1/models is polled)."""
-        return tuple(i.name for i in catalog.bundled())
+        return tuple(_bundled_infos())
 
     def known(self) -> list[str]:
         names = set(self._bundled()) | set(self._latest) | set(self.fleet.models())
@@ -143,8 +140,9 @@ class ModelTable:
         entry = self._latest.get(name)
         kind = (entry.info.kind if entry else "") or next((w.hb.kind for w in workers), "") \
             or decisions.kind(name) or _bundled_kind(name)
+        info = entry.info if entry else _bundled_infos().get(name)
         return ModelCard(id=name, created=entry.created if entry else int(time.time()),
-                         kind=kind, versions=sorted({v for w in ready for v in w.hb.versions}),
+                         max_model_len=info.max_tokens if info else None, kind=kind, versions=sorted({v for w in ready for v in w.hb.versions}),
                          ready_workers=len(ready), state=state,
                          programs_compiled=sum(w.hb.programs_compiled for w in workers),
                          programs_total=sum(w.hb.programs_total for w in workers),
@@ -164,6 +162,13 @@ def _speculation(workers) -> dict[str, float]:
     return {"spec_decode_acceptance": round(accepted / drafted, 4) if drafted else 0.0,
             "spec_decode_tokens_per_step": round((accepted + drafts) / drafts, 4) if drafts
             else 0.0}
+
+
+@functools.cache
+def _bundled_infos() -> dict[str, catalog.ModelInfo]:
+    """The bundled models: installed packages, fixed for the process's life (read once:
+    describing them parses a GGUF header, and /v1/models is polled)."""
+    return {i.name: i for i in catalog.bundled()}
 
 
 def _bundled_kind(name: str) -> str:

@@ -19,8 +19,8 @@ from shared.api import (
     ScoreRequest,
     ScoreResponse,
 )
-from shared.api_models import (DetokenizeRequest, DetokenizeResponse, ModelList, TokenizeRequest,
-                               TokenizeResponse)
+from shared.api_models import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                               TokenizeRequest, TokenizeResponse)
 from shared.errors import ErrorBody
 
 _ERRORS = {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model",
@@ -52,7 +52,8 @@ def openapi_document() -> dict:
     types = [EmbeddingRequest, EmbeddingResponse, CompletionRequest, CompletionResponse,
              CompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
              TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse,
-             RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, ModelList, ErrorBody]
+             RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, ModelList, ModelCard,
+             ErrorBody]
     _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     plain = lambda d: {"responses": {"200": {"description": d}, "503": {"description": "not ready"}}}
     return {
@@ -75,7 +76,13 @@ def openapi_document() -> dict:
             "/v1/detokenize": {"post": _op("Token ids back to text", "DetokenizeRequest",
                                            "DetokenizeResponse")},
             "/v1/models": {"get": _op("List served models, with their state", None, "ModelList")},
+            "/v1/models/{model}": {"get": {
+                **_op("One served model's card (404: not served)", None, "ModelCard"),
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string"}}]}},
             "/healthz": {"get": plain("alive")},
+            "/health": {"get": plain("alive (vLLM's path; empty body)")},
+            "/version": {"get": plain("the server's version, as {\"version\": ...}")},
             "/readyz": {"get": plain("ready: the gateway is serving and connected to the bus")},
         },
         "components": {"schemas": components},

@@ -117,6 +117,34 @@ async def test_sse_wire_format_and_limits_and_probes(stack):
         assert r.status_code == 404 and "error" in r.json()
 
 
+async def test_the_routes_other_servers_answer_on(stack):
+    """vLLM's /health, /version, /tokenize and /detokenize, OpenAI's model retrieval,
+    and `max_model_len` on the cards."""
+    from shared import VERSION
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=30) as h:
+        r = await h.get("/health")
+        assert r.status_code == 200 and r.content == b""
+        assert (await h.get("/version")).json() == {"version": VERSION}
+        card = (await h.get("/v1/models/all-MiniLM-L6-v2")).json()
+        assert card["id"] == "all-MiniLM-L6-v2" and card["object"] == "model"
+        assert card["max_model_len"] == 256  # the encoder's longest input
+        listed = (await h.get("/v1/models")).json()["data"]
+        assert next(c for c in listed if c["id"] == "all-MiniLM-L6-v2") == card
+        r = await h.get("/v1/models/no-such-model")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        body = {"model": "tiny-lm", "prompt": "the cat sat"}
+        versioned, plain = await h.post("/v1/tokenize", json=body), await h.post("/tokenize", json=body)
+        assert versioned.status_code == plain.status_code == 200
+        assert plain.json() == versioned.json() and plain.json()["count"] > 0
+        ids = plain.json()["tokens"]
+        back = await h.post("/detokenize", json={"model": "tiny-lm", "tokens": ids})
+        assert back.status_code == 200 and back.json()["prompt"].strip() == "the cat sat"
+        card = (await h.get("/v1/models/tiny-lm")).json()  # read by the gateway now
+        assert card["max_model_len"] == plain.json()["max_model_len"] > 0
+
+
 async def test_client_disconnect_cancels_and_frees_the_slot(stack, tiny_lm):
     engine, _ = tiny_lm
     worker = stack.workers["dec-http"]

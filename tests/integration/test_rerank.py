@@ -133,6 +133,25 @@ async def test_rerank_orders_and_scores_as_cross_encoder(stack, reranker):
     np.testing.assert_allclose([x["relevance_score"] for x in results], ref[best], atol=1e-4)
 
 
+async def test_cohere_v2_and_unversioned_paths_rank_and_score_the_same(stack, reranker):
+    """The Cohere v2 client posts to /v2/rerank, vLLM's users to /rerank and /score:
+    the same endpoints, the cross-encoder's order and scores."""
+    ce = reranker[0]
+    ref = predict(ce, [(QUERY, d) for d in DOCS])
+    best = list(np.argsort(-ref, kind="stable"))
+    async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as http:
+        for path in ("/v2/rerank", "/rerank"):
+            r = await http.post(path, json={"model": MODEL, "query": QUERY, "documents": DOCS,
+                                            "top_n": 2})  # fmt: skip
+            assert r.status_code == 200, (path, r.text)
+            assert [x["index"] for x in r.json()["results"]] == best[:2]
+            np.testing.assert_allclose([x["relevance_score"] for x in r.json()["results"]],
+                                       ref[best[:2]], atol=1e-4)  # fmt: skip
+        r = await http.post("/score", json={"model": MODEL, "text_1": QUERY, "text_2": DOCS[:3]})
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose([d["score"] for d in r.json()["data"]], ref[:3], atol=1e-4)
+
+
 async def test_score_pairs_as_cross_encoder(stack, reranker):
     ce = reranker[0]
     texts = DOCS[:4]
