@@ -20,6 +20,9 @@ from 0); `ChunkOrder`, per choice:
      connection dropped: submitted again as an attempt of its own
      (`attempt` + RESUBMITTED; the first attempt heard from owns the stream, so two
      never mix), or left alone when under way (a scheduler is not on its path).
+     One that found no scheduler subscribed ("no responders": the scheduler is
+     between servers) was received by nobody: submitted again at the next report of
+     a scheduler, as `Frontend.call` does, a few times within its deadline.
   2. A broken path of a deterministic generation (one choice, greedy or seeded:
      `resumable`) is resumed: a new request (`<id>-r<n>`) with `skip` = the tokens
      already passed on, which the worker generates again and does not send (its
@@ -37,7 +40,8 @@ from typing import AsyncIterator
 
 import msgspec
 
-from services.gateway.inbox import PathLost
+from services.gateway.inbox import NoScheduler, PathLost
+from services.gateway.schedulers import NO_SCHEDULER_TRIES
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import GenChunk, GenDone, GenerateWork
@@ -141,11 +145,26 @@ async def _leg(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | 
             inbox.retry_again(rid)
             await front.submit(work, reply)
 
+        absent = 0
+
+        async def no_scheduler(exc: NoScheduler) -> None:
+            nonlocal absent
+            if absent == NO_SCHEDULER_TRIES or not await front.schedulers.back(work.deadline):
+                raise exc
+            absent += 1
+            front.retried += 1
+            inbox.retry_again(rid)
+            log.warning("request_retried", wire_id=rid, reason="no_scheduler")
+            await front.submit(work, reply)
+
         while True:
             try:
                 first = await inbox.next_result(q, rid, out)
             except PathLost as lost:
                 await path_lost(lost)
+                continue
+            except NoScheduler as exc:  # nobody received it: sending it again is safe
+                await no_scheduler(exc)
                 continue
             ready, err = inbox.ready_results(q, out) if not q.empty() else ((), None)
             batch = []
@@ -171,5 +190,7 @@ async def _leg(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | 
                     return
             if isinstance(err, PathLost):  # queued behind what was read with it
                 await path_lost(err)
+            elif isinstance(err, NoScheduler) and not order.passed:
+                await no_scheduler(err)
             elif err is not None:
                 raise err

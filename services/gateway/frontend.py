@@ -29,7 +29,7 @@ from nats.aio.client import Client
 from services.fleet import Fleet
 from services.gateway.admission import GatewayAdmission
 from services.gateway.inbox import NoScheduler, PathLost, ReplyInbox
-from services.gateway.schedulers import SchedulerLinks
+from services.gateway.schedulers import NO_SCHEDULER_TRIES, SchedulerLinks
 from services.gateway.models import ModelTable
 from services.gateway.outcome import Outcome
 from services.gateway.recorder import Recorder
@@ -57,7 +57,6 @@ INLINE_TOKENIZE = 2_048  # bodies up to this many bytes are tokenized on the eve
 # (a 6 KB body of eight long inputs takes the tokenizer about a millisecond: on the
 # loop, a burst's first admitted requests would hold every refusal behind them)
 MAX_SUBMITS = 3  # a retryable call is sent again at most this many times after a lost path
-NO_SCHEDULER_TRIES = 10  # ... and after "no responders" while a scheduler reports
 USER_HEADER = "Tensorbus-User"  # sticky canary key for clients that cannot set `user`
 MAX_USER = 256
 

@@ -11,8 +11,9 @@ connection dropped, and whether one was heard just now.
      any scheduler (within the request's deadline and that bound): it was between
      servers, and is subscribed again when it reports. A scheduler whose server
      died needs its reconnect, and on a loaded machine that outlasted one expiry
-     (a node-loss test's four streams ended 503 while it came back). None heard
-     lately: the 503 stands at once.
+     (a node-loss test's four streams ended 503 while it came back: streams are
+     submitted again as `Frontend.call`'s requests are, services.gateway.continuity).
+     None heard lately: the 503 stands at once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from shared.messages import SchedLoad
 
 COMEBACK = 3  # expiry periods a scheduler between servers is waited for
+NO_SCHEDULER_TRIES = 10  # submissions again after "no responders" while a scheduler reports
 
 
 class SchedulerLinks:
@@ -33,6 +35,7 @@ class SchedulerLinks:
         self.reconnects: dict[str, int] = {}  # scheduler_id -> its latest `reconnects`
         self.heard_at = 0.0  # monotonic time of the latest report, any scheduler
         self.lost = 0  # reconnections seen
+        self.waiting = 0  # submissions waiting in `back` now
         self._heard = asyncio.Event()  # set (and replaced) at every report
 
     def observe(self, load: SchedLoad) -> None:
@@ -52,9 +55,12 @@ class SchedulerLinks:
         if time.monotonic() - self.heard_at > self.patience_s:
             return False
         heard = self._heard
+        self.waiting += 1
         try:
             await asyncio.wait_for(heard.wait(),
                                    max(0.0, min(deadline - time.time(), self.patience_s)))
         except TimeoutError:
             return False
+        finally:
+            self.waiting -= 1
         return True

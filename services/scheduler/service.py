@@ -163,6 +163,9 @@ class Scheduler:
             self.nc, "tensorbus-scheduler", VERSION, "admission, routing and scaling signals",
             health=self._health(), metadata={"scheduler_id": self.id})
         await self.nc.flush()
+        # Said at once, even with no load to report: a gateway holding submissions
+        # that found no scheduler (one restarted) sends them again when it hears one.
+        await self.loads.publish(force=True)
         log.info("scheduler_started", scheduler_id=self.id)
         if ready is not None:
             ready.set()

@@ -125,13 +125,20 @@ class Stack:
     async def restart_scheduler(self) -> Scheduler:
         """Stop the scheduler and start a new one (new id, new connection, nothing
         carried over), as a restarted process would be."""
-        old = self.scheduler
-        old.stop()
+        await self.stop_scheduler()
+        return await self.start_scheduler()
+
+    async def stop_scheduler(self) -> None:
+        """The scheduler gone: no process subscribed to its subjects."""
+        self.scheduler.stop()
         await self._tasks.pop("scheduler")
-        await old.nc.close()
+        await self.scheduler.nc.close()
+
+    async def start_scheduler(self) -> Scheduler:
+        """A new scheduler (after `stop_scheduler`), ready."""
         nc = await nats.connect(self.config.nats_url, name="scheduler")
         self._exit.push_async_callback(close, nc)
-        self.scheduler = Scheduler(nc, self.config, scale_interval_s=old.scale_interval_s)
+        self.scheduler = Scheduler(nc, self.config, scale_interval_s=self.scheduler.scale_interval_s)
         ready = asyncio.Event()
         self._tasks["scheduler"] = asyncio.create_task(self.scheduler.run(ready))
         await asyncio.wait_for(ready.wait(), 10)
