@@ -82,7 +82,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks: int = 512  # decoder: KV pool per engine, in blocks (0 = a full context for every slot)
     attention: str = "auto"  # decoder: paged attention: auto (pallas on a GPU, cpu on a CPU where the kernel builds, else xla) | xla | pallas | cpu
     compile_ahead: str = "first"  # compiled before ready: first (what a first request needs; the rest in the background; an encoder: one input at every length) | all | lazy (a decoder's rest where first needed; an encoder: all)
-    prefill_chunk: int = 512  # decoder: most prompt tokens computed between two decode steps
+    prefill_chunk: int = 0  # decoder: most prompt tokens computed between two decode steps (0: 128 on a CPU, 512 on an accelerator)
     prefix_cache: bool = True  # decoder: reuse cached K/V of shared prompt prefixes
     prefill_per_step: int = 2  # decoder: prompts admitted per decode step
     speculative: str = "off"  # decoder (jax engine): prompt-lookup speculation of a lone stream: off | ngram:K (K draft tokens per step), as VALUE[,MODEL=VALUE...]
@@ -226,3 +226,19 @@ def _price(raw: str) -> float:
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+
+
+# TENSORBUS_PREFILL_CHUNK=0: prompt tokens a decoder computes between two decode steps,
+# by the device it runs on. On the CPU kernel a prompt costs the same in 128-token
+# chunks as in 512-token ones, and running streams wait one chunk between their steps
+# (docs/decisions/0076-cpu-prefill-chunk.md); an accelerator's chunks gain from size.
+CPU_PREFILL_CHUNK = 128
+ACCELERATOR_PREFILL_CHUNK = 512
+
+
+def prefill_chunk_on(setting: int, device: str) -> int:
+    """`setting` (TENSORBUS_PREFILL_CHUNK), or where it is 0 the default on `device`
+    ("cpu", "cpu:0", "cuda:0", ...): the worker and the scheduler agree by it."""
+    if setting > 0:
+        return setting
+    return CPU_PREFILL_CHUNK if device.startswith("cpu") else ACCELERATOR_PREFILL_CHUNK

@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple
 from services.fleet import Fleet, WorkerView
 from shared import admission
 from shared.admission import Cost, CostBook, LoadBoard, Tally
-from shared.config import Config
+from shared.config import Config, prefill_chunk_on
 from shared.errors import deadline_exceeded, unavailable
 from shared.messages import EmbedWork, GenerateWork, Reserve, SchedLoad, WorkDone, WorkRequest
 from shared.telemetry import Heartbeat
@@ -139,7 +139,8 @@ class Admission:
             running=sum(hb.in_flight for hb in hbs), cost=admission.gen_cost(hbs),
             left_s=work.deadline - time.time(),
             max_queue_per_worker=self.config.max_queue_per_worker,
-            max_queue_s=self.config.max_queue_s, chunk=self.config.prefill_chunk)
+            max_queue_s=self.config.max_queue_s,
+            chunk=prefill_chunk_on(self.config.prefill_chunk, hbs[0].device if hbs else "cpu"))
 
     def ahead(self, model: str) -> Tally:
         """Every scheduler's outstanding work for `model`: this one's (live), what it

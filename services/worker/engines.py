@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from services.registry.servable import encoder_refusal
 from shared import catalog
-from shared.config import Config, bad_config
+from shared.config import Config, bad_config, prefill_chunk_on
 
 if TYPE_CHECKING:  # the engines themselves are imported when one is built
     from engine.interface import Engine
@@ -215,6 +215,16 @@ def engine_settings(config: Config, model: str,
     return engine, dtype
 
 
+def prefill_chunk(config: Config) -> int:
+    """TENSORBUS_PREFILL_CHUNK, or its default on this process's device where it is 0
+    (shared.config.prefill_chunk_on: the schedulers read the same from heartbeats)."""
+    if config.prefill_chunk > 0:
+        return config.prefill_chunk
+    import jax
+
+    return prefill_chunk_on(0, jax.default_backend())
+
+
 def cache_folder(config: Config) -> Path:
     """The compilation cache (and the engines' prepared weights and kernels)."""
     return Path(config.data_dir) / "jax-cache"
@@ -265,7 +275,7 @@ def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp
     from engine.decoder.engine import DecoderEngine
 
     return DecoderEngine(info.path, kv_block=config.kv_block, kv_blocks=config.kv_blocks,
-                         prefill_chunk=config.prefill_chunk, prefix_cache=config.prefix_cache,
+                         prefill_chunk=prefill_chunk(config), prefix_cache=config.prefix_cache,
                          compile_ahead=config.compile_ahead, attention=config.attention,
                          tensor_parallel=tp, quant=quant, quant_form=form,
                          weight_budget=budget,

@@ -41,6 +41,7 @@ from nats.aio.msg import Msg
 from services.micro import ServiceHealth, add_service
 from services.registry.source import LOCAL, ModelSource
 from services.worker.batcher import EncoderRunner, run_encoder
+from services.worker.engines import prefill_chunk
 from services.worker.fleet import FleetPrograms
 from services.worker.generation import DecoderRunner
 from services.worker.memory import MemoryProbe, rss_bytes
@@ -88,8 +89,10 @@ DECODE_PROBE = 1  # the short prompt a decoder times at warm-up; the long one is
 # chunk: far apart, so the fit finds the cost per token, and the two prompt shapes a
 # warm-up compiles first (a 96-token probe ran on the chunk's program while the smaller
 # ones compiled: about 5x the cost per token it has later, and a first minute of 429s)
-DECODE_TRIES = 2  # short prompts timed: the fastest counts (a shared machine's noise,
-# and the warm-up's background compiles, only ever add time); the long one, once
+DECODE_TRIES = 2  # each prompt timed this often, the fastest counting (a shared
+# machine's noise, the warm-up's background compiles and, where the engine compiles
+# a shape where first needed, that compile only ever add time). The long one is a
+# chunk: 128 tokens on a CPU (0.3 s), so timing it twice costs less than one 512 did.
 DECODE_STEPS = 3  # decode steps timed at warm-up (the fastest counts: one stream's step)
 
 
@@ -110,7 +113,7 @@ def time_decoder(engine, chunk: int) -> GenCost | None:
     steps: list[float] = []
     try:
         top = engine.info.max_context - DECODE_STEPS - 2
-        for i, (n, tries) in enumerate([(DECODE_PROBE, DECODE_TRIES), (chunk or top, 1)]):
+        for i, (n, tries) in enumerate([(DECODE_PROBE, DECODE_TRIES), (chunk or top, DECODE_TRIES)]):
             n = max(1, min(n, top))
             best = float("inf")
             for r in range(tries):
@@ -195,7 +198,7 @@ class Worker:
     def _make_runner(self) -> Runner:
         if self.kind == "decoder":
             return DecoderRunner(self.models, self.outbox, self.executor,
-                                 self.config.prefill_per_step, self.config.prefill_chunk)
+                                 self.config.prefill_per_step, prefill_chunk(self.config))
         return EncoderRunner(self.models, self.outbox, self.executor, self.config.max_batch,
                              self.config.max_wait_ms / 1000)
 
@@ -217,7 +220,7 @@ class Worker:
                 self.executor, time_encoder, engine, self.config.max_batch)
         elif self.time_warmup and self.kind == "decoder" and engine is not None:
             self.warm_cost = await loop.run_in_executor(
-                self.executor, time_decoder, engine, self.config.prefill_chunk)
+                self.executor, time_decoder, engine, prefill_chunk(self.config))
         log.info("warm", buckets=n, seconds=round(time.perf_counter() - t0, 2),
                  **self._cost_fields())
         # The engine's threads exist now (the executor's, the runtime's intra-op pool).

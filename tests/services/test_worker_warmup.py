@@ -54,9 +54,9 @@ def test_decoder_warmup_timing_finds_the_prompt_and_step_costs():
     cost = time_decoder(engine, chunk=512)
     assert cost.prefill.per_token == pytest.approx(1e-3, rel=0.3)
     assert cost.step_s(1) == pytest.approx(0.02, rel=0.3)
-    # The short prompt twice, then a whole chunk (capped by the context) once.
-    assert [len(p) for p in engine.prompts] == [1, 1, 251]
-    assert len({p[0] for p in engine.prompts}) == 3  # no prefix the cache could share
+    # The short prompt twice, then a whole chunk (capped by the context) twice.
+    assert [len(p) for p in engine.prompts] == [1, 1, 251, 251]
+    assert len({p[0] for p in engine.prompts}) == 4  # no prefix the cache could share
     assert engine.stats().active == 0  # its slot is free again
 
 
