@@ -147,6 +147,11 @@ MAX_STOP_TOKENS = 64
 MAX_TOP_LOGPROBS = 20  # as OpenAI allows (engine.decoder.sampling.MAX_LOGPROBS)
 
 
+Pattern = Annotated[str, Meta(min_length=1, max_length=MAX_STRING)]
+Choices = Annotated[list[Annotated[str, Meta(min_length=1, max_length=MAX_STRING)]],
+                    Meta(min_length=1, max_length=MAX_LIST)]
+
+
 class _Sampling(_Request, kw_only=True):
     model: Annotated[str, Meta(min_length=1, max_length=256)]
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -171,12 +176,29 @@ class _Sampling(_Request, kw_only=True):
     logit_bias: Annotated[dict[TokenId, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKENS)] | None = None
     response_format: "ResponseFormat | None" = None  # structured outputs
+    # vLLM's structured outputs, enforced as response_format is (at most one of them):
+    # the older `guided_*` fields and the newer `structured_outputs` object.
+    guided_json: dict[str, Any] | Annotated[str, Meta(max_length=MAX_STRING)] | None = None
+    guided_regex: Pattern | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Pattern | None = None  # a Lark grammar (llguidance's dialect)
+    structured_outputs: "StructuredOutputs | None" = None
     # Candidates sampled to return the n best: up to n it is what n does (the gateway
     # refuses more); LiteLLM and older clients send best_of: 1.
     best_of: Annotated[int, Meta(ge=1)] | None | UnsetType = UNSET
 
 
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+
+
+class StructuredOutputs(_Request, kw_only=True):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regex, choices or a Lark
+    grammar."""
+
+    json: dict[str, Any] | Annotated[str, Meta(max_length=MAX_STRING)] | None = None
+    regex: Pattern | None = None
+    choice: Choices | None = None
+    grammar: Pattern | None = None
 
 
 class JsonSchemaFormat(_Request, kw_only=True):

@@ -35,7 +35,7 @@ from services.gateway import continuity
 from services.gateway.echo import Echo, joined
 from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
-from services.gateway.structured import grammar_for
+from services.gateway.structured import request_grammar, vllm_structures
 from shared.api import (
     ChatChoice,
     ChatChunkChoice,
@@ -142,7 +142,7 @@ class Generation:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         sampling = params.sampling(req, params.generation_defaults(entry.info.path),
                                    params.top_logprobs(req, chat),
-                                   tp.grammar if tp else grammar_for(req.response_format))
+                                   _grammar(req, tp))
         if sampling.grammar and req.ignore_eos:
             raise bad_request("'ignore_eos' cannot be used with 'response_format': a "
                               "structured output ends at its grammar's end")
@@ -370,3 +370,16 @@ def _usage(done: GenDone | None) -> Usage | None:
         return None
     return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
                  total_tokens=done.prompt_tokens + done.completion_tokens)
+
+
+def _grammar(req, tp) -> str:
+    """The request's structure: its tool plan's grammar (which holds response_format's
+    schema), else what its response_format or vLLM's fields ask for. Tools and one of
+    vLLM's fields at once are a 400."""
+    if tp is not None and tp.grammar:
+        given = vllm_structures(req)
+        if given:
+            raise bad_request(f"'tools' and {' and '.join(given)} cannot both shape the "
+                              "answer: send one")
+        return tp.grammar
+    return request_grammar(req)

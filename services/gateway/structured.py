@@ -1,10 +1,15 @@
-"""Structured outputs at the edge: `response_format` -> the grammar the engine
-enforces token by token (engine/decoder/grammar.py; docs/decisions/0048).
+"""Structured outputs at the edge: `response_format` (or vLLM's fields) -> the
+grammar the engine enforces token by token (engine/decoder/grammar.py;
+docs/decisions/0048).
 
   - `{"type": "text"}` or none: no grammar.
   - `{"type": "json_object"}`: any JSON object.
   - `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`: JSON
     that validates against `schema` (none given: any JSON object).
+  - vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, or
+    `structured_outputs` {json, regex, choice, grammar}: a schema as above, a
+    regular expression the whole answer matches, one of the strings, or a Lark
+    grammar. At most one way per request: two are a 400.
 
 The grammar is llguidance's JSON form of the schema, compiled here once without a
 tokenizer to validate it: a schema that uses a feature llguidance does not
@@ -17,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import json
+
+import re
 
 from shared.api import ResponseFormat
 from shared.errors import bad_request
@@ -31,6 +38,74 @@ def grammar_for(fmt: ResponseFormat | None) -> str:
     400 naming what is wrong with it."""
     schema = response_schema(fmt)
     return "" if schema is None else schema_grammar(schema)
+
+
+def vllm_structures(req) -> dict[str, object]:
+    """vLLM's structured-output fields a request sets: field name -> value."""
+    so = req.structured_outputs
+    asked = {"guided_json": req.guided_json, "guided_regex": req.guided_regex,
+             "guided_choice": req.guided_choice, "guided_grammar": req.guided_grammar,
+             **({f"structured_outputs.{k}": getattr(so, k) for k in
+                 ("json", "regex", "choice", "grammar")} if so is not None else {})}
+    given = {k: v for k, v in asked.items() if v is not None}
+    if so is not None and not any(k.startswith("structured_outputs.") for k in given):
+        raise bad_request("'structured_outputs' needs one of json, regex, choice, grammar")
+    return given
+
+
+def request_grammar(req) -> str:
+    """The grammar a completion or chat request asks for ("" for none): its
+    `response_format` or one of vLLM's fields, or a 400 naming what is wrong."""
+    given = vllm_structures(req)
+    fmt = grammar_for(req.response_format)
+    if fmt:
+        given = {"response_format": fmt, **given}
+    if len(given) > 1:
+        raise bad_request(f"{' and '.join(sorted(given))} ask for two structures: send one")
+    if not given:
+        return ""
+    (field, value), = given.items()
+    kind = field.rsplit(".", 1)[-1].removeprefix("guided_")
+    if field == "response_format":
+        return value
+    if kind == "json":
+        return schema_grammar(_schema(value, field), f"'{field}'")
+    if kind == "choice":  # as vLLM does: an alternation of the strings, escaped
+        return _checked(_regex_grammar("|".join(re.escape(c) for c in value)), field)
+    if kind == "regex":
+        return _checked(_regex_grammar(value), field)
+    import llguidance
+
+    return _checked(llguidance.LLMatcher.grammar_from_lark(value), field)
+
+
+def _schema(value, field: str) -> dict:
+    """A schema sent as an object or as JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise bad_request(f"'{field}' is not a JSON schema (nor JSON text of one)") from None
+    if value is True or value == {}:
+        return ANY_OBJECT
+    if not isinstance(value, dict):
+        raise bad_request(f"'{field}' is not a JSON schema object")
+    return value
+
+
+def _regex_grammar(pattern: str) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_regex(f"({pattern})")
+
+
+def _checked(grammar: str, field: str) -> str:
+    import llguidance
+
+    err = llguidance.LLMatcher.validate_grammar(grammar)
+    if err:
+        raise bad_request(f"'{field}' is not valid: {_short(err)}")
+    return grammar
 
 
 def response_schema(fmt: ResponseFormat | None) -> dict | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import jsonschema
 import openai
@@ -132,3 +133,58 @@ async def test_unconstrained_batch_mates_are_unaffected(client, tiny):
     for r in shaped:
         if r.choices[0].finish_reason == "stop":
             jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+
+VLLM_CASES = [
+    # (the request's fields, what the whole answer must be)
+    ({"guided_choice": ["yes", "no", "not sure"]}, lambda t: t in ("yes", "no", "not sure")),
+    ({"structured_outputs": {"choice": ["a.b*c", "(x)"]}}, lambda t: t in ("a.b*c", "(x)")),
+    ({"guided_regex": "[a-z]{2,6}-[0-9]{2}"},
+     lambda t: re.fullmatch("[a-z]{2,6}-[0-9]{2}", t) is not None),
+    ({"structured_outputs": {"regex": "(cat|dog)s?"}},
+     lambda t: re.fullmatch("(cat|dog)s?", t) is not None),
+    ({"guided_grammar": 'start: ("red" | "green") " " ("cat" | "dog")'},
+     lambda t: re.fullmatch("(red|green) (cat|dog)", t) is not None),
+    ({"guided_json": PERSON}, lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+    ({"structured_outputs": {"json": json.dumps(PERSON)}},
+     lambda t: jsonschema.validate(json.loads(t), PERSON) is None),
+]
+
+
+@pytest.mark.parametrize("fields,holds", VLLM_CASES, ids=[
+    "guided_choice", "so.choice", "guided_regex", "so.regex", "guided_grammar", "guided_json",
+    "so.json"])
+async def test_vllm_structured_output_fields_shape_the_whole_answer(client, stack, tiny, fields,
+                                                                    holds):
+    """vLLM's guided_* fields and its structured_outputs object, over HTTP (the openai
+    client's extra_body) and NATS, sampled: every answer ends at its structure's end
+    and is what it asked for."""
+    _, engine, _, _ = tiny
+    answers = await asyncio.gather(*[client.completions.create(
+        model=engine.name, prompt=PROMPT, max_tokens=96, temperature=1.0, seed=s,
+        extra_body=fields) for s in range(3)])  # fmt: skip
+    texts = [(a.choices[0].text, a.choices[0].finish_reason) for a in answers]
+    code, body = await request(stack.client, subjects.CHAT_COMPLETIONS, {
+        "model": engine.name, "messages": CHAT, "max_tokens": 96, "temperature": 0.7,
+        "seed": 5, **fields})
+    assert code == 200, body
+    texts.append((body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"]))
+    for text, reason in texts:
+        assert reason == "stop" and holds(text), (text, reason)
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"guided_regex": "[a-z", "guided_choice": ["a"]}, "guided_choice and guided_regex"),
+    ({"guided_json": PERSON, "response_format": {"type": "json_object"}},
+     "guided_json and response_format"),
+    ({"guided_regex": "[a-z"}, "'guided_regex' is not valid"),
+    ({"guided_grammar": "start: missing_rule"}, "'guided_grammar' is not valid"),
+    ({"guided_json": "{not json"}, "'guided_json' is not a JSON schema"),
+    ({"structured_outputs": {}}, "needs one of json, regex, choice, grammar"),
+    ({"guided_choice": []}, "guided_choice"),
+])
+async def test_bad_or_doubled_structures_are_400s_naming_the_fields(stack, tiny, fields, needle):
+    _, engine, _, _ = tiny
+    code, body = await request(stack.client, subjects.COMPLETIONS, {
+        "model": engine.name, "prompt": "x", "max_tokens": 4, **fields})
+    assert code == 400 and needle in body["error"]["message"], body
