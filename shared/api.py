@@ -75,14 +75,21 @@ class EmbeddingResponse(msgspec.Struct):
 
 
 # ------------------------------------------------------------ rerank / score
+class DocumentIn(_Request, kw_only=True):
+    """A document as an object (Cohere's and Jina's clients send `{"text": ...}`)."""
+
+    text: Text
+
+
 class RerankRequest(_Request, kw_only=True):
-    """The Cohere / Jina shape that vLLM, TEI and infinity serve. `top_n` past the
+    """The Cohere / Jina shape that vLLM and infinity serve. `top_n` past the
     number of documents returns them all; `return_documents` (Cohere's default:
-    off) puts each document's text beside its score."""
+    off) puts each document's text beside its score. A document is a string or an
+    object with its `text`."""
 
     model: Annotated[str, Meta(min_length=1, max_length=256)]
     query: Text
-    documents: Annotated[list[Text], Meta(max_length=MAX_LIST * 4)]
+    documents: Annotated[list[Text | DocumentIn], Meta(max_length=MAX_LIST * 4)]
     top_n: Annotated[int, Meta(ge=1)] | None = None
     return_documents: bool = False
     user: Annotated[str, Meta(max_length=256)] | None = None

@@ -27,6 +27,7 @@ from services.gateway.call import Call
 from services.gateway.frontend import USER_HEADER, Frontend
 from services.gateway.openapi import openapi_document
 from services.gateway.pipeline import Pipeline, Route as PipelineRoute
+from services.gateway.tei import RerankRoute, TeiEmbed
 from shared import VERSION
 from shared.errors import ServiceError, too_large
 from shared.logging import get_logger
@@ -183,6 +184,9 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
     routes = [
         *(Route(path, partial(serve, r.pipeline, r.cut), methods=["POST"])
           for r in pipeline_routes for path in (r.path, *ALIASES.get(r.path, ()))),
+        # Text Embeddings Inference's (services.gateway.tei); /rerank takes its body too.
+        Route("/embed", partial(serve, TeiEmbed(front), True), methods=["POST"]),
+        Route("/rerank", partial(serve, RerankRoute(front), False), methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
@@ -203,10 +207,11 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
 
 
 # The paths other servers use for the same endpoints: vLLM's unversioned ones, and
-# Cohere v2's rerank (its client's shape is the one /v1/rerank reads).
+# Cohere v2's rerank (its client's shape is the one /v1/rerank reads); vLLM's /rerank
+# is TEI's too (below).
 ALIASES = {
     "/v1/tokenize": ("/tokenize",), "/v1/detokenize": ("/detokenize",),
-    "/v1/rerank": ("/rerank", "/v2/rerank"), "/v1/score": ("/score",),
+    "/v1/rerank": ("/v2/rerank",), "/v1/score": ("/score",),
 }  # fmt: skip
 
 

@@ -40,6 +40,7 @@ class ModelEntry:
     prompts: dict[str, str] = field(default_factory=dict)  # encoders: name -> prefix text
     default_prompt: str | None = None  # encoders: the prompt a request naming none gets
     dim: int = 0  # encoders: the width of their vectors (0: unknown)
+    normalized: bool = True  # encoders: their vectors are L2-normalised (a Normalize module)
 
 
 def split_name(model: str) -> tuple[str, str]:
@@ -189,7 +190,8 @@ def _load_entry(info: catalog.ModelInfo) -> ModelEntry:
         return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()), "embed")
     spec = cfg.spec
     return ModelEntry(info, tok, list(prefix), list(suffix), int(time.time()), spec.task,
-                      spec.num_labels, dict(spec.prompts), spec.default_prompt_name, cfg.dim)
+                      spec.num_labels, dict(spec.prompts), spec.default_prompt_name, cfg.dim,
+                      spec.normalize)
 
 
 def _encoder_config(info: catalog.ModelInfo):

@@ -94,7 +94,7 @@ class Pairs:
         order = order[:req.top_n] if req.top_n is not None else order
         return RerankResponse(
             id=f"rerank-{prep.work.request_id}", model=req.model, usage=usage,
-            results=[RerankResult(i, scores[i], RerankDocument(req.documents[i])
+            results=[RerankResult(i, scores[i], RerankDocument(document_text(req.documents[i]))
                                   if req.return_documents else None) for i in order])
 
     async def chunks(self, prep: PairsPrepared, call: Call):
@@ -128,7 +128,12 @@ def rerank_pairs(req: RerankRequest) -> tuple[list[tuple[str, str]], str]:
     query = _text(req.query, "'query'")
     if not req.documents:
         raise bad_request("'documents' is empty: send at least one document")
-    return [(query, _text(d, f"document {i}")) for i, d in enumerate(req.documents)], "document"
+    return [(query, _text(document_text(d), f"document {i}"))
+            for i, d in enumerate(req.documents)], "document"
+
+
+def document_text(d) -> str:
+    return d if isinstance(d, str) else d.text
 
 
 def score_pairs(req: ScoreRequest) -> tuple[list[tuple[str, str]], str]:

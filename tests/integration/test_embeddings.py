@@ -79,6 +79,30 @@ async def test_token_id_input_equals_text_input(stack, sentence_transformer):
     assert cosine(by_text["data"][0]["embedding"], by_ids["data"][0]["embedding"]) >= 0.99999
 
 
+async def test_tei_embed_route_serves_its_body(stack, sentence_transformer):
+    """TEI's /embed: `inputs` (a string or a list), no model named (the one embedding
+    model served), a bare list of vectors as sentence-transformers computes them;
+    `truncate` cuts an over-long input at the limit; `normalize: false` cannot be
+    had from a model that normalises in its own modules."""
+    import httpx
+
+    texts = ["hello world", "The quick brown fox jumps over the lazy dog."]
+    async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as http:
+        many = await http.post("/embed", json={"inputs": texts})
+        one = await http.post("/embed", json={"inputs": texts[0], "model": MODEL})
+        cut = await http.post("/embed", json={"inputs": [TOO_LONG], "truncate": True})
+        long = await http.post("/embed", json={"inputs": [TOO_LONG]})
+        raw = await http.post("/embed", json={"inputs": "x", "normalize": False})
+    assert many.status_code == one.status_code == cut.status_code == 200, (many.text, cut.text)
+    got = np.asarray(many.json())
+    assert got.shape == (2, 384)
+    assert cosine(got, sentence_transformer.encode(texts)).min() >= 0.9999
+    assert cosine(np.asarray(one.json()), got[:1]).min() >= 0.99999
+    assert cosine(np.asarray(cut.json()), sentence_transformer.encode([TOO_LONG])).min() >= 0.9999
+    assert long.status_code == 400 and "at most 256" in long.json()["error"]["message"]
+    assert raw.status_code == 400 and "normalize" in raw.json()["error"]["message"]
+
+
 async def test_models_lists_what_is_served_and_ready(stack):
     msg = await stack.client.request(subjects.MODELS, b"", timeout=5)
     cards = msgspec.json.decode(msg.data)["data"]

@@ -152,6 +152,28 @@ async def test_cohere_v2_and_unversioned_paths_rank_and_score_the_same(stack, re
     np.testing.assert_allclose([d["score"] for d in r.json()["data"]], ref[:3], atol=1e-4)
 
 
+async def test_tei_rerank_body_and_cohere_document_objects(stack, reranker):
+    """TEI's /rerank body (`texts`, `return_text`, no model: the one reranker served)
+    and Cohere's documents as objects: the cross-encoder's order and scores."""
+    ce = reranker[0]
+    ref = predict(ce, [(QUERY, d) for d in DOCS])
+    best = list(np.argsort(-ref, kind="stable"))
+    async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as http:
+        tei = await http.post("/rerank", json={"query": QUERY, "texts": DOCS, "return_text": True})
+        objects = await http.post("/v1/rerank", json={
+            "model": MODEL, "query": QUERY, "documents": [{"text": d} for d in DOCS],
+            "top_n": 2, "return_documents": True})
+        raw = await http.post("/rerank", json={"query": QUERY, "texts": DOCS, "raw_scores": True})
+    assert tei.status_code == 200, tei.text
+    ranks = tei.json()
+    assert [r["index"] for r in ranks] == best and [r["text"] for r in ranks] == [DOCS[i] for i in best]
+    np.testing.assert_allclose([r["score"] for r in ranks], ref[best], atol=1e-4)
+    assert objects.status_code == 200, objects.text
+    assert [(r["index"], r["document"]["text"]) for r in objects.json()["results"]] == \
+        [(i, DOCS[i]) for i in best[:2]]
+    assert raw.status_code == 400 and "raw_scores" in raw.json()["error"]["message"]
+
+
 async def test_score_pairs_as_cross_encoder(stack, reranker):
     ce = reranker[0]
     texts = DOCS[:4]
