@@ -190,6 +190,9 @@ class _Sampling(_Request, kw_only=True):
     guided_choice: Choices | None = None
     guided_grammar: Pattern | None = None  # a Lark grammar (llguidance's dialect)
     structured_outputs: "StructuredOutputs | None" = None
+    # vLLM's: keep the prompt's last k tokens (after the chat template; -1: as many as
+    # the context leaves one to generate) instead of refusing one that is too long.
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
     # Candidates sampled to return the n best: up to n it is what n does (the gateway
     # refuses more); LiteLLM and older clients send best_of: 1.
     best_of: Annotated[int, Meta(ge=1)] | None | UnsetType = UNSET

@@ -125,15 +125,17 @@ class Generation:
         limit = min(entry.info.max_tokens, self.config.max_context)
         reserved = ""
         if len(body) <= INLINE_TOKENIZE:
-            prompt = self._fits(render(req, entry), name, limit)
+            prompt = self._fits(_truncated(render(req, entry), req.truncate_prompt_tokens, limit),
+                                name, limit)
         else:  # in a thread: counted as waiting meanwhile (the count bound)
             with self.front.admission.preparing(name, 1, 0):
                 # admitted by a scheduler before the wait, so never refused after it
                 reserved = await self.front.admission.reserve(rid, name, version, req.n, 0,
                                                               deadline, generate=True)
                 try:
-                    prompt = self._fits(await self.front.tokenize(render, req, entry), name,
-                                        limit)
+                    prompt = await self.front.tokenize(render, req, entry)
+                    prompt = self._fits(_truncated(prompt, req.truncate_prompt_tokens, limit),
+                                        name, limit)
                 except BaseException:
                     if reserved:
                         self.front.admission.unreserve(rid)
@@ -383,3 +385,14 @@ def _grammar(req, tp) -> str:
                               "answer: send one")
         return tp.grammar
     return request_grammar(req)
+
+
+def _truncated(prompt: list[int], keep: int | None, limit: int) -> list[int]:
+    """`truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as leave
+    one token of the context to generate); None: the prompt whole."""
+    if keep is None or keep == 0:
+        if keep == 0:
+            raise bad_request("'truncate_prompt_tokens' is 0: a prompt needs a token")
+        return prompt
+    keep = limit - 1 if keep < 0 else keep
+    return prompt[-keep:] if len(prompt) > keep else prompt

@@ -86,6 +86,28 @@ async def test_concurrent_greedy_equals_transformers_generate(stack, tiny):
         assert resp["object"] == "text_completion"
 
 
+async def test_truncate_prompt_tokens_keeps_the_prompts_end(stack, tiny):
+    """vLLM's truncate_prompt_tokens: a prompt cut to its last k tokens answers as
+    those k tokens alone do (transformers' greedy text); without it, a prompt past the
+    context is a 400, and with -1 it is cut to fit."""
+    model, engine, _ = tiny
+    prompt = PROMPTS[2]
+    long = list(range(200, 240)) + prompt
+    code, resp = await request(stack.client, subjects.COMPLETIONS, {
+        "model": engine.name, "prompt": long, "max_tokens": NEW, "temperature": 0,
+        "truncate_prompt_tokens": len(prompt)})
+    assert code == 200, resp
+    assert resp["choices"][0]["text"] == model[tuple(prompt)][0]
+    assert resp["usage"]["prompt_tokens"] == len(prompt)
+    too_long = [7] * (CONTEXT + 10)
+    code, resp = await request(stack.client, subjects.COMPLETIONS, {
+        "model": engine.name, "prompt": too_long, "max_tokens": 1})
+    assert code == 400 and resp["error"]["code"] == "context_length_exceeded"
+    code, resp = await request(stack.client, subjects.COMPLETIONS, {
+        "model": engine.name, "prompt": too_long, "max_tokens": 1, "truncate_prompt_tokens": -1})
+    assert code == 200 and resp["usage"]["prompt_tokens"] == CONTEXT - 1, resp
+
+
 async def test_streaming_chunks_then_done_equal_the_whole_text(stack, tiny):
     model, engine, _ = tiny
     prompt = PROMPTS[1]
