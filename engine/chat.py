@@ -122,25 +122,31 @@ class ChatTemplate:
         header = read_header(path)
         return cls(chat_template(header), **special_tokens(header))
 
+    def with_source(self, source: str) -> "ChatTemplate":
+        """The same special tokens under another template (a request's own)."""
+        return ChatTemplate(source, **self.special)
+
     def render(self, messages: Iterable[Any], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
-        """`tools`: OpenAI's tool dicts, for a template that `knows_tools`."""
+               tools: list[dict] | None = None, extra: dict[str, Any] | None = None) -> str:
+        """`tools`: OpenAI's tool dicts, for a template that `knows_tools`; `extra`:
+        more variables for the template (a request's chat_template_kwargs), never
+        in place of the ones set here."""
         msgs = [_message(m) for m in messages]
+        given = dict(messages=msgs, add_generation_prompt=add_generation_prompt,
+                     tools=tools or None, **self.special)
         try:
-            return _compile(self.source).render(
-                messages=msgs, add_generation_prompt=add_generation_prompt, tools=tools or None,
-                **self.special,
-            )  # fmt: skip
+            return _compile(self.source).render({**(extra or {}), **given})
         except TemplateError:
             raise
         except Exception as exc:  # jinja2 errors of a broken template
             raise TemplateError(f"chat template failed: {exc}") from exc
 
     def encode(self, tokenizer, messages: Iterable[Any],
-               add_generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+               add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               extra: dict[str, Any] | None = None) -> list[int]:
         """Render and tokenize. A template that writes the BOS token itself must not
         get a second one from the tokenizer's post-processor."""
-        text = self.render(messages, add_generation_prompt, tools)
+        text = self.render(messages, add_generation_prompt, tools, extra)
         bos = self.special.get("bos_token", "")
         return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 

@@ -319,6 +319,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1, max_length=1024)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    # vLLM's: a Jinja template in place of the model's (TENSORBUS_TRUST_REQUEST_CHAT_TEMPLATE),
+    # extra variables for the template (`enable_thinking`, ...), and whether it ends
+    # with the assistant's turn opened (default) or renders the messages only.
+    chat_template: Annotated[str, Meta(min_length=1, max_length=MAX_STRING)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None  # needs `logprobs`
     # services/gateway/tools.py: rendered, enforced (required, named) and parsed

@@ -119,6 +119,10 @@ class Generation:
             raise bad_request("'stream_options' is only allowed when 'stream' is true")
         if req.n > self.config.max_n:
             raise bad_request(f"'n' is {req.n}; at most {self.config.max_n} choices per request")
+        if chat and req.chat_template is not None and not self.config.trust_request_chat_template:
+            raise bad_request("'chat_template' is refused: this server runs only its models' "
+                              "own templates (TENSORBUS_TRUST_REQUEST_CHAT_TEMPLATE=1 allows "
+                              "a request's)")  # fmt: skip
         tp = tools.plan(req, bool(req.tools) and chat_template(entry.info.path).knows_tools) \
             if chat else None  # fmt: skip
         render = functools.partial(chat_prompt_of, tp=tp) if chat else self._prompt
@@ -325,20 +329,25 @@ def chat_template(model_dir: str):
 
 
 def chat_prompt_of(req: ChatCompletionRequest, entry: ModelEntry, tp=None) -> list[int]:
-    return chat_prompt(req.messages, entry, tp=tp)
+    return chat_prompt(req.messages, entry, req.add_generation_prompt, tp, req.chat_template,
+                       req.chat_template_kwargs)
 
 
 def chat_prompt(messages: list, entry: ModelEntry, add_generation_prompt: bool = True,
-                tp: tools.ToolPlan | None = None) -> list[int]:
-    """Chat messages (shared.api.ChatMessage) rendered with the model's chat template
-    (with the request's tools: services.gateway.tools) and tokenized; a template
-    that refuses them is a 400."""
+                tp: tools.ToolPlan | None = None, source: str | None = None,
+                extra: dict | None = None) -> list[int]:
+    """Chat messages (shared.api.ChatMessage) rendered with the model's chat template,
+    or the request's own `source` (with the model's special tokens), with the
+    request's tools (services.gateway.tools) and extra variables, and tokenized; a
+    template that refuses them is a 400."""
     contents = [_content(m.content) for m in messages]
     try:
         template = chat_template(entry.info.path)
+        if source is not None:
+            template = template.with_source(source)
         plain = tools.template_messages(messages, contents, tp, template.knows_tools)
         given = tp.dicts() if tp is not None and template.knows_tools else None
-        return template.encode(entry.tokenizer, plain, add_generation_prompt, given)
+        return template.encode(entry.tokenizer, plain, add_generation_prompt, given, extra)
     except ValueError as exc:
         raise bad_request(f"cannot render the chat: {exc}") from None
 

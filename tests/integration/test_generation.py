@@ -19,6 +19,7 @@ from tests.support.tiny_models import hf_greedy, serve_tiny
 
 CONTEXT = 1024
 PROMPTS = [[5, 17, 300, 42], list(range(40, 49)), list(range(100, 117)), list(range(7, 307, 10))]
+TEMPLATED = "hi the quick brown fox"  # a request's chat_template renders this
 NEW = 32
 
 
@@ -29,6 +30,8 @@ def tiny(request, tmp_path_factory, jax_cache_dir):
     # References are computed here, before any service runs: a synchronous torch call
     # inside a test would stall the event loop every in-process service shares.
     refs = {tuple(p): expected(model, engine, p) for p in PROMPTS}
+    ids = engine.tokenizer.encode(TEMPLATED)  # what the request's own template renders
+    refs[TEMPLATED] = (len(ids), *expected(model, engine, ids))
     return refs, engine, str(path)
 
 
@@ -36,7 +39,7 @@ def tiny(request, tmp_path_factory, jax_cache_dir):
 async def stack(nats_server, tiny):
     _, engine, path = tiny
     async with running_stack(nats_server.url, models={engine.name: path}, max_context=CONTEXT,
-                             decode_slots=4) as st:
+                             decode_slots=4, trust_request_chat_template=True) as st:
         await st.add_worker(engine, f"dec-{engine.name}", kind="decoder")
         yield st
 
@@ -84,6 +87,25 @@ async def test_concurrent_greedy_equals_transformers_generate(stack, tiny):
         assert choice["finish_reason"] == reason
         assert resp["usage"]["prompt_tokens"] == len(prompt)
         assert resp["object"] == "text_completion"
+
+
+async def test_a_requests_chat_template_and_its_variables_render_the_prompt(stack, tiny):
+    """vLLM's chat_template (trusted here) and chat_template_kwargs: the prompt is what
+    that template renders, answered as transformers answers those tokens."""
+    model, engine, _ = tiny
+    count, text, reason = model[TEMPLATED]
+    code, resp = await request(stack.client, subjects.CHAT_COMPLETIONS, {
+        "model": engine.name, "messages": [{"role": "user", "content": "the quick brown fox"}],
+        "chat_template": "{{ greeting }} {{ messages[0].content }}",
+        "chat_template_kwargs": {"greeting": "hi"}, "max_tokens": NEW, "temperature": 0})
+    assert code == 200, resp
+    assert resp["usage"]["prompt_tokens"] == count
+    assert (resp["choices"][0]["message"]["content"], resp["choices"][0]["finish_reason"]) == \
+        (text, reason)
+    code, resp = await request(stack.client, subjects.CHAT_COMPLETIONS, {
+        "model": engine.name, "messages": [{"role": "user", "content": "x"}],
+        "chat_template": "{% for %}", "max_tokens": 2})
+    assert code == 400 and "cannot render the chat" in resp["error"]["message"]
 
 
 async def test_truncate_prompt_tokens_keeps_the_prompts_end(stack, tiny):

@@ -145,6 +145,16 @@ async def test_the_routes_other_servers_answer_on(stack):
         assert card["max_model_len"] == plain.json()["max_model_len"] > 0
 
 
+async def test_a_requests_own_chat_template_is_refused_unless_trusted(stack):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    async with httpx.AsyncClient(base_url=stack.http_url, headers=headers, timeout=30) as h:
+        r = await h.post("/v1/chat/completions", json={
+            "model": "tiny-lm", "messages": [{"role": "user", "content": "x"}],
+            "chat_template": "{{ messages[0].content }}", "max_tokens": 2})
+    assert r.status_code == 400
+    assert "TENSORBUS_TRUST_REQUEST_CHAT_TEMPLATE" in r.json()["error"]["message"]
+
+
 async def test_client_disconnect_cancels_and_frees_the_slot(stack, tiny_lm):
     engine, _ = tiny_lm
     worker = stack.workers["dec-http"]
