@@ -7,9 +7,11 @@
    U+FFFD, the last token(s) are part of a multi-byte character still arriving: it is
    held back until the character is whole.
 2. Stop strings: new text joins a pending buffer. When a stop string appears (the one
-   that completes first, if several do), the text before it is emitted, the stop
-   string and everything after it are not, and the sequence is `stopped`. Otherwise the longest suffix of the buffer that could still
-   grow into a stop string is held back and the rest is emitted.
+   that completes first, if several do), the text before it is emitted (with the
+   stop string at its end for `include_stop`, vLLM's include_stop_str_in_output),
+   what follows it is not, and the sequence is `stopped`. Otherwise the longest
+   suffix of the buffer that could still grow into a stop string is held back and
+   the rest is emitted.
 3. `flush()` at the end returns whatever is still held (never after a stop).
 
 Concatenating every `feed` and the `flush` gives exactly the full decode of the
@@ -31,8 +33,9 @@ class Decoder(Protocol):
 class StopMatcher:
     """Stop-string search over a stream of text pieces."""
 
-    def __init__(self, stop: Sequence[str] = ()) -> None:
+    def __init__(self, stop: Sequence[str] = (), include: bool = False) -> None:
         self.stop = tuple(s for s in stop if s)
+        self.include = include  # the matched stop string is emitted, at the end
         self.pending = ""
         self.matched: str | None = None
 
@@ -48,7 +51,8 @@ class StopMatcher:
         hits = [(i + len(s), i, s) for s in self.stop if (i := self.pending.find(s)) >= 0]
         if hits:
             _, at, stop = min(hits)
-            out, self.pending, self.matched = self.pending[:at], "", stop
+            end = at + len(stop) if self.include else at
+            out, self.pending, self.matched = self.pending[:end], "", stop
             return out
         keep = self._held_suffix()
         cut = len(self.pending) - keep
@@ -77,6 +81,7 @@ class Detokenizer:
         prompt_ids: Sequence[int] = (),
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
@@ -85,7 +90,7 @@ class Detokenizer:
         self._ids: list[int] = list(prompt_ids)[-CONTEXT_TOKENS:]
         self._prefix = 0  # ids[prefix:read] decode to text already emitted (as context)
         self._read = len(self._ids)
-        self._stops = StopMatcher(stop)
+        self._stops = StopMatcher(stop, include_stop)
         self.tokens = 0  # tokens fed
 
     @property

@@ -45,6 +45,10 @@ class EmbeddingRequest(_Request, kw_only=True):
     # vLLM's opt-in truncation of over-long inputs: k tokens (special tokens
     # included) or -1 for the model's own limit. Unset, an over-long input is a 400.
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    # vLLM's: special tokens' text in the answer (default: left out), and the stop
+    # string that ended it kept at its end (default: cut, as OpenAI does).
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # The model's sentence-transformers prompt prepended to text inputs, by name
     # (`prompt_name`, as in SentenceTransformer.encode) or by role (`input_type`:
     # "query" or "document"); unset: the model's default prompt, if it has one.
@@ -193,6 +197,10 @@ class _Sampling(_Request, kw_only=True):
     # vLLM's: keep the prompt's last k tokens (after the chat template; -1: as many as
     # the context leaves one to generate) instead of refusing one that is too long.
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None
+    # vLLM's: special tokens' text in the answer (default: left out), and the stop
+    # string that ended it kept at its end (default: cut, as OpenAI does).
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     # Candidates sampled to return the n best: up to n it is what n does (the gateway
     # refuses more); LiteLLM and older clients send best_of: 1.
     best_of: Annotated[int, Meta(ge=1)] | None | UnsetType = UNSET

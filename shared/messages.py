@@ -92,6 +92,8 @@ class GenerateWork(_Msg, tag="generate"):
     # alternatives at each position (-1: none)
     skip: int = 0  # a resumed stream: its first `skip` tokens were delivered already;
     # generated again (the same: greedy or seeded) and not sent
+    skip_special_tokens: bool = True  # the text leaves special tokens out (vLLM's)
+    include_stop_str_in_output: bool = False  # a matched stop string ends the text (vLLM's)
 
 
 WorkRequest = EmbedWork | GenerateWork

@@ -158,7 +158,9 @@ class Generation:
                             req.stream, deadline, "", ignore_eos=req.ignore_eos,
                             user=user, reserved=reserved,
                             stall_s=self.config.stall_timeout_s, end_by=call.end_by,
-                            prompt_logprobs=_prompt_logprobs(req, chat))
+                            prompt_logprobs=_prompt_logprobs(req, chat),
+                            skip_special_tokens=req.skip_special_tokens,
+                            include_stop_str_in_output=req.include_stop_str_in_output)
         opts = req.stream_options
         return Prepared(req, chat, work, req.model, int(time.time()),
                         bool(opts and opts.include_usage),

@@ -50,8 +50,8 @@ def tok(request) -> Tokenizer:
     return _sentencepiece_style()
 
 
-def _stream(tok, prompt_ids, ids, stop=()):
-    d = Detokenizer(tok, prompt_ids=prompt_ids, stop=stop)
+def _stream(tok, prompt_ids, ids, stop=(), include_stop=False):
+    d = Detokenizer(tok, prompt_ids=prompt_ids, stop=stop, include_stop=include_stop)
     pieces = [d.feed(i) for i in ids]
     return pieces, d.flush(), d
 
@@ -100,14 +100,15 @@ ALPHABET = st.sampled_from(list("ab xyz.,\n") + ["é", "ß", "—", "日", "本"
 
 @settings(max_examples=60, deadline=None)
 @given(text=st.text(ALPHABET, min_size=0, max_size=40), stops=st.lists(
-    st.text(ALPHABET, min_size=1, max_size=4), max_size=3))  # fmt: skip
-def test_streamed_text_equals_reference_cut_at_first_completed_stop(tok, text, stops):
+    st.text(ALPHABET, min_size=1, max_size=4), max_size=3), include=st.booleans())  # fmt: skip
+def test_streamed_text_equals_reference_cut_at_first_completed_stop(tok, text, stops, include):
+    """Cut before the stop string, or (vLLM's include_stop_str_in_output) after it."""
     ids = tok.encode(text, add_special_tokens=False).ids
-    pieces, tail, d = _stream(tok, [], ids, stop=stops)
+    pieces, tail, d = _stream(tok, [], ids, stop=stops, include_stop=include)
     full = tok.decode(ids)
     # Generation ends where the first stop string completes.
     hits = [(full.find(s) + len(s), full.find(s)) for s in stops if s in full]
-    expected = full[: min(hits)[1]] if hits else full
+    expected = full[: min(hits)[0 if include else 1]] if hits else full
     assert "".join(pieces) + tail == expected
     assert d.stopped == bool(hits)
     assert all(REPLACEMENT not in p or REPLACEMENT in full for p in pieces)
@@ -116,3 +117,18 @@ def test_streamed_text_equals_reference_cut_at_first_completed_stop(tok, text, s
 def test_stop_matcher_without_stops_passes_everything():
     m = StopMatcher()
     assert m.push("abc") == "abc" and m.flush() == ""
+
+
+def test_special_tokens_are_in_the_text_only_when_asked(tok):
+    """vLLM's skip_special_tokens: by default a generated special token has no text;
+    with false, its text streams in place, as the tokenizer decodes it."""
+    special = next(i for i in range(tok.get_vocab_size()) if tok.id_to_token(i) in
+                   ("</s>", "<|endoftext|>", "<|im_end|>", "<s>"))  # fmt: skip
+    ids = tok.encode("hello there", add_special_tokens=False).ids
+    ids = ids[:1] + [special] + ids[1:]
+    kept = Detokenizer(tok, skip_special_tokens=False)
+    text = "".join(kept.feed(i) for i in ids) + kept.flush()
+    assert text == tok.decode(ids, skip_special_tokens=False)
+    assert tok.id_to_token(special) in text
+    plain = Detokenizer(tok)
+    assert "".join(plain.feed(i) for i in ids) + plain.flush() == tok.decode(ids)

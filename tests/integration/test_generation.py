@@ -108,6 +108,29 @@ async def test_a_requests_chat_template_and_its_variables_render_the_prompt(stac
     assert code == 400 and "cannot render the chat" in resp["error"]["message"]
 
 
+async def test_include_stop_str_in_output_keeps_the_stop_string(stack, tiny):
+    """vLLM's include_stop_str_in_output: the answer ends with the stop string that
+    ended it (by default it ends before it), whole and streamed."""
+    model, engine, _ = tiny
+    prompt = PROMPTS[3]
+    ref = model[tuple(prompt)][0]
+    stop = ref[4:7]  # a stretch of transformers' greedy text
+    cut = ref.index(stop)
+    body = {"model": engine.name, "prompt": prompt, "max_tokens": NEW, "temperature": 0,
+            "stop": [stop]}
+    (c1, plain), (c2, kept) = await asyncio.gather(
+        request(stack.client, subjects.COMPLETIONS, body),
+        request(stack.client, subjects.COMPLETIONS, {**body, "include_stop_str_in_output": True}))
+    assert c1 == c2 == 200, (plain, kept)
+    assert plain["choices"][0]["text"] == ref[:cut]
+    assert kept["choices"][0]["text"] == ref[:cut + len(stop)]
+    assert kept["choices"][0]["finish_reason"] == "stop"
+    msgs = await stream(stack.client, subjects.COMPLETIONS,
+                        {**body, "include_stop_str_in_output": True, "stream": True})
+    chunks = [msgspec.json.decode(m) for m in msgs[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ref[:cut + len(stop)]
+
+
 async def test_truncate_prompt_tokens_keeps_the_prompts_end(stack, tiny):
     """vLLM's truncate_prompt_tokens: a prompt cut to its last k tokens answers as
     those k tokens alone do (transformers' greedy text); without it, a prompt past the

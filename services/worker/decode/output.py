@@ -179,4 +179,6 @@ class OutputProcessor:
 def _detokenizer(engine, work: GenerateWork):
     from engine.detok import Detokenizer
 
-    return Detokenizer(engine.info.tokenizer, prompt_ids=work.prompt, stop=work.stop)
+    return Detokenizer(engine.info.tokenizer, prompt_ids=work.prompt, stop=work.stop,
+                       skip_special_tokens=work.skip_special_tokens,
+                       include_stop=work.include_stop_str_in_output)
