@@ -49,6 +49,8 @@ class EmbeddingRequest(_Request, kw_only=True):
     # string that ended it kept at its end (default: cut, as OpenAI does).
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: EOS and `stop_token_ids` cannot end a choice before this many tokens.
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
     # The model's sentence-transformers prompt prepended to text inputs, by name
     # (`prompt_name`, as in SentenceTransformer.encode) or by role (`input_type`:
     # "query" or "document"); unset: the model's default prompt, if it has one.
@@ -201,6 +203,8 @@ class _Sampling(_Request, kw_only=True):
     # string that ended it kept at its end (default: cut, as OpenAI does).
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: EOS and `stop_token_ids` cannot end a choice before this many tokens.
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
     # Candidates sampled to return the n best: up to n it is what n does (the gateway
     # refuses more); LiteLLM and older clients send best_of: 1.
     best_of: Annotated[int, Meta(ge=1)] | None | UnsetType = UNSET

@@ -40,6 +40,7 @@ class Sampling(msgspec.Struct, array_like=True, gc=False):
     # "" = none. A grammar with a capture named GRAMMAR_RELEASE constrains nothing
     # after it: the engine drops the grammar there (docs/decisions/0057).
     grammar: str = ""
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many are generated
 
 
 class EmbedWork(_Msg, tag="embed"):

@@ -282,7 +282,8 @@ class DecoderEngine:
                                 seed, sampling.logprobs)  # fmt: skip
         if copy is not None:
             self.runner.copy(*copy)
-        self.grammar.begin(slot, sampling.grammar, prompt[len(prompt) - generated:])
+        self.grammar.begin(slot, sampling.grammar, prompt[len(prompt) - generated:],
+                           max(0, sampling.min_tokens - generated), sampling.stop_token_ids)
         self.speculation.begin(slot, sampling)
         return True
 

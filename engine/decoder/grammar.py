@@ -19,6 +19,10 @@ with no grammar, so structured outputs compile nothing of their own).
      once (llguidance's executor, on its own threads; the GIL is released);
      unconstrained rows get an all-allowed mask.
 
+`min_tokens` (vLLM's) rides the same masks: a slot that must still generate k tokens
+counts as constrained, its mask (all set without a grammar) has EOS and its stop
+token ids cleared, and each token it gets counts down; at 0 it is unconstrained again.
+
 A grammar may mark the point after which it constrains nothing (`tool_choice:
 "auto"`'s, once a plain answer has begun: services/gateway/tool_auto.py) with a
 capture named RELEASE: when its matcher reports that capture, the slot's grammar is
@@ -61,6 +65,8 @@ class SlotGrammars:
         self._eos = list(eos)
         self._on_release = on_release
         self._spec = [""] * slots  # slot -> its grammar ("" = unconstrained)
+        self._ban = [0] * slots  # slot -> tokens it must still generate before it may end
+        self._banned: list[list[int]] = [[] for _ in range(slots)]  # EOS and its stop ids
         self._releasable = [False] * slots  # its grammar has the RELEASE capture
         self._replay: list[list[int]] = [[] for _ in range(slots)]
         self._matchers: list[object | None] = [None] * slots
@@ -77,19 +83,26 @@ class SlotGrammars:
         self.compiles = 0  # grammars compiled (the others' matchers are copies)
 
     # ------------------------------------------------------------- sequences
-    def begin(self, slot: int, grammar: str, replay: list[int]) -> None:
+    def begin(self, slot: int, grammar: str, replay: list[int], min_tokens: int = 0,
+              stop_ids: list[int] | tuple[int, ...] = ()) -> None:
+        """`min_tokens`: tokens before EOS and `stop_ids` may be drawn (0: none)."""
+        self._ban[slot] = int(min_tokens)
+        self._banned[slot] = [t for t in (*self._eos, *stop_ids) if 0 <= t < self._vocab]
         self._spec[slot] = grammar
         self._releasable[slot] = RELEASE in grammar
         self._replay[slot] = list(replay) if grammar else []
         self._matchers[slot] = None
 
     def free(self, slot: int) -> None:
+        self._ban[slot] = 0
         self._spec[slot] = ""
         self._releasable[slot] = False
         self._replay[slot] = []
         self._matchers[slot] = None
 
     def consume(self, slot: int, token: int) -> None:
+        if self._ban[slot] > 0:
+            self._ban[slot] -= 1
         m = self._matchers[slot]
         if m is not None and not m.is_stopped():
             m.consume_token(token)
@@ -129,7 +142,7 @@ class SlotGrammars:
         """[W] int32: the mask of `slot`'s first token (its matcher built now), or
         None when it has no grammar."""
         if not self._spec[slot]:
-            return None
+            return self._fill(np.asarray([slot], np.int32))[0] if self._ban[slot] else None
         m = self._matcher(self._spec[slot])
         if self._replay[slot] and not m.consume_tokens(self._replay[slot]):
             log.warning("grammar_replay_failed", slot=slot, error=m.get_error())
@@ -173,7 +186,20 @@ class SlotGrammars:
             for _, i in todo:  # never a row with nothing allowed (the draw needs one)
                 if not out[i].any():
                     out[i] = -1
+        for i, s in enumerate(rows.tolist()):
+            if s < len(self._ban) and self._ban[s] > 0:
+                self._clear(out[i], self._banned[s])
         return out
+
+    @staticmethod
+    def _clear(mask: np.ndarray, tokens: list[int]) -> None:
+        """Clear `tokens`' bits in one row's mask ([W] int32, bit t of word t // 32),
+        unless that would leave nothing allowed."""
+        kept = mask.copy()
+        for t in tokens:
+            kept[t >> 5] &= ~np.int32(np.uint32(1 << (t & 31)).view(np.int32))
+        if kept.any():
+            mask[:] = kept
 
     # ----------------------------------------------------------------- steps
     def dispatched(self, pending) -> None:
@@ -181,7 +207,7 @@ class SlotGrammars:
 
     def constrained(self, rows: np.ndarray) -> bool:
         slots = len(self._spec)
-        return any(s < slots and self._spec[s] for s in rows.tolist())
+        return any(s < slots and (self._spec[s] or self._ban[s]) for s in rows.tolist())
 
     def step_program(self, run, allowed, rows: np.ndarray):
         """The step to call for `rows` ([parts x B] slots) as (params, state, part,

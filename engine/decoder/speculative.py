@@ -72,7 +72,8 @@ def propose(tokens: list[int], k: int, longest: int = NGRAM_LONGEST,
 def _plain(sampling: Sampling) -> bool:
     """Whether a sequence's tokens depend only on its logits and its seed (a grammar's
     mask depends on its tokens too: a constrained sequence takes the normal step, under its mask)."""
-    return (sampling.logprobs < 0 and not sampling.grammar and not sampling.presence_penalty
+    return (sampling.logprobs < 0 and not sampling.grammar and not sampling.min_tokens
+            and not sampling.presence_penalty
             and not sampling.frequency_penalty and sampling.repetition_penalty in (0.0, 1.0)
             and not any(b for _, b in sampling.logit_bias))  # fmt: skip
 

@@ -18,7 +18,14 @@ def max_tokens(req, chat: bool, prompt: int, limit: int) -> int:
     field = "max_completion_tokens" if chat and req.max_completion_tokens else "max_tokens"
     asked = (req.max_completion_tokens if chat else None) or req.max_tokens
     if asked is None:
-        return limit - prompt
+        asked_min = limit - prompt
+        if req.min_tokens > asked_min:
+            raise bad_request(f"'min_tokens' is {req.min_tokens}: the context leaves "
+                              f"{asked_min} tokens to generate for this prompt")
+        return asked_min
+    if req.min_tokens > asked:
+        raise bad_request(f"'min_tokens' is {req.min_tokens}, more than '{field}' "
+                          f"({asked})")
     if prompt + asked > limit:
         raise bad_request(
             f"'{field}' is {asked} and the prompt has {prompt} tokens: {prompt + asked} "
@@ -75,7 +82,7 @@ def sampling(req, defaults: dict[str, float], logprobs: int = -1, grammar: str =
                     repetition_penalty=float(pick("repetition_penalty")) or 1.0,
                     logit_bias=sorted((req.logit_bias or {}).items()),
                     stop_token_ids=list(req.stop_token_ids or []), logprobs=logprobs,
-                    grammar=grammar)
+                    grammar=grammar, min_tokens=req.min_tokens)
 
 
 def check_tokens(sampling: Sampling, vocab: int) -> None:

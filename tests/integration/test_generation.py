@@ -32,7 +32,30 @@ def tiny(request, tmp_path_factory, jax_cache_dir):
     refs = {tuple(p): expected(model, engine, p) for p in PROMPTS}
     ids = engine.tokenizer.encode(TEMPLATED)  # what the request's own template renders
     refs[TEMPLATED] = (len(ids), *expected(model, engine, ids))
+    refs["min_tokens"] = _min_tokens_reference(model, engine)
     return refs, engine, str(path)
+
+
+MIN_TOKENS = 6
+
+
+def _min_tokens_reference(model, engine):
+    """(stop token, text, finish reason): transformers' greedy generation of PROMPTS[0]
+    with its third token made a stop token and `min_new_tokens` = MIN_TOKENS (its
+    logits processor masks the stop tokens until then, as min_tokens does)."""
+    import torch
+
+    stop = hf_greedy(model, PROMPTS[0], NEW)[2]
+    ends = [*engine.eos_token_ids, stop]
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=NEW, do_sample=False,
+                             min_new_tokens=MIN_TOKENS, eos_token_id=ends,
+                             attention_mask=torch.ones(1, len(PROMPTS[0]), dtype=torch.long))
+    ids = out[0, len(PROMPTS[0]):].tolist()
+    cut = next((i for i, t in enumerate(ids) if t in ends), None)
+    kept = ids if cut is None else ids[:cut]
+    assert cut is None or cut >= MIN_TOKENS
+    return stop, engine.tokenizer.decode(kept), "length" if cut is None else "stop"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -129,6 +152,24 @@ async def test_include_stop_str_in_output_keeps_the_stop_string(stack, tiny):
                         {**body, "include_stop_str_in_output": True, "stream": True})
     chunks = [msgspec.json.decode(m) for m in msgs[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ref[:cut + len(stop)]
+
+
+async def test_min_tokens_holds_off_eos_and_stop_tokens(stack, tiny):
+    """vLLM's min_tokens: a stop token the greedy answer reaches third cannot end it
+    before MIN_TOKENS tokens; the answer is transformers' with min_new_tokens."""
+    model, engine, _ = tiny
+    stop, text, reason = model["min_tokens"]
+    body = {"model": engine.name, "prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 0,
+            "stop_token_ids": [stop]}
+    (c1, early), (c2, held) = await asyncio.gather(
+        request(stack.client, subjects.COMPLETIONS, body),
+        request(stack.client, subjects.COMPLETIONS, {**body, "min_tokens": MIN_TOKENS}))
+    assert c1 == c2 == 200, (early, held)
+    assert early["usage"]["completion_tokens"] <= 3  # it stopped at the stop token
+    assert (held["choices"][0]["text"], held["choices"][0]["finish_reason"]) == (text, reason)
+    assert held["usage"]["completion_tokens"] >= MIN_TOKENS
+    code, resp = await request(stack.client, subjects.COMPLETIONS, {**body, "min_tokens": NEW + 1})
+    assert code == 400 and "min_tokens" in resp["error"]["message"]
 
 
 async def test_truncate_prompt_tokens_keeps_the_prompts_end(stack, tiny):
