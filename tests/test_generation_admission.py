@@ -46,8 +46,10 @@ def heartbeat(worker_id: str = "w0", cost: GenCost | None = COST, running: int =
 
 
 def scheduler(cost: GenCost | None = COST, **config) -> Admission:
+    # 512-token prompt chunks (the figures below count the steps between them); a
+    # CPU worker's default, 128, is read from its heartbeat when this is 0.
     cfg = Config.from_env({}, **{"max_queue_per_worker": 256, "max_queue_s": 5.0,
-                                 "worker_expiry_s": 60.0, **config})
+                                 "worker_expiry_s": 60.0, "prefill_chunk": 512, **config})
     fleet = Fleet(expiry_s=60.0)
     fleet.observe(heartbeat(cost=cost))
     return Admission(cfg, "s1", fleet, held=Holds(cfg.max_queue_per_worker).tally)
@@ -201,3 +203,16 @@ async def test_the_worker_refits_the_cost_from_its_own_steps():
     finally:
         task.cancel()
     assert runner.costs.cost().step_s(2) == pytest.approx(0.02, rel=0.5)
+
+
+def test_a_cpu_workers_default_chunk_counts_a_step_per_128_prompt_tokens():
+    """TENSORBUS_PREFILL_CHUNK=0: the scheduler counts the chunks a CPU worker computes
+    (128 tokens, read from the heartbeat's device): the 400 prompt tokens ahead take
+    four decode steps between their chunks, not one."""
+    adm = scheduler(prefill_chunk=0)
+    for i in range(SLOTS):
+        work = gen(f"g{i}")
+        assert adm.admit(work)
+        adm.dispatched(work)
+    err = refused(adm.admit, gen("fifth"))
+    assert err.retry_after == pytest.approx(25 + 0.4 + 4 * 0.05 + 0.1 + 0.05 - 5, abs=0.1)
