@@ -82,7 +82,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     kv_block: int = 16  # decoder: tokens per KV cache block
     kv_blocks: int = 512  # decoder: KV pool per engine, in blocks (0 = a full context for every slot)
     attention: str = "auto"  # decoder: paged attention: auto (pallas on a GPU, cpu on a CPU where the kernel builds, else xla) | xla | pallas | cpu
-    compile_ahead: str = "first"  # compiled before ready: first (what a first request needs; the rest in the background; an encoder: one input at every length) | all | lazy (a decoder's rest where first needed; an encoder: all)
+    compile_ahead: str = "first"  # compiled before ready: first (what a first request needs; the rest in the background; an encoder: its smallest program, one row of its limit and its full-size ones) | all | lazy (a decoder's rest where first needed; an encoder: all)
     prefill_chunk: int = 0  # decoder: most prompt tokens computed between two decode steps (0: 128 on a CPU, 512 on an accelerator)
     prefix_cache: bool = True  # decoder: reuse cached K/V of shared prompt prefixes
     prefill_per_step: int = 2  # decoder: prompts admitted per decode step
