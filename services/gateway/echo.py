@@ -12,7 +12,8 @@ streamed (the first chunk of each choice carries it).
 
 from __future__ import annotations
 
-from shared.api import CompletionLogprobs, CompletionRequest
+from shared.api import CompletionRequest
+from shared.api_replies import CompletionLogprobs
 from shared.messages import GenChunk
 
 

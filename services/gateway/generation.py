@@ -36,19 +36,16 @@ from services.gateway.echo import Echo, joined
 from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
 from services.gateway.structured import request_grammar, vllm_structures
-from shared.api import (
+from shared.api import ChatCompletionRequest, CompletionRequest, Usage, ignored_fields
+from shared.api_replies import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     CompletionChoice,
     CompletionChunk,
-    CompletionRequest,
     CompletionResponse,
-    Usage,
-    ignored_fields,
 )
 from shared.errors import bad_request
 from shared.logging import get_logger
@@ -401,9 +398,8 @@ def _grammar(req, tp) -> str:
 def _truncated(prompt: list[int], keep: int | None, limit: int) -> list[int]:
     """`truncate_prompt_tokens`: the prompt's last `keep` tokens (-1: as many as leave
     one token of the context to generate); None: the prompt whole."""
-    if keep is None or keep == 0:
-        if keep == 0:
-            raise bad_request("'truncate_prompt_tokens' is 0: a prompt needs a token")
+    if keep is None:
         return prompt
-    keep = limit - 1 if keep < 0 else keep
-    return prompt[-keep:] if len(prompt) > keep else prompt
+    if keep == 0:
+        raise bad_request("'truncate_prompt_tokens' is 0: a prompt needs a token")
+    return prompt[-(limit - 1 if keep < 0 else keep):]

@@ -5,7 +5,7 @@ completions' parallel lists. One renderer per request, so a streamed completion'
 
 from __future__ import annotations
 
-from shared.api import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from shared.api_replies import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from shared.messages import TokenLogprob
 
 

@@ -6,12 +6,8 @@ import msgspec
 
 from shared import VERSION
 from shared.api import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChunk,
     CompletionRequest,
-    CompletionResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     RerankRequest,
@@ -19,6 +15,8 @@ from shared.api import (
     ScoreRequest,
     ScoreResponse,
 )
+from shared.api_replies import (ChatCompletionChunk, ChatCompletionResponse, CompletionChunk,
+                                CompletionResponse)
 from shared.api_models import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                TokenizeRequest, TokenizeResponse)
 from shared.errors import ErrorBody

@@ -30,7 +30,7 @@ from services.gateway.pipeline import Pipeline, Prepared, routes
 from services.micro import ServiceHealth, add_service
 from shared import VERSION, subjects
 from shared.config import Config
-from shared.api import STREAM_DONE
+from shared.api_replies import STREAM_DONE
 from shared.errors import ServiceError, bad_request, too_large
 from shared.logging import get_logger
 from shared.messages import fleet_status_decoder, sched_load_decoder

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from services.gateway import tool_auto
 from services.gateway.structured import response_schema, schema_grammar
 from shared.api import (
-    ChatCompletionRequest, ChatDelta, FunctionCall, FunctionDelta, NamedToolChoice, ResponseMessage,
-    ToolCall, ToolCallDelta)
+    ChatCompletionRequest, FunctionCall, FunctionDelta, NamedToolChoice, ToolCall, ToolCallDelta)
+from shared.api_replies import ChatDelta, ResponseMessage
 from shared.errors import bad_request
 
 # Calls one forced reply may hold: bounded, so a small model cannot loop on calls.
