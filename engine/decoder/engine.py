@@ -227,11 +227,18 @@ class DecoderEngine:
         measuring = self.forms.start(programs) if self.quant != "none" else []
         jobs = programs.compiles if self.compile_ahead == "all" else programs.first_compiles()
         t0 = time.perf_counter()
-        programs.cache.compile_together([(programs.key(*j), programs.lowering(*j)) for j in jobs])
-        bar = tqdm(jobs, desc=f"compile {self.name}", file=sys.stderr, disable=not progress)
-        for kind, size, other in bar:
-            bar.set_postfix_str(f"{kind} {size} {other}")
-            self.runner.warm(kind, size, other)
+        bar = tqdm(total=len(jobs), desc=f"compile {self.name}", file=sys.stderr,
+                   disable=not progress)  # fmt: skip
+
+        def compiled(key) -> None:
+            bar.set_postfix_str(" ".join(map(str, key[:3])))
+            bar.update()
+
+        programs.cache.compile_together([(programs.key(*j), programs.lowering(*j)) for j in jobs],
+                                        compiled)  # fmt: skip
+        bar.close()
+        for job in jobs:  # each once: its first run's one-time costs leave the serving path
+            self.runner.warm(*job)
         self.runner.copy(0, 0)  # the scratch block onto itself: compiles the copy
         if self.compile_ahead != "lazy" and (background or measuring):
             # The programs the forms are measured with first (formchoice.py), then

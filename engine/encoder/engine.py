@@ -215,12 +215,16 @@ class EncoderEngine:
         from tqdm import tqdm
 
         shapes = {"all": self.shapes, "first": self.first_shapes(), "lazy": []}[self.compile_ahead]
-        bar = tqdm(shapes, desc=f"compile {self.name}", disable=not progress, leave=False)
+        bar = tqdm(total=len(shapes), desc=f"compile {self.name}", disable=not progress,
+                   leave=False)  # fmt: skip
+
+        def compiled(key) -> None:
+            bar.set_postfix_str(self._label(key))
+            bar.update()
+
         with self._lock:
-            self.programs.compile_together([(k, self._lowering(k)) for k in shapes])
-            for key in bar:
-                bar.set_postfix_str(self._label(key))
-                self._executable(key)
+            self.programs.compile_together([(k, self._lowering(k)) for k in shapes], compiled)
+        bar.close()
         if self.compile_ahead == "first":
             rest = sorted((k for k in self.shapes if k not in shapes), key=self._size)
             self.programs.start_background([(k, self._lowering(k)) for k in rest])
