@@ -143,7 +143,8 @@ class ModelTable:
             or decisions.kind(name) or _bundled_kind(name)
         info = entry.info if entry else _bundled_infos().get(name)
         return ModelCard(id=name, created=entry.created if entry else int(time.time()),
-                         max_model_len=info.max_tokens if info else None, kind=kind, versions=sorted({v for w in ready for v in w.hb.versions}),
+                         max_model_len=info.max_tokens if info else None, kind=kind,
+                         versions=sorted({v for w in ready for v in w.hb.versions}),
                          ready_workers=len(ready), state=state,
                          programs_compiled=sum(w.hb.programs_compiled for w in workers),
                          programs_total=sum(w.hb.programs_total for w in workers),
