@@ -51,8 +51,8 @@ class ModelCard(msgspec.Struct):
     ready_workers: int = 0
     state: str = ""  # ready | starting | scaled_to_zero | failed
     reason: str = ""  # why `failed`, or ""
-    # Decoders: compiled programs over every live worker, and how many they will have
-    # (a model serves once its first are compiled; larger shapes join as they finish).
+    # Compiled programs over every live worker, and how many they will have (a model
+    # serves once its first are compiled; the rest join as they finish).
     programs_compiled: int = 0
     programs_total: int = 0
     # Quantized decoders: compute-form measurements done over live workers, and in

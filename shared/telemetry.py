@@ -114,8 +114,8 @@ class Heartbeat(_Rec, tag="heartbeat"):
     decode_per_step: float = 0.0
     decode_per_row: float = 0.0
     decode_length: float = 0.0  # tokens generated per token of max_tokens, recently (0 = none finished)
-    # Decoders: programs compiled so far and programs the serving engine will have
-    # (the rest compile in the background after ready; 0, 0: none compiled ahead).
+    # Programs compiled so far and programs the serving engine will have (the rest
+    # compile in the background after ready; 0, 0: its engine compiles nothing).
     programs_compiled: int = 0
     programs_total: int = 0
     # Quantized decoders choosing their compute forms after ready: (bucket, form)
