@@ -44,7 +44,7 @@ MAX_BYTES = 8 << 30  # all entries together; the oldest go first
 FORMAT = 1
 # Modules whose code decides what a built tree holds.
 _CODE = ("engine/prepared.py", "engine/gguf.py", "engine/weights.py", "engine/quant.py",
-         "engine/decoder/model.py", "engine/decoder/llama.py",
+         "engine/prequant.py", "engine/decoder/model.py", "engine/decoder/llama.py",
          "engine/decoder/gpt2.py")  # fmt: skip
 _ROOT = Path(__file__).resolve().parent.parent
 

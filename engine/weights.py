@@ -11,6 +11,10 @@ Order of preference:
 safetensors files are read by this module directly (an 8-byte header length, a JSON
 header, raw little-endian bytes): `safetensors.numpy` refuses bfloat16 because numpy
 has no such dtype, while `ml_dtypes.bfloat16` (shipped with jax) represents it exactly.
+
+A checkpoint whose config.json has a `quantization_config` is served or refused as
+engine/prequant.py says: its float8 weights come back dequantized to float32 (their
+scales applied), so no reader of these dicts ever sees a stored float8 weight.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 import numpy as np
+
+from shared.logging import get_logger
+
+log = get_logger(__name__)
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -48,8 +56,10 @@ def _numpy_dtype(code: str) -> np.dtype:
         "BF16": ml_dtypes.bfloat16,
         "F8_E4M3": ml_dtypes.float8_e4m3fn,
         "F8_E5M2": ml_dtypes.float8_e5m2,
+        # power-of-two block scales (DeepSeek's "ue8m0"), in ml_dtypes >= 0.5
+        "F8_E8M0": getattr(ml_dtypes, "float8_e8m0fnu", None),
     }
-    if code not in extra:
+    if extra.get(code) is None:
         raise ValueError(f"unsupported safetensors dtype {code!r}")
     return np.dtype(extra[code])
 
@@ -77,11 +87,16 @@ def _torch_to_numpy(t) -> np.ndarray:
     import torch
 
     t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
+    import ml_dtypes
 
-        # Same bits, reinterpreted: no rounding through float32 and back.
+    # Same bits, reinterpreted (numpy has none of these dtypes): no rounding through
+    # float32 and back.
+    if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    float8 = {torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+              torch.float8_e5m2: ml_dtypes.float8_e5m2}  # fmt: skip
+    if t.dtype in float8:
+        return t.view(torch.uint8).numpy().view(float8[t.dtype]).copy()
     return t.numpy().copy()
 
 
@@ -133,7 +148,12 @@ def _read(path: Path) -> Weights:
 
 
 def load_weights(model_dir: str | Path) -> Weights:
-    """All tensors of a model directory, as numpy arrays in their stored dtype."""
+    """All tensors of a model directory, as numpy arrays in their stored dtype; a
+    pre-quantized checkpoint's float8 weights dequantized to float32 (engine/prequant.py:
+    `UnsupportedQuantization` for a method that is not served)."""
+    from engine import prequant
+
+    found = prequant.read_scheme(model_dir)  # refused before any bytes are read
     out: Weights = {}
     for path in weight_files(model_dir):
         part = _read(path)
@@ -141,6 +161,10 @@ def load_weights(model_dir: str | Path) -> Weights:
         if overlap:
             raise ValueError(f"tensor {sorted(overlap)[0]!r} appears in two shards")
         out.update(part)
+    out, n = prequant.dequantize(out, found)
+    if found is not None:
+        log.info("prequantized_weights_dequantized", method=found.method, tensors=n,
+                 computed_in_float=", ".join(found.ignored) or None)
     return out
 
 

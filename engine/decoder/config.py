@@ -234,6 +234,15 @@ def _llama(cfg: dict) -> DecoderConfig:
 
 
 def from_dict(cfg: dict) -> DecoderConfig:
+    """Refuses, besides architectures, a `quantization_config` no engine serves
+    exactly (engine/prequant.py): AWQ's or GPTQ's packed integers read as float would
+    fail on a missing tensor at best; FP8 is served, dequantized at load."""
+    from engine.prequant import UnsupportedQuantization, scheme
+
+    try:
+        scheme(cfg)
+    except UnsupportedQuantization as exc:
+        raise UnsupportedDecoder(str(exc)) from None
     kind = cfg.get("model_type", "")
     if kind == "gpt2":
         return _gpt2(cfg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from engine import prequant
 from engine.encoder.spec import UnsupportedEncoder, pooled_dim, read_spec
 from shared.catalog import encoder_limit
 
@@ -59,6 +60,10 @@ class BertConfig:
         d = Path(model_dir)
         cfg = json.loads((d / "config.json").read_text())
         self.spec = read_spec(d)  # refuses an unserved family or module first
+        try:  # AWQ, GPTQ, ... (engine/prequant.py); FP8 weights are dequantized at load
+            prequant.scheme(cfg)
+        except prequant.UnsupportedQuantization as exc:
+            raise UnsupportedEncoder(str(exc)) from None
         self.family = self.spec.family
         if self.family == "decoder":
             self._decoder(d, cfg)

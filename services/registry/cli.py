@@ -16,7 +16,7 @@ import msgspec
 import nats
 
 from services.registry.errors import RegistryError
-from services.registry.servable import encoder_refusal
+from services.registry.servable import decoder_refusal, encoder_refusal
 from services.registry.store import Registry
 from shared import catalog
 from shared.bus import open_client
@@ -124,14 +124,15 @@ async def _run(args: argparse.Namespace, url: str) -> int:
 def serving_warning(model_dir: str | Path) -> str | None:
     """Why no worker would serve this directory, read from its config files alone
     (the encoder engines' refusals, engine/encoder/spec.py, and the workers' own:
-    services.registry.servable.encoder_refusal); None when none is known.
+    services.registry.servable.encoder_refusal; a decoder's quantization_config:
+    decoder_refusal); None when none is known.
     A push still goes ahead: the registry stores what it is given."""
     path = Path(model_dir)
     if not (path / "config.json").exists():
         return None  # the push itself says what is missing
     info = catalog.describe(path.name, path)
     if info.kind != "encoder":
-        return None
+        return decoder_refusal(path)
     return encoder_refusal(path)
 
 

@@ -3,7 +3,7 @@
 
 Here, in the library every service may use, so that the registry's command line does
 not import a service's package. The worker refuses the same models at start
-(services.worker.engines.check_encoder, exit 78).
+(services.worker.engines.check_encoder and check_decoder, exit 78).
 """
 
 from __future__ import annotations
@@ -26,4 +26,20 @@ def encoder_refusal(path: str | Path) -> str | None:
     if spec.task == "score" and spec.num_labels != 1:  # rerank and score: one per pair
         return (f"a cross-encoder with {spec.num_labels} labels; the rerank and score "
                 f"endpoints serve cross-encoders that give one score per pair")
+    return None
+
+
+def decoder_refusal(path: str | Path) -> str | None:
+    """Why no worker would serve the decoder in `path`, as far as its config.json's
+    `quantization_config` tells (engine/prequant.py: AWQ, GPTQ, bitsandbytes ...);
+    None when that is served. Its architecture is checked by the worker at start
+    only: the decoder engine's config module comes with jax."""
+    import json
+
+    from engine.prequant import UnsupportedQuantization, scheme
+
+    try:
+        scheme(json.loads((Path(path) / "config.json").read_text()))
+    except UnsupportedQuantization as exc:
+        return str(exc)
     return None
