@@ -10,6 +10,7 @@ own buffer, where slicing a layer out of a stacked cache can cost a copy per ste
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -68,6 +69,14 @@ class SlotSampling(NamedTuple):
 def init_decode_state(
     cfg: DecoderConfig, slots: int, num_blocks: int, block: int, dtype
 ) -> DecodeState:
+    """The empty state, made by one compiled program: built array by array, each of
+    its 2 x layers + 15 arrays compiled a fill program of its own (0.9 s of a cold
+    start for SmolLM2's 30 layers)."""
+    return jax.jit(functools.partial(_empty_state, cfg, slots, num_blocks, block, dtype))()
+
+
+def _empty_state(cfg: DecoderConfig, slots: int, num_blocks: int, block: int,
+                 dtype) -> DecodeState:
     shape = (cfg.kv_heads, num_blocks, block, cfg.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.layers))  # noqa: E731
     slots += 1  # the dummy row
