@@ -160,6 +160,69 @@ def load_weights(path: str | Path) -> dict[str, np.ndarray]:
     return out
 
 
+def kept_blocks(data, qtype):
+    """A Q8_0 or Q4_1 tensor's stored bytes -> the `engine.quant.QWeight` holding the
+    same numbers, contracted over its last axis (the file's [out, in] order): the
+    file's own integers, and its float16 scales and minimums widened to float32 (no
+    rounding), so w = q * scale (+ offset) gives the gguf package's values bit for
+    bit. Q4_1 keeps the first 16 values of a block in the low nibbles; the int4 form
+    pairs neighbours in a byte (the even one low), so only the nibbles move. None
+    for any other type."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as T
+
+    from engine.quant import QWeight
+
+    if qtype not in (T.Q8_0, T.Q4_1):
+        return None
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, n = data.shape[:-1], data.shape[-1] // size * block
+    b = np.ascontiguousarray(data).view(np.uint8).reshape(-1, size)  # [blocks, bytes]
+    scale = b[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(*rows, n // block)
+    if qtype == T.Q8_0:
+        q = b[:, 2:].view(np.int8).reshape(*rows, n).copy()
+        return QWeight(q, scale, None, len(rows), 8, block)
+    lo = b[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(scale.shape)
+    qs = b[:, 4:]  # [blocks, 16]: values 0-15 in the low nibbles, 16-31 in the high ones
+    v = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)  # [blocks, 32]
+    q = (v[:, 0::2] | (v[:, 1::2] << np.uint8(4))).reshape(*rows, n // 2)
+    return QWeight(q, scale, lo, len(rows), 4, block)
+
+
+def load_blocks(path: str | Path) -> dict:
+    """Every tensor of the file under Hugging Face names, as `load_weights` gives them,
+    except that Q8_0 and Q4_1 tensors stay as their blocks (`kept_blocks`): a model
+    served as the file's blocks (quantization "gguf") skips expanding them to float32
+    and rounding them back, most of a cold start's weight preparation (SmolLM2: 2.0
+    s). q_proj and k_proj rows are un-permuted integers, scales and minimums alike."""
+    import dataclasses
+
+    import numpy as np
+
+    header = read_header(path)
+    cfg = hf_config(header)
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    permuted = header.architecture in _PERMUTED
+    out: dict = {}
+    for gguf_name, qtype, data in _tensor_data(path, header):
+        if gguf_name == "rope_freqs.weight":  # the config's rope_scaling (shared.gguf)
+            continue
+        name = hf_name(gguf_name)
+        if name is None:
+            raise GGUFError(f"{path}: tensor {gguf_name!r} has no Llama counterpart")
+        w = kept_blocks(data, qtype)
+        if w is None:
+            w = np.array(dequantize(data, qtype), dtype=np.float32)
+        part = gguf_name.split(".")[-2]
+        if permuted and part in heads:
+            fix = lambda a: None if a is None else unpermute_rows(a, heads[part])  # noqa: E731
+            w = (dataclasses.replace(w, q=fix(w.q), scale=fix(w.scale), offset=fix(w.offset))
+                 if not isinstance(w, np.ndarray) else fix(w))  # fmt: skip
+        out[name] = w
+    return out
+
+
 def tensor_types(path: str | Path) -> dict[str, str]:
     """Hugging Face name -> the file's storage type of that tensor ("Q4_1", "Q8_0",
     "F32", ...), from the header alone (shared/gguf.py's parse, cached per file: the

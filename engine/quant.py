@@ -126,6 +126,30 @@ def quantize(w: np.ndarray, mode: str, axis: int, group: int = 0) -> QWeight:
     return QWeight(np.moveaxis(q, -1, axis), back(scale), back(lo), axis, bits, g)
 
 
+def transposed(w):
+    """A 2-D host weight, float or `QWeight` (a file's blocks, engine/gguf.py), turned
+    from the [out, in] a file stores to the [in, out] the model multiplies by."""
+    if not isinstance(w, QWeight):
+        return np.ascontiguousarray(np.asarray(w).T)
+    t = lambda a: None if a is None else np.ascontiguousarray(a.T)  # noqa: E731
+    return dataclasses.replace(w, q=t(w.q), scale=t(w.scale), offset=t(w.offset),
+                               axis=1 - w.axis)  # fmt: skip
+
+
+def concatenated(ws: list, axis: int):
+    """Host weights side by side along `axis`, float or `QWeight`s of one kind
+    contracted over the other axis (fused projections of a file's blocks)."""
+    if not any(isinstance(w, QWeight) for w in ws):
+        return np.concatenate(ws, axis=axis)
+    kinds = {(w.bits, w.group, w.axis, w.offset is None) if isinstance(w, QWeight) else None
+             for w in ws}  # fmt: skip
+    if len(kinds) > 1 or ws[0].axis == axis:
+        raise ValueError("fused weights must share one block kind, across the contracted axis")
+    cat = lambda f: np.concatenate([getattr(w, f) for w in ws], axis=axis)  # noqa: E731
+    return dataclasses.replace(ws[0], q=cat("q"), scale=cat("scale"),
+                               offset=None if ws[0].offset is None else cat("offset"))
+
+
 def dequantize(w: QWeight, dtype) -> jax.Array:
     """-> the float weight in `dtype`."""
     q = jnp.moveaxis(w.q, w.axis, -1)  # [..., IN] int8 or [..., IN/2] uint8
@@ -205,7 +229,8 @@ def quantize_tree(tree: dict, mode: str | dict[str, tuple[str, int]], axes: dict
 
     def walk(node):
         if isinstance(node, dict):
-            return {k: quantize(v, modes[k][0], axes[k], modes[k][1]) if k in modes and k in axes
+            return {k: quantize(v, modes[k][0], axes[k], modes[k][1])
+                    if k in modes and k in axes and not isinstance(v, QWeight)  # kept blocks
                     else walk(v) for k, v in node.items()}  # fmt: skip
         if isinstance(node, list):
             return [walk(v) for v in node]

@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.decoder.config import DecoderConfig
 from engine.decoder.layers import activation, dense, unembed, rms_norm, rope
-from engine.quant import take_rows
+from engine.quant import concatenated, take_rows, transposed
 from engine.sharding import split_fused
 
 # Contracted axis of each weight a quantized model stores as integers.
@@ -30,15 +30,16 @@ def fused(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
     return {"qkv_w": qkv, "qkv_b": qkv, "gate_up_w": (cfg.intermediate, cfg.intermediate)}
 
 
-def _t(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a.T)
+def _t(a):
+    """[out, in] -> [in, out]; a GGUF file's blocks too (engine/gguf.py load_blocks)."""
+    return transposed(a)
 
 
-def _fused(w: dict, prefix: str, fused: str, parts: tuple[str, ...]) -> np.ndarray:
+def _fused(w: dict, prefix: str, fused: str, parts: tuple[str, ...]):
     """[in, out] of projections stored apart (Llama) or already fused (Phi-3)."""
     if prefix + fused + ".weight" in w:
         return _t(w[prefix + fused + ".weight"])
-    return np.concatenate([_t(w[prefix + f"{n}.weight"]) for n in parts], axis=1)
+    return concatenated([_t(w[prefix + f"{n}.weight"]) for n in parts], axis=1)
 
 
 def load_params(weights: dict[str, np.ndarray], cfg: DecoderConfig) -> dict:

@@ -97,7 +97,12 @@ def _build_host_forms(model_dir: str | Path, cfg: DecoderConfig, quant: str,
     from engine.weights import load_weights, strip_prefix
 
     fam = family(cfg)
-    weights = strip_prefix(load_weights(model_dir), _PREFIXES[cfg.family])
+    blocks = quant == "gguf" and hosts == {"dequant"} and cfg.tensor_parallel == 1
+    if blocks:  # the file's blocks as they are: checked first (gguf_blocks refuses)
+        how = gguf_blocks(model_dir, cfg)
+        weights = strip_prefix(_file_blocks(model_dir), _PREFIXES[cfg.family])
+    else:
+        weights = strip_prefix(load_weights(model_dir), _PREFIXES[cfg.family])
     tree = fam.load_params(weights, cfg)
     del weights  # the tree holds transposed copies: one host copy fewer at the peak
     if cfg.tensor_parallel > 1:
@@ -109,11 +114,19 @@ def _build_host_forms(model_dir: str | Path, cfg: DecoderConfig, quant: str,
     if "float" in hosts:
         out["float"] = tree
     if "dequant" in hosts:
-        how = gguf_blocks(model_dir, cfg) if quant == "gguf" else quant
-        out["dequant"] = q.quantize_tree(tree, how, fam.QUANT_AXES)
+        how = how if blocks else gguf_blocks(model_dir, cfg) if quant == "gguf" else quant
+        out["dequant"] = q.quantize_tree(tree, how, fam.QUANT_AXES)  # kept blocks stay
     if "w8a8" in hosts:
         out["w8a8"] = q.quantize_tree(_fold_mlp_norm(tree, cfg), "w8a8", fam.QUANT_AXES)
     return out
+
+
+def _file_blocks(model_dir: str | Path) -> dict:
+    """A GGUF model's tensors with its Q8_0 / Q4_1 blocks kept (engine/gguf.py)."""
+    from engine import gguf
+    from shared.gguf import find_file
+
+    return gguf.load_blocks(find_file(Path(model_dir)))
 
 
 # Tree weight -> the Hugging Face tensors it is made of (layer 0 stands for all).
