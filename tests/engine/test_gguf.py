@@ -139,6 +139,29 @@ def test_weights_equal_transformers_dequantized_and_unpermuted(smollm2_dir, smol
         np.testing.assert_array_equal(w, theirs[name].numpy(), err_msg=name)
 
 
+def test_served_blocks_equal_transformers_dequantized(smollm2_dir, smollm2_hf):
+    """Served as its blocks (quantization "gguf"), the file's integers, scales and
+    minimums are kept as they are, not rounded back from floats: every fused matrix
+    they multiply by equals transformers' dequantized weights bit for bit."""
+    from engine.decoder.model import load_host_forms
+    from engine.quant import QWeight, dequantize
+
+    cfg = load_config(smollm2_dir)
+    tree, _ = load_host_forms(smollm2_dir, cfg, "gguf", ("dequant",))
+    theirs = {k: v.numpy() for k, v in smollm2_hf.state_dict().items()}
+    for i in (0, cfg.layers - 1):
+        lp, p = tree["dequant"]["layers"][i], f"model.layers.{i}."
+        fused = {"qkv_w": [f"self_attn.{n}_proj" for n in "qkv"], "o_w": ["self_attn.o_proj"],
+                 "gate_up_w": ["mlp.gate_proj", "mlp.up_proj"], "down_w": ["mlp.down_proj"]}
+        for leaf, parts in fused.items():
+            assert isinstance(lp[leaf], QWeight), leaf
+            want = np.concatenate([theirs[p + n + ".weight"].T for n in parts], axis=1)
+            np.testing.assert_array_equal(np.asarray(dequantize(lp[leaf], np.float32)), want,
+                                          err_msg=f"layer {i} {leaf}")  # fmt: skip
+    embed = np.asarray(dequantize(tree["dequant"]["embed"], np.float32))
+    np.testing.assert_array_equal(embed, theirs["model.embed_tokens.weight"])
+
+
 # --- the model
 
 
