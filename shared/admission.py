@@ -39,7 +39,10 @@ tokenizing when the queue is already full without the request). The flow:
      max_tokens x the share of it recent ones used: `prompt_wait`), plus its own
      prompt, must fit in `max_queue_s` and in DEADLINE_HEADROOM of the time it has
      left; Retry-After is the excess, in seconds. What it generates afterwards is
-     not bounded here. No worker's cost known: the count bound alone.
+     not bounded here. No worker's cost known: the count bound alone. A
+     completions list (several prompts, one work each) is judged as a whole by the
+     gateway: as its last prompt with the others ahead of it, counted as one
+     request per prompt (`listed`).
   At zero ready workers none of this applies: the cold-start hold rule does.
 
 Who calls it: the gateway (`services.gateway.admission`, before tokenizing, from the
@@ -321,11 +324,15 @@ def failed_models(status) -> dict[str, str]:
     return {m.model: m.reason or FAILED for m in status.models if m.state == "failed"}
 
 
-def check_count(model: str, queued: int, n_ready: int, max_queue_per_worker: int) -> None:
-    """The count bound: 429 when `queued` requests already fill
-    `max_queue_per_worker` x the ready workers (at least one)."""
-    if queued + 1 > max_queue_per_worker * max(n_ready, 1):
-        raise overloaded(f"model '{model}' is at capacity ({queued} requests queued); "
+def check_count(model: str, queued: int, n_ready: int, max_queue_per_worker: int,
+                requests: int = 1) -> None:
+    """The count bound: 429 when `queued` requests and this one's `requests` (a
+    completions list: one per prompt) exceed `max_queue_per_worker` x the ready
+    workers (at least one)."""
+    if queued + requests > max_queue_per_worker * max(n_ready, 1):
+        listed = f", and this list of {requests} prompts counts as {requests}" \
+            if requests > 1 else ""  # fmt: skip
+        raise overloaded(f"model '{model}' is at capacity ({queued} requests queued{listed}); "
                          "retry after the hinted delay", retry_after=1.0)
 
 
@@ -392,15 +399,22 @@ def prompt_wait(ahead: Tally, n: int, n_ready: int, slots: int, running: int, co
 
 def check_generation(model: str, ahead: Tally, n: int, prompt: int, n_ready: int, slots: int,
                      running: int, cost: GenCost | None, left_s: float,
-                     max_queue_per_worker: int, max_queue_s: float, chunk: int) -> None:
+                     max_queue_per_worker: int, max_queue_s: float, chunk: int,
+                     listed: int = 1) -> None:
     """Raise 429 unless a generation of `n` choices of a `prompt`-token prompt fits
     behind `ahead`: the count bound, then (with `cost`) the work ahead of its prompt
     plus the prompt's own, per worker, within `max_queue_s` and within
     DEADLINE_HEADROOM of the time it has left. What it generates after its first
     token is not bounded here: the sequences in a step share it, and a healthy
-    generation runs to its end (only the work ahead of a new prompt delays it)."""
+    generation runs to its end (only the work ahead of a new prompt delays it).
+
+    A completions list of `listed` prompts is judged as its last prompt (`n`,
+    `prompt`) with the list's other prompts in `ahead` (their prompt tokens, their
+    choices, their max_tokens x n): the work its last first token waits for, as a
+    scheduler sees it once the others are dispatched; the count bound counts the
+    list as `listed` requests."""
     w = max(n_ready, 1)
-    check_count(model, ahead.requests, w, max_queue_per_worker)
+    check_count(model, ahead.requests - (listed - 1), w, max_queue_per_worker, listed)
     if cost is None:
         return  # no decoder worker timed yet: the count bound alone
     wait_s = prompt_wait(ahead, n, w, slots, running, cost, chunk)

@@ -23,6 +23,7 @@ from msgspec import UNSET, Meta, UnsetType
 MAX_STRING = 1_000_000
 MAX_LIST = 4096
 MAX_STOP = 4
+MAX_PROMPTS = 64  # prompts in one completions request's list (the gateway checks it)
 
 Text = Annotated[str, Meta(max_length=MAX_STRING)]
 TokenId = Annotated[int, Meta(ge=0, le=2**31 - 1)]
@@ -245,6 +246,8 @@ class ResponseFormat(_Request, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     IGNORED: ClassVar[tuple[str, ...]] = ("suffix",)
 
+    # One prompt (a string, or a list of token ids), or a list of up to MAX_PROMPTS
+    # prompts (strings, or token-id lists), answered as one (services/gateway/fanout.py).
     prompt: Text | Annotated[list[Text | TokenId | TokenList], Meta(max_length=MAX_LIST * 4)] = ""
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     echo: bool = False

@@ -19,6 +19,11 @@ the same rules (`shared.admission`), in this order:
      one bound there before their tokenizing, so none is refused after it. While it
      tokenizes it counts here as waiting and as work (`preparing`), so the requests
      read behind it see it ahead of them.
+  5. A completions list of several prompts (services.gateway.fanout) goes out as one
+     work per prompt, each judged alone by a scheduler: `shed` counts it as that many
+     requests, and once it is tokenized `shed_list` judges the list as a whole (its
+     prompts' tokens, choices and max_tokens, summed), so it is refused whole, with
+     the error one request of that size gets, rather than in part.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from services.gateway.inbox import as_service_error
 from shared import admission, subjects
 from shared.admission import Cost, LoadBoard, Report, Tally
 from shared.bus import close, connect
-from shared.config import Config
+from shared.config import Config, prefill_chunk_on
 from shared.messages import Reserve, Reserved, SchedLoad, WorkError, encode, reserve_reply_decoder
 
 CHARS_PER_TOKEN = 4.0  # a text's tokens before its first tokenizing: chars / this
@@ -127,12 +132,14 @@ class GatewayAdmission:
         admission.check_served(model, self.config.fleet_bounds(model)[1], self.failed.get(model))
 
     def shed(self, model: str, deadline: float | None = None, inputs: int = 0,
-             tokens: int = 0) -> None:
-        """429 before any work by the count bound, then (with `deadline`) by work."""
+             tokens: int = 0, requests: int = 1) -> None:
+        """429 before any work by the count bound (a completions list: `requests`, one
+        per prompt), then (with `deadline`) by work."""
         ready = len(self.fleet.ready(model))
         if not ready:
             return  # held during a cold start, or a 503: the scheduler's call
-        admission.check_count(model, self.waiting[model], ready, self.config.max_queue_per_worker)
+        admission.check_count(model, self.waiting[model], ready, self.config.max_queue_per_worker,
+                              requests)
         if deadline is not None:
             self.shed_by_work(model, deadline, inputs, tokens)
 
@@ -151,6 +158,29 @@ class GatewayAdmission:
         admission.check(model, ahead, inputs, tokens, len(workers), max_batch, cost,
                         deadline - time.time(), self.config.max_queue_per_worker,
                         self.config.max_queue_s, size_unknown=not tokens)
+
+    def shed_list(self, model: str, deadline: float, n: int, prompts: list[int],
+                  max_tokens: list[int]) -> None:
+        """429 unless a completions list fits as a whole, once tokenized: its prompts
+        (`prompts` tokens each, `n` choices, `max_tokens` each) go out as one work
+        each, and a scheduler judges each alone, so the list is judged here as the
+        sum, by the schedulers' reports and the ready workers' costs
+        (`shared.admission.check_generation`: the last prompt, the others ahead of
+        it), and refused whole rather than in part."""
+        workers = self.fleet.available(model)
+        if not workers:
+            return  # held during a cold start, or a 503: the scheduler's call
+        hbs = [w.hb for w in workers]
+        own = Tally(len(prompts) - 1, n * (len(prompts) - 1), sum(prompts[:-1]),
+                    n * sum(max_tokens[:-1]))
+        admission.check_generation(
+            model, self.loads.total(model, time.monotonic()) + own, n, prompts[-1], len(workers),
+            slots=min(hb.max_batch for hb in hbs), running=sum(hb.in_flight for hb in hbs),
+            cost=admission.gen_cost(hbs), left_s=deadline - time.time(),
+            max_queue_per_worker=self.config.max_queue_per_worker,
+            max_queue_s=self.config.max_queue_s,
+            chunk=prefill_chunk_on(self.config.prefill_chunk, hbs[0].device),
+            listed=len(prompts))
 
     # -------------------------------------------------------------------- counts
     def observe_load(self, load: SchedLoad) -> None:

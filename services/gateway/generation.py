@@ -2,10 +2,12 @@
 
   1. Decode the request, resolve a decoder model, render chat messages with the
      model's chat template, tokenize, check the context limit, `n` and `stop`.
-  2. Submit one GenerateWork; the worker streams GenChunks (per choice) and ends with
-     a GenDone carrying usage. They reach this request's queue through the gateway's
-     inbox (services.gateway.inbox), one `Results` message per decode step for all
-     of this gateway's requests on that worker.
+  2. Submit one GenerateWork (a completions `prompt` that is a list of prompts: one
+     per prompt, all checked and admitted together, answered as one:
+     services.gateway.fanout); the worker streams GenChunks (per choice) and ends
+     with a GenDone carrying usage. They reach this request's queue through the
+     gateway's inbox (services.gateway.inbox), one `Results` message per decode step
+     for all of this gateway's requests on that worker.
   3. Non-streaming (`whole`): assemble the choices. Streaming (`chunks`): the worker
      messages already queued for the request are read together; the chunks of one
      choice among them become one OpenAI chunk (text joined, tokens summed), so a
@@ -29,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
-from services.gateway import codec, params, tools
+from services.gateway import codec, fanout, params, tools
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
 from services.gateway import continuity
 from services.gateway.echo import Echo, joined
@@ -108,8 +110,10 @@ class Generation:
             raise bad_request(f"model '{name}' is a cross-encoder (reranker); use the rerank or "
                               f"score endpoints" if entry.task == "score" else
                               f"model '{name}' is an embedding model; use the embeddings endpoint")
+        # one request per prompt: a completions list is several (services.gateway.fanout)
+        reqs = [req] if chat else fanout.per_prompt(req)
         self.front.admission.check_served(name)
-        self.front.admission.shed(name)
+        self.front.admission.shed(name, requests=len(reqs))
         if chat and req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs': true")
         if req.stream_options is not None and not req.stream:
@@ -124,24 +128,29 @@ class Generation:
             if chat else None  # fmt: skip
         render = functools.partial(chat_prompt_of, tp=tp) if chat else self._prompt
         limit = min(entry.info.max_tokens, self.config.max_context)
+        tokenized = functools.partial(self._tokenized, reqs, render, entry, name, limit)
         reserved = ""
         if len(body) <= INLINE_TOKENIZE:
-            prompt = self._fits(_truncated(render(req, entry), req.truncate_prompt_tokens, limit),
-                                name, limit)
+            prompts = tokenized()
         else:  # in a thread: counted as waiting meanwhile (the count bound)
             with self.front.admission.preparing(name, 1, 0):
                 # admitted by a scheduler before the wait, so never refused after it
-                reserved = await self.front.admission.reserve(rid, name, version, req.n, 0,
+                reserved = await self.front.admission.reserve(rid, name, version,
+                                                              req.n * len(reqs), 0,
                                                               deadline, generate=True)
                 try:
-                    prompt = await self.front.tokenize(render, req, entry)
-                    prompt = self._fits(_truncated(prompt, req.truncate_prompt_tokens, limit),
-                                        name, limit)
+                    prompts = await self.front.tokenize(tokenized)
                 except BaseException:
                     if reserved:
                         self.front.admission.unreserve(rid)
                     raise
-        max_tokens = params.max_tokens(req, chat, len(prompt), limit)
+                if reserved and len(reqs) > 1:  # a list's parts go out under ids of their own
+                    self.front.admission.unreserve(rid)
+                    reserved = ""
+        max_tokens = []
+        for i, (r, prompt) in enumerate(zip(reqs, prompts)):
+            with fanout.naming(i, len(reqs)):
+                max_tokens.append(params.max_tokens(r, chat, len(prompt), limit))
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         sampling = params.sampling(req, params.generation_defaults(entry.info.path),
                                    params.top_logprobs(req, chat),
@@ -150,18 +159,38 @@ class Generation:
             raise bad_request("'ignore_eos' cannot be used with 'response_format': a "
                               "structured output ends at its grammar's end")
         params.check_tokens(sampling, entry.tokenizer.vocab_size)
-        out.prompt_tokens = len(prompt)
-        work = GenerateWork(rid, name, version, prompt, max_tokens, sampling, stop, req.n,
-                            req.stream, deadline, "", ignore_eos=req.ignore_eos,
-                            user=user, reserved=reserved,
-                            stall_s=self.config.stall_timeout_s, end_by=call.end_by,
-                            prompt_logprobs=_prompt_logprobs(req, chat),
-                            skip_special_tokens=req.skip_special_tokens,
-                            include_stop_str_in_output=req.include_stop_str_in_output)
-        opts = req.stream_options
-        return Prepared(req, chat, work, req.model, int(time.time()),
-                        bool(opts and opts.include_usage),
-                        bool(opts and opts.continuous_usage_stats), entry.tokenizer, tp)
+        ids = [rid]
+        if len(reqs) > 1:  # every prompt checked; the list admitted as its sum, whole
+            self.front.admission.shed_list(name, deadline, req.n, [len(p) for p in prompts],
+                                           max_tokens)
+            ids, user = fanout.part_ids(rid, len(reqs)), user or rid  # one canary draw
+        out.prompt_tokens = sum(map(len, prompts))
+        opts, created = req.stream_options, int(time.time())
+        preps = [Prepared(r, chat, GenerateWork(
+            pid, name, version, prompt, budget, sampling, stop, req.n, req.stream, deadline, "",
+            ignore_eos=req.ignore_eos, user=user, reserved=reserved,
+            stall_s=self.config.stall_timeout_s, end_by=call.end_by,
+            prompt_logprobs=_prompt_logprobs(req, chat),
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output),
+            req.model, created, bool(opts and opts.include_usage),
+            bool(opts and opts.continuous_usage_stats), entry.tokenizer, tp)
+            for pid, r, prompt, budget in zip(ids, reqs, prompts, max_tokens)]
+        if len(preps) == 1:
+            return preps[0]
+        log.debug("completions_fanned_out", request_id=call.rid, prompts=len(preps))
+        return fanout.Fanned(preps, rid)
+
+    def _tokenized(self, reqs: list, render, entry: ModelEntry, name: str,
+                   limit: int) -> list[list[int]]:
+        """Each request's prompt tokenized, truncated as it asks and checked against the
+        context: every prompt of a list before any runs, a bad one named (`prompt[i]`)."""
+        prompts = []
+        for i, r in enumerate(reqs):
+            with fanout.naming(i, len(reqs)):
+                prompts.append(self._fits(_truncated(render(r, entry), r.truncate_prompt_tokens,
+                                                     limit), name, limit))
+        return prompts
 
     @staticmethod
     def _fits(prompt: list[int], name: str, limit: int) -> list[int]:
@@ -174,22 +203,9 @@ class Generation:
         return prompt
 
     def _prompt(self, req: CompletionRequest, entry: ModelEntry) -> list[int]:
+        """One prompt's tokens (`req.prompt` a string or token ids: fanout.per_prompt)."""
         p = req.prompt
-        if isinstance(p, list):
-            kinds = {type(x) for x in p}
-            if not p:
-                raise bad_request("'prompt' is empty")
-            if kinds == {int}:
-                return self._check_ids(p, entry)
-            if kinds == {str} and len(p) == 1:
-                p = p[0]
-            elif kinds == {list} and len(p) == 1:
-                return self._check_ids(p[0], entry)
-            else:
-                raise bad_request("send one prompt per request (a string or a list of token ids)")
-        if not p:
-            raise bad_request("'prompt' is empty")
-        return entry.tokenizer.encode(p)
+        return self._check_ids(p, entry) if isinstance(p, list) else entry.tokenizer.encode(p)
 
     def _check_ids(self, ids: list[int], entry: ModelEntry) -> list[int]:
         vocab = entry.tokenizer.vocab_size
@@ -209,7 +225,9 @@ class Generation:
         async for batch in continuity.events(self.front, prep.work, call.out):
             yield batch
 
-    async def whole(self, prep: Prepared, call: Call):
+    async def whole(self, prep: Prepared | fanout.Fanned, call: Call):
+        if isinstance(prep, fanout.Fanned):  # several prompts: one answer of them all
+            return await fanout.whole(self, prep, call)
         out = call.out
         texts = [[] for _ in range(prep.work.n)]
         lps: list[list[TokenLogprob]] = [[] for _ in range(prep.work.n)]
@@ -242,7 +260,14 @@ class Generation:
         return CompletionResponse(id=f"cmpl-{prep.work.request_id}", created=prep.created,
                                   model=prep.model, choices=choices, usage=usage)
 
-    async def chunks(self, prep: Prepared, call: Call) -> AsyncIterator[list[object]]:
+    def chunks(self, prep: Prepared | fanout.Fanned, call: Call) -> AsyncIterator[list[object]]:
+        """A streaming request's chunks (`_chunks`); several prompts' merged into one
+        stream (services.gateway.fanout)."""
+        if isinstance(prep, fanout.Fanned):
+            return fanout.chunks(self, prep, call)
+        return self._chunks(prep, call)
+
+    async def _chunks(self, prep: Prepared, call: Call) -> AsyncIterator[list[object]]:
         """OpenAI chunk objects, in order, for a streaming request, as lists of those
         ready together: a transport may send a list in one write. Chunks of one choice
         already queued together become one (`coalesced`), so a reader that fell
