@@ -1,6 +1,7 @@
 """The public request and response shapes: OpenAI's, as msgspec Structs (the
 generation replies in shared/api_replies.py, model cards and the tokenizer endpoints'
-in shared/api_models.py).
+in shared/api_models.py, structured outputs' `structured_bounds` in
+shared/api_structured.py).
 
 Requests are decoded once at the edge (gateway) with typed decoders; past that no
 code sees dicts. Hard limits live here as `Meta` constraints; limits an operator can
@@ -18,6 +19,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
+
+from shared.api_structured import StructuredBounds
 
 # Hard ceilings. Operators lower them through config; nothing raises them.
 MAX_STRING = 1_000_000
@@ -198,6 +201,9 @@ class _Sampling(_Request, kw_only=True):
     guided_choice: Choices | None = None
     guided_grammar: Pattern | None = None  # a Lark grammar (llguidance's dialect)
     structured_outputs: "StructuredOutputs | None" = None
+    # Default bounds on a JSON schema's unbounded values (shared/api_structured.py),
+    # unset or true: the defaults; null or false: none.
+    structured_bounds: StructuredBounds | bool | None | UnsetType = UNSET
     # vLLM's: keep the prompt's last k tokens (after the chat template; -1: as many as
     # the context leaves one to generate) instead of refusing one that is too long.
     truncate_prompt_tokens: Annotated[int, Meta(ge=-1)] | None = None

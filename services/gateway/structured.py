@@ -14,8 +14,12 @@ docs/decisions/0048).
 The grammar is llguidance's JSON form of the schema, compiled here once without a
 tokenizer to validate it: a schema that uses a feature llguidance does not
 implement (`if`/`then`, look-around in a `pattern`, ...) is a 400 that names it.
-Whitespace between JSON tokens is fixed (no free whitespace, whatever the schema's
-`x-guidance` asks), so a small model cannot spend its tokens on blank lines.
+Before that, the schema's unbounded numbers, strings, arrays and objects get
+default bounds (services/gateway/structured_bounds.py; the request's
+`structured_bounds` sets them), so that a reply ends. Whitespace between JSON
+tokens is fixed (none, or with `structured_bounds.whitespace: "flexible"` a bounded
+run; whatever the schema's `x-guidance` asks), so a small model cannot spend its
+tokens on blank lines.
 """
 
 from __future__ import annotations
@@ -25,19 +29,22 @@ import json
 
 import re
 
+from services.gateway.structured_bounds import (DEFAULT, WHITESPACE, Bounds, add_bounds,
+                                                request_bounds)
 from shared.api import ResponseFormat
 from shared.errors import bad_request
 
 ANY_OBJECT = {"type": "object"}
 # Applied after the schema's own `x-guidance` options: separators "," and ":" only.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+FLEXIBLE_OPTIONS = {"whitespace_pattern": WHITESPACE, "item_separator": ",", "key_separator": ":"}
 
 
-def grammar_for(fmt: ResponseFormat | None) -> str:
-    """The grammar for a request's `response_format` ("" for none or text), or a
-    400 naming what is wrong with it."""
+def grammar_for(fmt: ResponseFormat | None, bounds: Bounds | None = DEFAULT) -> str:
+    """The grammar for a request's `response_format` ("" for none or text), its
+    schema under `bounds`, or a 400 naming what is wrong with it."""
     schema = response_schema(fmt)
-    return "" if schema is None else schema_grammar(schema)
+    return "" if schema is None else schema_grammar(schema, bounds=bounds)
 
 
 def vllm_structures(req) -> dict[str, object]:
@@ -57,7 +64,8 @@ def request_grammar(req) -> str:
     """The grammar a completion or chat request asks for ("" for none): its
     `response_format` or one of vLLM's fields, or a 400 naming what is wrong."""
     given = vllm_structures(req)
-    fmt = grammar_for(req.response_format)
+    bounds = request_bounds(req.structured_bounds)
+    fmt = grammar_for(req.response_format, bounds)
     if fmt:
         given = {"response_format": fmt, **given}
     if len(given) > 1:
@@ -69,7 +77,7 @@ def request_grammar(req) -> str:
     if field == "response_format":
         return value
     if kind == "json":
-        return schema_grammar(_schema(value, field), f"'{field}'")
+        return schema_grammar(_schema(value, field), f"'{field}'", bounds)
     if kind == "choice":  # as vLLM does: an alternation of the strings, escaped
         return _checked(_regex_grammar("|".join(re.escape(c) for c in value)), field)
     if kind == "regex":
@@ -128,22 +136,28 @@ def response_schema(fmt: ResponseFormat | None) -> dict | None:
     return schema
 
 
-def schema_grammar(schema: dict, where: str = "'response_format' schema") -> str:
-    """The grammar of JSON valid against `schema`, or a 400 naming what `where`
-    (the field that holds the schema) uses that cannot be enforced."""
+def schema_grammar(schema: dict, where: str = "'response_format' schema",
+                   bounds: Bounds | None = None) -> str:
+    """The grammar of JSON valid against `schema` (with `bounds` added where it has
+    none; None: as it is, compact), or a 400 naming what `where` (the field that
+    holds the schema) uses that cannot be enforced."""
     # Property order kept (no sort_keys): the model writes the properties in it.
-    return _compiled(json.dumps(schema), where)
+    return _compiled(json.dumps(schema), where, bounds)
 
 
 @functools.lru_cache(maxsize=256)
-def _compiled(schema_text: str, where: str) -> str:
+def _compiled(schema_text: str, where: str, bounds: Bounds | None) -> str:
     import llguidance
 
-    schema = json.loads(schema_text)
+    schema = json.loads(schema_text)  # a copy of its own, rewritten in place
     if isinstance(schema, dict):
         schema.pop("x-guidance", None)
+        if bounds is not None:
+            add_bounds(schema, bounds)
+    options = FLEXIBLE_OPTIONS if bounds is not None and bounds.whitespace == "flexible" \
+        else JSON_OPTIONS
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
     except ValueError as exc:
         raise bad_request(f"{where} is not valid: {exc}") from None
     err = llguidance.LLMatcher.validate_grammar(grammar)

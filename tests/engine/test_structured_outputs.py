@@ -3,7 +3,8 @@ on a tiny decoder with random weights, sampled hot, every constrained sequence's
 text parses and validates against its schema (the independent check: `jsonschema`);
 unconstrained batch-mates draw exactly transformers' greedy tokens beside them; and
 a step with no constrained row runs the engine's own program with no early read of
-the step before it (counted, not timed)."""
+the step before it (counted, not timed). On the real SmolLM2, the default bounds on a
+schema's values are what lets a greedy reply end (services/gateway/structured_bounds.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import jsonschema
+import msgspec
 import pytest
 
+from engine.chat import ChatTemplate
 from engine.decoder import DecoderEngine
 from engine.decoder.static import prefill_insert
-from services.gateway.structured import grammar_for
-from shared.api import JsonSchemaFormat, ResponseFormat
+from services.gateway.structured import grammar_for, request_grammar
+from shared import catalog
+from shared.api import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat
 from shared.messages import Sampling
 from tests.support.tiny_models import build, hf_greedy
 
@@ -335,3 +339,55 @@ def test_a_tagged_auto_call_once_its_tag_is_written_validates(tiny, seed):
     call = json.loads(head.strip("\n"))
     assert call["name"] == "f"
     jsonschema.validate(call["arguments"], CALL_ARGS)
+
+
+# ------------------------------------------ default bounds, on the real SmolLM2
+# What openai's `parse()` sends for a pydantic model with a str and a float field.
+COUNTRY = {"type": "object", "properties": {"name": {"type": "string"},
+                                            "population_millions": {"type": "number"}},
+           "required": ["name", "population_millions"], "additionalProperties": False}
+ASK = [{"role": "user", "content": "What is the population of India in millions? "
+                                   "Give every digit."}]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir, jax_cache_dir):
+    """The bundled SmolLM2-135M-Instruct, one slot: a prefill and one step program."""
+    engine = DecoderEngine(smollm2_dir, catalog.SMOLLM2, slots=1, max_context=256,
+                           prefill_buckets=(128,), decode_windows=())  # fmt: skip
+    engine.warmup(progress=False)
+    return engine, ChatTemplate.from_dir(smollm2_dir).encode(engine.tokenizer, ASK)
+
+
+def _reply(engine, prompt: list[int], body: dict, max_tokens: int = 120) -> tuple[str, str]:
+    """(text, finish reason) of a greedy chat reply under the grammar the gateway
+    builds for `body` (services/gateway/structured.py, request_grammar)."""
+    req = msgspec.json.decode(json.dumps({"model": "m", "messages": ASK, **body}).encode(),
+                              type=ChatCompletionRequest)
+    eos = set(engine.eos_token_ids)
+    out = [prefill_insert(engine, 0, prompt, Sampling(temperature=0.0,
+                                                      grammar=request_grammar(req)), 0)]
+    while out[-1] not in eos and len(out) < max_tokens:
+        out.append(int(engine.step()[0]))
+    engine.free(0)
+    reason = "stop" if out[-1] in eos else "length"
+    return engine.tokenizer.decode([t for t in out if t not in eos]), reason
+
+
+def test_default_bounds_let_a_real_model_close_its_reply(smollm2):
+    """Asked for every digit, SmolLM2 writes a float's digits without end (as a
+    `population_millions` of `11232223222222322...` to `max_tokens`) when the
+    schema's number is unbounded; under the default bounds (services/gateway/
+    structured_bounds.py) the same greedy reply closes with "stop" and parses."""
+    engine, prompt = smollm2
+    fmt = {"response_format": {"type": "json_schema",
+                               "json_schema": {"name": "country", "schema": COUNTRY}}}
+    text, reason = _reply(engine, prompt, fmt)
+    assert reason == "stop", text
+    value = json.loads(text)
+    jsonschema.validate(value, COUNTRY)
+    whole = str(value["population_millions"]).lstrip("-").split(".")[0]
+    assert len(whole) <= 15
+    runaway, reason = _reply(engine, prompt, {**fmt, "structured_bounds": None})
+    assert reason == "length", runaway  # the bound is what ends it
+    assert runaway.startswith('{"name":"India","population_millions":1')
