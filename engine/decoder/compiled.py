@@ -208,14 +208,18 @@ class StepPrograms:
     def step_shape(self, live: int, need: int) -> tuple[int, int]:
         """(batch bucket, window) of the next step: the cheapest compiled shape that
         holds it; else, while the background compiles, the largest compiled bucket at
-        a window that holds it, run in parts; else the exact shape, compiled now."""
+        a window that holds it, run in parts (and the exact one compiled next, at
+        normal priority: `Programs.want`); else the exact shape, compiled now."""
         batch, window = self.choose("step", self.batch_for(live), self.window_for(need))
         if self.cache.has(self.key("step", batch, window)) or not self.cache.compiling:
             return batch, window
         parts = [(s, o) for k, s, o, form in self.cache.keys()
                  if k == "step" and o >= window and s < batch
                  and form == self.forms.form_of("step", s)]  # fmt: skip
-        return max(parts, key=lambda p: (p[0], -p[1])) if parts else (batch, window)
+        if not parts:
+            return batch, window
+        self.cache.want(self.key("step", batch, window))
+        return max(parts, key=lambda p: (p[0], -p[1]))
 
     def progress(self) -> tuple[int, int]:
         """(programs compiled, programs served; the measuring programs of the compute

@@ -89,3 +89,36 @@ def test_near_the_memory_map_limit_compiles_stop_with_a_clear_error_not_a_crash(
     with pytest.raises(jaxrt.MapLimit, match="vm.max_map_count"):
         programs.get("d", lower(5.0))
     np.testing.assert_allclose(np.asarray(first(jnp.arange(4.0))), [0, 2, 4, 6])
+
+
+def test_a_wanted_program_is_compiled_next_beside_the_background_not_behind_it():
+    """A step run in parts of a smaller program wants the one that holds it: that one
+    leaves the background's queue and compiles at once on a thread of its own (the
+    background runs at idle priority, which a busy server never leaves it), while
+    the background is still held on its first job."""
+    programs = Programs("t")
+    entered, release = threading.Event(), threading.Event()
+    heard = []
+    programs.listeners.append(lambda: heard.append(programs.compiled))
+
+    def lower(x):
+        return lambda: jax.jit(lambda v: v * x).lower(jax.ShapeDtypeStruct((4,), jnp.float32))
+
+    c_entered, c_release = threading.Event(), threading.Event()
+    programs.start_background([("a", held(entered, release)), ("b", lower(3.0)),
+                               ("c", held(c_entered, c_release))])  # fmt: skip
+    assert entered.wait(60)  # the background is inside "a", and stays there
+    assert not programs.want("a")  # being compiled: nothing to move
+    assert programs.want("c")
+    assert c_entered.wait(60)  # compiling, on its own thread
+    assert not programs.want("b")  # one wanted compile at a time
+    assert programs.total == 3 and programs.compiling
+    c_release.set()
+    programs._wanted.join(60)
+    assert programs.has("c") and not programs.has("b") and not programs.has("a")
+    assert heard == [1]  # the engine hears of it as of a background compile
+    assert not programs.want("c")  # compiled: nothing to want
+    release.set()
+    assert programs.wait_background(60)
+    assert programs.compiled == programs.total == 3 and not programs.compiling
+    np.testing.assert_allclose(np.asarray(programs.get("c", None)(jnp.arange(4.0))), [1, 3, 5, 7])
