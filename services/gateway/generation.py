@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
-from services.gateway import codec, fanout, params, tools
+from services.gateway import codec, fanout, params, tool_formats, tools
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
 from services.gateway import continuity
 from services.gateway.echo import Echo, joined
@@ -124,7 +124,8 @@ class Generation:
             raise bad_request("'chat_template' is refused: this server runs only its models' "
                               "own templates (TENSORBUS_TRUST_REQUEST_CHAT_TEMPLATE=1 allows "
                               "a request's)")  # fmt: skip
-        tp = tools.plan(req, bool(req.tools) and chat_template(entry.info.path).knows_tools) \
+        tp = tools.plan(req, tool_formats.detect(  # the call form the template in use teaches
+            req.chat_template or chat_template(entry.info.path).source) if req.tools else "json") \
             if chat else None  # fmt: skip
         render = functools.partial(chat_prompt_of, tp=tp) if chat else self._prompt
         limit = min(entry.info.max_tokens, self.config.max_context)

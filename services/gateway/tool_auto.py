@@ -6,8 +6,10 @@ function, and the reply is read back as content and calls, whole and streamed
     call or an answer. Calls are written as the documented tool prompt asks, a
     JSON list `[{"name": <a tool>, "arguments": <its parameters>}, ...]` (or one
     such object, without the list), after optional whitespace; where the chat
-    template renders tools itself, also inside `<tool_call>` ... `</tool_call>`
-    tags, anywhere in the text, as Qwen's and Hermes' templates teach. Once a call
+    template teaches tags (services/gateway/tool_formats.py's `hermes`), also
+    inside `<tool_call>` ... `</tool_call>` tags, anywhere in the text, as Qwen's
+    and Hermes' templates teach. A template that teaches another form of its own
+    gets `native_grammar`: that form's calls, or an answer as below. Once a call
     starts, the grammar forces its name to be one of the tools and its arguments
     to validate against that tool's parameters (compact JSON, as `required`).
     A plain answer is any text that does not begin with `[` or `{`; with
@@ -17,7 +19,8 @@ function, and the reply is read back as content and calls, whole and streamed
     written nothing is left to enforce; the grammar marks that point with the
     capture `RELEASE`, and the engine drops the sequence's grammar there
     (engine/decoder/grammar.py), so the rest of a plain answer decodes exactly as
-    without tools' grammar. The tagged grammar keeps watching for a tag.
+    without tools' grammar (a native form's too). The tagged grammar keeps
+    watching for a tag.
   - **The reply** (`AutoCalls`): fed the text as it comes, it gives content as soon
     as it cannot be part of a call (a possible `<tool_call>` prefix is held back)
     and each call as OpenAI streams it: its id and name, then its arguments in
@@ -42,7 +45,7 @@ def call_schema(name: str, parameters: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def _json(schema: dict) -> str:
+def schema_lexeme(schema: dict) -> str:
     """`%json` of a schema, with the separators and whitespace structured outputs use."""
     return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
@@ -51,28 +54,49 @@ def auto_grammar(calls: list[dict], max_calls: int, tagged: bool,
                  answer: dict | None = None) -> str:  # fmt: skip
     """The grammar of an auto reply (see the module docstring). `calls`: each tool's
     call schema; `answer`: the response_format schema a plain answer follows."""
-    import llguidance
-
     one = {"anyOf": calls}
     listed = {"type": "array", "items": one, "minItems": 1, "maxItems": max_calls}
-    rules = [r"LEAD: /\s+/", r"NL: /\n/", f"call: {_json(one)}"]
+    rules = [r"LEAD: /\s+/", r"NL: /\n/", f"call: {schema_lexeme(one)}"]
     if answer is not None:  # an answer in JSON; calls as a list or in tags
-        rules += [f"answer: {_json(answer)}",
+        rules += [f"answer: {schema_lexeme(answer)}",
                   f"start: answer | {f'tag{{1,{max_calls}}} LEAD?' if tagged else 'LEAD? calls'}",
-                  f"calls: {_json(listed)}"]
+                  f"calls: {schema_lexeme(listed)}"]
     elif tagged:  # text, with calls in tags anywhere; or calls alone
         rules += [f"start: LEAD? calls | tag{{0,{max_calls}}} TEXT",
-                  f"calls: {_json({'anyOf': [listed, one]})}",
+                  f"calls: {schema_lexeme({'anyOf': [listed, one]})}",
                   f"tag_head[lazy]: TEXT \"{OPEN}\"",
                   r"TEXT: /\s*([^\s\[{](.|\n)*)?/"]
     else:  # text or calls, told apart by the first character; then text is free
         rules += ["start: LEAD? calls | LEAD? | first REST",
-                  f"calls: {_json({'anyOf': [listed, one]})}",
+                  f"calls: {schema_lexeme({'anyOf': [listed, one]})}",
                   f"first[capture=\"{RELEASE}\"]: FIRST",
                   r"FIRST: /\s*[^\s\[{]/", r"REST: /(.|\n)*/"]
     if tagged:
         head = "tag_head" if answer is None else f"LEAD? \"{OPEN}\""
         rules.append(f"tag: {head} NL? call NL? \"{CLOSE}\"")
+    return _checked(rules)
+
+
+def native_grammar(call_rules: list[str], opens: str, answer: dict | None = None) -> str:
+    """The grammar of an auto reply in a model's own call format
+    (services/gateway/tool_formats.py): `call_rules` define `calls`, the reply's
+    calls with their marker. Otherwise a plain answer, which may not begin with
+    one of `opens` (the format's calls do) and is released at its first character
+    as in the untagged grammar; or, with `answer`, response_format's JSON."""
+    rules = [r"LEAD: /\s+/", *call_rules]
+    if answer is not None:
+        rules += [f"answer: {schema_lexeme(answer)}", "start: answer | LEAD? calls"]
+    else:
+        first = "".join("\\" + c for c in opens)
+        rules += ["start: LEAD? calls | LEAD? | first REST",
+                  f"first[capture=\"{RELEASE}\"]: FIRST",
+                  f"FIRST: /\\s*[^\\s{first}]/", r"REST: /(.|\n)*/"]
+    return _checked(rules)
+
+
+def _checked(rules: list[str]) -> str:
+    import llguidance
+
     grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
     err = llguidance.LLMatcher.validate_grammar(grammar)
     if err:
@@ -104,9 +128,12 @@ class AutoCalls:
         self.forced = forced_factory()  # services.gateway.tools._ForcedCalls: the scanner
         self.opened = 0  # the scanner's calls when this tag began
         self.raw = ""  # json: the text given to the scanner (content if no call opens)
+        self.tag_raw = ""  # tag: the text since its opening (content if no call opens)
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         content, calls = "", []
+        if self.state == "tag":
+            self.tag_raw += text
         self.held += text
         while self.held:
             if self.state == "lead":
@@ -136,6 +163,7 @@ class AutoCalls:
                 content += self.held[:at]
                 self.held, self.state, self.opened = self.held[at + len(OPEN):], "tag", \
                     self.forced.calls  # fmt: skip
+                self.tag_raw = self.held
             else:  # tag: its call's JSON, then the closing tag
                 forced = self.forced
                 if forced.calls == self.opened or forced.depth >= 0:  # the call goes on
@@ -152,12 +180,15 @@ class AutoCalls:
                 self.held, self.state = self.held[at + len(CLOSE):], "text"
         return content, calls
 
-    def end(self) -> str:
-        """Content still held when the choice ends (text that was not a call)."""
+    def end(self) -> tuple[str, list[ToolCallDelta]]:
+        """Content still held when the choice ends (text that was not a call), and no
+        more calls (the interface of services/gateway/tool_formats.py's readers)."""
         held, self.held = self.held, ""
         if self.state == "json" and not self.forced.calls:  # not in the grammar's form
-            return self.raw
-        return held if self.state in ("text", "lead", "plain") else ""
+            return self.raw, []
+        if self.state == "tag" and self.forced.calls == self.opened:  # a tag with no call
+            return OPEN + self.tag_raw, []
+        return (held if self.state in ("text", "lead", "plain") else ""), []
 
 
 def _partial(text: str) -> int:

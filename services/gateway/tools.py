@@ -1,9 +1,11 @@
 """Tool calls: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` on chat.
 
-  1. `plan(req, tagged)`: what the request asks. `tool_choice` "none" (or no
+  1. `plan(req, fmt)`: what the request asks. `tool_choice` "none" (or no
      tools): plain chat. "auto" (the default with tools): the model may answer or
-     call, under the grammar of services/gateway/tool_auto.py (a call, once begun,
-     is forced as below; a plain answer is free, or follows `response_format`).
+     call, in the form its chat template teaches (`fmt`,
+     services/gateway/tool_formats.py), under the grammar of
+     services/gateway/tool_auto.py (a call, once begun, is forced as below; a
+     plain answer is free, or follows `response_format`).
      "required": a grammar forces a JSON list of calls, each `{"name": <one of the
      tools>, "arguments": <valid against its parameters>}` (one call when
      `parallel_tool_calls` is false, else at most MAX_PARALLEL_CALLS). A named
@@ -12,7 +14,7 @@
      cannot be enforced is a 400 naming the tool). `response_format` shapes only
      an auto plain answer (a forced reply is a call, no answer).
   2. `template_messages`: the conversation for the chat template. A template that
-     renders tools itself (engine.chat.ChatTemplate.knows_tools; `tagged`) gets
+     renders tools itself (engine.chat.ChatTemplate.knows_tools) gets
      `tools`, assistant `tool_calls` and tool messages' `tool_call_id` as
      transformers passes them. Any other gets TOOL_PROMPT in its system message,
      earlier calls written as the JSON list the prompt asks for, and tool results
@@ -20,8 +22,9 @@
   3. `reply` (whole) and `ToolStream` (streamed): the text becomes `tool_calls`
      with `finish_reason: "tool_calls"`, read by the same scanners whole or in
      pieces: each call's id and name as soon as its opening is seen, then its
-     arguments as they are generated, as OpenAI streams them; an auto plain answer
-     streams as content as it comes.
+     arguments as they are generated, as OpenAI streams them (an auto call in a
+     format with no closing marker: whole once the reply ends); an auto plain
+     answer streams as content as it comes.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ from __future__ import annotations
 import functools
 import json
 import re
-import uuid
 from dataclasses import dataclass
 
-from services.gateway import tool_auto
+from services.gateway import tool_auto, tool_formats
 from services.gateway.structured import response_schema, schema_grammar
+from services.gateway.tool_formats import call_id
 from shared.api import (
     ChatCompletionRequest, FunctionCall, FunctionDelta, NamedToolChoice, ToolCall, ToolCallDelta)
 from shared.api_replies import ChatDelta, ResponseMessage
@@ -57,8 +60,13 @@ class ToolPlan:
     name: str = ""  # the named function
     parallel: bool = True
     grammar: str = ""
-    tagged: bool = False  # auto: calls may come in <tool_call> tags
+    format: str = "json"  # auto: the form of the calls (services/gateway/tool_formats.py)
     answer: bool = False  # auto: a plain answer follows response_format's schema
+
+    @property
+    def tagged(self) -> bool:
+        """Auto calls may come in <tool_call> tags."""
+        return self.format == "hermes"
 
     def dicts(self) -> list[dict]:
         return [{"type": "function", "function": {
@@ -72,10 +80,10 @@ def _parameters(tool) -> dict:
     return NO_ARGUMENTS if not p else p
 
 
-def plan(req: ChatCompletionRequest, tagged: bool = False) -> ToolPlan | None:
+def plan(req: ChatCompletionRequest, fmt: str = "json") -> ToolPlan | None:
     """The request's tool plan (None: plain chat), or a 400 saying what is wrong.
-    `tagged`: the chat template renders tools itself (auto calls may come in
-    `<tool_call>` tags, services/gateway/tool_auto.py)."""
+    `fmt`: the form auto calls take, the one the chat template teaches
+    (services/gateway/tool_formats.py; `json` where it renders no tools)."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -104,18 +112,18 @@ def plan(req: ChatCompletionRequest, tagged: bool = False) -> ToolPlan | None:
         return ToolPlan("required", tools, "", parallel, schema_grammar(schema, "'tools'"))
     if answer is not None:
         schema_grammar(answer)  # its own 400 first
-        if not tagged and answer.get("type") != "object":
+        if fmt == "json" and answer.get("type") != "object":
             raise bad_request("'response_format' with 'tools' needs a schema whose root is "
                               "an object here: a reply that starts with '[' is a list of "
                               "calls to this model's tool prompt")
-    grammar = _auto_grammar(json.dumps([calls, answer]), most, tagged)
-    return ToolPlan("auto", tools, "", parallel, grammar, tagged, answer is not None)
+    grammar = _auto_grammar(json.dumps([calls, answer]), most, fmt)
+    return ToolPlan("auto", tools, "", parallel, grammar, fmt, answer is not None)
 
 
 @functools.lru_cache(maxsize=256)
-def _auto_grammar(key: str, most: int, tagged: bool) -> str:
+def _auto_grammar(key: str, most: int, fmt: str) -> str:
     calls, answer = json.loads(key)
-    return tool_auto.auto_grammar(calls, most, tagged, answer)
+    return tool_formats.auto_grammar(fmt, calls, most, answer)
 
 
 def _arguments_value(text: str):
@@ -159,10 +167,6 @@ def template_messages(messages: list, contents: list[str], tp: ToolPlan | None,
     return out
 
 
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 def parse(tp: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]] | None]:
     """(content, calls) of a choice's whole text, read as it would have been
     streamed; calls whose arguments are cut short (`length`) leave the text as
@@ -172,9 +176,10 @@ def parse(tp: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]] | 
     if tp.mode == "required":
         content, deltas = "", _ForcedCalls().feed(text)
     else:
-        auto = tool_auto.AutoCalls(tp.tagged, tp.answer, _ForcedCalls)
+        auto = tool_formats.reader(tp.format, tp.answer, _ForcedCalls)
         content, deltas = auto.feed(text)
-        content += auto.end()
+        rest, more = auto.end()
+        content, deltas = content + rest, deltas + more
     names = {d.index: d.function.name for d in deltas if d.id}
     calls = [(names[i], "".join(d.function.arguments for d in deltas if d.index == i))
              for i in sorted(names)]
@@ -199,7 +204,7 @@ def reply(tp: ToolPlan, text: str, finish: str | None):
     content, calls = parse(tp, text)
     if not calls:
         return text, None, finish
-    tool_calls = [ToolCall(id=_call_id(), function=FunctionCall(name=n, arguments=a))
+    tool_calls = [ToolCall(id=call_id(), function=FunctionCall(name=n, arguments=a))
                   for n, a in calls]
     return content, tool_calls, ("tool_calls" if finish == "stop" else finish)
 
@@ -227,7 +232,7 @@ class _ForcedCalls:
                 m = _CALL_OPENS.match(self.buf)
                 if m is None:
                     break  # the next call's opening is not all here yet (or the end)
-                out.append(ToolCallDelta(self.calls, _call_id(), "function",
+                out.append(ToolCallDelta(self.calls, call_id(), "function",
                                          FunctionDelta(m.group(1), "")))
                 self.calls += 1
                 self.buf, self.depth = self.buf[m.end():], 0
@@ -266,7 +271,7 @@ class ToolStream:
         self._id: list[str | None] = [None] * n
         self._forced = [_ForcedCalls() for _ in range(n)] if tp.mode == "required" else []
         auto = tp.mode == "auto"
-        self._auto = [tool_auto.AutoCalls(tp.tagged, tp.answer, _ForcedCalls)
+        self._auto = [tool_formats.reader(tp.format, tp.answer, _ForcedCalls)
                       for _ in range(n if auto else 0)]  # fmt: skip
         self._called = [False] * n
 
@@ -275,7 +280,7 @@ class ToolStream:
         its finish reason."""
         if self.tp.mode == "named":
             if self._id[index] is None:
-                self._id[index] = _call_id()
+                self._id[index] = call_id()
                 call = ToolCallDelta(0, self._id[index], "function",
                                      FunctionDelta(self.tp.name, text))
             else:
@@ -288,7 +293,9 @@ class ToolStream:
         else:
             auto = self._auto[index]
             content, calls = auto.feed(text)
-            content += auto.end() if finish is not None else ""
+            if finish is not None:
+                rest, more = auto.end()
+                content, calls = content + rest, calls + more
         self._called[index] = self._called[index] or bool(calls) or self.tp.mode == "required"
         reason = "tool_calls" if finish == "stop" and self._called[index] else finish
         if not content and not calls:

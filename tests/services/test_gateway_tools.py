@@ -38,7 +38,7 @@ def test_plans():
     assert tools.plan(_req(tools=[WEATHER], tool_choice="none")) is None
     auto = tools.plan(_req(tools=[WEATHER, TIME]))
     assert auto.mode == "auto" and auto.grammar and not auto.tagged and not auto.answer
-    tagged = tools.plan(_req(tools=[WEATHER], response_format={"type": "json_object"}), True)
+    tagged = tools.plan(_req(tools=[WEATHER], response_format={"type": "json_object"}), "hermes")
     assert tagged.tagged and tagged.answer and tagged.grammar != auto.grammar
     named = tools.plan(_req(tools=[WEATHER, TIME],
                             tool_choice={"type": "function", "function": {"name": "get_time"}}))
@@ -100,7 +100,7 @@ def test_whole_replies():
     """Auto replies as the auto grammar writes them: compact JSON calls, alone or as
     a list, or (a template that knows tools) in tags amid text."""
     auto = tools.plan(_req(tools=[WEATHER, TIME]))
-    tagged = tools.plan(_req(tools=[WEATHER, TIME]), True)
+    tagged = tools.plan(_req(tools=[WEATHER, TIME]), "hermes")
     call = '{"name":"get_weather","arguments":{"city":"Rome"}}'
     for tp, text, content in ((tagged, f"<tool_call>\n{call}\n</tool_call>", None),
                               (tagged, f"Let me see. <tool_call>{call}</tool_call>",
@@ -160,9 +160,9 @@ def test_streamed_auto_calls_come_as_name_then_argument_deltas(step):
     time = '{"name":"get_time","arguments":{}}'
     for tp, text in (
             (tools.plan(_req(tools=[WEATHER, TIME])), f" [{weather},{time}]"),
-            (tools.plan(_req(tools=[WEATHER, TIME]), True),
+            (tools.plan(_req(tools=[WEATHER, TIME]), "hermes"),
              f"Checking <tool_call>\n{weather}\n</tool_call>\n<tool_call>{time}</tool_call> ok"),
-            (tools.plan(_req(tools=[WEATHER, TIME]), True), f"{weather}")):
+            (tools.plan(_req(tools=[WEATHER, TIME]), "hermes"), f"{weather}")):
         content, calls, deltas, reason = _streamed(tp, text, step)
         whole, _ = tools.message(tp, text, "stop")
         assert reason == "tool_calls"
@@ -179,7 +179,7 @@ def test_streamed_auto_calls_come_as_name_then_argument_deltas(step):
 @pytest.mark.parametrize("step", [1, 3, 1000])
 def test_streamed_auto_answers_are_content_as_they_come(step):
     auto = tools.plan(_req(tools=[WEATHER]))
-    tagged = tools.plan(_req(tools=[WEATHER]), True)
+    tagged = tools.plan(_req(tools=[WEATHER]), "hermes")
     answer = tools.plan(_req(tools=[WEATHER], response_format={"type": "json_object"}))
     for tp, text in ((auto, "Hello [there] {x}"), (tagged, "a <tool_ b <tool_cal"),
                      (answer, '{"city":"Rome"}'), (auto, "\n  hi")):
@@ -242,20 +242,20 @@ def test_auto_grammars_force_calls_once_begun(smollm2_ll):
            '{"name":"nope","arguments":{}}', '{"name": "get_weather", "arguments": {}}']
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
         "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
-    cases = [  # (tagged, response_format, accepted, refused)
-        (False, None, ["It is sunny [mostly].", f"[{call}]", f"\n{call}", ""],
+    cases = [  # (format, response_format, accepted, refused)
+        ("json", None, ["It is sunny [mostly].", f"[{call}]", f"\n{call}", ""],
          [f"[{b}]" for b in bad] + ["[1]", "{}", "{x"]),
-        (True, None, [f"Looking. <tool_call>\n{call}\n</tool_call> Done.", f"[{call}]",
+        ("hermes", None, [f"Looking. <tool_call>\n{call}\n</tool_call> Done.", f"[{call}]",
                       f"<tool_call>{call}</tool_call><tool_call>{call}</tool_call>", "Hi"],
          [f"<tool_call>{b}</tool_call>" for b in bad] + ["{x"]),
-        (False, fmt, ['{"n":3}', f"[{call}]"], ["It is sunny.", call, '{"n":"3"}']),
-        (True, fmt, ['{"n":3}', f"<tool_call>\n{call}\n</tool_call>"],
+        ("json", fmt, ['{"n":3}', f"[{call}]"], ["It is sunny.", call, '{"n":"3"}']),
+        ("hermes", fmt, ['{"n":3}', f"<tool_call>\n{call}\n</tool_call>"],
          ["It is sunny.", f"[{call}]", f"Hi <tool_call>{call}</tool_call>"]),
     ]
-    for tagged, rf, good, refused in cases:
+    for form, rf, good, refused in cases:
         body = {"tools": [WEATHER, TIME]} | ({"response_format": rf} if rf else {})
-        grammar = tools.plan(_req(**body), tagged).grammar
+        grammar = tools.plan(_req(**body), form).grammar
         for text in good:
-            assert _accepts(smollm2_ll, grammar, text), (tagged, rf, text)
+            assert _accepts(smollm2_ll, grammar, text), (form, rf, text)
         for text in refused:
-            assert not _accepts(smollm2_ll, grammar, text), (tagged, rf, text)
+            assert not _accepts(smollm2_ll, grammar, text), (form, rf, text)
