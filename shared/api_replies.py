@@ -53,6 +53,9 @@ class ResponseMessage(msgspec.Struct):
     role: str
     content: str | None = None
     tool_calls: list[ToolCall] | None = None
+    # A reasoning model's thinking (services/gateway/reasoning.py). UNSET, left out of
+    # the reply: a client that does not know the field sees nothing new.
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -76,6 +79,7 @@ class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking, as it streams
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -40,6 +40,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     max_body: int = 33_554_432  # largest embeddings body over HTTP (bytes): split into works that each fit the bus
     max_n: int = 4  # generation choices per request
     trust_request_chat_template: bool = False  # chat: accept a request's own `chat_template` (a Jinja program run by the gateway, sandboxed), as vLLM's flag of that name
+    reasoning_parser: str = "auto"  # chat: a reply's `<think>` reasoning apart in `reasoning_content`: auto (on when the model's chat template has think tags) / none / think (on), as VALUE[,MODEL=VALUE...]
     max_header_bytes: int = 16_384  # HTTP header bytes accepted
     # --- scheduler
     scheduler_id: str = ""  # stable id (probes, logs); empty = random per process

@@ -7,6 +7,7 @@ from pathlib import Path
 from services.fleet import Fleet
 from services.gateway.frontend import Frontend
 from services.gateway.models import ModelTable
+from services.gateway.reasoning import check_setting
 from services.gateway.service import Gateway
 from services.gateway.versions import RegistryVersions
 from services.lifecycle import serve
@@ -22,10 +23,17 @@ def frontend(nc, config: Config, registry: Registry | None) -> Frontend:
     return Frontend(nc, config, fleet, ModelTable(fleet, RegistryVersions(registry, cache, fleet)))
 
 
+def check(config: Config) -> None:
+    """Settings that cannot work exit 78 before anything starts: the fleet's, and
+    TENSORBUS_REASONING_PARSER's values."""
+    check_settings(config)
+    check_setting(config)
+
+
 async def build(nc, config: Config):
     registry = await open_or_none(nc, "bundled catalogue only")
     return Gateway(nc, config, frontend(nc, config, registry)), []
 
 
 if __name__ == "__main__":
-    serve("gateway", build, check=check_settings)  # a fleet setting that cannot work exits 78
+    serve("gateway", build, check=check)

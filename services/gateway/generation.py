@@ -11,7 +11,9 @@
   3. Non-streaming (`whole`): assemble the choices. Streaming (`chunks`): the worker
      messages already queued for the request are read together; the chunks of one
      choice among them become one OpenAI chunk (text joined, tokens summed), so a
-     reader that fell behind (a slow HTTP client) sends fewer, larger chunks. The
+     reader that fell behind (a slow HTTP client) sends fewer, larger chunks. A
+     reasoning model's chat text is split into `reasoning_content` and `content`
+     first (services.gateway.reasoning), then read for tool calls. The
      transport sends them on — on NATS one message per chunk to the reply subject,
      then `[DONE]`; on HTTP one SSE event each, those ready together in one write,
      then `data: [DONE]`. The worker's first message names the version
@@ -31,7 +33,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
-from services.gateway import codec, fanout, params, tool_formats, tools
+import msgspec
+
+from services.gateway import codec, fanout, params, reasoning, tool_formats, tools
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
 from services.gateway import continuity
 from services.gateway.echo import Echo, joined
@@ -70,6 +74,7 @@ class Prepared:
     continuous_usage: bool = False  # usage so far on every chunk (vLLM's stream option)
     tokenizer: object = None  # engine.tokenizer.Tokenizer: logprobs' token texts
     tools: object = None  # services.gateway.tools.ToolPlan: chat with tools
+    thinking: reasoning.Plan | None = None  # chat with a reasoning model: its split
 
     @property
     def logprobs(self) -> bool:
@@ -124,9 +129,9 @@ class Generation:
             raise bad_request("'chat_template' is refused: this server runs only its models' "
                               "own templates (TENSORBUS_TRUST_REQUEST_CHAT_TEMPLATE=1 allows "
                               "a request's)")  # fmt: skip
-        tp = tools.plan(req, tool_formats.detect(  # the call form the template in use teaches
-            req.chat_template or chat_template(entry.info.path).source) if req.tools else "json") \
-            if chat else None  # fmt: skip
+        tp = tools.plan(req, tool_formats.detect(  # the template in use teaches the calls' form
+            chat_template(entry.info.path).source if req.chat_template is None
+            else req.chat_template) if req.tools else "json") if chat else None  # fmt: skip
         render = functools.partial(chat_prompt_of, tp=tp) if chat else self._prompt
         limit = min(entry.info.max_tokens, self.config.max_context)
         tokenized = functools.partial(self._tokenized, reqs, render, entry, name, limit)
@@ -156,6 +161,7 @@ class Generation:
         sampling = params.sampling(req, params.generation_defaults(entry.info.path),
                                    params.top_logprobs(req, chat),
                                    _grammar(req, tp))
+        think = self._reasoning(name, entry, prompts[0], bool(sampling.grammar)) if chat else None
         if sampling.grammar and req.ignore_eos:
             raise bad_request("'ignore_eos' cannot be used with 'response_format': a "
                               "structured output ends at its grammar's end")
@@ -175,12 +181,24 @@ class Generation:
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output),
             req.model, created, bool(opts and opts.include_usage),
-            bool(opts and opts.continuous_usage_stats), entry.tokenizer, tp)
+            bool(opts and opts.continuous_usage_stats), entry.tokenizer, tp, think)
             for pid, r, prompt, budget in zip(ids, reqs, prompts, max_tokens)]
         if len(preps) == 1:
             return preps[0]
         log.debug("completions_fanned_out", request_id=call.rid, prompts=len(preps))
         return fanout.Fanned(preps, rid)
+
+    def _reasoning(self, name: str, entry: ModelEntry, prompt: list[int],
+                   shaped: bool) -> reasoning.Plan | None:
+        """How a chat reply of `name` splits (services.gateway.reasoning), or None: not
+        at all. Whether the prompt leaves a think open is read from its last tokens'
+        text; a reply a grammar shapes (`shaped`) starts outside any think."""
+        if not reasoning.on(self.config.reasoning_parser, name,
+                            chat_template(entry.info.path).source):
+            return None  # (the setting's values are checked at start: services.gateway)
+        tail = "" if shaped else entry.tokenizer.decode(prompt[-reasoning.PROMPT_TAIL:],
+                                                        skip_special_tokens=False)
+        return reasoning.Plan(reasoning.opens(tail))
 
     def _tokenized(self, reqs: list, render, entry: ModelEntry, name: str,
                    limit: int) -> list[list[int]]:
@@ -248,7 +266,7 @@ class Generation:
         usage = _usage(done)
         render = Logprobs(prep.tokenizer, prep.work.n, prep.logprobs)
         if prep.chat:
-            choices = [ChatChoice(i, *tools.message(prep.tools, "".join(t), _reason(finish[i])),
+            choices = [ChatChoice(i, *_message(prep, "".join(t), _reason(finish[i])),
                                   render.chat(lps[i]))
                        for i, t in enumerate(texts)]
             return ChatCompletionResponse(id=f"chatcmpl-{prep.work.request_id}", created=prep.created,
@@ -280,6 +298,7 @@ class Generation:
         prompt, generated = len(prep.work.prompt), 0
         render = Logprobs(prep.tokenizer, prep.work.n, prep.logprobs)
         calls = tools.ToolStream(prep.tools, prep.work.n) if prep.tools else None
+        splits = prep.thinking.streams(prep.work.n) if prep.thinking else None
         echo = Echo(None if prep.chat else prep.req, prep.work.prompt, prep.tokenizer)
         async for batch in self.events(prep, call):
             ready: list[object] = []
@@ -300,12 +319,19 @@ class Generation:
                 usage = Usage(prompt_tokens=prompt, completion_tokens=generated,
                               total_tokens=prompt + generated) if prep.continuous_usage else None
                 if prep.chat:
-                    delta = ChatDelta(content=ev.text) if ev.text else ChatDelta()
+                    thought, text = "", ev.text
+                    if splits is not None:  # reasoning, then content (services.gateway.reasoning)
+                        thought, text = splits[ev.index].feed(text, ev.finish_reason is not None)
+                    delta = ChatDelta(content=text) if text else None
                     if calls is not None:  # content and tool-call deltas
-                        delta, reason = calls.feed(ev.index, ev.text, reason)
-                        if delta is None and reason is None and not ev.logprobs:
-                            continue
-                        delta = delta or ChatDelta()
+                        delta, reason = calls.feed(ev.index, text, reason)
+                    if thought:
+                        delta = msgspec.structs.replace(delta or ChatDelta(),
+                                                        reasoning_content=thought)
+                    split = calls is not None or splits is not None
+                    if delta is None and split and reason is None and not ev.logprobs:
+                        continue  # nothing to say yet (text held: a tag's start, perhaps)
+                    delta = delta or ChatDelta()
                     choice = ChatChunkChoice(ev.index, delta, reason, render.chat(ev.logprobs))
                     ready.append(ChatCompletionChunk(cid, created, model, [choice], usage=usage))
                 else:
@@ -323,6 +349,18 @@ class Generation:
             return
         out.version, out.worker_id, out.timing = done.version, done.worker_id, done.timing
         out.completion_tokens = done.completion_tokens
+
+
+def _message(prep: Prepared, text: str, finish: str | None):
+    """(ResponseMessage, finish_reason) of a whole chat choice: its reasoning apart
+    (when the model's replies are split and it reasoned), the rest read for tool calls."""
+    thought = None
+    if prep.thinking is not None:
+        thought, text = prep.thinking.split(text)
+    message, finish = tools.message(prep.tools, text, finish)
+    if thought:
+        message.reasoning_content = thought
+    return message, finish
 
 
 def coalesced(batch: list[GenChunk | GenDone]) -> list[GenChunk | GenDone]:
