@@ -205,11 +205,13 @@ class StepPrograms:
             return bucket, ctx, end
         return best[2], best[3], done + best[0]
 
-    def step_shape(self, live: int, need: int) -> tuple[int, int]:
+    def step_shape(self, live: int, need: int, coming: int = 0) -> tuple[int, int]:
         """(batch bucket, window) of the next step: the cheapest compiled shape that
         holds it; else, while the background compiles, the largest compiled bucket at
-        a window that holds it, run in parts (and the exact one compiled next, at
-        normal priority: `Programs.want`); else the exact shape, compiled now."""
+        a window that holds it, run in parts (and the one that holds the live rows
+        and the `coming` ones, sequences in prefill, compiled next at normal priority:
+        `Programs.want`; wanting each bucket as a burst of streams joins compiled 2,
+        then 8, then 16, 11 s each under load); else the exact shape, compiled now."""
         batch, window = self.choose("step", self.batch_for(live), self.window_for(need))
         if self.cache.has(self.key("step", batch, window)) or not self.cache.compiling:
             return batch, window
@@ -218,7 +220,9 @@ class StepPrograms:
                  and form == self.forms.form_of("step", s)]  # fmt: skip
         if not parts:
             return batch, window
-        self.cache.want(self.key("step", batch, window))
+        ahead = max(batch, self.batch_for(min(live + coming, self.batches[-1])))
+        if not self.cache.has(self.key("step", ahead, window)):
+            self.cache.want(self.key("step", ahead, window))
         return max(parts, key=lambda p: (p[0], -p[1]))
 
     def progress(self) -> tuple[int, int]:

@@ -115,7 +115,8 @@ class StepRunner:
         table = self.table
         live = np.flatnonzero(table.active)
         began = table.order[live].copy()  # which sequence each live slot held
-        batch, window = self.programs.step_shape(len(live), table.window_need())
+        batch, window = self.programs.step_shape(len(live), table.window_need(),
+                                                 len(table.jobs))  # fmt: skip
         tokens, rows = self._run_step(batch, window)
         pending = PendingStep(tokens, rows, table.slots,
                               lambda host, lp: self._note(live, began, host, lp))
