@@ -137,27 +137,7 @@ def dequantize(data, qtype):
 
 def load_weights(path: str | Path) -> dict[str, np.ndarray]:
     """Every tensor of the file, dequantized to float32, under Hugging Face names."""
-    import numpy as np
-
-    header = read_header(path)
-    cfg = hf_config(header)
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    permuted = header.architecture in _PERMUTED
-    out: dict[str, np.ndarray] = {}
-    for gguf_name, qtype, data in _tensor_data(path, header):
-        if gguf_name == "rope_freqs.weight":  # the config's rope_scaling (shared.gguf)
-            continue
-        name = hf_name(gguf_name)
-        if name is None:
-            raise GGUFError(f"{path}: tensor {gguf_name!r} has no Llama counterpart")
-        # [out, in] (numpy order); copied out of the file's map
-        w = np.array(dequantize(data, qtype), dtype=np.float32)
-        if permuted and gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute_rows(w, heads)
-        elif permuted and gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute_rows(w, kv_heads)
-        out[name] = w
-    return out
+    return _load(path, keep=False)
 
 
 def kept_blocks(data, qtype):
@@ -196,6 +176,10 @@ def load_blocks(path: str | Path) -> dict:
     served as the file's blocks (quantization "gguf") skips expanding them to float32
     and rounding them back, most of a cold start's weight preparation (SmolLM2: 2.0
     s). q_proj and k_proj rows are un-permuted integers, scales and minimums alike."""
+    return _load(path, keep=True)
+
+
+def _load(path: str | Path, keep: bool) -> dict:
     import dataclasses
 
     import numpy as np
@@ -211,10 +195,10 @@ def load_blocks(path: str | Path) -> dict:
         name = hf_name(gguf_name)
         if name is None:
             raise GGUFError(f"{path}: tensor {gguf_name!r} has no Llama counterpart")
-        w = kept_blocks(data, qtype)
-        if w is None:
+        w = kept_blocks(data, qtype) if keep else None
+        if w is None:  # [out, in] (numpy order); copied out of the file's map
             w = np.array(dequantize(data, qtype), dtype=np.float32)
-        part = gguf_name.split(".")[-2]
+        part = gguf_name.split(".")[-2]  # weights and biases alike
         if permuted and part in heads:
             fix = lambda a: None if a is None else unpermute_rows(a, heads[part])  # noqa: E731
             w = (dataclasses.replace(w, q=fix(w.q), scale=fix(w.scale), offset=fix(w.offset))
