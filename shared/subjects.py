@@ -15,7 +15,9 @@ TOKENIZE = "inference.v1.tokenize"
 DETOKENIZE = "inference.v1.detokenize"
 RERANK = "inference.v1.rerank"
 SCORE = "inference.v1.score"
-PUBLIC_INFERENCE = (EMBEDDINGS, COMPLETIONS, CHAT_COMPLETIONS, TOKENIZE, DETOKENIZE, RERANK, SCORE)
+RESPONSES = "inference.v1.responses"
+PUBLIC_INFERENCE = (EMBEDDINGS, COMPLETIONS, CHAT_COMPLETIONS, TOKENIZE, DETOKENIZE, RERANK, SCORE,
+                    RESPONSES)
 
 # Telemetry (msgpack records, schemas in shared.telemetry).
 TELEMETRY_REQUESTS = "telemetry.v1.requests"
@@ -72,3 +74,4 @@ CANCEL = "tensorbus.v1.cancel"
 # Registry (JetStream KV and Object Store bucket names).
 REGISTRY_OBJECTS = "tensorbus_models"
 REGISTRY_META = "tensorbus_registry"
+RESPONSES_BUCKET = "tensorbus_responses"  # stored /v1/responses (KV, 24 h TTL)

@@ -27,6 +27,7 @@ from services.gateway.call import Call
 from services.gateway.frontend import USER_HEADER, Frontend
 from services.gateway.openapi import openapi_document
 from services.gateway.pipeline import Pipeline, Route as PipelineRoute
+from services.gateway.responses import Responses
 from services.gateway.tei import RerankRoute, TeiEmbed
 from shared import VERSION
 from shared.errors import ServiceError, too_large
@@ -138,7 +139,8 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
         chunks = pipe.chunks(prep, call)  # lists of chunks ready together
         first = await _unless_gone(request, anext(chunks, None))
         call.detach()  # the stream finishes the call: record and metrics at its end
-        return StreamingResponse(_sse(call, chunks, first, metrics),
+        done = getattr(pipe, "sse_done", True)  # Responses streams end without [DONE]
+        return StreamingResponse(_sse(call, chunks, first, metrics, done),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", **_headers(call)})
 
@@ -159,6 +161,18 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
             return error_response(ServiceError(404, f"the model '{name}' does not exist",
                                                code="model_not_found"))  # fmt: skip
         return Response(_json.encode(card), media_type="application/json")
+
+    async def stored(request: Request) -> Response:
+        """GET / DELETE /v1/responses/{id} (services.gateway.responses)."""
+        try:
+            if not authorised(request):
+                raise ServiceError(401, "a valid API key is required", code="invalid_api_key")
+            rid = request.path_params["id"]
+            got = await (responses.retrieve(rid) if request.method == "GET"
+                         else responses.delete(rid))
+        except ServiceError as err:
+            return error_response(err)
+        return Response(_json.encode(got), media_type="application/json")
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -181,12 +195,15 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
     async def openapi(request: Request) -> Response:
         return JSONResponse(spec)
 
+    responses = next((r.pipeline for r in pipeline_routes if isinstance(r.pipeline, Responses)),
+                     None)
     routes = [
         *(Route(path, partial(serve, r.pipeline, r.cut), methods=["POST"])
           for r in pipeline_routes for path in (r.path, *ALIASES.get(r.path, ()))),
         # Text Embeddings Inference's (services.gateway.tei); /rerank takes its body too.
         Route("/embed", partial(serve, TeiEmbed(front), True), methods=["POST"]),
         Route("/rerank", partial(serve, RerankRoute(front), False), methods=["POST"]),
+        *([Route("/v1/responses/{id}", stored, methods=["GET", "DELETE"])] if responses else []),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
@@ -250,14 +267,23 @@ def _headers(call: Call) -> dict[str, str]:
 
 
 def _events(ready: list) -> bytes:
-    """SSE events for chunks ready together: one transport write."""
-    return b"".join([b"data: " + _json.encode(chunk) + b"\n\n" for chunk in ready])
+    """SSE events for chunks ready together: one transport write. A Responses event
+    (shared.api_responses: it has a `type`) is named by it (`event: TYPE`)."""
+    return b"".join([_named(chunk) + b"data: " + _json.encode(chunk) + b"\n\n"
+                     for chunk in ready])
 
 
-async def _sse(call: Call, chunks, first, metrics: HttpMetrics):
-    """The response body. While the client reads slowly, the send of one write waits
-    and the worker's chunks queue up meanwhile; the pipeline then coalesces them, so a
-    slow reader gets fewer, larger events rather than a growing backlog."""
+def _named(chunk) -> bytes:
+    kind = getattr(chunk, "type", None)
+    return b"event: " + kind.encode() + b"\n" if isinstance(kind, str) else b""
+
+
+async def _sse(call: Call, chunks, first, metrics: HttpMetrics, done: bool = True):
+    """The response body, ending with `data: [DONE]` unless `done` is false (the
+    Responses API's streams end with their last event). While the client reads
+    slowly, the send of one write waits and the worker's chunks queue up meanwhile;
+    the pipeline then coalesces them, so a slow reader gets fewer, larger events
+    rather than a growing backlog."""
     out = call.out
     finished = False
     try:
@@ -281,7 +307,8 @@ async def _sse(call: Call, chunks, first, metrics: HttpMetrics):
         metrics.in_flight.dec()
         metrics.requests.labels(out.endpoint, str(out.status)).inc()
         await call.finish()
-    yield b"data: [DONE]\n\n"
+    if done:
+        yield b"data: [DONE]\n\n"
 
 
 def _timeout(request: Request) -> float | None:

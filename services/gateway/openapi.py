@@ -19,6 +19,7 @@ from shared.api_replies import (ChatCompletionChunk, ChatCompletionResponse, Com
                                 CompletionResponse)
 from shared.api_models import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                TokenizeRequest, TokenizeResponse)
+from shared.api_responses import Deleted, Response, ResponsesRequest
 from shared.errors import ErrorBody
 
 _ERRORS = {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model",
@@ -51,7 +52,7 @@ def openapi_document() -> dict:
              CompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
              TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse,
              RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, ModelList, ModelCard,
-             ErrorBody]
+             ResponsesRequest, Response, Deleted, ErrorBody]
     _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     plain = lambda d: {"responses": {"200": {"description": d}, "503": {"description": "not ready"}}}
     return {
@@ -73,6 +74,13 @@ def openapi_document() -> dict:
                                          "TokenizeResponse")},
             "/v1/detokenize": {"post": _op("Token ids back to text", "DetokenizeRequest",
                                            "DetokenizeResponse")},
+            "/v1/responses": {"post": _op("Create a response (OpenAI's Responses API)",
+                                          "ResponsesRequest", "Response")},
+            "/v1/responses/{id}": {
+                "get": _op("A stored response (404: unknown or expired)", None, "Response"),
+                "delete": _op("Forget a stored response", None, "Deleted"),
+                "parameters": [{"name": "id", "in": "path", "required": True,
+                                "schema": {"type": "string"}}]},
             "/v1/models": {"get": _op("List served models, with their state", None, "ModelList")},
             "/v1/models/{model}": {"get": {
                 **_op("One served model's card (404: not served)", None, "ModelCard"),

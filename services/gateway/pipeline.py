@@ -20,6 +20,7 @@ from services.gateway.embeddings import Embeddings
 from services.gateway.frontend import Frontend
 from services.gateway.generation import Generation
 from services.gateway.rerank import Pairs
+from services.gateway.responses import Responses
 from services.gateway.tokenize import Tokenize
 from shared import subjects
 
@@ -54,6 +55,7 @@ def routes(front: Frontend) -> list[Route]:
               "/v1/completions"),
         Route(Generation(front, chat=True), "chat-completions", subjects.CHAT_COMPLETIONS,
               "/v1/chat/completions"),
+        Route(Responses(front), "responses", subjects.RESPONSES, "/v1/responses"),
         Route(Pairs(front), "rerank", subjects.RERANK, "/v1/rerank"),
         Route(Pairs(front, rerank=False), "score", subjects.SCORE, "/v1/score"),
         Route(Tokenize(front), "tokenize", subjects.TOKENIZE, "/v1/tokenize"),
