@@ -44,8 +44,10 @@ def environment(values: dict[str, str]):
                 os.environ[k] = v
 
 
-def start_server(store: Path, config: Path, env: dict[str, str]) -> NatsServer:
-    server = NatsServer(store, config=str(config))
+def start_server(store: Path, config: Path, env: dict[str, str],
+                 log: Path | None = None) -> NatsServer:
+    """`log`: a file for the server's own log (its permissions violations among it)."""
+    server = NatsServer(store, config=str(config), extra=["-l", str(log)] if log else None)
     with environment(env):
         server.start()
     return server

@@ -11,6 +11,7 @@ registry's buckets with `tensorbus registry list`, as the seed Job does.
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 import time
@@ -18,12 +19,14 @@ import time
 import msgspec
 import pytest
 
+from services.gateway.frontend import INLINE_TOKENIZE
 from services.supervisor import REPO, Supervisor, wait_ready
 from shared import catalog, subjects
 from shared.bus import close, open_client
 from shared.config import Config
 from shared.errors import HEADER_CODE
 from shared.natsd import free_port
+from shared.roles import REFUSED, covers
 from tests.security.conftest import NATS_DIR, make_passwords, pass_var, start_server
 from tests.security.test_nats_nkeys_tls import make_nkeys
 
@@ -67,6 +70,52 @@ def cli(login: Login, role: str, *args: str, timeout: float = 120) -> subprocess
                           capture_output=True, text=True, timeout=timeout)
 
 
+async def exercise(client) -> None:
+    """Every endpoint an encoder serves, and the paths behind them: tokenize and
+    detokenize (gateway only), the model list, and a body large enough to be
+    reserved at a scheduler before it is tokenized (`sched.reserve`, then the
+    reserving scheduler's own submit subject). Each answer must be a success."""
+    async def ok(subject: str, req: dict) -> dict:
+        msg = await client.request(subject, msgspec.json.encode(req), timeout=30)
+        assert (msg.headers or {}).get(HEADER_CODE) is None, (subject, msg.data[:500])
+        return msgspec.json.decode(msg.data)
+
+    ids = (await ok(subjects.TOKENIZE, {"model": ENCODER, "prompt": "signed in"}))["tokens"]
+    assert (await ok(subjects.DETOKENIZE, {"model": ENCODER, "tokens": ids}))["prompt"]
+    assert ENCODER in {m["id"] for m in (await ok(subjects.MODELS, {}))["data"]}
+    large = "signed in" + " " * (INLINE_TOKENIZE + 100)
+    body = await ok(subjects.EMBEDDINGS, {"model": ENCODER, "input": [large]})
+    assert len(body["data"][0]["embedding"]) == 384
+
+
+VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"')
+
+
+def refused_on_purpose(role: str, subject: str) -> bool:
+    return any(covers(p.lower(), subject.lower()) for p, _ in REFUSED.get(role, ()))
+
+
+def unexpected_refusals(role: str, log: str) -> list[str]:
+    """A service's logged permissions violations that shared.roles does not expect."""
+    return [f"{op} {subj}" for op, subj in VIOLATION.findall(log.lower())
+            if op == "subscription" or not refused_on_purpose(role, subj)]
+
+
+def server_refusals(log: str) -> list[str]:
+    """nats-server's own violation lines, less the publishes some role is refused
+    on purpose (its log names the user, an nkey or a name, so match any role)."""
+    out = []
+    for line in log.splitlines():
+        if "violation" not in line.lower() or "authorization violation" in line.lower():
+            continue
+        subj = re.search(r'Subject "([^"]+)"', line)
+        if "Publish Violation" in line and subj and any(
+                refused_on_purpose(r, subj.group(1)) for r in REFUSED):
+            continue
+        out.append(line)
+    return out
+
+
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     nkeys_dir = tmp_path_factory.mktemp("nkeys")
@@ -85,8 +134,9 @@ async def test_every_service_logs_in_as_its_role_and_serves(tmp_path, keys, mode
                                    "TENSORBUS_BATCH_BUCKETS": "1", "TENSORBUS_SEQ_BUCKETS": "16",
                                    "TENSORBUS_MAX_BATCH": "1",
                                    "TENSORBUS_FLEET": f"{ENCODER}=1:1"}) as sup:
+        server_log = tmp_path / "nats-server.log"
         sup.nats = start_server(tmp_path / "js", NATS_DIR / conf,
-                                server_env(passwords, nkeys_dir, tls_dir))
+                                server_env(passwords, nkeys_dir, tls_dir), log=server_log)
         login = Login(mode, sup.nats.port, passwords, nkeys_dir, tls_dir)
 
         # The deploy role makes the registry's buckets (no other role may).
@@ -108,6 +158,7 @@ async def test_every_service_logs_in_as_its_role_and_serves(tmp_path, keys, mode
             assert (msg.headers or {}).get(HEADER_CODE) is None, msg.data[:500]
             body = msgspec.json.decode(msg.data)
             assert len(body["data"][0]["embedding"]) == 384
+            await exercise(client)
         finally:
             await close(client)
 
@@ -121,6 +172,8 @@ async def test_every_service_logs_in_as_its_role_and_serves(tmp_path, keys, mode
             assert proc.alive(), f"{name} exited:\n{proc.log_path.read_text()[-3000:]}"
             log = proc.log_path.read_text().lower()
             assert "authorization violation" not in log, f"{name}:\n{log[-3000:]}"
+            assert unexpected_refusals(name, log) == [], f"{name}:\n{log[-3000:]}"
+        assert server_refusals(server_log.read_text()) == []
 
         # docs/security.md: under the secured roles telemetry has no registry rights,
         # says so, and serves on without the automatic canary rollback.
