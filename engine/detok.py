@@ -11,7 +11,10 @@
    stop string at its end for `include_stop`, vLLM's include_stop_str_in_output),
    what follows it is not, and the sequence is `stopped`. Otherwise the longest
    suffix of the buffer that could still grow into a stop string is held back and
-   the rest is emitted.
+   the rest is emitted. With `min_tokens` (vLLM's), no stop string ends a sequence
+   before it has more than that many tokens: a match must end in the text of a later
+   token (it may begin earlier), as vLLM's stop checker searches only the text that
+   is new once the count is reached.
 3. `flush()` at the end returns whatever is still held (never after a stop).
 
 Concatenating every `feed` and the `flush` gives exactly the full decode of the
@@ -37,26 +40,34 @@ class StopMatcher:
         self.stop = tuple(s for s in stop if s)
         self.include = include  # the matched stop string is emitted, at the end
         self.pending = ""
+        self.guarded = 0  # pending's first chars no match may end in (min_tokens)
         self.matched: str | None = None
 
-    def push(self, text: str) -> str:
-        """Add text; return what is now safe to emit."""
+    def push(self, text: str, armed: bool = True) -> str:
+        """Add text; return what is now safe to emit. Unless `armed`, no match may
+        end in it: still held (min_tokens), its end may only begin a later match."""
         if self.matched is not None:
             return ""
         self.pending += text
         if not self.stop:
             out, self.pending = self.pending, ""
             return out
-        # The stop that completes first wins: generation would have ended there.
-        hits = [(i + len(s), i, s) for s in self.stop if (i := self.pending.find(s)) >= 0]
+        if not armed:
+            self.guarded = len(self.pending)
+        # The stop that completes first wins: generation would have ended there. A
+        # match ends past the guarded text (it may begin inside it).
+        hits = [(i + len(s), i, s) for s in self.stop
+                if (i := self.pending.find(s, max(0, self.guarded - len(s) + 1))) >= 0]
         if hits:
             _, at, stop = min(hits)
             end = at + len(stop) if self.include else at
             out, self.pending, self.matched = self.pending[:end], "", stop
+            self.guarded = 0
             return out
         keep = self._held_suffix()
         cut = len(self.pending) - keep
         out, self.pending = self.pending[:cut], self.pending[cut:]
+        self.guarded = max(0, self.guarded - cut)
         return out
 
     def _held_suffix(self) -> int:
@@ -71,6 +82,7 @@ class StopMatcher:
 
     def flush(self) -> str:
         out, self.pending = ("" if self.matched is not None else self.pending), ""
+        self.guarded = 0
         return out
 
 
@@ -82,8 +94,10 @@ class Detokenizer:
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tok = tokenizer
+        self._min = min_tokens  # stop strings end no match in its first tokens' text
         self._skip = skip_special_tokens
         # The prompt's last tokens give the first generated token its left context
         # (a sentencepiece decoder drops the leading space of a sequence's first piece).
@@ -118,7 +132,7 @@ class Detokenizer:
             return ""
         self.tokens += 1
         self._ids.append(int(token_id))
-        return self._stops.push(self._new_text())
+        return self._stops.push(self._new_text(), self.tokens > self._min)
 
     def flush(self) -> str:
         """End of sequence: everything still held, incomplete characters included."""
@@ -130,4 +144,4 @@ class Detokenizer:
             full = self._decode(self._ids[self._prefix :])
             tail = full[len(before) :]
             self._prefix = self._read = len(self._ids)
-        return self._stops.push(tail) + self._stops.flush()
+        return self._stops.push(tail, self.tokens > self._min) + self._stops.flush()

@@ -175,10 +175,11 @@ class Decoder(Protocol):
         """ValueError, with a message for the user, if `prompt` cannot be served, or
         the request asks for sampling controls this engine does not apply."""
 
-    def prompt_logprobs(self, tokens: list[int], top: int) -> list[tuple[int, float, list]]:
+    def prompt_logprobs(self, tokens: list[int], top: int) -> list[tuple[int, float, list, int]]:
         """For each token after the first: (token, logprob given those before it, the
-        `top` most likely (token, logprob) there, best first); ValueError where the
-        engine does not compute them."""
+        `top` most likely (token, logprob) there, best first, the token's rank there:
+        1 + how many tokens are more likely); ValueError where the engine does not
+        compute them."""
 
     def begin(self, slot: int, prompt: list[int], sampling: "Sampling", seed: int,
               generated: int = 0) -> bool:

@@ -349,6 +349,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None  # needs `logprobs`
+    # vLLM's: the rendered prompt's tokens scored (each given those before it), with
+    # this many top alternatives each, in the reply's top-level `prompt_logprobs`.
+    prompt_logprobs: TopLogprobs | None = None
     # services/gateway/tools.py: rendered, enforced (required, named) and parsed
     tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

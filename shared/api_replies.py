@@ -25,6 +25,19 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob] | None
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's `Logprob`: one entry of chat's `prompt_logprobs` (a prompt position's
+    map of token id -> this: its own token first, then the top alternatives)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# chat's `prompt_logprobs`: the first prompt token's null, then one map per later token
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
     token_logprobs: list[float | None]  # None: an echoed prompt's first token
@@ -73,6 +86,7 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage | None = None
     object: str = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET  # vLLM's, when asked
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
@@ -96,6 +110,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET  # on the first
 
 
 class CompletionChunk(msgspec.Struct):

@@ -125,11 +125,13 @@ class EmbedResult(_Msg, tag="embed_result"):
 
 
 class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
-    """One generated token's logprob and the top ones at its position, best first."""
+    """One generated token's logprob and the top ones at its position, best first; a
+    prompt token's also its rank there (chat's `prompt_logprobs`; 0: not computed)."""
 
     token: int
     logprob: float
     top: list[tuple[int, float]] = msgspec.field(default_factory=list)
+    rank: int = 0
 
 
 class GenChunk(_Msg, tag="chunk"):

@@ -4,8 +4,10 @@ for to score answers).
 
 One forward pass over the whole prompt without the cache (`model.prompt_logits`), padded
 to a power of two so few shapes compile, then log-softmax in float32 and the top
-alternatives at each position, on the device; only [T, 1 + K] numbers come back. It runs
-on the engine's thread between decode steps and touches no slot.
+alternatives at each position, and each token's rank in the vocabulary (1 + how many
+tokens are more likely there, as vLLM counts it: chat's `prompt_logprobs` shows it), on
+the device; only [T, 2 + 2K] numbers come back. It runs on the engine's thread between
+decode steps and touches no slot.
 """
 
 from __future__ import annotations
@@ -25,19 +27,21 @@ MIN_BUCKET = 16
 
 @functools.lru_cache(maxsize=8)
 def _scorer(cfg: DecoderConfig):
-    def score(params, tokens):  # tokens: [T] -> [T - 1], [T - 1, K] ids, [T - 1, K]
+    def score(params, tokens):  # tokens: [T] -> [T - 1], [T - 1, K] ids, [T - 1, K], [T - 1]
         logp = jax.nn.log_softmax(prompt_logits(params, cfg, tokens)[:-1], axis=-1)
         chosen = jnp.take_along_axis(logp, tokens[1:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, MAX_TOP)
-        return chosen, top_ids, top_lp
+        rank = 1 + jnp.sum(logp > chosen[:, None], axis=-1, dtype=jnp.int32)
+        return chosen, top_ids, top_lp, rank
 
     return jax.jit(score)
 
 
 def prompt_logprobs(params, cfg: DecoderConfig, tokens: list[int],
-                    top: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+                    top: int) -> list[tuple[int, float, list[tuple[int, float]], int]]:
     """For each prompt token after the first: (token, its logprob given the tokens
-    before it, the `top` most likely tokens there with theirs, best first)."""
+    before it, the `top` most likely tokens there with theirs, best first, its rank
+    there: 1 + how many tokens are more likely)."""
     if len(tokens) < 2:
         return []
     if not 0 <= top <= MAX_TOP:
@@ -45,7 +49,8 @@ def prompt_logprobs(params, cfg: DecoderConfig, tokens: list[int],
     size = max(MIN_BUCKET, 1 << (len(tokens) - 1).bit_length())
     padded = np.zeros(size, np.int32)
     padded[: len(tokens)] = tokens  # padding comes after: causal attention never sees it
-    chosen, ids, lps = jax.device_get(_scorer(cfg)(params, jnp.asarray(padded)))
+    chosen, ids, lps, ranks = jax.device_get(_scorer(cfg)(params, jnp.asarray(padded)))
     n = len(tokens) - 1
     return [(int(tokens[i + 1]), float(chosen[i]),
-             [(int(t), float(v)) for t, v in zip(ids[i, :top], lps[i, :top])]) for i in range(n)]
+             [(int(t), float(v)) for t, v in zip(ids[i, :top], lps[i, :top])], int(ranks[i]))
+            for i in range(n)]

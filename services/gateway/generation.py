@@ -269,8 +269,11 @@ class Generation:
             choices = [ChatChoice(i, *_message(prep, "".join(t), _reason(finish[i])),
                                   render.chat(lps[i]))
                        for i, t in enumerate(texts)]
+            scored = (render.prompt_maps(max(heads, key=len)) if prep.work.prompt_logprobs >= 0
+                      else msgspec.UNSET)  # every choice's first chunk has the prompt's
             return ChatCompletionResponse(id=f"chatcmpl-{prep.work.request_id}", created=prep.created,
-                                          model=prep.model, choices=choices, usage=usage)
+                                          model=prep.model, choices=choices, usage=usage,
+                                          prompt_logprobs=scored)
         echo, first = Echo(prep.req, prep.work.prompt, prep.tokenizer), prep.work.prompt[:1]
         choices = [CompletionChoice(
             i, echo.text + "".join(t), _reason(finish[i]),
@@ -300,6 +303,8 @@ class Generation:
         calls = tools.ToolStream(prep.tools, prep.work.n) if prep.tools else None
         splits = prep.thinking.streams(prep.work.n) if prep.thinking else None
         echo = Echo(None if prep.chat else prep.req, prep.work.prompt, prep.tokenizer)
+        scored = prep.chat and prep.work.prompt_logprobs >= 0  # chat's prompt_logprobs: unsent
+        head = None  # ... as the worker sent them (each choice's first chunk has them)
         async for batch in self.events(prep, call):
             ready: list[object] = []
             if prep.chat and not started:
@@ -307,6 +312,12 @@ class Generation:
                     ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
                     for i in range(prep.work.n)]
             started = True
+            if scored:  # on the stream's first chunk (vLLM refuses them streamed)
+                head = head if head is not None else next(
+                    (ev.prompt_logprobs for ev in batch if isinstance(ev, GenChunk)
+                     and (ev.prompt_logprobs or len(prep.work.prompt) < 2)), None)
+                if head is not None and ready:
+                    ready[0].prompt_logprobs, scored = render.prompt_maps(head), False
             for ev in coalesced(batch):
                 if isinstance(ev, GenDone):
                     self._account(out, ev)
@@ -430,9 +441,11 @@ def _content(content: str | list | None) -> str:
 
 
 def _prompt_logprobs(req, chat: bool) -> int:
-    """Top alternatives per prompt token a completions `echo` with `logprobs` wants
-    (services/gateway/echo.py); -1: none."""
-    return req.logprobs if not chat and req.echo and req.logprobs is not None else -1
+    """Top alternatives per prompt token a completions `echo` with `logprobs`
+    (services/gateway/echo.py) or chat's `prompt_logprobs` wants; -1: none."""
+    if chat:
+        return req.prompt_logprobs if req.prompt_logprobs is not None else -1
+    return req.logprobs if req.echo and req.logprobs is not None else -1
 
 
 def _reason(reason: str | None) -> str | None:

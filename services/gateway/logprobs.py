@@ -5,7 +5,13 @@ completions' parallel lists. One renderer per request, so a streamed completion'
 
 from __future__ import annotations
 
-from shared.api_replies import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from shared.api_replies import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    TopLogprob,
+)
 from shared.messages import TokenLogprob
 
 
@@ -41,6 +47,20 @@ class Logprobs:
                    for t, v in ((self._text(i), v) for i, v in e.top)]
             content.append(ChatTokenLogprob(text, self._lp(e.logprob), list(text.encode()), top))
         return ChatLogprobs(content)
+
+    def prompt_maps(self, entries: list[TokenLogprob]) -> list[dict[int, PromptLogprob] | None]:
+        """Chat's `prompt_logprobs`, vLLM's shape: the first prompt token's None, then
+        per later token a map token id -> (logprob, rank, decoded text) of the token
+        itself (its rank in the vocabulary) and its top alternatives (ranks 1, 2, ...),
+        the token first (an alternative that is the token keeps its place)."""
+        out: list[dict[int, PromptLogprob] | None] = [None]
+        for e in entries:
+            here = {e.token: PromptLogprob(self._lp(e.logprob), e.rank or None,
+                                           self._text(e.token))}
+            for rank, (i, v) in enumerate(e.top, 1):
+                here[i] = PromptLogprob(self._lp(v), rank, self._text(i))
+            out.append(here)
+        return out
 
     def prompt(self, index: int, first: int, entries: list[TokenLogprob]) -> CompletionLogprobs | None:
         """An echoed prompt's logprobs: its first token (`first`) with none, then

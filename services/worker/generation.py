@@ -230,7 +230,7 @@ class DecoderRunner:
             await self.outbox.done({work.sched_id: [work.request_id]})
             self._wake.set()
             return
-        self._add(work, now, seed, [TokenLogprob(t, lp, top) for t, lp, top in got])
+        self._add(work, now, seed, [TokenLogprob(*entry) for entry in got])
 
     def cancel(self, request_id: str) -> None:
         if request_id in self._scoring:  # not queued yet: dropped once its scoring ends

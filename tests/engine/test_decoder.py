@@ -70,12 +70,14 @@ def test_prompt_logprobs_match_transformers(pair):
     for prompt in PROMPTS[:3]:
         got = engine.prompt_logprobs(prompt, 5)
         want = torch.log_softmax(torch.tensor(_hf_logits(ref, prompt)), -1).numpy()
-        assert [t for t, _, _ in got] == prompt[1:]
-        np.testing.assert_allclose([lp for _, lp, _ in got],
+        assert [t for t, _, _, _ in got] == prompt[1:]
+        np.testing.assert_allclose([lp for _, lp, _, _ in got],
                                    [want[i, t] for i, t in enumerate(prompt[1:])], atol=1e-4)
-        for i, (_, _, top) in enumerate(got):
+        for i, (tok, _, top, rank) in enumerate(got):
             assert [t for t, _ in top] == list(np.argsort(-want[i])[:5])
             np.testing.assert_allclose([v for _, v in top], np.sort(want[i])[::-1][:5], atol=1e-4)
+            above = want[i] - want[i, tok]  # vLLM's rank: 1 + the more likely (near ties either)
+            assert 1 + np.sum(above > 1e-4) <= rank <= 1 + np.sum(above > -1e-4)
     assert engine.prompt_logprobs([7], 3) == []
 
 

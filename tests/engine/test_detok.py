@@ -132,3 +132,52 @@ def test_special_tokens_are_in_the_text_only_when_asked(tok):
     assert tok.id_to_token(special) in text
     plain = Detokenizer(tok)
     assert "".join(plain.feed(i) for i in ids) + plain.flush() == tok.decode(ids)
+
+
+def test_stop_matcher_ignores_matches_that_end_in_guarded_text():
+    """min_tokens: text pushed unarmed cannot end a match; a later piece can complete
+    one that began inside it (vLLM searches from the new text's start minus the stop
+    string's length)."""
+    m = StopMatcher(["ab"])
+    assert m.push("xab", armed=False) == "xab"  # whole inside the held-off tokens
+    assert m.push("a", armed=False) == ""  # could begin a later match: held
+    assert m.push("b") == "" and m.matched == "ab"  # completed by an armed piece
+    kept = StopMatcher(["ab"], include=True)
+    assert kept.push("ab", armed=False) + kept.push("cab") == "abcab" and kept.matched == "ab"
+    rolled = StopMatcher(["aa"])
+    assert rolled.push("aa", armed=False) == "a"  # its last "a" may start a match
+    assert rolled.push("a") == "" and rolled.matched == "aa"  # "aa" ends in the new "a"
+
+
+def _vllm_reference(tok, ids, stops, include, min_tokens) -> tuple[str, bool]:
+    """What vLLM's detokenizer answers (v1 engine/detokenizer.py `update` and
+    `check_stop_strings`): once more than `min_tokens` tokens are out, a stop string
+    counts only if it ends in text from after the first `min_tokens` tokens' (it may
+    begin before); of several, the one that completes first (this server's choice)."""
+    full = tok.decode(ids)
+    # the text out after min_tokens tokens: that of the longest run of them ending
+    # in a whole character (vLLM's incremental decode holds an incomplete one back)
+    known = (tok.decode(ids[:k]) for k in range(min(min_tokens, len(ids)), -1, -1))
+    guard = len(next(t for t in known if not t.endswith(REPLACEMENT)))
+    hits = []
+    for s in stops:
+        at = full.find(s, max(0, guard - len(s) + 1))
+        if at >= 0:
+            hits.append((at + len(s), at))
+    if not hits:
+        return full, False
+    end, at = min(hits)
+    return full[: end if include else at], True
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(ALPHABET, min_size=0, max_size=40), stops=st.lists(
+    st.text(ALPHABET, min_size=1, max_size=4), max_size=3), include=st.booleans(),
+    min_tokens=st.integers(0, 12))  # fmt: skip
+def test_stop_strings_are_held_until_min_tokens_as_vllm_does(tok, text, stops, include,
+                                                              min_tokens):
+    ids = tok.encode(text, add_special_tokens=False).ids
+    d = Detokenizer(tok, stop=stops, include_stop=include, min_tokens=min_tokens)
+    got = "".join(d.feed(i) for i in ids) + d.flush()
+    want, stopped = _vllm_reference(tok, ids, stops, include, min_tokens)
+    assert (got, d.stopped) == (want, stopped)

@@ -33,6 +33,7 @@ def tiny(request, tmp_path_factory, jax_cache_dir):
     ids = engine.tokenizer.encode(TEMPLATED)  # what the request's own template renders
     refs[TEMPLATED] = (len(ids), *expected(model, engine, ids))
     refs["min_tokens"] = _min_tokens_reference(model, engine)
+    refs["min_tokens_stop"] = _stop_string_reference(model, engine)
     return refs, engine, str(path)
 
 
@@ -56,6 +57,34 @@ def _min_tokens_reference(model, engine):
     kept = ids if cut is None else ids[:cut]
     assert cut is None or cut >= MIN_TOKENS
     return stop, engine.tokenizer.decode(kept), "length" if cut is None else "stop"
+
+
+def _stop_string_reference(model, engine):
+    """(stop string, text without min_tokens, text and finish reason with MIN_TOKENS):
+    the stop string is the text of a token transformers' greedy answer to PROMPTS[1]
+    makes third (or soon after: one with whole characters). vLLM's rule, written out:
+    with min_tokens, a stop string counts only where it ends in text after that of
+    the first MIN_TOKENS tokens (engine/detok.py; vLLM's detokenizer checks only the
+    text new once more than min_tokens tokens are out)."""
+    import torch
+
+    prompt, eos = PROMPTS[1], set(engine.eos_token_ids)
+    with torch.inference_mode():  # min_new_tokens: EOS masked until then, as min_tokens does
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
+                             min_new_tokens=MIN_TOKENS,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    ids = out[0, len(prompt):].tolist()
+    cut = next((i for i, t in enumerate(ids) if t in eos), None)
+    ids = ids if cut is None else ids[:cut]
+    text = engine.tokenizer.decode
+    stop = next(piece for k in range(2, MIN_TOKENS)
+                if (piece := text(ids[:k + 1])[len(text(ids[:k])):]).strip()
+                and "\ufffd" not in piece)
+    full, guard = text(ids), len(text(ids[:MIN_TOKENS]))
+    assert full.find(stop) + len(stop) <= guard  # it occurs before MIN_TOKENS tokens
+    at = full.find(stop, guard - len(stop) + 1)  # the first that ends past them
+    held = (full, "length" if cut is None else "stop") if at < 0 else (full[:at], "stop")
+    return stop, full[:full.find(stop)], held
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -170,6 +199,28 @@ async def test_min_tokens_holds_off_eos_and_stop_tokens(stack, tiny):
     assert held["usage"]["completion_tokens"] >= MIN_TOKENS
     code, resp = await request(stack.client, subjects.COMPLETIONS, {**body, "min_tokens": NEW + 1})
     assert code == 400 and "min_tokens" in resp["error"]["message"]
+
+
+async def test_stop_strings_are_held_until_min_tokens(stack, tiny):
+    """vLLM's min_tokens holds stop strings off too: a stop string the greedy answer
+    writes by its third token ends it there without min_tokens, and with it only where
+    it next ends past the first MIN_TOKENS tokens' text (else at max_tokens), whole
+    and streamed."""
+    model, engine, _ = tiny
+    stop, early, (text, reason) = model["min_tokens_stop"]
+    body = {"model": engine.name, "prompt": PROMPTS[1], "max_tokens": NEW, "temperature": 0,
+            "stop": [stop]}
+    held_body = {**body, "min_tokens": MIN_TOKENS}
+    (c1, plain), (c2, held), msgs = await asyncio.gather(
+        request(stack.client, subjects.COMPLETIONS, body),
+        request(stack.client, subjects.COMPLETIONS, held_body),
+        stream(stack.client, subjects.COMPLETIONS, {**held_body, "stream": True}))
+    assert c1 == c2 == 200, (plain, held)
+    assert (plain["choices"][0]["text"], plain["choices"][0]["finish_reason"]) == (early, "stop")
+    assert (held["choices"][0]["text"], held["choices"][0]["finish_reason"]) == (text, reason)
+    assert held["usage"]["completion_tokens"] > MIN_TOKENS or reason == "length"
+    chunks = [msgspec.json.decode(m) for m in msgs[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == text
 
 
 async def test_truncate_prompt_tokens_keeps_the_prompts_end(stack, tiny):

@@ -46,6 +46,9 @@ def tiny(tmp_path_factory, jax_cache_dir):
     chat_ids = ChatTemplate.from_dir(path).encode(engine.tokenizer, CHAT)
     refs["chat"] = hf_greedy(model, chat_ids, NEW)
     refs["chat_logprobs"] = _hf_logprobs(model, chat_ids, refs["chat"])
+    with torch.no_grad():  # chat's prompt_logprobs: over the rendered prompt's tokens
+        logits = model(torch.tensor([chat_ids])).logits[0].float()
+    refs["chat_ids"], refs["chat_prompt"] = chat_ids, torch.log_softmax(logits, -1)[:-1].numpy()
     with torch.no_grad():  # the prompt's own: before each of its tokens after the first
         logits = model(torch.tensor([PROMPT])).logits[0].float()
     refs["prompt_logprobs"] = torch.log_softmax(logits, -1)[:-1].numpy()
@@ -282,6 +285,66 @@ async def test_chat_logprobs_whole_and_streamed(client, tiny):
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
         await client.chat.completions.create(model=engine.name, messages=CHAT, max_tokens=2,
                                              logprobs=True, top_logprobs=21)
+
+
+def _check_prompt_logprobs(got, engine, ids: list[int], want: np.ndarray, top: int) -> None:
+    """vLLM's chat `prompt_logprobs`: None for the first token, then per token a map
+    token id -> {logprob, rank, decoded_token}: the token's own (rank: 1 + the tokens
+    more likely there) and the `top` best (ranks 1..top), as transformers computes."""
+    assert len(got) == len(ids) and got[0] is None
+    for i, (t, here) in enumerate(zip(ids[1:], got[1:])):
+        row = want[i]
+        best = [int(x) for x in np.argsort(-row)[:top]]
+        assert set(map(int, here)) == {t, *best}
+        text = {k: engine.tokenizer.decode([k], skip_special_tokens=False) for k in (t, *best)}
+        for rank, k in enumerate(best, 1):
+            entry = here[str(k)]
+            assert entry["rank"] == rank and entry["decoded_token"] == text[k]
+            assert abs(entry["logprob"] - row[k]) < 1e-3
+        own = here[str(t)]
+        assert abs(own["logprob"] - row[t]) < 1e-3 and own["decoded_token"] == text[t]
+        above = row - row[t]  # near ties (float noise) may count either way
+        assert 1 + np.sum(above > 1e-3) <= own["rank"] <= 1 + np.sum(above > -1e-3)
+
+
+async def _nats_chunks(nc, subject: str, body: dict) -> list[dict]:
+    """A streamed request over NATS: its chunk messages, up to [DONE]."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(subject, json.dumps(body).encode(), reply=inbox)
+    out = []
+    while (msg := await sub.next_msg(timeout=30)).data != b"[DONE]":
+        out.append(json.loads(msg.data))
+    await sub.unsubscribe()
+    return out
+
+
+async def test_chat_prompt_logprobs_score_the_rendered_prompt(client, stack, tiny):
+    """vLLM's chat `prompt_logprobs`: the chat template's rendered tokens scored, at the
+    reply's top level, whole and (on the first chunk) streamed, over HTTP and NATS."""
+    _, engine, _, refs = tiny
+    ids, want = refs["chat_ids"], refs["chat_prompt"]
+    body = dict(model=engine.name, messages=CHAT, max_tokens=1, temperature=0)
+    raw = {**body, "prompt_logprobs": 2}
+    whole, streamed, nats, nats_chunks = await asyncio.gather(
+        client.chat.completions.create(**body, extra_body={"prompt_logprobs": 2}),
+        client.chat.completions.create(**body, stream=True, extra_body={"prompt_logprobs": 2}),
+        stack.client.request(subjects.CHAT_COMPLETIONS, json.dumps(raw).encode(), timeout=30),
+        _nats_chunks(stack.client, subjects.CHAT_COMPLETIONS, {**raw, "stream": True}))
+    got = whole.model_dump()["prompt_logprobs"]
+    _check_prompt_logprobs(got, engine, ids, want, 2)
+    assert whole.choices[0].message.content == engine.tokenizer.decode(refs["chat"][:1])
+    chunks = [c.model_dump() async for c in streamed]
+    assert [c.get("prompt_logprobs") is not None for c in chunks] == [True] + [False] * (
+        len(chunks) - 1)  # the first chunk's (the role's) alone
+    for other in (chunks[0]["prompt_logprobs"], json.loads(nats.data)["prompt_logprobs"],
+                  nats_chunks[0]["prompt_logprobs"]):
+        _check_prompt_logprobs(other, engine, ids, want, 2)
+    assert all("prompt_logprobs" not in c for c in nats_chunks[1:])
+    plain = await client.chat.completions.create(**body)
+    assert "prompt_logprobs" not in plain.model_dump()
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        await client.chat.completions.create(**body, extra_body={"prompt_logprobs": 21})
 
 
 # ------------------------------------------------------------- tokenize

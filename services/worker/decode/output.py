@@ -4,7 +4,8 @@
   2. `accept()` takes one new token of one sequence: it is detokenized (never
      splitting a UTF-8 character; `engine.detok.Detokenizer`, one per choice, made
      on its first token) and checked against EOS, `stop_token_ids` (both end the
-     choice without their text, as vLLM does), stop strings, `max_tokens` and the
+     choice without their text, as vLLM does), stop strings (none that ends in the
+     text of the first `min_tokens` tokens, as in vLLM), `max_tokens` and the
      context, which sets the sequence's `finish`. The gap since the sequence's last
      token is counted for the request's inter-token latency.
   3. A streaming choice gets a GenChunk for each token that made text (or ended
@@ -181,4 +182,5 @@ def _detokenizer(engine, work: GenerateWork):
 
     return Detokenizer(engine.info.tokenizer, prompt_ids=work.prompt, stop=work.stop,
                        skip_special_tokens=work.skip_special_tokens,
-                       include_stop=work.include_stop_str_in_output)
+                       include_stop=work.include_stop_str_in_output,
+                       min_tokens=work.sampling.min_tokens)
