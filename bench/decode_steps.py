@@ -19,8 +19,10 @@ Compiles happen on first use of each shape and are not timed.
     .venv/bin/python -m bench.decode_steps --variants none,gguf:dequant,gguf:kernel \
         --cases 1x64,4x64 --steps 12 --rounds 3
 
-`--variants` (QUANT[:FORM][@KERNEL], comma-separated: none@xla,none@cpu sets two
-attention kernels side by side) builds one engine per variant
+`--variants` (QUANT[:FORM][@KERNEL][/f32scales], comma-separated: none@xla,none@cpu
+sets two attention kernels side by side; gguf:kernel,gguf:kernel/f32scales the
+file's float16 scales against the same scales held as float32) builds one engine
+per variant
 and times them side by side: each case's steps alternate between the engines in
 rounds, and the median over all rounds is reported (a loaded machine's swings fall
 on every variant alike).
@@ -30,6 +32,8 @@ on every variant alike).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -159,6 +163,33 @@ def _timed_steps(eng, steps: int) -> tuple[list[float], list[float]]:
     return times, cpu
 
 
+WIDE = "/f32scales"  # a variant's suffix: a GGUF file's float16 scales held as float32
+
+
+@contextlib.contextmanager
+def _scales_widened(on: bool):
+    """While an engine is built: kept GGUF blocks with their scales and minimums
+    widened to float32 (what the kernel read before it read float16 ones)."""
+    from engine import gguf
+
+    if not on:
+        yield
+        return
+    kept = gguf.kept_blocks
+
+    def widened(data, qtype):
+        w = kept(data, qtype)
+        wide = lambda a: None if a is None else a.astype(np.float32)  # noqa: E731
+        return w if w is None else dataclasses.replace(w, scale=wide(w.scale),
+                                                       offset=wide(w.offset))
+
+    gguf.kept_blocks = widened
+    try:
+        yield
+    finally:
+        gguf.kept_blocks = kept
+
+
 def compare(model_dir: Path, args) -> dict:
     """The variants' engines side by side (see the module docstring)."""
     from engine.decoder import DecoderEngine
@@ -168,13 +199,16 @@ def compare(model_dir: Path, args) -> dict:
     top = max(c for _, c in cases) + args.steps * args.rounds + 16
     engines = {}
     for v in args.variants.split(","):
+        name = v
+        v, wide = (v[: -len(WIDE)], True) if v.endswith(WIDE) else (v, False)
         v, _, kernel = v.partition("@")
         quant, _, form = v.partition(":")
-        v = f"{v}@{kernel}" if kernel else v
-        engines[v] = DecoderEngine(model_dir, "bench", dtype=args.dtype, slots=slots,
-                                   max_context=max(top, args.max_context), prefix_cache=False,
-                                   quant=quant, quant_form=form or "auto", forms_cache=None,
-                                   attention=kernel or "auto")  # fmt: skip
+        with _scales_widened(wide):
+            engines[name] = DecoderEngine(
+                model_dir, "bench", dtype=args.dtype, slots=slots,
+                max_context=max(top, args.max_context), prefix_cache=False, quant=quant,
+                quant_form=form or "auto", forms_cache=None, attention=kernel or "auto")
+        v = name
         print(json.dumps({"variant": v, "forms": engines[v].forms.candidates}), flush=True)
     out = {"variants": list(engines), "cases": []}
     for streams, context in cases:

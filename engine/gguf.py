@@ -143,9 +143,9 @@ def load_weights(path: str | Path) -> dict[str, np.ndarray]:
 def kept_blocks(data, qtype):
     """A Q8_0 or Q4_1 tensor's stored bytes -> the `engine.quant.QWeight` holding the
     same numbers, contracted over its last axis (the file's [out, in] order): the
-    file's own integers, and its float16 scales and minimums widened to float32 (no
-    rounding), so w = q * scale (+ offset) gives the gguf package's values bit for
-    bit. Q4_1 keeps the first 16 values of a block in the low nibbles; the int4 form
+    file's own integers, float16 scales and minimums (the CPU kernel widens them in
+    registers: a Q4_1 weight reads 20 bytes per 32 values, not 24), so w = q * scale
+    (+ offset), computed in float32, gives the gguf package's values bit for bit. Q4_1 keeps the first 16 values of a block in the low nibbles; the int4 form
     pairs neighbours in a byte (the even one low), so only the nibbles move. None
     for any other type."""
     import numpy as np
@@ -159,11 +159,11 @@ def kept_blocks(data, qtype):
     block, size = GGML_QUANT_SIZES[qtype]
     rows, n = data.shape[:-1], data.shape[-1] // size * block
     b = np.ascontiguousarray(data).view(np.uint8).reshape(-1, size)  # [blocks, bytes]
-    scale = b[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(*rows, n // block)
+    scale = b[:, 0:2].copy().view(np.float16).reshape(*rows, n // block)
     if qtype == T.Q8_0:
         q = b[:, 2:].view(np.int8).reshape(*rows, n).copy()
         return QWeight(q, scale, None, len(rows), 8, block)
-    lo = b[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(scale.shape)
+    lo = b[:, 2:4].copy().view(np.float16).reshape(scale.shape)
     qs = b[:, 4:]  # [blocks, 16]: values 0-15 in the low nibbles, 16-31 in the high ones
     v = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)  # [blocks, 32]
     q = (v[:, 0::2] | (v[:, 1::2] << np.uint8(4))).reshape(*rows, n // 2)

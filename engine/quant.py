@@ -26,7 +26,8 @@ matrix, 1 for a [V, E] embedding that is also the lm head), IN split into groups
 - w8a8: int8 as above with one scale per output channel (the whole axis one group),
   for the int8 x int8 -> int32 matmul: per-input-group scales would split the dot
   into one per group, which measured slower here than float32 (docs/decisions/0013).
-- `scale` (and int4's `offset`): float32, w's shape with the contracted axis IN / group.
+- `scale` (and int4's `offset`): float32, w's shape with the contracted axis IN / group;
+  float16 where a GGUF file's blocks are kept as they are (engine/gguf.py).
 
 `compute` (static) says how a matmul uses the weight:
 - "dequant": convert and scale inside the jitted step, then the float matmul (XLA
@@ -64,7 +65,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 @dataclasses.dataclass(frozen=True)
 class QWeight:
     q: Any  # int8 or float8_e4m3fn [w's shape], or uint8 [w's shape, contracted axis / 2]
-    scale: Any  # float32 [w's shape, contracted axis / group]
+    scale: Any  # float32 (float16: kept GGUF blocks) [w's shape, contracted axis / group]
     offset: Any  # int4: float32, scale's shape (each group's minimum); else None
     axis: int  # the contracted axis of the float weight (static)
     bits: int  # 8 or 4 (static)

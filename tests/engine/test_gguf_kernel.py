@@ -107,6 +107,33 @@ def test_kernel8_equals_numpy_with_rows_rounded_per_group(loaded, mode, axis, k,
         _check(qw, x.astype(np.float32), "kernel8")
 
 
+@pytest.mark.parametrize("mode,axis,k,n,group,compute", [
+    ("int4", 0, 576, 70, 32, "kernel"), ("int4", 0, 576, 70, 32, "kernel8"),
+    ("int8", 0, 96, 21, 32, "kernel"), ("int4", 1, 64, 11, 32, "kernel"),
+    ("int8", 1, 576, 37, 32, "kernel"), ("int4", 1, 48, 9, 8, "kernel"),
+])  # fmt: skip
+def test_float16_scales_give_the_float32_scales_products_bit_for_bit(loaded, mode, axis, k, n,
+                                                                     group, compute):
+    """A GGUF file's scales and minimums are float16 and stay so (engine/gguf.py); the
+    kernel widens them exactly, so its products equal those of the same scales held
+    as float32, every path (cols, rows, the 8-wide loops and the plain one for a
+    group they do not fit, int8 activations)."""
+    rng = np.random.default_rng(k + n)
+    w = rng.standard_normal((k, n) if axis == 0 else (n, k)).astype(np.float32)
+    qw = quant.quantize(w, mode, axis, group)
+    half = lambda a: None if a is None else a.astype(np.float16)  # noqa: E731
+    wide = lambda a: None if a is None else a.astype(np.float32)  # noqa: E731
+    q16 = quant.QWeight(qw.q, half(qw.scale), half(qw.offset), axis, qw.bits, qw.group)
+    q32 = quant.QWeight(qw.q, wide(q16.scale), wide(q16.offset), axis, qw.bits, qw.group)
+    run = jax.jit(lambda x, w: quant.matmul(x, w) if w.axis == 0 else quant.unembed(x, w))
+    for b in (1, 5):
+        x = rng.standard_normal((b, k)).astype(np.float32)
+        got = [np.asarray(run(x, quant.with_compute({"w": jax.tree.map(jnp.asarray, v)},
+                                                     compute)["w"])) for v in (q16, q32)]
+        np.testing.assert_array_equal(got[0], got[1])
+    _check(q16, rng.standard_normal((3, k)).astype(np.float32), compute)
+
+
 @pytest.fixture(scope="module")
 def stored(smollm2_dir):
     """SmolLM2's gguf-mode weights as stored (the XLA path's form)."""
