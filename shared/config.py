@@ -48,6 +48,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     cold_start_s: float = 120.0  # a generation held for a worker that is starting waits up to this long past its deadline, within its Tensorbus-Timeout or TENSORBUS_MAX_GENERATION_S (0: its deadline)
     max_queue_per_worker: int = 256  # most requests queued per ready worker, whatever their work
     max_queue_s: float = 30.0  # queue bound in estimated compute: seconds of work ahead per ready worker
+    max_redispatch: int = 2  # a request sent again this many times because its worker was lost ends (500 internal) at the next loss
     stall_s: float = 10.0  # a worker holding work with no finished step this long is wedged (time a step waits on a compile does not count)
     target_queue_per_replica: float = 32.0  # scaling signal: desired queue per worker
     prefix_route_imbalance: int = 4  # scheduler: extra requests a worker caching a prompt's prefix may hold over the least loaded and still get it (-1 = route by load only)

@@ -95,6 +95,8 @@ class GenerateWork(_Msg, tag="generate"):
     # generated again (the same: greedy or seeded) and not sent
     skip_special_tokens: bool = True  # the text leaves special tokens out (vLLM's)
     include_stop_str_in_output: bool = False  # a matched stop string ends the text (vLLM's)
+    resumes: bool = False  # its requester resumes it when its worker is lost: a scheduler
+    # tells it (WorkError `worker_lost`) rather than dispatching it again
 
 
 WorkRequest = EmbedWork | GenerateWork

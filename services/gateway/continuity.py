@@ -31,6 +31,13 @@ from 0); `ChunkOrder`, per choice:
      closed queue. At most MAX_RESUMES times.
   3. Any other broken path ends the stream with a 503 `stream_broken` error chunk
      that says how many chunks were delivered: never a silent gap.
+  4. A lost worker (killed, its node gone, wedged): a resumable generation is sent
+     with `resumes`, so the scheduler that dispatched it does not dispatch it again
+     when the worker expires but tells the gateway (a WorkError `worker_lost`,
+     `WorkerLost` here); it is resumed at once as in 2., from the last token passed
+     on, its lost attempt cancelled. One attempt computes it at any time, and only
+     its tokens reach the client. After `max_redispatch` (TENSORBUS_MAX_REDISPATCH)
+     such resumptions the next loss ends it with a 500 that says so.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import msgspec
 
 from services.gateway.inbox import NoScheduler, PathLost
 from services.gateway.schedulers import NO_SCHEDULER_TRIES
-from shared.errors import ServiceError
+from shared.errors import ServiceError, internal
 from shared.logging import get_logger
 from shared.messages import GenChunk, GenDone, GenerateWork
 
@@ -60,6 +67,18 @@ class StreamBroken(ServiceError):
             503, f"the generation's path through the message bus was lost after {delivered} "
             "chunks (a server of the cluster was lost); its rest cannot be delivered: retry "
             "the request", code="stream_broken", retry_after=1.0)
+
+
+class WorkerLost(Exception):
+    """The worker generating the request was lost (its scheduler said so)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _worker_lost(err: object) -> bool:
+    return isinstance(err, ServiceError) and err.code == "worker_lost"
 
 
 def stream_broken(delivered: int) -> ServiceError:
@@ -102,9 +121,12 @@ def resumable(work: GenerateWork) -> bool:
 
 async def events(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | GenDone]]:
     """The request's GenChunks and GenDone, as lists of those queued together; a
-    broken path resumed (2.) or ended (3.)."""
+    broken path resumed (2.) or ended (3.); a lost worker's request resumed (4.)."""
     rid, delivered, passed = work.request_id, 0, 0
-    for resumes in range(MAX_RESUMES + 1):
+    work.resumes = resumable(work)
+    broken = lost = 0  # resumptions for a broken path, for a lost worker
+    cap = front.config.max_redispatch
+    while True:
         try:
             async for batch in _leg(front, work, out):
                 delivered += sum(ev.tokens for ev in batch if isinstance(ev, GenChunk))
@@ -112,16 +134,26 @@ async def events(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk 
                 yield batch
             return
         except StreamBroken:
-            if resumes == MAX_RESUMES or not resumable(work):
+            if broken == MAX_RESUMES or not work.resumes:
                 raise StreamBroken(passed) from None
-        await front.inbox.cancel(work.request_id, "resumed")
+            broken += 1
+            why = "resumed"
+        except WorkerLost as exc:
+            if lost == cap:
+                front.given_up += 1
+                raise internal(
+                    f"the request's worker was lost {lost + 1} times (the last: {exc.message}); "
+                    f"not sent again past TENSORBUS_MAX_REDISPATCH={cap}") from None
+            lost += 1
+            why = "worker_lost"
+        await front.inbox.cancel(work.request_id, why)
         now = time.time()
         deadline = now + front.config.request_timeout_s
         work = msgspec.structs.replace(
-            work, request_id=f"{rid}-r{resumes + 1}", skip=delivered, attempt=0, reserved="",
-            deadline=min(deadline, work.end_by) if work.end_by else deadline)
+            work, request_id=f"{rid}-r{broken + lost}", skip=delivered, attempt=0,
+            reserved="", deadline=min(deadline, work.end_by) if work.end_by else deadline)
         front.resumed += 1
-        log.warning("stream_resumed", wire_id=work.request_id, skip=delivered)
+        log.warning("stream_resumed", wire_id=work.request_id, skip=delivered, reason=why)
 
 
 async def _leg(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | GenDone]]:
@@ -166,6 +198,10 @@ async def _leg(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | 
             except NoScheduler as exc:  # nobody received it: sending it again is safe
                 await no_scheduler(exc)
                 continue
+            except ServiceError as exc:
+                if _worker_lost(exc):
+                    raise WorkerLost(exc.message) from None
+                raise
             ready, err = inbox.ready_results(q, out) if not q.empty() else ((), None)
             batch = []
             for ev in (first, *ready):
@@ -192,5 +228,7 @@ async def _leg(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | 
                 await path_lost(err)
             elif isinstance(err, NoScheduler) and not order.passed:
                 await no_scheduler(err)
+            elif _worker_lost(err):
+                raise WorkerLost(err.message)
             elif err is not None:
                 raise err

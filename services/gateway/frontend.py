@@ -92,7 +92,8 @@ class Frontend:
         self.links.on_drop.append(self.inbox.path_lost)
         self.recorder = Recorder(nc, self.links)  # request records, acked when stored
         self.retried = 0  # calls submitted again after their (or a scheduler's) path dropped
-        self.resumed = 0  # streams resumed after their path broke
+        self.resumed = 0  # streams resumed after their path broke or their worker was lost
+        self.given_up = 0  # generations ended at the re-dispatch cap (TENSORBUS_MAX_REDISPATCH)
         self.schedulers = SchedulerLinks(lambda: self.inbox.path_lost(own=False),
                                          config.worker_expiry_s)
         self.admission = GatewayAdmission(nc, config, self.fleet, self.inbox.cancel)

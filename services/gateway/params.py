@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import random
 from pathlib import Path
 
 from shared.errors import bad_request
@@ -65,6 +66,14 @@ def top_logprobs(req, chat: bool) -> int:
     return -1 if req.logprobs is None else req.logprobs
 
 
+def drawn_seed(seed: int | None) -> int:
+    """The request's seed, or one drawn here when it has none: every generation is
+    then the same when generated again from its start (a stream whose worker was
+    lost resumes exactly: the engine's draw for a token depends on the seed and the
+    token's position only; services.gateway.continuity)."""
+    return seed if seed is not None else random.getrandbits(31)
+
+
 def sampling(req, defaults: dict[str, float], logprobs: int = -1, grammar: str = "") -> Sampling:
     """The request's sampling fields; those it leaves unset from the model's
     defaults, then OpenAI's."""
@@ -76,7 +85,7 @@ def sampling(req, defaults: dict[str, float], logprobs: int = -1, grammar: str =
 
     return Sampling(temperature=max(0.0, float(pick("temperature"))),
                     top_p=min(1.0, float(pick("top_p"))) or 1.0, top_k=int(pick("top_k")),
-                    seed=req.seed, min_p=min(1.0, max(0.0, float(pick("min_p")))),
+                    seed=drawn_seed(req.seed), min_p=min(1.0, max(0.0, float(pick("min_p")))),
                     presence_penalty=req.presence_penalty or 0.0,
                     frequency_penalty=req.frequency_penalty or 0.0,
                     repetition_penalty=float(pick("repetition_penalty")) or 1.0,

@@ -36,8 +36,11 @@ Dataflow of one request:
      so the outstanding count per worker stays exact.
   6. When a worker expires (missed heartbeats) or reports draining with work still
      outstanding here, that work is dispatched again to another worker (the gateway
-     keeps only the first answer per request id); the same when the worker's or this
-     scheduler's own connection dropped (services.scheduler.recovery).
+     keeps only the first answer per request id), or, for a generation its gateway
+     resumes itself, the gateway is told (`worker_lost`); a request whose workers
+     were lost more than `max_redispatch` times ends with a 500. The same re-dispatch
+     when the worker's or this scheduler's own connection dropped
+     (services.scheduler.recovery).
   7. Load reports (services.scheduler.loads): this scheduler's outstanding work per
      model goes to `tensorbus.v1.sched.load` every heartbeat interval and within
      EARLY_REPORT_S of any change or refusal; the others' count here.
@@ -138,7 +141,8 @@ class Scheduler:
         self.loads.links = self.links  # its drops go out in load reports (`reconnects`)
         self.recovery = Recovery(outstanding=self.outstanding, load=self.load,
                                  routed=self.routed, admission=self.admission,
-                                 loads=self.loads, links=self.links, resend=self._admit_or_refuse)
+                                 loads=self.loads, links=self.links, resend=self._admit_or_refuse,
+                                 refuse=self._refuse, max_redispatch=config.max_redispatch)
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, ready: asyncio.Event | None = None) -> None:
@@ -370,7 +374,7 @@ class Scheduler:
         # will not, so its outstanding work goes elsewhere (a no-op when it has none).
         if hb.state in ("stopped", "unhealthy") or view.stalled:
             await self.recovery.recover(hb.worker_id, "worker stalled" if view.stalled
-                                        else f"worker {hb.state}")
+                                        else f"worker {hb.state}", gone=True)
         else:  # its connection dropped since its last heartbeat: sent again
             await self.recovery.worker_reconnected(hb)
 
@@ -403,7 +407,7 @@ class Scheduler:
                 continue
             for gone in self.fleet.expire():
                 log.warning("worker_expired", worker_id=gone.worker_id)
-                await self.recovery.recover(gone.worker_id, "missed heartbeats")
+                await self.recovery.recover(gone.worker_id, "missed heartbeats", gone=True)
             for work, err in self.holds.expire(time.time()):
                 await self._refuse(work, err)
             self.admission.expire_reservations(time.monotonic())
