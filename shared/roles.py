@@ -44,6 +44,8 @@ def obj_stream(bucket: str) -> str:
 REGISTRY_KV = kv_stream(s.REGISTRY_META)
 REGISTRY_OBJ = obj_stream(s.REGISTRY_OBJECTS)
 RESPONSES_KV = kv_stream(s.RESPONSES_BUCKET)
+BATCHES_KV = kv_stream(s.BATCHES_BUCKET)
+FILES_OBJ = obj_stream(s.FILES_BUCKET)
 
 
 def js_read(stream: str, bind_only: bool = False) -> tuple[str, ...]:
@@ -78,6 +80,18 @@ NO_WRITES = (
 )
 """Denials that back up the allow lists: only deploy writes or reshapes the registry."""
 STREAM_CHANGES = NO_WRITES[3:]  # update, delete, purge, message delete
+
+FILES_AND_BATCHES = (
+    js_read(BATCHES_KV) + js_read(FILES_OBJ)
+    + (f"$JS.API.STREAM.CREATE.{BATCHES_KV}", f"$JS.API.STREAM.CREATE.{FILES_OBJ}",
+       f"$KV.{s.BATCHES_BUCKET}.>", f"$O.{s.FILES_BUCKET}.>",
+       f"$JS.API.STREAM.PURGE.{FILES_OBJ}"))
+"""/v1/files and /v1/batches (services/batchstore.py): both buckets, created by the first
+user; a file's chunks go with a purge of their subject when it is deleted."""
+OTHERS_STREAM_CHANGES = tuple(x for x in STREAM_CHANGES if ".PURGE." not in x) + tuple(
+    f"$JS.API.STREAM.PURGE.{st}" for st in (
+        kv_stream(s.REGISTRY_META), obj_stream(s.REGISTRY_OBJECTS), s.TELEMETRY_STREAM))
+"""STREAM_CHANGES for a role that purges the files bucket: purges denied elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +168,8 @@ GATEWAY = Role(
         ("Stored /v1/responses: its own KV bucket, created by the first gateway.",
          js_read(RESPONSES_KV) + (f"$JS.API.STREAM.CREATE.{RESPONSES_KV}",
                                   f"$KV.{s.RESPONSES_BUCKET}.>")),
+        ("/v1/files and /v1/batches: file bytes (Object Store) and records (KV).",
+         FILES_AND_BATCHES),
     ),
     subscribe=(
         ("The public API (queue group gateway).", PUBLIC),
@@ -165,7 +181,8 @@ GATEWAY = Role(
     ),
     # It answers inference.v1.* (allow_responses below), it never requests it.
     # It may create one stream (its bucket's), so stream creation is not denied here.
-    deny_publish=("inference.v1.>", f"$KV.{s.REGISTRY_META}.>", "$O.>") + STREAM_CHANGES,
+    deny_publish=("inference.v1.>", f"$KV.{s.REGISTRY_META}.>", f"$O.{s.REGISTRY_OBJECTS}.>")
+    + OTHERS_STREAM_CHANGES,
     # Answers to clients (and streamed chunks, then [DONE]) go to the request's
     # reply subject: unlimited messages per request while the request lives.
     responses=Responses(-1, "10m"),
@@ -282,6 +299,28 @@ DEPLOY = Role(
                   "tensorbus.v1.sched.>", "tensorbus.v1.worker.>", s.CANCEL),
 )
 
+BATCH = Role(
+    "batch", "TENSORBUS",
+    "the batch runner: sends each line of a batch to the public API, as a client "
+    "does, and keeps files and progress in JetStream.",
+    publish=(
+        ("A batch's requests, answered whole.", (s.EMBEDDINGS, s.COMPLETIONS, s.CHAT_COMPLETIONS)),
+        ("Its own probes.", _own_probes("tensorbus-batch")),
+        ("Input, output and error files (Object Store), batch records, their watch and "
+         "per-line progress (KV).", JS_ACCOUNT + FILES_AND_BATCHES),
+    ),
+    subscribe=(
+        ("Its probes, replies and discovery.",
+         (probe("tensorbus-batch", ">"), INBOX, SERVICE_DISCOVERY)),
+    ),
+    # Nothing of the registry, dispatch or telemetry: it only talks to the gateways.
+    deny_publish=(f"$KV.{s.REGISTRY_META}.>", f"$O.{s.REGISTRY_OBJECTS}.>", "telemetry.v1.>",
+                  "tensorbus.v1.sched.>", "tensorbus.v1.worker.>", s.CANCEL)
+    + OTHERS_STREAM_CHANGES,
+    responses=Responses(1, "1m"),
+    service="tensorbus-batch",
+)
+
 CLIENT = Role(
     "client", "CLIENTS",
     "an application. Requests the public API and reads its inbox; nothing else. "
@@ -291,7 +330,7 @@ CLIENT = Role(
     subscribe=(("Replies.", (INBOX,)),),
 )
 
-ROLES = (GATEWAY, SCHEDULER, WORKER, TELEMETRY, DEPLOY, CLIENT)
+ROLES = (GATEWAY, SCHEDULER, WORKER, TELEMETRY, BATCH, DEPLOY, CLIENT)
 BY_NAME = {r.name: r for r in ROLES}
 
 REFUSED = {
@@ -311,7 +350,7 @@ refusal and carries on. tests/security/test_secured_stack.py allows these and no
 other permissions violation."""
 
 PACKAGE_ROLE = {"gateway": GATEWAY, "scheduler": SCHEDULER, "worker": WORKER,
-                "telemetry": TELEMETRY}
+                "telemetry": TELEMETRY, "batch": BATCH}
 """The services/ package whose code each service role runs. The local orchestrator
 (services/orchestrator) has no role: it runs on one machine, on the development bus
 without authentication; Kubernetes scales with KEDA instead."""
@@ -347,7 +386,8 @@ HEADER = """\
 # Writes: $KV.<bucket>.<key> (put, delete, purge), $O.<bucket>.{C,M}.> (object
 # chunks and metadata), $JS.API.STREAM.{CREATE,UPDATE,DELETE,PURGE}.<stream>.
 # Only deploy writes the registry; the gateway writes its own stored-responses
-# bucket and telemetry its own stream, nothing else.
+# bucket, the gateway and the batch runner the files and batches buckets, and
+# telemetry its own stream, nothing else.
 """
 
 
@@ -409,7 +449,7 @@ def render() -> str:
     return "\n".join(lines + render_exports()) + "\n"
 
 
-STREAMS = (REGISTRY_KV, REGISTRY_OBJ, RESPONSES_KV, s.TELEMETRY_STREAM)
+STREAMS = (REGISTRY_KV, REGISTRY_OBJ, RESPONSES_KV, BATCHES_KV, FILES_OBJ, s.TELEMETRY_STREAM)
 
 
 def _streams(subjs: list[str]) -> str:

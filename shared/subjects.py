@@ -75,3 +75,5 @@ CANCEL = "tensorbus.v1.cancel"
 REGISTRY_OBJECTS = "tensorbus_models"
 REGISTRY_META = "tensorbus_registry"
 RESPONSES_BUCKET = "tensorbus_responses"  # stored /v1/responses (KV, 24 h TTL)
+FILES_BUCKET = "tensorbus_files"  # /v1/files contents (Object Store: raw bytes)
+BATCHES_BUCKET = "tensorbus_batches"  # /v1/files and /v1/batches records, batch progress (KV)

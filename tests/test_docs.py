@@ -52,7 +52,7 @@ def test_readme_starts_with_the_two_setup_commands_and_ci_runs_the_test_one():
 
 def test_procfile_holds_long_running_services_only():
     names = [line.split(":", 1)[0] for line in (ROOT / "Procfile").read_text().splitlines() if line.strip()]
-    assert names == ["nats", "gateway", "scheduler", "orchestrator", "telemetry"]
+    assert names == ["nats", "gateway", "scheduler", "orchestrator", "telemetry", "batch"]
 
 
 def test_the_cluster_procfile_differs_only_in_its_nats_line():

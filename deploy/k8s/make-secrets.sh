@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or keep) the Secret tensorbus-nats-credentials: one password per role,
-# keys gateway, scheduler, worker, telemetry, deploy, client. The NATS server
+# keys gateway, scheduler, worker, telemetry, batch, deploy, client. The NATS server
 # (helm-values.yaml) and every tensorbus pod read it; each pod only its own key.
 #
 #   deploy/k8s/make-secrets.sh [NAMESPACE]        (default: tensorbus)

@@ -8,6 +8,6 @@
 # nats-server config parser reads it as a string, and it needs no escaping inside
 # a URL (TENSORBUS_NATS_URL=nats://worker:PASSWORD@host:4222).
 set -euo pipefail
-for role in gateway scheduler worker telemetry deploy client; do
+for role in gateway scheduler worker telemetry batch deploy client; do
   printf 'TENSORBUS_NATS_PASS_%s=tb%s\n' "${role^^}" "$(openssl rand -hex 24)"
 done

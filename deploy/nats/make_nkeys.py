@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.nkeys import crc16  # noqa: E402
 
-ROLES = ("gateway", "scheduler", "worker", "telemetry", "deploy", "client")
+ROLES = ("gateway", "scheduler", "worker", "telemetry", "batch", "deploy", "client")
 
 PREFIX_SEED = 18 << 3  # 'S'
 PREFIX_USER = 20 << 3  # 'U'

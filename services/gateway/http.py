@@ -22,6 +22,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from services.gateway import batches
 from services.gateway.codec import IGNORED_HEADER, VERSION_HEADER
 from services.gateway.call import Call
 from services.gateway.frontend import USER_HEADER, Frontend
@@ -204,6 +205,7 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
         Route("/embed", partial(serve, TeiEmbed(front), True), methods=["POST"]),
         Route("/rerank", partial(serve, RerankRoute(front), False), methods=["POST"]),
         *([Route("/v1/responses/{id}", stored, methods=["GET", "DELETE"])] if responses else []),
+        *batches.routes(front.nc, config, authorised),  # /v1/files, /v1/batches
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),

@@ -19,6 +19,7 @@ from shared.api_replies import (ChatCompletionChunk, ChatCompletionResponse, Com
                                 CompletionResponse)
 from shared.api_models import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                TokenizeRequest, TokenizeResponse)
+from shared.api_batches import Batch, BatchList, CreateBatch, FileDeleted, FileList, FileObject
 from shared.api_responses import Deleted, Response, ResponsesRequest
 from shared.errors import ErrorBody
 
@@ -52,7 +53,8 @@ def openapi_document() -> dict:
              CompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
              TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse,
              RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, ModelList, ModelCard,
-             ResponsesRequest, Response, Deleted, ErrorBody]
+             ResponsesRequest, Response, Deleted, ErrorBody, CreateBatch, Batch, BatchList,
+             FileObject, FileList, FileDeleted]
     _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     plain = lambda d: {"responses": {"200": {"description": d}, "503": {"description": "not ready"}}}
     return {
@@ -81,6 +83,7 @@ def openapi_document() -> dict:
                 "delete": _op("Forget a stored response", None, "Deleted"),
                 "parameters": [{"name": "id", "in": "path", "required": True,
                                 "schema": {"type": "string"}}]},
+            **_batch_paths(),
             "/v1/models": {"get": _op("List served models, with their state", None, "ModelList")},
             "/v1/models/{model}": {"get": {
                 **_op("One served model's card (404: not served)", None, "ModelCard"),
@@ -92,4 +95,31 @@ def openapi_document() -> dict:
             "/readyz": {"get": plain("ready: the gateway is serving and connected to the bus")},
         },
         "components": {"schemas": components},
+    }
+
+
+def _batch_paths() -> dict:
+    """/v1/files and /v1/batches (services/gateway/batches.py)."""
+    def by_id(**ops) -> dict:
+        return {**ops, "parameters": [{"name": "id", "in": "path", "required": True,
+                                       "schema": {"type": "string"}}]}
+
+    upload = _op("Upload a batch input file (multipart/form-data: purpose=batch, file)",
+                 None, "FileObject")
+    upload["requestBody"] = {"required": True, "content": {"multipart/form-data": {
+        "schema": {"type": "object", "required": ["purpose", "file"], "properties": {
+            "purpose": {"type": "string", "enum": ["batch"]},
+            "file": {"type": "string", "format": "binary"}}}}}}
+    content = _op("A file's bytes", None, "FileObject")
+    content["responses"]["200"] = {"description": "the file as stored", "content": {
+        "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}
+    return {
+        "/v1/files": {"post": upload, "get": _op("List files, newest first", None, "FileList")},
+        "/v1/files/{id}": by_id(get=_op("A file", None, "FileObject"),
+                                delete=_op("Delete a file", None, "FileDeleted")),
+        "/v1/files/{id}/content": by_id(get=content),
+        "/v1/batches": {"post": _op("Create a batch", "CreateBatch", "Batch"),
+                        "get": _op("List batches, newest first", None, "BatchList")},
+        "/v1/batches/{id}": by_id(get=_op("A batch", None, "Batch")),
+        "/v1/batches/{id}/cancel": by_id(post=_op("Cancel a batch", None, "Batch")),
     }

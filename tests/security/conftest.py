@@ -22,7 +22,7 @@ from shared.natsd import NatsServer
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "deploy" / "nats"
-ROLES = ("gateway", "scheduler", "worker", "telemetry", "deploy", "client")
+ROLES = ("gateway", "scheduler", "worker", "telemetry", "batch", "deploy", "client")
 
 
 def pass_var(role: str) -> str:

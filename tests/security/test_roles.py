@@ -204,8 +204,11 @@ def uses(package: str) -> list[tuple[str, str, str]]:
 def test_every_subject_a_service_uses_is_granted_to_its_role(package):
     role = PACKAGE_ROLE[package]
     found = uses(package)
-    assert any(op == "publish" for op, _, _ in found) and any(
-        op == "subscribe" for op, _, _ in found), "the scan found no bus use"
+    ops = {op for op, _, _ in found}
+    # The batch runner subscribes to nothing of its own (a KV watch, its probes) and
+    # requests the inference subjects through a table by url: named, not called.
+    assert {"publish", "subscribe"} <= ops or (package == "batch" and "either" in ops), \
+        "the scan found no bus use"
     missing = [(op, x, where) for op, x, where in found
                if not (role.grants(op, x) if op != "either"
                        else role.grants("publish", x) or role.grants("subscribe", x))]

@@ -1,0 +1,1 @@
+"""The batch runner: works through `/v1/batches` on the public inference subjects."""

@@ -1,0 +1,18 @@
+"""`python -m services.batch`: process wiring only (services.lifecycle.serve).
+
+One runner per deployment (docs/operations.md, "The batch runner")."""
+
+from __future__ import annotations
+
+from services.lifecycle import serve
+from shared.config import Config
+
+from .runner import SERVICE_NAME, BatchRunner
+
+
+async def build(nc, config: Config):
+    return BatchRunner(nc, config), []
+
+
+if __name__ == "__main__":
+    serve("batch", build, client_name=SERVICE_NAME)

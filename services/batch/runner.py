@@ -1,0 +1,307 @@
+"""The batch runner: one actor that works through every batch on the public subjects.
+
+  1. A KV watch on `batches.*` (services/batchstore.py) hands it each batch record,
+     the stored ones first, then every change. A batch in an active status
+     (validating, in_progress, finalizing, cancelling) that no job of this runner
+     holds gets a job; a record that turns `cancelling` tells its job to stop.
+  2. validating: the input file is read and checked (lines.py). A problem fails the
+     batch (`errors` lists them, by line); else it turns in_progress with its total.
+  3. in_progress: the lines not yet answered (no `lines.` key: batchstore) are sent,
+     in input order, each to the inference subject of its `url`
+     (`inference.v1.chat.completions` ...), the same request bodies a client sends,
+     through the batch lane: at most TENSORBUS_BATCH_CONCURRENCY requests of all
+     batches in flight. The wire has no priority field, so the lane's bound is what
+     leaves the interactive traffic its capacity. A 429 or 503 (busy, or no
+     gateway) is retried after its Retry-After, a few times.
+  4. Each answer is stored under its line's key before the batch's counts move; a
+     runner that dies loses only the requests in flight, which the next one sends
+     again. No line is answered twice in the output, none is lost.
+  5. Cancelled (or past its 24 h window): no new line is sent, those in flight
+     finish. Then finalizing: the output file (status 200 lines) and the error file
+     (the rest), each in input order, go to the files store; the batch ends
+     completed, cancelled or expired, with its request_counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+
+import msgspec
+from nats.aio.client import Client
+from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.js.kv import KV_DEL, KV_PURGE
+
+from services.batch.lines import parse
+from services.batchstore import BatchStore, new_id, now
+from services.micro import MicroService, ServiceHealth, add_service
+from shared import VERSION, subjects
+from shared.api_batches import (
+    ACTIVE,
+    Batch,
+    BatchErrors,
+    InputLine,
+    LineError,
+    LineResponse,
+    OutputLine,
+    RequestCounts,
+)
+from shared.config import Config
+from shared.errors import HEADER_CODE, HEADER_RETRY_AFTER
+from shared.logging import get_logger
+
+log = get_logger("batch")
+
+SERVICE_NAME = "tensorbus-batch"
+TRIES = 6  # sends of one line that met a 429 / 503 / no gateway / a lost reply
+BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+_json = msgspec.json.Encoder()
+_any = msgspec.json.Decoder()
+
+
+def subject_of(endpoint: str) -> str:
+    return {"/v1/chat/completions": subjects.CHAT_COMPLETIONS,
+            "/v1/completions": subjects.COMPLETIONS,
+            "/v1/embeddings": subjects.EMBEDDINGS}[endpoint]
+
+
+class BatchRunner:
+    def __init__(self, nc: Client, config: Config, store: BatchStore | None = None) -> None:
+        self.nc = nc
+        self.config = config
+        self.store = store
+        self.lane = asyncio.Semaphore(max(1, config.batch_concurrency))
+        self.health = ServiceHealth()
+        self.jobs: dict[str, asyncio.Event] = {}  # batch id -> its cancel event
+        self._tasks: set[asyncio.Task] = set()
+        self._stop = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._micro: MicroService | None = None
+
+    async def run(self) -> None:
+        self.store = self.store or await BatchStore.open(self.nc)
+        watcher = await self.store.watch_batches()
+        self._micro = await add_service(self.nc, SERVICE_NAME, VERSION,
+                                        "runs /v1/batches on the inference subjects",
+                                        health=self.health)
+        self.health.add_check("nats", lambda: self.nc.is_connected)
+        self.health.ready = True
+        self._spawn(self._watch(watcher))
+        try:
+            await self._stop.wait()
+        finally:
+            self.health.ready = False
+            for t in list(self._tasks):
+                t.cancel()  # lines in flight are sent again by the next runner
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await watcher.stop()
+            await self._micro.stop()
+        if self._failure is not None:
+            raise self._failure
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+        return task
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._failure = task.exception()  # the process exits 1 (services.lifecycle)
+            self._stop.set()
+
+    async def _watch(self, watcher) -> None:
+        async for entry in watcher:
+            if entry is None or entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
+                continue
+            batch = self.store.decode_batch(entry.value)
+            if batch.status not in ACTIVE:
+                continue
+            cancel = self.jobs.get(batch.id)
+            if cancel is None:
+                self.jobs[batch.id] = asyncio.Event()
+                self._spawn(self._job(batch.id))
+            elif batch.status == "cancelling":
+                cancel.set()
+
+    async def _job(self, batch_id: str) -> None:
+        try:
+            await Job(self, batch_id, self.jobs[batch_id]).run()
+        finally:
+            self.jobs.pop(batch_id, None)
+
+
+class Job:
+    """One batch, from its current status to a final one."""
+
+    def __init__(self, runner: BatchRunner, batch_id: str, cancel: asyncio.Event) -> None:
+        self.runner = runner
+        self.store: BatchStore = runner.store
+        self.id = batch_id
+        self.cancel = cancel
+
+    async def run(self) -> None:
+        batch = await self.store.batch(self.id)
+        if batch is None or batch.status not in ACTIVE:
+            return
+        data = await self.store.file_bytes(batch.input_file_id)
+        lines, errors = parse(data or b"", self.runner.config.batch_max_lines)
+        if data is None:
+            errors = [msgspec.structs.replace(errors[0], code="file_not_found",
+                                              message=f"input file '{batch.input_file_id}' "
+                                              "does not exist")]
+        if errors:
+            await self.store.change(self.id, lambda b: _failed(b, errors))
+            log.info("batch_failed", batch_id=self.id, errors=len(errors))
+            return
+        batch = await self.store.change(self.id, lambda b: _started(b, len(lines)))
+        done = await self.store.lines_done(self.id)
+        batch = await self.store.change(self.id, lambda b: _counted(b, len(lines), done))
+        if batch.status == "in_progress":
+            log.info("batch_running", batch_id=self.id, total=len(lines), done=len(done))
+            await self._feed(batch, lines, done)
+        await self._finish(len(lines))
+
+    async def _feed(self, batch: Batch, lines: list[InputLine], done: dict[int, bool]) -> None:
+        lane = self.runner.lane
+        async with asyncio.TaskGroup() as tg:
+            for n, line in enumerate(lines):
+                if n in done:
+                    continue
+                await lane.acquire()
+                if self.cancel.is_set() or _past(batch):
+                    lane.release()
+                    break
+                task = tg.create_task(self._one(batch, n, line))
+                task.add_done_callback(lambda _: lane.release())  # run, failed or cancelled
+
+    async def _one(self, batch: Batch, n: int, line: InputLine) -> None:
+        out = await self._send(line)
+        await self.store.put_line(self.id, n, out)
+        ok = out.ok
+        now_ = await self.store.change(self.id, lambda b: _one_more(b, ok))
+        if now_ is not None and now_.status == "cancelling":
+            self.cancel.set()
+
+    async def _send(self, line: InputLine) -> OutputLine:
+        """One request, as a client sends it; retried while the answer says "not now"."""
+        nc, config = self.runner.nc, self.runner.config
+        rid = new_id("req_")
+        headers = {"X-Request-Id": rid, "Tensorbus-Timeout": f"{config.max_generation_s:g}"}
+        body = _json.encode(line.body)
+        problem = "no answer"
+        for attempt in range(TRIES):
+            wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+            try:
+                msg = await nc.request(subject_of(line.url), body, headers=headers,
+                                       timeout=config.max_generation_s + 30)
+            except NoRespondersError:
+                problem = "no gateway serves the inference subjects"
+            except NatsTimeout:
+                problem = "the request had no answer in time"
+            else:
+                hdrs = msg.headers or {}
+                code = int(hdrs.get(HEADER_CODE) or 200)
+                if code not in (429, 503) or attempt == TRIES - 1:
+                    return OutputLine(id=new_id("batch_req_"), custom_id=line.custom_id,
+                                      response=LineResponse(status_code=code, request_id=rid,
+                                                            body=_body(msg.data)))
+                wait = _float(hdrs.get(HEADER_RETRY_AFTER)) or wait
+            await asyncio.sleep(wait)
+        return OutputLine(id=new_id("batch_req_"), custom_id=line.custom_id,
+                          error=LineError(code="unavailable", message=problem))
+
+    async def _finish(self, total: int) -> None:
+        """Write the output and error files, then the final status."""
+        batch = await self.store.change(self.id, _finalizing)
+        if batch is None or batch.status not in ("finalizing", "cancelling"):
+            return
+        final = "cancelled" if batch.status == "cancelling" else (
+            "expired" if _past(batch) else "completed")
+        done = await self.store.lines_done(self.id)
+        good, bad = io.BytesIO(), io.BytesIO()
+        for n in sorted(done):
+            (good if done[n] else bad).write(await self.store.line(self.id, n, done[n]) + b"\n")
+        out_id = err_id = None
+        if good.tell():
+            out_id = (await self.store.put_file(f"{self.id}_output.jsonl", "batch_output",
+                                                good.getvalue())).id
+        if bad.tell():
+            err_id = (await self.store.put_file(f"{self.id}_error.jsonl", "batch_output",
+                                                bad.getvalue())).id
+        counts = _counts(total, done)
+
+        def ended(b: Batch) -> Batch:
+            b.status, b.output_file_id, b.error_file_id = final, out_id, err_id
+            b.request_counts = counts
+            setattr(b, f"{final}_at", now())
+            return b
+
+        await self.store.change(self.id, ended)
+        log.info("batch_" + final, batch_id=self.id, completed=counts.completed,
+                 failed=counts.failed, total=total)
+
+
+# --- record changes (each a function of the latest record: BatchStore.change)
+
+def _failed(b: Batch, errors) -> Batch | None:
+    if b.status not in ("validating", "cancelling"):
+        return None
+    b.status, b.failed_at, b.errors = "failed", now(), BatchErrors(data=list(errors))
+    return b
+
+
+def _started(b: Batch, total: int) -> Batch | None:
+    if b.status != "validating":
+        return None
+    b.status, b.in_progress_at = "in_progress", now()
+    b.request_counts = RequestCounts(total=total)
+    return b
+
+
+def _counted(b: Batch, total: int, done: dict[int, bool]) -> Batch:
+    b.request_counts = _counts(total, done)
+    return b
+
+
+def _one_more(b: Batch, ok: bool) -> Batch:
+    c = b.request_counts
+    b.request_counts = RequestCounts(total=c.total, completed=c.completed + ok,
+                                     failed=c.failed + (not ok))
+    return b
+
+
+def _finalizing(b: Batch) -> Batch | None:
+    if b.status != "in_progress":
+        return None
+    b.status, b.finalizing_at = "finalizing", now()
+    return b
+
+
+def _counts(total: int, done: dict[int, bool]) -> RequestCounts:
+    ok = sum(done.values())
+    return RequestCounts(total=total, completed=ok, failed=len(done) - ok)
+
+
+def _past(batch: Batch) -> bool:
+    return batch.expires_at is not None and time.time() > batch.expires_at
+
+
+def _body(data: bytes):
+    try:
+        return _any.decode(data)
+    except msgspec.DecodeError:
+        return {"error": {"message": data.decode(errors="replace")[:1000],
+                          "type": "server_error", "code": "bad_reply"}}
+
+
+def _float(raw: str | None) -> float | None:
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None

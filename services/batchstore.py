@@ -1,0 +1,197 @@
+"""Files and batches in JetStream: what the gateway's `/v1/files` and `/v1/batches`
+write and the batch runner (services/batch) works through.
+
+Two buckets, created by whichever process binds them first (safe to race):
+
+- Object Store `tensorbus_files` (shared.subjects.FILES_BUCKET): a file's bytes, as
+  uploaded or as the runner wrote them, under the file's id. Raw bytes, never
+  unpickled.
+- KV `tensorbus_batches` (shared.subjects.BATCHES_BUCKET), msgspec JSON values:
+    files.<file_id>                  the FileObject
+    batches.<batch_id>               the Batch (status, counts, file ids)
+    lines.<batch_id>.<ok|err>.<n>    the OutputLine of input line n (0-based), written
+                                     once, when its request finished
+
+A batch record changes by compare-and-set (`change`): the gateway (cancel) and the
+runner (progress, status) both read, modify and write it at its last revision, so
+neither overwrites the other's change. Which lines are done is the set of `lines.`
+keys, read from the stream's subject index, so a restarted runner knows exactly
+what to skip.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+from typing import Callable
+
+import msgspec
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
+
+from shared import subjects
+from shared.api_batches import Batch, FileObject, OutputLine
+from shared.jetstream import replicas
+
+KV_STREAM = f"KV_{subjects.BATCHES_BUCKET}"
+_PRE = f"$KV.{subjects.BATCHES_BUCKET}."
+_ID = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
+_line = msgspec.json.Decoder(OutputLine).decode
+_file = msgspec.json.Decoder(FileObject).decode
+_batch = msgspec.json.Decoder(Batch).decode
+_encode = msgspec.json.Encoder().encode
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class BatchStore:
+    """Both buckets behind one object. Build it with `await BatchStore.open(nc)`."""
+
+    def __init__(self, js, kv, objects) -> None:
+        self._js = js
+        self._kv = kv
+        self._obj = objects
+
+    @classmethod
+    async def open(cls, nc) -> "BatchStore":
+        js = nc.jetstream()
+        try:
+            kv = await js.key_value(subjects.BATCHES_BUCKET)
+        except BucketNotFoundError:
+            kv = await js.create_key_value(
+                bucket=subjects.BATCHES_BUCKET, history=1, replicas=replicas(nc),
+                description="tensorbus files and batches: records and progress")
+        try:
+            obj = await js.object_store(subjects.FILES_BUCKET)
+        except BucketNotFoundError:
+            obj = await js.create_object_store(
+                subjects.FILES_BUCKET, description="tensorbus /v1/files contents",
+                replicas=replicas(nc))
+        return cls(js, kv, obj)
+
+    # --- files
+
+    async def put_file(self, filename: str, purpose: str, data: bytes) -> FileObject:
+        f = FileObject(id=new_id("file-"), bytes=len(data), created_at=now(),
+                       filename=filename, purpose=purpose)
+        await self._obj.put(f.id, data)
+        await self._kv.put(f"files.{f.id}", _encode(f))
+        return f
+
+    async def file(self, file_id: str) -> FileObject | None:
+        raw = await self._get(f"files.{file_id}") if _ID.match(file_id) else None
+        return _file(raw) if raw else None
+
+    async def file_bytes(self, file_id: str) -> bytes | None:
+        if await self.file(file_id) is None:
+            return None
+        try:
+            return (await self._obj.get(file_id)).data
+        except NotFoundError:
+            return None
+
+    async def delete_file(self, file_id: str) -> bool:
+        if await self.file(file_id) is None:
+            return False
+        await self._kv.purge(f"files.{file_id}")
+        try:
+            await self._obj.delete(file_id)
+        except NotFoundError:
+            pass  # the record was written after the bytes; only the record was left
+        return True
+
+    async def files(self) -> list[FileObject]:
+        """Every file, newest first."""
+        out = [_file(raw) for raw in await self._scan("files.*")]
+        return sorted(out, key=lambda f: (f.created_at, f.id), reverse=True)
+
+    # --- batches
+
+    async def create_batch(self, batch: Batch) -> None:
+        await self._kv.create(f"batches.{batch.id}", _encode(batch))
+
+    async def batch(self, batch_id: str) -> Batch | None:
+        raw = await self._get(f"batches.{batch_id}") if _ID.match(batch_id) else None
+        return _batch(raw) if raw else None
+
+    async def batches(self) -> list[Batch]:
+        """Every batch, newest first."""
+        out = [_batch(raw) for raw in await self._scan("batches.*")]
+        return sorted(out, key=lambda b: (b.created_at, b.id), reverse=True)
+
+    async def change(self, batch_id: str, fn: Callable[[Batch], Batch | None]) -> Batch | None:
+        """Apply `fn` to the batch's latest record and write it at that revision,
+        again on a conflict. `fn` returns the new record, or None to leave it as it
+        is. The record as it stands afterwards, or None when there is no such batch."""
+        while True:
+            try:
+                entry = await self._kv.get(f"batches.{batch_id}")
+            except (KeyNotFoundError, KeyDeletedError):
+                return None
+            current = _batch(entry.value)
+            new = fn(msgspec.structs.replace(current))
+            if new is None:
+                return current
+            try:
+                await self._kv.update(f"batches.{batch_id}", _encode(new), last=entry.revision)
+                return new
+            except KeyWrongLastSequenceError:
+                await asyncio.sleep(0)  # someone else wrote it: read again
+
+    async def watch_batches(self):
+        """A KV watcher of every batch record: the current ones, then each change."""
+        return await self._kv.watch("batches.*")
+
+    @staticmethod
+    def decode_batch(raw: bytes) -> Batch:
+        return _batch(raw)
+
+    # --- per-line progress
+
+    async def put_line(self, batch_id: str, n: int, line: OutputLine) -> None:
+        await self._kv.put(f"lines.{batch_id}.{'ok' if line.ok else 'err'}.{n}", _encode(line))
+
+    async def lines_done(self, batch_id: str) -> dict[int, bool]:
+        """{input line index: answered with status 200} for every line answered."""
+        info = await self._js.stream_info(KV_STREAM,
+                                          subjects_filter=f"{_PRE}lines.{batch_id}.*.*")
+        out = {}
+        for subject in info.state.subjects or {}:
+            *_, kind, n = subject.split(".")
+            out[int(n)] = kind == "ok"
+        return out
+
+    async def line(self, batch_id: str, n: int, ok: bool) -> bytes:
+        return await self._get(f"lines.{batch_id}.{'ok' if ok else 'err'}.{n}") or b""
+
+    # --- helpers
+
+    async def _get(self, key: str) -> bytes | None:
+        try:
+            return (await self._kv.get(key)).value or None
+        except (KeyNotFoundError, KeyDeletedError):
+            return None
+
+    async def _scan(self, pattern: str) -> list[bytes]:
+        """The values of every key matching `pattern` (deleted ones left out), keys from
+        the stream's subject index (as services/registry/store.py lists versions)."""
+        info = await self._js.stream_info(KV_STREAM, subjects_filter=_PRE + pattern)
+        out = []
+        for subject in sorted(info.state.subjects or {}):
+            raw = await self._get(subject[len(_PRE):])
+            if raw:
+                out.append(raw)
+        return out
