@@ -135,7 +135,10 @@ class BatchStore:
     async def change(self, batch_id: str, fn: Callable[[Batch], Batch | None]) -> Batch | None:
         """Apply `fn` to the batch's latest record and write it at that revision,
         again on a conflict. `fn` returns the new record, or None to leave it as it
-        is. The record as it stands afterwards, or None when there is no such batch."""
+        is. The record as it stands afterwards, or None when there is no such batch
+        (an id no batch could have, a key KV refuses, among them)."""
+        if not _ID.match(batch_id):
+            return None
         while True:
             try:
                 entry = await self._kv.get(f"batches.{batch_id}")
