@@ -163,7 +163,8 @@ CATALOGUE = [
          400, "context", "context_length_exceeded"),
     Case("prompt token outside the vocabulary", C, J(comp(prompt=[10**7])), 400, "vocabulary"),
     Case("empty prompt", C, J(comp(prompt="")), 400, "empty"),
-    Case("two prompts", C, J(comp(prompt=["a", "b"])), 400, "one prompt"),
+    Case("too many prompts", C, J(comp(prompt=["a"] * 65)), 400, "at most 64"),
+    Case("prompts of two kinds", C, J(comp(prompt=["a", [1, 2]])), 400, "mixes"),
     # ---- sampling parameters
     Case("max_tokens zero", C, J(comp(max_tokens=0)), 400, "max_tokens"),
     Case("max_tokens negative", C, J(comp(max_tokens=-5)), 400, "max_tokens"),
