@@ -37,6 +37,17 @@ class _Client(Client):
 
     cluster_urls: frozenset[str] = frozenset()  # immutable default; set per INFO
 
+    async def flush(self, timeout: int = 10) -> None:
+        """Returns once the server has every command given before the call.
+
+        nats-py writes flush's PING straight to the socket, ahead of the commands its
+        flusher task has not written yet (a SUB or PUB just made), so its PONG can
+        come back before the server has seen them: a `tail` that said "ready" then
+        missed the first records. The first round trip lets the flusher write them;
+        the second PING follows them on the wire."""
+        await super().flush(timeout)
+        await super().flush(timeout)
+
     async def _process_info(self, info: dict, initial_connection: bool = False) -> None:
         # Keep the server's latest list of cluster members (nats-py keeps only the
         # first INFO's): a cluster still forming announces its late members here.
