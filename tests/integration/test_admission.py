@@ -109,18 +109,20 @@ async def test_the_first_burst_after_a_start_is_served_whole(nats_server, minilm
 
 
 async def test_a_burst_far_above_capacity_is_answered_with_no_504(nats_server):
-    engine = MockEncoder(max_batch=16, per_batch_s=0.05)  # 16 inputs per 50 ms
+    engine = MockEncoder(max_batch=16, per_batch_s=0.2)  # 16 inputs per 200 ms
     async with running_stack(nats_server.url, max_batch=16) as st:
         await st.add_worker(engine, "enc-burst")
-        await measured(st, sizes=(1, 16))  # a batch costs 50 ms whatever its size
-        # 300 requests of 4 inputs, each with 2 s to live: the engine finishes about 130.
-        # (With 1 s, the in-process stack's one event loop spent a fixed share of it
-        # taking in the burst itself, which the engine's measured cost does not hold.)
+        await measured(st, sizes=(1, 16))  # a batch costs 200 ms whatever its size
+        # 150 requests of 4 inputs, each with 2 s to live: the engine finishes about 40.
+        # The in-process stack runs gateway, scheduler and worker on one event loop,
+        # whose work per request the engine's measured cost does not hold: a slow
+        # engine and a burst of 150 (not 300 of a 50 ms engine) keep that share small
+        # on a loaded machine, where the larger burst met 504s.
         outcomes = await asyncio.gather(*(call(st.client, inputs=4, timeout_s=2.0)
-                                          for _ in range(300)))
+                                          for _ in range(150)))
         codes = Counter(o.status for o in outcomes)
         assert set(codes) <= {200, 429} and LOST not in codes, codes  # no 504, nothing lost
-        assert codes[200] >= 16 and codes[429] >= 100, codes
+        assert codes[200] >= 8 and codes[429] >= 80, codes
         refused = [o for o in outcomes if o.status == 429]
         assert all(o.retry_after and o.retry_after > 0 for o in refused)
         # Refusals are decided on arrival, not after waiting in a queue.
