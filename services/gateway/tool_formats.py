@@ -347,9 +347,10 @@ def _py_value(schema) -> str:
         forms = [f for v in enum for f in ({repr(v), json.dumps(v)} if isinstance(v, str)
                                           else {repr(v)})]  # fmt: skip
         return "(" + " | ".join(json.dumps(f) for f in sorted(forms)) + ")"
-    simple = {"string": "STR", "integer": "INT", "number": "NUM", "boolean": '("True" | "False")',
-              "null": '"None"'}
-    return simple.get(schema.get("type"), "value")  # a list of types, or none: any literal
+    simple: dict[str | None, str] = {"string": "STR", "integer": "INT", "number": "NUM",
+                                     "boolean": '("True" | "False")', "null": '"None"'}
+    kind = schema.get("type")
+    return simple.get(kind, "value") if isinstance(kind, str) else "value"  # a list: any literal
 
 
 _NATIVE: dict[str, _Native] = {f.name: f for f in (

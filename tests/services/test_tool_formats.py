@@ -260,3 +260,11 @@ def test_a_pythonic_tool_needs_a_python_name():
         tools.plan(_req(tools=[WEATHER, bad]), "pythonic")
     assert err.value.status == 400 and "tools[1].function.name" in err.value.message
     assert tools.plan(_req(tools=[WEATHER, bad]), "llama3_json").grammar
+
+
+def test_a_pythonic_parameter_of_several_types_takes_any_literal(smollm2_ll):  # noqa: F811
+    either = {"type": "function", "function": {"name": "set_limit", "parameters": {
+        "type": "object", "properties": {"limit": {"type": ["integer", "null"]}}}}}
+    grammar = tools.plan(_req(tools=[either]), "pythonic").grammar  # was a 500 (TypeError)
+    for text in ("[set_limit(limit=3)]", "[set_limit(limit=None)]"):
+        assert _accepts(smollm2_ll, grammar, text), text
