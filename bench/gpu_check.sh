@@ -54,6 +54,9 @@ if [ "$DRY" = 1 ]; then
   PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
   export JAX_PLATFORMS=cpu
   BENCH_ARGS=(--dry --dtype float32)
+  # The step limits below fit the GPU machine's 10 minutes; a dry run on a busy CPU
+  # (the test suite's other process compiling beside it) may need more than they give.
+  : "${DECODE_TIMEOUT:=400}" "${SERVING_TIMEOUT:=400}" "${BENCH_TIMEOUT:=400}"
 else
   PY=${PYTHON:-python3}
   export JAX_PLATFORMS=cuda  # fail rather than measure the CPU by mistake

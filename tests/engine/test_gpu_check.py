@@ -15,16 +15,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# About 100 CPU-seconds: two to three minutes on a quiet machine, longer at load 12 on
-# two cores. The bound is there to catch a hang, not to time it.
-@pytest.mark.timeout(900)
+# About 100 CPU-seconds: two to three minutes on a quiet machine, five at load 12 on
+# two cores (its engine benchmarks alone passed 200 s). The bound is there to catch a
+# hang, not to time it: a dry run gives each step 400 s.
+@pytest.mark.timeout(1300)
 def test_dry_mode_writes_one_json_file_with_every_form(tmp_path):
     out = tmp_path / "check.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     done = subprocess.run(["bash", "bench/gpu_check.sh", "--dry", "--out", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=840)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    doc = json.loads(out.read_text())
+                          env=env, capture_output=True, text=True, timeout=1250)  # fmt: skip
+    doc = json.loads(out.read_text()) if out.exists() else {}
+    rcs = {k: v for k, v in doc.items() if k.endswith(("_rc", "_seconds"))}  # 124: a step's limit
+    assert done.returncode == 0, (rcs, done.stdout[-3000:] + done.stderr[-3000:])
     assert doc["dry"] and doc["tests"]["rc"] == 0 and "collected" in doc["tests"]["summary"]
     bench = doc["bench"]
     assert bench["platform"] == "cpu"
