@@ -125,7 +125,7 @@ def cache_path(explicit: str | os.PathLike | None = "") -> Path | None:
         return Path(explicit)
     import jax
 
-    cache_dir = jax.config.jax_compilation_cache_dir
+    cache_dir = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # unstubbed flag
     return Path(cache_dir) / CACHE_NAME if cache_dir else None
 
 
@@ -204,4 +204,4 @@ def key_of(fields: dict, buckets: list[str], forms: tuple[str, ...]) -> str:
 
 
 def fastest(ms: dict[str, float]) -> str:
-    return min(ms, key=ms.get)
+    return min(ms, key=ms.__getitem__)

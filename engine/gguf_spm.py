@@ -50,7 +50,7 @@ def build_sentencepiece(header: Header):
         scores = [-float(i) for i in range(len(tokens))]
     if scores is None:
         raise GGUFError(f"{header.path}: a SentencePiece vocabulary without scores")
-    vocab = {}
+    vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
     mergeable = [(t, s) for t, s, k in zip(tokens, scores, types)

@@ -103,7 +103,7 @@ def _cpu_flags() -> list[str]:
 
 def cache_dir() -> Path | None:
     """The persistent compilation cache's folder, or None when it is off."""
-    path = jax.config.jax_compilation_cache_dir
+    path = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # unstubbed flag
     return Path(path) if path else None
 
 

@@ -60,7 +60,7 @@ def directory(explicit: str | os.PathLike | None = "") -> Path | None:
         return Path(explicit)
     import jax
 
-    cache_dir = jax.config.jax_compilation_cache_dir
+    cache_dir = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # unstubbed flag
     return Path(cache_dir) / DIR_NAME if cache_dir else None
 
 
@@ -219,7 +219,8 @@ def read(path: Path) -> dict[str, Tree]:
         header_len = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(header_len))
         buf = np.empty(os.fstat(f.fileno()).st_size - 8 - header_len, np.uint8)
-        if f.readinto(buf) != buf.size:
+        # numpy's stubs give ndarray __buffer__ only from Python 3.12
+        if f.readinto(buf) != buf.size:  # type: ignore[arg-type]
             raise ValueError(f"{path}: shorter than its header says")
     arrays = {}
     for name, info in header.items():

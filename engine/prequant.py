@@ -36,7 +36,10 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SERVED = "fp8, compressed-tensors (float8 weights)"
 # compressed-tensors formats that store 8-bit float weights as they are (no packing).
@@ -105,7 +108,7 @@ def _fp8(q: dict) -> Scheme:
     layouts = [TENSOR]
     if q.get("weight_block_size"):
         layouts.append(_block(q["weight_block_size"], "weight_block_size"))
-    ignored = ()
+    ignored: tuple[str, ...] = ()
     if q.get("activation_scheme"):
         ignored = (f"{q['activation_scheme']} fp8 activations",)
     return Scheme("fp8", tuple(layouts), ignored)
@@ -205,7 +208,7 @@ def _fit(name: str, shape: tuple[int, int], scale_shape: tuple, layouts) -> tupl
     return fits.pop()
 
 
-def dequantize_weight(name: str, q, scale, layouts) -> "np.ndarray":
+def dequantize_weight(name: str, q, scale, layouts) -> np.ndarray:
     """A float8 [out, in] weight and its scale -> float32 q * scale, each scale
     spread over the block it covers (the last blocks cut at the weight's edge)."""
     import numpy as np
@@ -240,6 +243,7 @@ def dequantize(weights: dict, found: Scheme | None) -> tuple[dict, int]:
             raise UnsupportedQuantization(f"{name!r} is stored as float8 with "
                                           f"{'no scale' if not scales else 'two scales'} "
                                           f"({' or '.join(SCALES)})")  # fmt: skip
+        assert base is not None  # a scale was found beside it
         zero = weights.get(base + "weight_zero_point")
         if zero is not None and zero.astype("float32").any():
             raise UnsupportedQuantization(f"{name!r} has a nonzero zero point: float8 "

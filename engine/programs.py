@@ -33,37 +33,40 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
+from typing import Generic, TypeVar
 
 from engine import jaxrt
 from shared.logging import get_logger
 
 log = get_logger(__name__)
 
+K = TypeVar("K", bound=Hashable)  # a program's key: its shape (and form)
 
-class Programs:
+
+class Programs(Generic[K]):
     def __init__(self, name: str) -> None:
         self.name = name
-        self._done: dict[Hashable, object] = {}
-        self._busy: dict[Hashable, threading.Event] = {}  # being compiled -> set when done
+        self._done: dict[K, object] = {}
+        self._busy: dict[K, threading.Event] = {}  # being compiled -> set when done
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._queue: deque[tuple[Hashable, Callable[[], object]]] = deque()  # background's
+        self._queue: deque[tuple[K, Callable[[], object]]] = deque()  # background's
         self.listeners: list[Callable[[], None]] = []  # called (on its thread) as one joins
         self.compile_seconds = 0.0
-        self._urgent: Hashable | None = None  # being compiled for `want`
+        self._urgent: K | None = None  # being compiled for `want`
         self._wanted: threading.Thread | None = None  # ... on this thread
         self._waiting = 0  # callers (not the background thread) blocked on a compile
         self.waited_s = 0.0  # the time they spent blocked, since start
 
-    def has(self, key: Hashable) -> bool:
+    def has(self, key: K) -> bool:
         return key in self._done
 
     @property
     def compiled(self) -> int:
         return len(self._done)
 
-    def keys(self) -> list[Hashable]:
+    def keys(self) -> list[K]:
         return list(self._done)
 
     @property
@@ -72,8 +75,8 @@ class Programs:
         step) is blocked on a compile now: its step is slow, not stuck."""
         return self._waiting > 0
 
-    def compile_together(self, jobs: list[tuple[Hashable, Callable[[], object]]],
-                         done: Callable[[Hashable], None] = lambda key: None) -> None:
+    def compile_together(self, jobs: list[tuple[K, Callable[[], object]]],
+                         done: Callable[[K], None] = lambda key: None) -> None:
         """Compile `jobs` now, one per core at a time (at most 4), calling `done(key)`
         as each is ready: the first set before ready. Tracing holds the interpreter
         but XLA's compile does not: SmolLM2's first three programs took 9.4 s
@@ -87,7 +90,7 @@ class Programs:
                 f.result()  # a failed compile fails the warm-up, as it would one by one
                 done(futures[f])
 
-    def get(self, key: Hashable, lower: Callable[[], object]):
+    def get(self, key: K, lower: Callable[[], object]):
         """The executable for `key`, compiled now (from `lower()`) if nobody has."""
         exe = self._done.get(key)
         if exe is not None:
@@ -103,14 +106,14 @@ class Programs:
                 self._waiting -= waiter
                 self.waited_s += (time.perf_counter() - t0) * waiter
 
-    def _get(self, key: Hashable, lower: Callable[[], object]):
+    def _get(self, key: K, lower: Callable[[], object]):
         with self._lock:
             exe = self._done.get(key)
             if exe is not None:
                 return exe
             event = self._busy.get(key)
             mine = event is None
-            if mine:
+            if event is None:
                 event = self._busy[key] = threading.Event()
         if not mine:
             event.wait()
@@ -133,7 +136,7 @@ class Programs:
                 self._busy.pop(key, None)
             event.set()
 
-    def start_background(self, jobs: list[tuple[Hashable, Callable[[], object]]],
+    def start_background(self, jobs: list[tuple[K, Callable[[], object]]],
                          first: bool = False) -> None:
         """Compile `jobs` (in order) on a daemon thread; each joins when done. Called
         again (more jobs: a bucket's measured form, engine/decoder/formchoice.py), it
@@ -156,7 +159,7 @@ class Programs:
                                             daemon=True)  # fmt: skip
             self._thread.start()
 
-    def want(self, key: Hashable) -> bool:
+    def want(self, key: K) -> bool:
         """A program the serving path stands in for right now (a step run in parts of
         a smaller one): compiled next, at normal priority on a thread of its own,
         rather than at idle priority behind the rest. At 16 streams on two cores the
@@ -176,7 +179,7 @@ class Programs:
         self._wanted.start()
         return True
 
-    def _compile_wanted(self, key: Hashable, lower: Callable[[], object]) -> None:
+    def _compile_wanted(self, key: K, lower: Callable[[], object]) -> None:
         try:
             self.get(key, lower)
         except Exception as exc:  # noqa: BLE001 - compiled (and failing) where needed instead
@@ -237,7 +240,7 @@ class Programs:
         return (len(self._done) + sum(1 for k, _ in list(self._queue) if k not in self._done)
                 + (urgent is not None and urgent not in self._done))
 
-    def drop(self, keep: Callable[[Hashable], bool]) -> None:
+    def drop(self, keep: Callable[[K], bool]) -> None:
         """Forget compiled programs and skip waiting ones that `keep` refuses (a form
         no bucket runs any more: its executables' memory goes back)."""
         with self._lock:

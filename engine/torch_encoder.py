@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, cast
 
 import numpy as np
 import torch
@@ -152,7 +152,7 @@ class TorchEncoder:
         m = mask.to(torch.float32).unsqueeze(-1)  # [B, S, 1]
         y = torch.cat([self._pool(x.float(), m, mode) for mode in spec.pooling], dim=-1)
         for layer, p in zip(spec.dense, self.head):
-            out = _HEAD_ACTS[layer.activation](F.linear(y, p["w"], p["b"]))
+            out = _HEAD_ACTS[layer.activation](F.linear(y, cast(torch.Tensor, p["w"]), p["b"]))
             y = out + F.linear(y, p["r"]) if p["r"] is not None else out
         return F.normalize(y, p=2.0, dim=1) if spec.normalize else y
 

@@ -29,6 +29,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # The import contracts first (pyproject.toml, [tool.importlinter]): the layers
 # shared <- engine <- services <- bench, no service importing another, no cycles.
 .venv/bin/lint-imports --no-cache
+# The type checker over shared/, engine/ and services/ ([tool.mypy] in pyproject.toml).
+.venv/bin/mypy
 # Two test processes (pytest-xdist), each taking a whole file at a time so that a
 # file's module fixtures are built once: much of a test's time is waiting on a stack
 # it started or on one thread of a compile, and two of them fill the two cores this

@@ -112,7 +112,7 @@ class Cost:
     per_batch: float
     per_token: float
 
-    def seconds(self, inputs: int, tokens: int, max_batch: int) -> float:
+    def seconds(self, inputs: int, tokens: float, max_batch: int) -> float:
         """Engine time of `inputs` inputs holding `tokens`, in full batches."""
         batches = math.ceil(inputs / max(max_batch, 1)) if inputs else 0
         return batches * self.per_batch + tokens * self.per_token
@@ -127,7 +127,7 @@ class CostBook:
         self._m: dict[str, list[float]] = {}  # model -> [n, E t, E c, E t^2, E t c]
         self._prior: dict[str, Cost] = {}  # model -> the estimate `learn` started it from
 
-    def observe(self, model: str, compute_s: float, tokens: int) -> None:
+    def observe(self, model: str, compute_s: float, tokens: float) -> None:
         if compute_s <= 0 or tokens <= 0:
             return
         t, c = float(tokens), compute_s
@@ -135,8 +135,8 @@ class CostBook:
         if m is None:
             self._m[model] = [1, t, c, t * t, t * c]
             return
-        if m[0] >= SETTLED:  # an outlier counts, but only as far as OUTLIER
-            cost = self.cost(model)
+        cost = self.cost(model)
+        if m[0] >= SETTLED and cost is not None:  # an outlier counts, but only as far as OUTLIER
             expected = cost.per_batch + cost.per_token * t
             if expected > 0:
                 c = min(max(c, expected / OUTLIER), expected * OUTLIER)

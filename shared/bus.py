@@ -15,7 +15,7 @@ import signal
 import ssl
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import nats
 import nats.errors
@@ -126,7 +126,7 @@ async def connect(url: str, name: str, config: Config | None = None, **kw) -> Cl
             last[kind] = now
             log.warning("nats_error", client=name, error=str(exc) or kind)
 
-    opts = dict(
+    opts: dict[str, Any] = dict(
         servers=[u.strip() for u in url.split(",")],
         name=name,
         max_reconnect_attempts=-1,

@@ -88,7 +88,7 @@ def overloaded(message: str, retry_after: float = 1.0) -> ServiceError:
     return ServiceError(429, message, code="overloaded", retry_after=retry_after)
 
 
-def unavailable(message: str, retry_after: float = 1.0) -> ServiceError:
+def unavailable(message: str, retry_after: float | None = 1.0) -> ServiceError:
     return ServiceError(503, message, code="no_worker", retry_after=retry_after)
 
 

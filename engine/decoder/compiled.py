@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +40,9 @@ from engine.decoder.shapes import i32
 from engine.decoder.verify import verify
 
 Shape = tuple[str, int, int]  # (kind, size, other): ("step", batch, window), ...
+Key = tuple[str, int, int, str]  # a program's: (kind, size, other, form)
+# The jitted lambdas call the steps through it: mypy cannot count what *args fills.
+_Step = Callable[..., Any]
 # The first set's prefill program holds a prompt of this many tokens: a short chat
 # turn (30-60 tokens with its template) runs on it, not on the largest chunk (1.3 s
 # for 512 tokens on two cores) while the rest compile. On the CPU kernel it is the
@@ -69,17 +74,17 @@ class StepPrograms:
         self.jit_kw = jit_kw
         self.state_spec = state_spec
         self.sampling_spec = sampling_spec
-        self.cache = Programs(name)
+        self.cache: Programs[Key] = Programs(name)
         self.step_counts: dict[int, int] = {}  # batch bucket -> decode steps run at it
         # The Pallas kernel is written for GPUs; elsewhere it runs interpreted (tests).
         interpret = jax.devices()[0].platform == "cpu"
         self.interpret = interpret
         # state is the argument after params in each: donated, so updated in place.
-        self._prefill = jax.jit(lambda params, state, *args: steps.prefill_chunk(
+        self._prefill = jax.jit(lambda params, state, *args: cast(_Step, steps.prefill_chunk)(
             params, cfg, state, *args, kernel=attention), donate_argnums=1, **jit_kw)  # fmt: skip
-        self._generate = jax.jit(lambda params, state, *args: steps.generate(
+        self._generate = jax.jit(lambda params, state, *args: cast(_Step, steps.generate)(
             params, cfg, state, *args, attention, interpret), donate_argnums=1, **jit_kw)  # fmt: skip
-        self._verify = jax.jit(lambda params, state, *args: verify(
+        self._verify = jax.jit(lambda params, state, *args: cast(_Step, verify)(
             params, cfg, state, *args, attention, interpret), donate_argnums=1, **jit_kw)  # fmt: skip
         self.copy = jax.jit(steps.copy_block, donate_argnums=0,
                             **({"out_shardings": jit_kw["out_shardings"][0]} if jit_kw else {}))
@@ -129,7 +134,7 @@ class StepPrograms:
         return [k for k in self.compiles if form_bucket(k[0], k[1]) == bucket]
 
     # -------------------------------------------------------------- programs
-    def key(self, kind: str, size: int, other: int, form: str | None = None):
+    def key(self, kind: str, size: int, other: int, form: str | None = None) -> Key:
         return (kind, size, other, form or self.forms.form_of(kind, size))
 
     def lowering(self, kind: str, size: int, other: int, form: str | None = None):
@@ -137,6 +142,7 @@ class StepPrograms:
         `form` (default: the one its bucket runs)."""
         form = form or self.forms.form_of(kind, size)
         params = self.forms.params_of(form)  # ValueError: dropped while it waited
+        args: tuple[jax.ShapeDtypeStruct, ...]
         if kind == "verify":
             args = (i32(size), i32(), i32(), i32(other // self.block), i32())
             return lambda: self._verify.lower(params, self.state_spec, *args)
@@ -171,7 +177,7 @@ class StepPrograms:
         """Compile (shape, form) pairs on the background thread (form None: the one
         its bucket runs now); `first`: ahead of those waiting."""
         ref = weakref.ref(self)  # the thread holds the programs weakly: a dropped engine stops
-        jobs = []
+        jobs: list[tuple[Key, Callable[[], object]]] = []
         for shape, form in shapes:
             form = form or self.forms.form_of(*shape[:2])
             jobs.append((self.key(*shape, form=form), functools.partial(_lower, ref, shape, form)))

@@ -100,6 +100,7 @@ def _scaling(scaling: dict | None) -> tuple:
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return ("default",)
+    assert scaling is not None  # None reads as "default"
     if kind == "linear":
         return ("linear", float(scaling["factor"]))
     if kind == "llama3":

@@ -46,7 +46,7 @@ from engine import forms as form_sets
 from engine import sharding
 from engine.decoder import attention as attention_kernel
 from engine.decoder import host, shapes
-from engine.decoder.compiled import StepPrograms
+from engine.decoder.compiled import Shape, StepPrograms
 from engine.decoder.config import load_config
 from engine.decoder.formchoice import FormChoice
 from engine.decoder.grammar import SlotGrammars
@@ -244,7 +244,8 @@ class DecoderEngine:
             # The programs the forms are measured with first (formchoice.py), then
             # the rest, cheapest first (one stream at every window is in the first set).
             done = set(jobs)
-            rest = [(k, None) for k in programs.compiles if k not in done] if background else []
+            rest: list[tuple[Shape, str | None]] = [
+                (k, None) for k in programs.compiles if k not in done] if background else []
             programs.compile_background(measuring + rest)
         log.info("decoder_warm", model=self.name, compiled=len(jobs), background=background,
                  total=len(programs.compiles), measuring=len(measuring),
@@ -271,7 +272,7 @@ class DecoderEngine:
         host.check_prompt(self.info, prompt)
         self.table.check_prompt(prompt, self.name)
 
-    def prompt_logprobs(self, tokens: list[int], top: int) -> list[tuple[int, float, list]]:
+    def prompt_logprobs(self, tokens: list[int], top: int) -> list[tuple[int, float, list, int]]:
         """Each prompt token's logprob given those before it, and the `top` most
         likely there (engine/decoder/scoring.py); one pass, no slot touched."""
         return prompt_logprobs(self.params, self.cfg, tokens, top)

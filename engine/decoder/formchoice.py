@@ -75,7 +75,7 @@ class FormChoice:
         self.buckets = buckets
         self._dtype = dtype
         self._key_shapes = key_shapes
-        want = ("float",) if quant == "none" else ("dequant",)
+        want: tuple[str, ...] = ("float",) if quant == "none" else ("dequant",)
         if quant == "int8" and quant_form in ("auto", "w8a8"):
             want += ("w8a8",)
         trees = load_param_forms(model_dir, cfg, jdtype, quant, want, mesh,

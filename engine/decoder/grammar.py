@@ -41,11 +41,16 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from engine.decoder.sampling import mask_words
 from shared.logging import get_logger
 from shared.messages import GRAMMAR_RELEASE as RELEASE
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 log = get_logger(__name__)
 
@@ -69,11 +74,11 @@ class SlotGrammars:
         self._banned: list[list[int]] = [[] for _ in range(slots)]  # EOS and its stop ids
         self._releasable = [False] * slots  # its grammar has the RELEASE capture
         self._replay: list[list[int]] = [[] for _ in range(slots)]
-        self._matchers: list[object | None] = [None] * slots
-        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar -> pristine matcher
+        self._matchers: list[LLMatcher | None] = [None] * slots
+        self._compiled: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar -> pristine one
         self._pending = None  # the last step dispatched (its tokens feed the masks)
-        self._tokenizer = None  # llguidance.LLTokenizer, built at the first grammar
-        self._executor = None
+        self._tokenizer: LLTokenizer | None = None  # built at the first grammar
+        self._executor: LLExecutor | None = None  # ... with it
         self._lock = threading.Lock()
         self.syncs = 0  # steps read early because a constrained step needed their tokens
         self.masked_steps = 0  # step parts run with a grammar's mask
@@ -175,10 +180,11 @@ class SlotGrammars:
         from llguidance.numpy import fill_next_token_bitmask_par
 
         out = np.full((len(rows), self.width), -1, np.int32)
-        todo = [(self._matchers[s], i) for i, s in enumerate(rows.tolist())
-                if s < len(self._spec) and self._matchers[s] is not None
-                and not self._matchers[s].is_error()]  # fmt: skip
+        todo = [(m, i) for i, s in enumerate(rows.tolist())
+                if s < len(self._spec) and (m := self._matchers[s]) is not None
+                and not m.is_error()]  # fmt: skip
         if todo:
+            assert self._executor is not None  # made with the tokenizer every matcher needs
             t0 = time.perf_counter()
             fill_next_token_bitmask_par(self._executor, todo, out)
             self.mask_seconds += time.perf_counter() - t0

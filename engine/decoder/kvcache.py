@@ -51,19 +51,21 @@ MAX_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 
 
 class SlotSampling(NamedTuple):
-    """Sampling parameters of one request, as device values."""
+    """Sampling parameters of one request: numpy values as `slot_sampling` makes them,
+    device values inside the jitted prefill."""
 
-    temperature: jax.Array  # [] float32
-    top_k: jax.Array  # [] int32
-    top_p: jax.Array  # [] float32
-    min_p: jax.Array  # [] float32
-    presence: jax.Array  # [] float32
-    frequency: jax.Array  # [] float32
-    repetition: jax.Array  # [] float32
-    bias_ids: jax.Array  # [MAX_BIAS] int32
-    bias_vals: jax.Array  # [MAX_BIAS] float32
-    seen: jax.Array  # [V] bool: the prompt's tokens (all False without a repetition penalty)
-    logprobs: jax.Array  # [] int32
+    temperature: jax.Array | np.number  # [] float32
+    top_k: jax.Array | np.number  # [] int32
+    top_p: jax.Array | np.number  # [] float32
+    min_p: jax.Array | np.number  # [] float32
+    presence: jax.Array | np.number  # [] float32
+    frequency: jax.Array | np.number  # [] float32
+    repetition: jax.Array | np.number  # [] float32
+    bias_ids: jax.Array | np.ndarray  # [MAX_BIAS] int32
+    bias_vals: jax.Array | np.ndarray  # [MAX_BIAS] float32
+    # [V] bool: the prompt's tokens (all False without a repetition penalty)
+    seen: jax.Array | np.ndarray
+    logprobs: jax.Array | np.number  # [] int32
 
 
 def init_decode_state(

@@ -99,7 +99,7 @@ def _build_host_forms(model_dir: str | Path, cfg: DecoderConfig, quant: str,
     fam = family(cfg)
     blocks = quant == "gguf" and hosts == {"dequant"} and cfg.tensor_parallel == 1
     if blocks:  # the file's blocks as they are: checked first (gguf_blocks refuses)
-        how = gguf_blocks(model_dir, cfg)
+        how: str | dict[str, tuple[str, int]] = gguf_blocks(model_dir, cfg)
         weights = strip_prefix(_file_blocks(model_dir), _PREFIXES[cfg.family])
     else:
         weights = strip_prefix(load_weights(model_dir), _PREFIXES[cfg.family])
@@ -126,7 +126,9 @@ def _file_blocks(model_dir: str | Path) -> dict:
     from engine import gguf
     from shared.gguf import find_file
 
-    return gguf.load_blocks(find_file(Path(model_dir)))
+    path = find_file(Path(model_dir))
+    assert path is not None  # gguf_blocks, called first, refuses a model without one
+    return gguf.load_blocks(path)
 
 
 # Tree weight -> the Hugging Face tensors it is made of (layer 0 stands for all).

@@ -21,7 +21,7 @@ every program, so updated in place) and runs the three kinds of work on it:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
@@ -35,7 +35,7 @@ from engine.decoder.slots import SlotTable
 class PendingStep:
     """A dispatched decode step; its tokens leave the device on `result()`."""
 
-    def __init__(self, tokens: list[jax.Array], rows: np.ndarray, slots: int,
+    def __init__(self, tokens: Sequence[jax.Array | np.ndarray], rows: np.ndarray, slots: int,
                  on_result: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
         # parts x [B, 2 + 2K] int32, on device: row i is slot rows[i]'s token, then its
         # logprobs (engine.decoder.steps.pack)
@@ -162,6 +162,7 @@ class StepRunner:
     # ----------------------------------------------------- dummy-row runs
     def warm(self, kind: str, size: int, other: int) -> None:
         """Compile (if needed) and run one shape once, on the dummy row."""
+        out: jax.Array | list[jax.Array]
         if kind == "prefill":
             out = self._chunk(self._dummy, [0] * size, 0, size, other, self._warm_sampling,
                               np.uint32(0))

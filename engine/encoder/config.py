@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine import prequant
 from engine.encoder.spec import UnsupportedEncoder, pooled_dim, read_spec
 from shared.catalog import encoder_limit
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # The transformer's MLP activations both engines compute (config.json `hidden_act`).
 ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "relu")
@@ -33,7 +37,7 @@ LAYER_NAMES = {
 MPNET_BUCKETS, MPNET_MAX_DISTANCE = 32, 128
 
 
-def relative_buckets(s: int) -> "np.ndarray":
+def relative_buckets(s: int) -> np.ndarray:
     """[S, S] int32: MPNet's (T5's bidirectional) bucket of key j for query i, computed
     as Hugging Face computes it, in float32, so that the boundaries (distances 16,
     32, 64) fall in the same bucket. numpy only: both engines call it."""

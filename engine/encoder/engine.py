@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Sequence, cast
 
 import jax
 import jax.numpy as jnp
@@ -128,7 +128,7 @@ class EncoderEngine:
             self._jitted = jax.jit(fn, static_argnames=("slots",))
         else:
             self._jitted = jax.jit(self._trace if self.task == "embed" else self._trace_score)
-        self.programs = Programs(name)  # packing.Shape or grid (B, S) -> compiled
+        self.programs: Programs[packing.Shape | tuple[int, int]] = Programs(name)
         self._lock = threading.Lock()
 
     def _trace(self, params: Params, ids, mask):
@@ -244,7 +244,8 @@ class EncoderEngine:
         exact bucket, compiled here, when nothing compiled holds its length."""
         if self.programs.has((b, s)) or not self.programs.compiling:
             return [(rows, b, s)]
-        done = [k for k in self.programs.keys() if k[1] >= s]
+        grids = cast("list[tuple[int, int]]", self.programs.keys())  # unpacked: (B, S) only
+        done = [k for k in grids if k[1] >= s]
         whole = [k for k in done if k[0] >= len(rows)]
         if whole:
             b2, s2 = min(whole, key=lambda k: k[0] * k[1])
@@ -286,7 +287,7 @@ class EncoderEngine:
         with self._lock:  # one caller at a time keeps device memory bounded
             for rows, b, s in parts:
                 ids, mask = bk.pad([inputs[r] for r in rows], b, s, self.cfg.pad_id)
-                args = (ids, mask)
+                args: tuple[np.ndarray, ...] = (ids, mask)
                 if types is not None:
                     args += (bk.pad([types[r] for r in rows], b, s, 0)[0],)  # [b, s]
                 pending.append(self._executable((b, s))(self.params, *args))  # [b, D]

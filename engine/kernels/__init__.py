@@ -53,7 +53,7 @@ def compiler() -> str | None:
 
 def cache_dir() -> Path:
     """Beside the JAX compilation cache when one is set, else ~/.cache/tensorbus."""
-    base = jax.config.jax_compilation_cache_dir
+    base = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # unstubbed flag
     root = Path(base) if base else Path.home() / ".cache" / "tensorbus"
     return root / "kernels"
 

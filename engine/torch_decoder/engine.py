@@ -42,9 +42,9 @@ from shared.messages import Sampling
 
 log = get_logger(__name__)
 # Sampling fields this engine does not implement, with the value that means "off".
-UNSUPPORTED = (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-               ("repetition_penalty", 1.0), ("min_p", 0.0), ("logit_bias", []),
-               ("logprobs", -1), ("grammar", ""), ("min_tokens", 0))
+UNSUPPORTED: tuple[tuple[str, object], ...] = (
+    ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+    ("min_p", 0.0), ("logit_bias", []), ("logprobs", -1), ("grammar", ""), ("min_tokens", 0))
 
 
 class DoneStep:

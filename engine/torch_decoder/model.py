@@ -195,7 +195,10 @@ def _rope(x, cos, sin):
 def embed(p: Params, cfg: DecoderConfig, tokens, positions):
     """tokens, positions: [N] int64 -> x: [N, E]"""
     x = p.embed[tokens]
-    return x + p.positions[positions] if cfg.family == GPT2 else x
+    if cfg.family == GPT2:
+        assert p.positions is not None  # GPT-2's learned positions (wpe) are always loaded
+        return x + p.positions[positions]
+    return x
 
 
 def attn_in(p: Params, lp: Layer, cfg: DecoderConfig, x, positions):
@@ -209,6 +212,7 @@ def attn_in(p: Params, lp: Layer, cfg: DecoderConfig, x, positions):
     q, k, v = qkv.split([h * d, kv * d, kv * d], dim=-1)
     q, k, v = q.view(n, h, d), k.view(n, kv, d), v.view(n, kv, d)
     if cfg.family == LLAMA:
+        assert p.cos is not None and p.sin is not None  # a Llama's tables, made at load
         cos, sin = p.cos[positions], p.sin[positions]  # [N, D]
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     return q, k, v

@@ -70,5 +70,5 @@ def sample(logits, temperature, top_k, top_p, generators: list[torch.Generator |
     lg, t, k, p = logits[rows], temperature[rows], top_k[rows], top_p[rows]
     filtering = ((k > 0) & (k < logits.shape[-1])) | (p < 1.0)
     shaped = filter_logits(lg, t, k, p) if bool(filtering.any()) else scale(lg, t)
-    tokens[rows] = draw(shaped, [generators[i] for i in hot])
+    tokens[rows] = draw(shaped, [g for g in generators if g is not None])
     return tokens

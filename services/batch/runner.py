@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import io
 import time
+from typing import cast
 
 import msgspec
 from nats.aio.client import Client
@@ -116,6 +117,7 @@ class BatchRunner:
             self._stop.set()
 
     async def _watch(self, watcher) -> None:
+        assert self.store is not None  # run() opened it before starting this
         async for entry in watcher:
             if entry is None or entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
                 continue
@@ -141,7 +143,7 @@ class Job:
 
     def __init__(self, runner: BatchRunner, batch_id: str, cancel: asyncio.Event) -> None:
         self.runner = runner
-        self.store: BatchStore = runner.store
+        self.store = cast(BatchStore, runner.store)  # set: jobs start after run() opened it
         self.id = batch_id
         self.cancel = cancel
 
@@ -161,7 +163,9 @@ class Job:
             return
         batch = await self.store.change(self.id, lambda b: _started(b, len(lines)))
         done = await self.store.lines_done(self.id)
-        batch = await self.store.change(self.id, lambda b: _counted(b, len(lines), done))
+        # None only for a batch deleted meanwhile: `.status` then fails the job.
+        batch = cast(Batch, await self.store.change(
+            self.id, lambda b: _counted(b, len(lines), done)))
         if batch.status == "in_progress":
             log.info("batch_running", batch_id=self.id, total=len(lines), done=len(done))
             await self._feed(batch, lines, done)

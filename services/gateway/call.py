@@ -81,6 +81,7 @@ class Call:
                 if not self.detached:
                     await self.finish()
             finally:
+                assert self._log_tokens is not None  # bound by __aenter__
                 reset_contextvars(**self._log_tokens)
 
     def fail(self, err: ServiceError) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import msgspec
 
@@ -16,7 +17,8 @@ IGNORED_HEADER = "Tensorbus-Ignored-Fields"  # documented request fields not act
 _json_enc = msgspec.json.Encoder()
 _mp_enc = msgspec.msgpack.Encoder()
 _BYTE_ESCAPE = re.compile(r"'\\x([0-9a-f]{2})'")
-_decoders: dict[tuple[type, bool], object] = {}
+_decoders: dict[tuple[type, bool],
+                msgspec.json.Decoder[Any] | msgspec.msgpack.Decoder[Any]] = {}
 
 
 def is_msgpack(headers: dict[str, str] | None) -> bool:

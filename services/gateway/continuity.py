@@ -43,7 +43,7 @@ from 0); `ChunkOrder`, per choice:
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, TypeGuard
 
 import msgspec
 
@@ -77,7 +77,7 @@ class WorkerLost(Exception):
         self.message = message
 
 
-def _worker_lost(err: object) -> bool:
+def _worker_lost(err: object) -> TypeGuard[ServiceError]:
     return isinstance(err, ServiceError) and err.code == "worker_lost"
 
 

@@ -24,7 +24,7 @@ class Echo:
     def __init__(self, req: CompletionRequest | None, prompt: list[int], tokenizer) -> None:
         self.on = req is not None and req.echo
         self.prompt = prompt
-        self.text = _prompt_text(req, prompt, tokenizer) if self.on else ""
+        self.text = _prompt_text(req, prompt, tokenizer) if self.on and req is not None else ""
         self._given: set[int] = set()
 
     def first(self, ev: GenChunk) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import array
 import base64
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from services.gateway import codec
 from services.gateway.frontend import INLINE_TOKENIZE, Frontend, user_key
@@ -182,16 +182,17 @@ def tokenize_inputs(req: EmbeddingRequest, entry: ModelEntry, config: Config) ->
     kinds = {type(x) for x in inp}
     prompt = prompt_text(req, entry)
     if kinds == {str}:
-        for i, s in enumerate(inp):
+        texts = cast("list[str]", inp)
+        for i, s in enumerate(texts):
             if not s:
                 raise bad_request(f"input {i} is an empty string")
             if "\x00" in s:
                 raise bad_request(f"input {i} contains a NUL character")
-        ids = entry.tokenizer.encode_batch([prompt + s for s in inp] if prompt else inp)
+        ids = entry.tokenizer.encode_batch([prompt + s for s in texts] if prompt else texts)
     elif kinds == {int}:
-        ids = [_wrap(inp, entry, 0)]
+        ids = [_wrap(cast("list[int]", inp), entry, 0)]
     elif kinds == {list}:
-        ids = [_wrap(x, entry, i) for i, x in enumerate(inp)]
+        ids = [_wrap(cast("list[int]", x), entry, i) for i, x in enumerate(inp)]
     else:
         raise bad_request("'input' mixes strings, token ids and token-id lists; use one kind")
     limit = entry.info.max_tokens

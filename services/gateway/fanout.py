@@ -35,7 +35,7 @@ import asyncio
 import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncGenerator, AsyncIterator, Sequence
 
 import msgspec
 
@@ -155,7 +155,7 @@ def summed(usages: list[Usage | None]) -> Usage:
                  total_tokens=prompt + completion)
 
 
-async def _stopped(call: Call, tasks: list[asyncio.Future], ids: list[str]) -> None:
+async def _stopped(call: Call, tasks: Sequence[asyncio.Future[Any]], ids: list[str]) -> None:
     """The parts of `ids` stopped, each here (its task, when still running, cancelled)
     and at the workers and schedulers (a Cancel each)."""
     for t in tasks:
@@ -193,7 +193,8 @@ async def _next(stream: AsyncIterator[list[object]]) -> list[object] | None:
     return await anext(stream, None)
 
 
-async def chunks(gen: Generation, fan: Fanned, call: Call) -> AsyncIterator[list[object]]:
+async def chunks(gen: Generation, fan: Fanned,
+                 call: Call) -> AsyncGenerator[list[object], None]:
     """The parts' chunk lists merged into one stream as they come (4. above). Each
     part has at most one list read ahead, so a reader that falls behind leaves the
     rest queued in the part, which joins it into fewer chunks (`Generation.chunks`)."""

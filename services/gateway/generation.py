@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncGenerator, AsyncIterator, cast
 
 import msgspec
 
@@ -52,6 +52,7 @@ from shared.api_replies import (
     CompletionChoice,
     CompletionChunk,
     CompletionResponse,
+    ResponseMessage,
 )
 from shared.errors import bad_request
 from shared.logging import get_logger
@@ -59,6 +60,7 @@ from shared.messages import GenChunk, GenDone, GenerateWork, TokenLogprob
 
 if TYPE_CHECKING:
     from services.gateway.call import Call
+    from services.gateway.tools import ToolPlan
 
 log = get_logger("gateway")
 
@@ -73,7 +75,7 @@ class Prepared:
     include_usage: bool
     continuous_usage: bool = False  # usage so far on every chunk (vLLM's stream option)
     tokenizer: object = None  # engine.tokenizer.Tokenizer: logprobs' token texts
-    tools: object = None  # services.gateway.tools.ToolPlan: chat with tools
+    tools: ToolPlan | None = None  # chat with tools
     thinking: reasoning.Plan | None = None  # chat with a reasoning model: its split
 
     @property
@@ -97,7 +99,7 @@ class Generation:
         self._request_type = ChatCompletionRequest if chat else CompletionRequest
 
     # ---------------------------------------------------------------- prepare
-    async def prepare(self, body: bytes, call: Call) -> Prepared:
+    async def prepare(self, body: bytes, call: Call) -> Prepared | fanout.Fanned:
         self.front.check_size(body)
         chat, out, rid, deadline = self.chat, call.out, call.wire, call.deadline
         req = codec.decode(body, self._request_type, call.msgpack)
@@ -224,7 +226,9 @@ class Generation:
     def _prompt(self, req: CompletionRequest, entry: ModelEntry) -> list[int]:
         """One prompt's tokens (`req.prompt` a string or token ids: fanout.per_prompt)."""
         p = req.prompt
-        return self._check_ids(p, entry) if isinstance(p, list) else entry.tokenizer.encode(p)
+        if isinstance(p, list):
+            return self._check_ids(cast("list[int]", p), entry)  # one prompt: its ids
+        return entry.tokenizer.encode(p)
 
     def _check_ids(self, ids: list[int], entry: ModelEntry) -> list[int]:
         vocab = entry.tokenizer.vocab_size
@@ -248,7 +252,7 @@ class Generation:
         if isinstance(prep, fanout.Fanned):  # several prompts: one answer of them all
             return await fanout.whole(self, prep, call)
         out = call.out
-        texts = [[] for _ in range(prep.work.n)]
+        texts: list[list[str]] = [[] for _ in range(prep.work.n)]
         lps: list[list[TokenLogprob]] = [[] for _ in range(prep.work.n)]
         heads: list[list[TokenLogprob]] = [[] for _ in range(prep.work.n)]
         finish: list[str | None] = [None] * prep.work.n
@@ -274,22 +278,24 @@ class Generation:
             return ChatCompletionResponse(id=f"chatcmpl-{prep.work.request_id}", created=prep.created,
                                           model=prep.model, choices=choices, usage=usage,
                                           prompt_logprobs=scored)
-        echo, first = Echo(prep.req, prep.work.prompt, prep.tokenizer), prep.work.prompt[:1]
-        choices = [CompletionChoice(
+        req = cast(CompletionRequest, prep.req)  # not chat
+        echo, first = Echo(req, prep.work.prompt, prep.tokenizer), prep.work.prompt[:1]
+        completions = [CompletionChoice(
             i, echo.text + "".join(t), _reason(finish[i]),
             joined(render.prompt(i, first[0], heads[i]) if echo.on else None,
                    render.completion(i, lps[i]))) for i, t in enumerate(texts)]
         return CompletionResponse(id=f"cmpl-{prep.work.request_id}", created=prep.created,
-                                  model=prep.model, choices=choices, usage=usage)
+                                  model=prep.model, choices=completions, usage=usage)
 
-    def chunks(self, prep: Prepared | fanout.Fanned, call: Call) -> AsyncIterator[list[object]]:
+    def chunks(self, prep: Prepared | fanout.Fanned,
+               call: Call) -> AsyncGenerator[list[object], None]:
         """A streaming request's chunks (`_chunks`); several prompts' merged into one
         stream (services.gateway.fanout)."""
         if isinstance(prep, fanout.Fanned):
             return fanout.chunks(self, prep, call)
         return self._chunks(prep, call)
 
-    async def _chunks(self, prep: Prepared, call: Call) -> AsyncIterator[list[object]]:
+    async def _chunks(self, prep: Prepared, call: Call) -> AsyncGenerator[list[object], None]:
         """OpenAI chunk objects, in order, for a streaming request, as lists of those
         ready together: a transport may send a list in one write. Chunks of one choice
         already queued together become one (`coalesced`), so a reader that fell
@@ -302,7 +308,8 @@ class Generation:
         render = Logprobs(prep.tokenizer, prep.work.n, prep.logprobs)
         calls = tools.ToolStream(prep.tools, prep.work.n) if prep.tools else None
         splits = prep.thinking.streams(prep.work.n) if prep.thinking else None
-        echo = Echo(None if prep.chat else prep.req, prep.work.prompt, prep.tokenizer)
+        echo = Echo(None if prep.chat else cast(CompletionRequest, prep.req), prep.work.prompt,
+                    prep.tokenizer)
         scored = prep.chat and prep.work.prompt_logprobs >= 0  # chat's prompt_logprobs: unsent
         head = None  # ... as the worker sent them (each choice's first chunk has them)
         async for batch in self.events(prep, call):
@@ -316,8 +323,9 @@ class Generation:
                 head = head if head is not None else next(
                     (ev.prompt_logprobs for ev in batch if isinstance(ev, GenChunk)
                      and (ev.prompt_logprobs or len(prep.work.prompt) < 2)), None)
-                if head is not None and ready:
-                    ready[0].prompt_logprobs, scored = render.prompt_maps(head), False
+                if head is not None and ready:  # ready[0]: the stream's first chunk (chat)
+                    first = cast(ChatCompletionChunk, ready[0])
+                    first.prompt_logprobs, scored = render.prompt_maps(head), False
             for ev in coalesced(batch):
                 if isinstance(ev, GenDone):
                     self._account(out, ev)
@@ -346,12 +354,12 @@ class Generation:
                     choice = ChatChunkChoice(ev.index, delta, reason, render.chat(ev.logprobs))
                     ready.append(ChatCompletionChunk(cid, created, model, [choice], usage=usage))
                 else:
-                    head = echo.first(ev)  # echo: the prompt goes in front of its first
-                    lp = joined(echo.logprobs(render, ev.index, ev) if head else None,
+                    echoed = echo.first(ev)  # echo: the prompt goes in front of its first
+                    lp = joined(echo.logprobs(render, ev.index, ev) if echoed else None,
                                 render.completion(ev.index, ev.logprobs))
-                    choice = CompletionChoice(ev.index, echo.text + ev.text if head else ev.text,
-                                              reason, lp)
-                    ready.append(CompletionChunk(cid, created, model, [choice], usage=usage))
+                    completion = CompletionChoice(
+                        ev.index, echo.text + ev.text if echoed else ev.text, reason, lp)
+                    ready.append(CompletionChunk(cid, created, model, [completion], usage=usage))
             if ready:
                 yield ready
 
@@ -362,7 +370,8 @@ class Generation:
         out.completion_tokens = done.completion_tokens
 
 
-def _message(prep: Prepared, text: str, finish: str | None):
+def _message(prep: Prepared, text: str,
+             finish: str | None) -> tuple[ResponseMessage, str | None]:
     """(ResponseMessage, finish_reason) of a whole chat choice: its reasoning apart
     (when the model's replies are split and it reasoned), the rest read for tool calls."""
     thought = None
@@ -387,7 +396,8 @@ def coalesced(batch: list[GenChunk | GenDone]) -> list[GenChunk | GenDone]:
                 at[ev.index] = len(out)
             out.append(ev)
             continue
-        have = out[i]
+        # i is not None: ev is a chunk, and out holds its choice's chunk at i
+        ev, have = cast(GenChunk, ev), cast(GenChunk, out[i])
         out[i] = GenChunk(ev.request_id, ev.index, have.text + ev.text, have.tokens + ev.tokens,
                           ev.finish_reason or have.finish_reason, ev.attempt, ev.version,
                           have.logprobs + ev.logprobs, have.prompt_logprobs + ev.prompt_logprobs)

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import socket
 from functools import partial
+from typing import Any, cast
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -107,7 +108,7 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
             chunks.append(chunk)
         return b"".join(chunks)
 
-    async def serve(pipe: Pipeline, cut: bool, request: Request) -> Response:
+    async def serve(pipe: Pipeline[Any], cut: bool, request: Request) -> Response:
         call = Call.open(front, pipe.name, client_id=request.headers.get("x-request-id"),
                          timeout_s=_timeout(request), user=request.headers.get(USER_HEADER, ""))
         metrics.in_flight.inc()
@@ -119,13 +120,14 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
                     call.closed_by_client()
                     await call.cancel("client disconnected")  # frees a held or queued one
                     return Response(status_code=499)
+            assert call.error is not None  # the body failed: guarded() kept its error
             return error_response(call.error)
         finally:
             if not call.detached:
                 metrics.in_flight.dec()
                 metrics.requests.labels(pipe.name, str(call.out.status)).inc()
 
-    async def answer(pipe: Pipeline, cut: bool, request: Request, call: Call) -> Response:
+    async def answer(pipe: Pipeline[Any], cut: bool, request: Request, call: Call) -> Response:
         check_headers(request)
         if not authorised(request):
             raise ServiceError(401, "a valid API key is required (Authorization: Bearer KEY)",
@@ -165,6 +167,7 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
 
     async def stored(request: Request) -> Response:
         """GET / DELETE /v1/responses/{id} (services.gateway.responses)."""
+        assert responses is not None  # the route is there only with the pipeline
         try:
             if not authorised(request):
                 raise ServiceError(401, "a valid API key is required", code="invalid_api_key")
@@ -196,8 +199,8 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
     async def openapi(request: Request) -> Response:
         return JSONResponse(spec)
 
-    responses = next((r.pipeline for r in pipeline_routes if isinstance(r.pipeline, Responses)),
-                     None)
+    responses = cast("Responses | None", next(
+        (r.pipeline for r in pipeline_routes if isinstance(r.pipeline, Responses)), None))
     routes = [
         *(Route(path, partial(serve, r.pipeline, r.cut), methods=["POST"])
           for r in pipeline_routes for path in (r.path, *ALIASES.get(r.path, ()))),
@@ -334,7 +337,9 @@ async def serve_http(app: Starlette, host: str, port: int, max_header_bytes: int
                          h11_max_incomplete_event_size=max_header_bytes, lifespan="off",
                          timeout_graceful_shutdown=5)
     server = uvicorn.Server(cfg)
-    server.install_signal_handlers = lambda: None  # the process owns signals
+    # The process owns signals. (A hook of uvicorn before 0.29; later ones take the
+    # signals in `serve` whatever this says.)
+    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
     task = asyncio.create_task(server.serve(sockets=[listen_socket(host, port)]))
     while not server.started:
         if task.done():

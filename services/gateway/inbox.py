@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from services.gateway.outcome import Outcome
 from shared import subjects
@@ -118,7 +119,7 @@ class ReplyInbox:
         self._queues: dict[str, asyncio.Queue] = {}
         self._clocks: dict[str, Clock] = {}
         self._retryable: set[str] = set()  # open requests a lost path may retry (once)
-        self._sub = None
+        self._sub: Subscription | None = None
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(
@@ -216,7 +217,7 @@ class ReplyInbox:
         """The results already queued for a request, without waiting, and the error
         (or the lost path) that stopped the reading if one came (the results before it
         still count)."""
-        got = []
+        got: list = []
         while not q.empty():
             item = q.get_nowait()
             if isinstance(item, Expired):

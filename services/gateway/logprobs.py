@@ -71,6 +71,7 @@ class Logprobs:
         head = CompletionLogprobs([text], [None], [None], [self.offsets[index]])
         self.offsets[index] += len(text)
         rest = self.completion(index, entries)
+        assert rest is not None  # self.on
         return CompletionLogprobs(head.tokens + rest.tokens,
                                   head.token_logprobs + rest.token_logprobs,
                                   head.top_logprobs + rest.top_logprobs,

@@ -17,7 +17,7 @@ import functools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable, TypedDict
 
 from services.fleet import Fleet
 from shared import catalog
@@ -25,13 +25,16 @@ from shared.api_models import ModelCard
 from shared.errors import bad_request, not_found
 from shared.logging import get_logger
 
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+
 log = get_logger("gateway.models")
 
 
 @dataclass
 class ModelEntry:
     info: catalog.ModelInfo
-    tokenizer: object  # engine.tokenizer.Tokenizer (no tensors)
+    tokenizer: Tokenizer  # no tensors
     prefix: list[int]  # special tokens around raw token-id input
     suffix: list[int]
     created: int
@@ -156,7 +159,12 @@ class ModelTable:
                          reason=status.reason if state == "failed" and status else "")
 
 
-def _speculation(workers) -> dict[str, float]:
+class _Speculation(TypedDict):
+    spec_decode_acceptance: float
+    spec_decode_tokens_per_step: float
+
+
+def _speculation(workers) -> _Speculation:
     """The model card's speculative decoding figures over `workers`' heartbeats."""
     drafts = sum(w.hb.spec_decode_drafts for w in workers)
     drafted = sum(w.hb.spec_decode_draft_tokens for w in workers)

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol
+from typing import Any, AsyncIterator, Protocol, TypeVar
 
 from services.gateway.call import Call
 from services.gateway.embeddings import Embeddings
@@ -26,22 +26,26 @@ from shared import subjects
 
 
 class Prepared(Protocol):
-    stream: bool  # whether the reply is streamed
+    @property
+    def stream(self) -> bool: ...  # whether the reply is streamed
 
 
-class Pipeline(Protocol):
+P = TypeVar("P", bound=Prepared)  # what a pipeline's prepare gives its whole and chunks
+
+
+class Pipeline(Protocol[P]):
     name: str  # the endpoint as telemetry records name it
 
-    async def prepare(self, body: bytes, call: Call) -> Prepared: ...
+    async def prepare(self, body: bytes, call: Call) -> P: ...
 
-    async def whole(self, prep: Prepared, call: Call) -> object: ...
+    async def whole(self, prep: P, call: Call) -> object: ...
 
-    def chunks(self, prep: Prepared, call: Call) -> AsyncIterator[list[object]]: ...
+    def chunks(self, prep: P, call: Call) -> AsyncIterator[list[object]]: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    pipeline: Pipeline
+    pipeline: Pipeline[Any]
     endpoint: str  # the nats.micro endpoint name (`nats micro stats`)
     subject: str
     path: str

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Literal, cast
 
 import msgspec
 
@@ -76,9 +76,12 @@ from shared.api_responses import (
 from shared.errors import ServiceError, bad_request
 
 if TYPE_CHECKING:
+    from services.gateway import fanout, generation
     from services.gateway.call import Call
+    from shared.api_responses import ToolChoiceFunction
 
 ROLES = ("user", "system", "developer", "assistant")
+Role = Literal["system", "user", "assistant", "developer", "tool"]  # ChatMessage's
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -89,7 +92,7 @@ def new_id(prefix: str) -> str:
 @dataclass
 class Prepared:
     req: ResponsesRequest
-    inner: object  # services.gateway.generation.Prepared: the chat request's
+    inner: generation.Prepared | fanout.Fanned  # the chat request's (never fanned out)
     conversation: list[ChatMessage]  # earlier + this input (instructions left out)
     response: Response  # the response so far: its echoed fields, no output
 
@@ -212,11 +215,13 @@ def input_messages(given: str | list[InputItem], earlier: list[ChatMessage]) -> 
                                   if item.role else f"'{at}.role' is required")
             if item.content is None:
                 raise bad_request(f"'{at}.content' is required")
-            out.append(ChatMessage(role=item.role, content=_text(item.content, f"{at}.content")))
+            role = cast(Role, item.role)  # one of ROLES
+            out.append(ChatMessage(role=role, content=_text(item.content, f"{at}.content")))
         elif item.type == "function_call":
             for field in ("call_id", "name", "arguments"):
                 if not getattr(item, field):
                     raise bad_request(f"'{at}.{field}' is required for a function_call item")
+            assert item.call_id is not None and item.name is not None and item.arguments is not None
             call = ToolCall(id=item.call_id, function=FunctionCall(name=item.name,
                                                                    arguments=item.arguments))
             calls.add(item.call_id)
@@ -270,7 +275,8 @@ def chat_request(req: ResponsesRequest, messages: list[ChatMessage]) -> ChatComp
             tools.append(Tool(type="function", function=FunctionDef(
                 name=t.name, description=t.description, parameters=t.parameters,
                 strict=t.strict)))
-    choice = req.tool_choice
+    choice: str | ToolChoiceFunction | NamedToolChoice | None
+    choice = req.tool_choice  # (assigned apart: the declaration would not narrow it)
     if choice is not None and not isinstance(choice, str):
         if choice.type != "function":
             raise bad_request(f"'tool_choice.type' '{choice.type}' is not supported; a "
@@ -303,7 +309,7 @@ def _format(text: TextConfig | None) -> ResponseFormat | None:
 # ------------------------------------------------------------------- responses
 def skeleton(req: ResponsesRequest, created: int) -> Response:
     """The response with what it echoes of the request, before any output."""
-    choice = req.tool_choice
+    choice: str | ToolChoiceFunction | EchoedChoice | None = req.tool_choice
     if choice is None:
         choice = "auto" if req.tools else "none"
     elif not isinstance(choice, str):
@@ -393,6 +399,7 @@ class Events:
         if self.message is None:
             out += self._open_message()
         self.text.append(piece)
+        assert self.message is not None  # _open_message() opened it, if none was open
         out.append(TextDeltaEvent(type="response.output_text.delta", sequence_number=self._n(),
                                   item_id=self.message.id, output_index=len(self.output),
                                   content_index=0, delta=piece))
@@ -422,6 +429,7 @@ class Events:
                          output_index=len(self.output), item=item)
 
     def _part(self, kind: str, text: str) -> PartEvent:
+        assert self.message is not None  # a part of the open message
         return PartEvent(type=f"response.content_part.{kind}", sequence_number=self._n(),
                          item_id=self.message.id, output_index=len(self.output),
                          content_index=0, part=OutputText(text=text))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from functools import partial
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client
@@ -27,7 +28,7 @@ from services.gateway.codec import VERSION_HEADER  # noqa: F401 - where tests an
 from services.gateway.call import Call
 from services.gateway.frontend import USER_HEADER, Frontend
 from services.gateway.pipeline import Pipeline, Prepared, routes
-from services.micro import ServiceHealth, add_service
+from services.micro import ConcurrentHandler, ServiceHealth, add_service
 from shared import VERSION, subjects
 from shared.config import Config
 from shared.api_replies import STREAM_DONE
@@ -73,9 +74,10 @@ class Gateway:
         # The inference subjects are the micro service's endpoints (queue group
         # `gateway`), so `nats micro stats tensorbus-gateway` counts every request,
         # its errors and its time; each request is still served in its own task.
-        for name, subject, handler in (
-                *((r.endpoint, r.subject, partial(self._serve, r.pipeline)) for r in self.routes),
-                ("models", subjects.MODELS, self._on_models)):
+        endpoints: tuple[tuple[str, str, ConcurrentHandler], ...] = (
+            *((r.endpoint, r.subject, partial(self._serve, r.pipeline)) for r in self.routes),
+            ("models", subjects.MODELS, self._on_models))
+        for name, subject, handler in endpoints:
             await self.micro.add_concurrent_endpoint(
                 name, subject, handler, queue_group=subjects.QUEUE_GATEWAY, tasks=self._tasks,
                 pending_msgs=1_000_000, pending_bytes=1 << 30)
@@ -144,7 +146,7 @@ class Gateway:
         await self._respond(msg, codec.encode(self.front.model_list(), mp), mp)
         return True
 
-    async def _serve(self, pipe: Pipeline, msg: Msg) -> bool:
+    async def _serve(self, pipe: Pipeline[Any], msg: Msg) -> bool:
         """Serve one request to the end; False when it was answered with an error."""
         hdrs = msg.headers or {}
         client_id = next((hdrs[h] for h in REQUEST_ID_HEADERS if hdrs.get(h)), None)
@@ -166,7 +168,7 @@ class Gateway:
             await self._respond_error(msg, call.error, mp, call.out.version)
         return call.out.status < 400
 
-    async def _stream(self, msg: Msg, pipe: Pipeline, prep: Prepared, call: Call) -> None:
+    async def _stream(self, msg: Msg, pipe: Pipeline[Any], prep: Prepared, call: Call) -> None:
         """One message per chunk to the reply subject, then `[DONE]`; an error after
         the request was accepted is one error message before `[DONE]`."""
         if not msg.reply:

@@ -28,16 +28,22 @@ import functools
 import json
 
 import re
+from typing import TYPE_CHECKING, Any
 
 from services.gateway.structured_bounds import (DEFAULT, WHITESPACE, Bounds, add_bounds,
                                                 request_bounds)
 from shared.api import ResponseFormat
 from shared.errors import bad_request
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # only its stub declares it
+
 ANY_OBJECT = {"type": "object"}
 # Applied after the schema's own `x-guidance` options: separators "," and ":" only.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-FLEXIBLE_OPTIONS = {"whitespace_pattern": WHITESPACE, "item_separator": ",", "key_separator": ":"}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ",",
+                                     "key_separator": ":"}
+FLEXIBLE_OPTIONS: JsonCompileOptions = {"whitespace_pattern": WHITESPACE, "item_separator": ",",
+                                        "key_separator": ":"}
 
 
 def grammar_for(fmt: ResponseFormat | None, bounds: Bounds | None = DEFAULT) -> str:
@@ -47,7 +53,7 @@ def grammar_for(fmt: ResponseFormat | None, bounds: Bounds | None = DEFAULT) -> 
     return "" if schema is None else schema_grammar(schema, bounds=bounds)
 
 
-def vllm_structures(req) -> dict[str, object]:
+def vllm_structures(req) -> dict[str, Any]:
     """vLLM's structured-output fields a request sets: field name -> value."""
     so = req.structured_outputs
     asked = {"guided_json": req.guided_json, "guided_regex": req.guided_regex,

@@ -42,7 +42,7 @@ leaves untyped (`{}`, the members of a bare `{"type": "object"}` such as
 from __future__ import annotations
 
 import json
-from typing import NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 from msgspec import UNSET
 
@@ -84,8 +84,9 @@ def request_bounds(setting) -> Bounds:
         return DEFAULT
     if setting is None or setting is False:
         return OFF
-    return Bounds(*(default if (v := getattr(setting, name)) is UNSET else v
-                    for name, default in zip(Bounds._fields, DEFAULT)))
+    values: Iterable[Any] = (default if (v := getattr(setting, name)) is UNSET else v
+                             for name, default in zip(Bounds._fields, DEFAULT))
+    return Bounds(*values)
 
 
 def bounded(schema: dict, bounds: Bounds = DEFAULT) -> dict:

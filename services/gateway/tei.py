@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import msgspec
 
@@ -28,7 +28,7 @@ from services.gateway import codec
 from services.gateway.embeddings import EmbedPrepared, Embeddings
 from services.gateway.frontend import Frontend
 from services.gateway.rerank import Pairs, PairsPrepared
-from shared.api import EmbeddingRequest, RerankRequest
+from shared.api import EmbeddingRequest, RerankRequest, RerankResponse
 from shared.api_tei import TeiEmbedRequest, TeiRank, TeiRerankRequest
 from shared.errors import bad_request
 
@@ -91,7 +91,9 @@ class TeiEmbed:
 
     async def whole(self, prep: TeiEmbedPrepared, call: Call) -> list[list[float]]:
         resp = await self.inner.whole(prep.inner, call)
-        vectors = [d.embedding for d in sorted(resp.data, key=lambda d: d.index)]
+        # float lists: the inner request asks for the default encoding_format
+        vectors = cast("list[list[float]]",
+                       [d.embedding for d in sorted(resp.data, key=lambda d: d.index)])
         return [_unit(v) for v in vectors] if prep.unit else vectors
 
     async def chunks(self, prep, call: Call):
@@ -131,7 +133,7 @@ class RerankRoute:
     async def whole(self, prep, call: Call):
         if isinstance(prep, PairsPrepared):
             return await self.cohere.whole(prep, call)
-        resp = await self.cohere.whole(prep.inner, call)
+        resp = cast(RerankResponse, await self.cohere.whole(prep.inner, call))  # not score
         texts = prep.inner.req.documents
         return [TeiRank(r.index, r.relevance_score, texts[r.index] if prep.return_text else None)
                 for r in resp.results]

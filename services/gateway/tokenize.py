@@ -58,6 +58,7 @@ class Tokenize:
         if req.messages is not None:
             ids = chat_prompt(req.messages, entry, req.add_generation_prompt)
         else:
+            assert req.prompt is not None  # one of the two
             ids = entry.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         limit = entry.info.max_tokens
         if entry.info.kind == "decoder":

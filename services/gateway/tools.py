@@ -33,6 +33,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass
+from typing import cast
 
 from services.gateway import tool_auto, tool_formats
 from services.gateway.structured import response_schema, schema_grammar
@@ -180,8 +181,11 @@ def parse(tp: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]] | 
         content, deltas = auto.feed(text)
         rest, more = auto.end()
         content, deltas = content + rest, deltas + more
-    names = {d.index: d.function.name for d in deltas if d.id}
-    calls = [(names[i], "".join(d.function.arguments for d in deltas if d.index == i))
+    # The readers' deltas each carry a function: a call's first (with its id) its name
+    # and "", the rest pieces of its arguments.
+    names = {d.index: cast(str, cast(FunctionDelta, d.function).name) for d in deltas if d.id}
+    calls = [(names[i], "".join(cast(str, cast(FunctionDelta, d.function).arguments)
+                                for d in deltas if d.index == i))
              for i in sorted(names)]
     try:
         if all(isinstance(json.loads(a), dict) for _, a in calls):

@@ -82,6 +82,7 @@ class RegistryVersions:
             return None
         held = list(dict.fromkeys(v for w in (self.fleet.ready(name) if self.fleet else [])
                                   for v in w.hb.versions))
+        assert self.aliases is not None  # a registry's name, as in _aliases
         drawn = choose_version(a, self.aliases.rng, user) if (a.prod or a.canary) else ""
         order = [drawn] if drawn and (drawn in held or not held) else []
         order += [a.prod] if a.prod in held else []
@@ -100,6 +101,7 @@ class RegistryVersions:
     async def _aliases(self, name: str) -> Aliases:
         """Cached by a watch, which starts once the name has aliases (a client's
         made-up names cost a KV read each, never a watch)."""
+        assert self.aliases is not None  # past the fallback: there is a registry
         cached = self.aliases.aliases.get(name)
         if cached is not None:
             return cached

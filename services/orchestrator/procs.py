@@ -19,7 +19,7 @@ import re
 import signal
 import sys
 import time
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, cast
 
 from shared.config import PREFIX, per_model
 
@@ -136,8 +136,11 @@ class Launcher:
         return wp
 
     async def _watch(self, wp: WorkerProcess) -> None:
-        pumps = [asyncio.create_task(self._relay(wp, wp.proc.stdout, False)),
-                 asyncio.create_task(self._relay(wp, wp.proc.stderr, True))]
+        # start() opens both as pipes.
+        stdout = cast(asyncio.StreamReader, wp.proc.stdout)
+        stderr = cast(asyncio.StreamReader, wp.proc.stderr)
+        pumps = [asyncio.create_task(self._relay(wp, stdout, False)),
+                 asyncio.create_task(self._relay(wp, stderr, True))]
         code = await wp.proc.wait()
         # The pipes close with the process unless it left a child holding them.
         await asyncio.wait(pumps, timeout=2.0)

@@ -208,6 +208,7 @@ class Orchestrator:
         plan = self.policy.plan(self.views(), now)
         threads = threads_per_worker(self.cores, sum(plan.targets.values()),
                                      self.config.worker_threads)
+        wp: WorkerProcess | None
         for model in plan.start:
             try:
                 wp = await self.launcher.start(model, threads)

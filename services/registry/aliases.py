@@ -68,7 +68,8 @@ class AliasBook:
         whose end marker can come early: see `Registry._scan`)."""
         check_name("model name", name)
         subject = META_PREFIX + alias_key(name)
-        out, seq = [], 1
+        out: list[AliasChange] = []
+        seq = 1
         while True:
             try:
                 msg = await self._js.get_msg(META_STREAM, seq=seq, subject=subject, next=True)

@@ -229,7 +229,7 @@ async def _promote(reg: Registry, args) -> int:
     return 0
 
 
-async def _canary(reg: Registry, args) -> int:
+async def _set_canary(reg: Registry, args) -> int:
     guard = None
     if args.auto_rollback:
         guard = CanaryGuard(window_s=args.window, min_requests=args.min_requests,
@@ -247,7 +247,7 @@ async def _rollback(reg: Registry, args) -> int:
 
 
 _COMMANDS = {"push": _push, "import-gguf": _import_gguf, "list": _list, "show": _show,
-             "promote": _promote, "canary": _canary, "rollback": _rollback}
+             "promote": _promote, "canary": _set_canary, "rollback": _rollback}
 
 
 # --- formatting
@@ -274,7 +274,7 @@ def _when(t: datetime | None) -> str:
     return t.strftime("%Y-%m-%d %H:%M:%SZ") if t else "-"
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

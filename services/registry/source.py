@@ -39,6 +39,7 @@ class ModelSource:
 
     async def _fetch(self, name: str, version: str) -> Path:
         # A bundled model's files are copied from the install where they match.
+        assert self.registry is not None  # resolve() fetches only with a registry
         return await self.registry.fetch(name, version, self.cache_dir / name / version,
                                          local=catalog.bundled_dir(name))  # fmt: skip
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import msgspec
-from nats.js.kv import KV_DEL, KV_PURGE, StopIterSentinel
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue, StopIterSentinel
 
 from shared.registry import Aliases, AliasChange
 
@@ -32,7 +32,7 @@ class AliasWatch:
         self._kv = kv
         self._key = key
         self._include_current = include_current
-        self._watcher = None
+        self._watcher: KeyValue.KeyWatcher | None = None
         self._caught_up = False
         self._stopped = False
 
@@ -60,6 +60,8 @@ class AliasWatch:
     async def __anext__(self) -> Aliases:
         await self.start()
         while not self._stopped:
+            # start() set it; only stop() clears it, and that sets _stopped first.
+            assert self._watcher is not None
             entry = await self._watcher.updates(timeout=None)
             if isinstance(entry, StopIterSentinel):
                 break

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 from nats.aio.client import Client
@@ -28,6 +29,9 @@ from services.scheduler.holds import Holds
 from shared import subjects
 from shared.admission import Cost, Tally
 from shared.messages import ModelLoad, SchedLoad, encode, sched_load_decoder
+
+if TYPE_CHECKING:
+    from shared.bus import Links
 
 EARLY_REPORT_S = 0.02  # a change of the load goes out this soon, and reports this often at most
 
@@ -43,7 +47,7 @@ class LoadReports:
         self.moved = asyncio.Event()  # the tally changed, or a request was refused
         self._reported: set[str] = set()  # models with work in the last report
         self._reported_at = 0.0  # monotonic time of the last report
-        self.links = None  # the scheduler's shared.bus.Links: its drops are reported
+        self.links: Links | None = None  # the scheduler's: its drops are reported
 
     def changed(self) -> None:
         self.moved.set()

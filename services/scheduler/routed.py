@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from typing import cast
 
 LIMIT = 4096  # keys remembered per worker, most recent kept
 
@@ -27,10 +28,10 @@ class Held:
                  now: float) -> None:
         self.announced, self.sent, self.now = announced, sent, now
 
-    def __contains__(self, key: int) -> bool:
+    def __contains__(self, key: object) -> bool:  # object: a Container[int]
         if key in self.announced:
             return True
-        return self.sent is not None and self.sent.get(key, -1.0) > self.now
+        return self.sent is not None and self.sent.get(cast(int, key), -1.0) > self.now
 
 
 class Routed:

@@ -244,6 +244,7 @@ class Scheduler:
             return
         if not msg.reply:
             return
+        out: Reserved | WorkError
         try:
             out = Reserved(req.request_id, self.admission.reserve(req))
         except ServiceError as err:

@@ -121,7 +121,8 @@ class CanaryGuardian:
             return None
         w = self._watches.get(model)
         if w is None or (w.prod, w.canary, w.guard) != (a.prod, a.canary, a.guard):
-            ring = SlidingWindow(a.guard.window_s / SLOTS, SLOTS, dict, self._clock)
+            ring: SlidingWindow[dict[str, _Counts]] = SlidingWindow(
+                a.guard.window_s / SLOTS, SLOTS, dict, self._clock)
             w = self._watches[model] = _Watch(a.prod, a.canary, a.guard, ring)
         return w
 

@@ -24,7 +24,7 @@ import datetime as dt
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import BinaryIO, Callable, Iterable
 
 import msgspec
 from nats.aio.client import Client
@@ -104,7 +104,7 @@ def to_line(data: bytes, flt: Filter) -> bytes | None:
 class Printer:
     """Writes lines to a binary stream, flushing each; counts what it wrote."""
 
-    out: object = field(default_factory=lambda: sys.stdout.buffer)
+    out: BinaryIO = field(default_factory=lambda: sys.stdout.buffer)
     limit: int = 0  # stop after this many lines (0 = no limit)
     written: int = 0
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -164,7 +164,9 @@ async def replay(nc: Client, flt: Filter, printer: Printer, since_s: float | Non
             except (NatsTimeoutError, asyncio.TimeoutError):
                 # Nothing came: the rest was filtered out or removed by the limits.
                 now = await sub.consumer_info()
-                if now.num_pending == 0 or now.delivered.stream_seq >= end_seq:
+                # nats-py types `delivered` Optional; the server always sends it.
+                if (now.num_pending == 0
+                        or now.delivered.stream_seq >= end_seq):  # type: ignore[union-attr]
                     break
                 continue
             for msg in msgs:

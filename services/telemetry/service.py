@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 from nats.aio.client import Client
@@ -51,6 +51,12 @@ from .canary import CHECK_S, CanaryGuardian
 from .metrics import TelemetryMetrics
 from .stream import ensure_stream, stream_config
 from .summary import SummaryWindow
+
+if TYPE_CHECKING:
+    import threading
+    from wsgiref.simple_server import WSGIServer
+
+    from shared.telemetry import Summary
 
 log = get_logger("telemetry")
 
@@ -85,7 +91,7 @@ class TelemetryService:
         self.window = SummaryWindow(config.summary_interval_s, window_slots, alpha, clock)
         self.health = ServiceHealth()
         self.started = asyncio.Event()  # set once subscribed, serving and registered
-        self.last_summary = None
+        self.last_summary: Summary | None = None
         self._metrics_host = metrics_host
         self._stream_config = stream or stream_config()
         self._stream_ok = False
@@ -98,8 +104,8 @@ class TelemetryService:
         self._dropped: dict[str, int] = {}
         self._micro: MicroService | None = None
         self.guardian = CanaryGuardian(model_registry, clock=clock) if model_registry else None
-        self._httpd = None
-        self._http_thread = None
+        self._httpd: WSGIServer | None = None
+        self._http_thread: threading.Thread | None = None
 
     @property
     def metrics_port(self) -> int:
@@ -252,6 +258,7 @@ class TelemetryService:
                 self._dropped[sub.subject] = dropped
 
     async def _canary_loop(self) -> None:
+        assert self.guardian is not None  # run() starts this loop only with a guardian
         while True:
             await asyncio.sleep(CHECK_S)
             try:

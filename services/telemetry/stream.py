@@ -9,6 +9,8 @@ JetStream publishes, acknowledged and retried off the request path
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamInfo
 from nats.js.errors import BadRequestError, NotFoundError
@@ -44,8 +46,9 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig,
                         replicas: int | None = None) -> StreamInfo:
     """Create the stream (with `replicas` copies, when given), or bring an existing
     one's limits to `want` (idempotent; its replicas stay: `tensorbus replicas`)."""
+    name = cast(str, want.name)  # a stream's config always has a name
     try:
-        info = await js.stream_info(want.name)
+        info = await js.stream_info(name)
     except NotFoundError:
         try:
             info = await js.add_stream(want if replicas is None
@@ -54,7 +57,7 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig,
             return info
         except BadRequestError:
             # Another telemetry instance created it between our two calls.
-            info = await js.stream_info(want.name)
+            info = await js.stream_info(name)
     have = info.config
     changes = {f: getattr(want, f) for f in _OWNED if not _same(getattr(have, f), getattr(want, f))}
     if not changes:
@@ -64,7 +67,7 @@ async def ensure_stream(js: JetStreamContext, want: StreamConfig,
     return info
 
 
-def _same(a: object, b: object) -> bool:
+def _same(a: Any, b: Any) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         return a is not None and b is not None and abs(float(a) - float(b)) < 1e-3
     return a == b

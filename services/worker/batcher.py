@@ -27,6 +27,7 @@ import time
 from collections import defaultdict, deque
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -248,6 +249,7 @@ class EncoderRunner:
 
     def _compute(self, version: str, batch: list[Pending]) -> BatchOutcome:
         """Runs on the engine thread."""
+        out: BatchOutcome | list[np.ndarray]  # the whole outcome, or the batch's vectors
         engine = self.models.engine_of(version)
         scoring = engine.task == "score"
         keep = [p for p in batch if bool(p.work.types) == scoring]
@@ -296,7 +298,7 @@ class EncoderRunner:
                 merged.items += o.items
                 merged.vectors += o.vectors
                 merged.timings += o.timings
-        merged.failed = [(o.items[0], o.error) for o in failed]
+        merged.failed = [(o.items[0], cast(BaseException, o.error)) for o in failed]
         return merged
 
     def _refusal(self, work: EmbedWork, vecs) -> ServiceError | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from services.registry.servable import encoder_refusal
 from shared import catalog
@@ -251,6 +251,7 @@ def build_engine(config: Config, info: catalog.ModelInfo) -> Engine:
 
 def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp: int, quant: str,
            form: str = "auto", budget: int = 0) -> Engine:
+    kw: dict[str, Any]  # the arguments every backend of the kind takes
     if info.kind == "encoder":
         kw = dict(name=info.name, dtype=dtype, batch_buckets=config.batch_bucket_list,
                   seq_buckets=config.seq_bucket_list, max_batch=config.max_batch)

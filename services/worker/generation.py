@@ -43,11 +43,11 @@ import random
 import time
 import weakref
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from services.worker.decode.output import OutputProcessor, Say
 from services.worker.decode.scheduler import (
-    Lane, LaneStep, Request, StepPlan, StepResult, StepScheduler)
+    Lane, LaneStep, Request, Sequence, StepPlan, StepResult, StepScheduler)
 from services.worker.runner import Gauges, Outbox
 from services.worker.versions import LoadedModels
 from shared.admission import GenCostBook
@@ -74,7 +74,8 @@ class DecoderRunner:
         self.executor = executor
         self.sched = StepScheduler(models.resolve, prefill_per_step, prefill_chunk)
         self.output = OutputProcessor(outbox.worker_id, outbox.model)
-        self.counters = self.sched.counters  # prefix-cache counts and preemptions, since start
+        # Prefix-cache counts and preemptions, since start (Any: they go into Gauges by name).
+        self.counters: dict[str, Any] = self.sched.counters
         self.costs = GenCostBook()  # prefill and step costs, for the heartbeat (admission)
         self.steps = 0
         self.generated = 0  # tokens generated since start, over every request
@@ -106,10 +107,14 @@ class DecoderRunner:
         loop = self._loop
         if loop is None:
             return
+
+        def wake() -> None:
+            loop.call_soon_threadsafe(self._wake.set)
+
         for lane in self.lanes.values():
             if lane.engine not in self._heard:
                 self._heard.add(lane.engine)
-                lane.engine.on_compiled(lambda: loop.call_soon_threadsafe(self._wake.set))
+                lane.engine.on_compiled(wake)
 
     @property
     def lanes(self) -> dict[str, Lane]:
@@ -168,6 +173,7 @@ class DecoderRunner:
         block = engine.info.prefix_block if engine is not None else 0  # 0: cache off
         if not block:
             return {}
+        assert engine is not None  # a block came from it
         return {"prefix_block": block, "prefix_keys": engine.stats(SUMMARY_KEYS).prefixes}
 
     def _count_prefix(self) -> None:
@@ -194,7 +200,8 @@ class DecoderRunner:
             # stalled): the gateway keeps one answer per request, and this one goes on.
             log.info("duplicate_work_ignored", request_id=work.request_id)
             return
-        engine = self.models.engines.get(self.models.resolve(work.version))
+        # The worker submits only work of a version it holds (or unpinned: prod).
+        engine = cast("Decoder", self.models.engines.get(self.models.resolve(work.version)))
         try:
             engine.check(work.prompt, work.sampling)  # an engine without every control: 400
         except ValueError as exc:
@@ -355,9 +362,10 @@ class DecoderRunner:
 def _execute(plan: StepPlan) -> StepResult:
     """Runs on the engine thread: the plan's prompt chunks, then per lane make room
     for the next step, dispatch it, and read the one before it."""
-    firsts = []
+    firsts: list[tuple[Sequence, int | BaseException]] = []
     for seq, n in plan.prefill:
         try:
+            assert seq.lane is not None  # admitted: a prefilling sequence has its lane
             first = seq.lane.engine.prefill_step(seq.slot, n)
         except Exception as exc:  # noqa: BLE001 - fails this sequence only
             firsts.append((seq, exc))

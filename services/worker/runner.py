@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, TypeVar
 
 from nats.aio.client import Client
 
@@ -24,6 +24,8 @@ from shared.logging import get_logger
 from shared.messages import Results, WorkDone, WorkError, WorkRequest, encode
 
 log = get_logger("worker.outbox")
+
+W = TypeVar("W", bound=WorkRequest)
 
 
 @dataclass
@@ -49,13 +51,19 @@ class Gauges:
     prefix_keys: list[int] = field(default_factory=list)  # short keys of cached prefixes
 
 
-class Runner(Protocol):
-    """Batches a worker's requests onto its engines. One per worker."""
+class Runner(Protocol[W]):
+    """Batches a worker's requests onto its engines. One per worker. `W`: the
+    WorkRequest it runs (EmbedWork | GenerateWork)."""
 
-    work_type: type  # the WorkRequest it runs (EmbedWork | GenerateWork); others are refused
-    costs: GenCostBook | None  # a cost fitted to its own steps (decoders); None: warm-up's
+    @property
+    def work_type(self) -> type[W]:
+        """The WorkRequest it runs; others are refused."""
 
-    def submit(self, work: WorkRequest) -> None:
+    @property
+    def costs(self) -> GenCostBook | None:
+        """A cost fitted to its own steps (decoders); None: warm-up's."""
+
+    def submit(self, work: W) -> None:
         """Queue one request; its answer goes out through the outbox."""
 
     def cancel(self, request_id: str) -> None:

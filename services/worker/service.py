@@ -33,6 +33,7 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
 
 import msgspec
 from nats.aio.client import Client
@@ -134,7 +135,8 @@ def time_decoder(engine, chunk: int) -> GenCost | None:
     except Exception as exc:  # noqa: BLE001 - a broken engine fails its requests, not its start
         log.warning("warmup_timing_failed", error=f"{type(exc).__name__}: {exc}")
         return None
-    return GenCost(book.cost("prefill"), Cost(min(steps), 0.0))
+    # None only if both prompts timed 0 s (`observe` skips those): never on a real clock.
+    return GenCost(cast(Cost, book.cost("prefill")), Cost(min(steps), 0.0))
 
 
 def default_worker_id() -> str:
@@ -172,7 +174,7 @@ class Worker:
                                 model_dir=config.model_dir, fleet=fleet)
         self.fleet = fleet
         self.outbox = Outbox(nc, self.id, self.model, prod=lambda: self.models.prod)
-        self.runner: Runner | None = None  # built in run(), once the kind is known
+        self.runner: Runner[Any] | None = None  # built in run(), once the kind is known
         self.memory = MemoryProbe()
         self.state = "starting"
         self.health: ServiceHealth | None = None  # set in run()
@@ -195,7 +197,7 @@ class Worker:
         """Versions traffic goes to, prod first (heartbeats, results of unpinned work)."""
         return self.models.serving()
 
-    def _make_runner(self) -> Runner:
+    def _make_runner(self) -> Runner[Any]:
         if self.kind == "decoder":
             return DecoderRunner(self.models, self.outbox, self.executor,
                                  self.config.prefill_per_step, prefill_chunk(self.config))
@@ -251,6 +253,7 @@ class Worker:
             await self.warmup()
             self.runner = self._make_runner()
             if isinstance(self.warm_cost, GenCost):
+                assert self.runner.costs is not None  # a decoder's runner: it fits costs
                 self.runner.costs.learn(self.warm_cost)  # until its own steps are timed
             tg.create_task(self.runner.run())
             self._subs = [
@@ -274,6 +277,7 @@ class Worker:
                 ready.set()
             await self._stop.wait()
             if follow is not None:  # no swap while draining
+                assert self.swap is not None  # follow runs it
                 follow.cancel()
                 await self.swap.stop()
             if shelving is not None:
@@ -306,6 +310,8 @@ class Worker:
         return time.monotonic() - self._last_progress < self.config.stall_s
 
     async def _drain(self) -> None:
+        # run() set both before it waits for the stop that leads here.
+        assert self.health is not None and self.runner is not None
         self.health.ready = False
         self.state = "draining"
         self._hb_now.set()
@@ -334,6 +340,7 @@ class Worker:
             log.warning("bad_work_message")
             return
         log.debug("request_received", request_id=work.request_id, model=work.model)
+        assert self.runner is not None  # subscribed once run() built it
         if work.version and not self.models.holds(work.version):
             await self.outbox.refuse(work, ServiceError(
                 503, f"version {work.version} of '{work.model}' is not loaded on this worker; "
@@ -345,6 +352,7 @@ class Worker:
                 400, f"model '{work.model}' does not serve this endpoint"))
 
     async def _on_cancel(self, msg: Msg) -> None:
+        assert self.runner is not None  # subscribed once run() built it
         try:
             self.runner.cancel(cancel_decoder.decode(msg.data).request_id)
         except msgspec.DecodeError:
@@ -357,7 +365,7 @@ class Worker:
         else:  # starting or warming: nothing taken yet
             load = Gauges(queue_depth=0, in_flight=0, max_batch=self.config.max_batch,
                           occupancy=0.0, steps=0)
-        engine = self.models.prod_engine  # None while starting
+        engine: Any = self.models.prod_engine  # an Encoder or a Decoder; None while starting
         decoder = self.kind == "decoder" and engine is not None
         facts = engine.info if decoder else engine  # an encoder says them itself
         device = facts.device if engine is not None else "cpu"

@@ -29,7 +29,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Awaitable, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Awaitable, Callable, Generic, TypeVar, cast
 
 from nats.errors import ConnectionClosedError
 
@@ -40,6 +40,9 @@ from services.worker.fleet import FleetPrograms
 from shared import catalog
 from shared.logging import get_logger
 from shared.registry import Aliases
+
+if TYPE_CHECKING:
+    from services.registry.store import Registry
 
 log = get_logger("worker.versions")
 
@@ -183,6 +186,7 @@ class HotSwap(Generic[E]):
             return None
         from services.registry.seed import seed_bundled
 
+        assert self.registry is not None  # start() seeds only when it follows a registry
         try:
             await seed_bundled(self.registry, [info])
         except Exception as exc:  # noqa: BLE001 - e.g. no write permission: serve local
@@ -193,6 +197,7 @@ class HotSwap(Generic[E]):
     async def _current(self) -> Aliases:
         if not self.follows:
             return Aliases()
+        assert self.registry is not None  # it follows one
         try:
             return await self.registry.aliases(self.model)
         except Exception as exc:  # noqa: BLE001 - an unusable registry: serve locally
@@ -223,6 +228,7 @@ class HotSwap(Generic[E]):
                     self.models.report([f"alias change not applied: {exc}"])
 
     async def _watch(self) -> None:
+        assert self.registry is not None  # run() watches only when it follows one
         attempt = 0
         while not self._closed:
             try:
@@ -317,14 +323,15 @@ class HotSwap(Generic[E]):
                 raise VersionNotFound(
                     f"{self.model} is neither in the registry nor bundled; set TENSORBUS_MODEL_DIR")
             return info
-        record = await self.registry.get(self.model, version)
+        # A version other than local comes from the registry (and so the source).
+        record = await cast("Registry", self.registry).get(self.model, version)
         if record is None:
             raise VersionNotFound(f"{self.model}@{version} is not in the registry")
         kind = self.models.kind
         if kind and record.kind != kind:
             raise IncompatibleVersion(
                 f"{self.model}@{version} is of kind {record.kind}; this worker serves kind {kind}")
-        _, path = await self.source.resolve(self.model, version)
+        _, path = await cast(ModelSource, self.source).resolve(self.model, version)
         return catalog.describe(self.model, Path(path))
 
     # ------------------------------------------------------------------ errors

@@ -27,11 +27,15 @@ It calls no engine and awaits nothing: each call returns the messages to send
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.worker.decode.scheduler import Request, Sequence
 from shared.errors import ServiceError, out_of_time
 from shared.messages import GenChunk, GenDone, GenerateWork, Timing, TokenLogprob
 from shared.telemetry import itl_bucket, itl_counts
+
+if TYPE_CHECKING:
+    from engine.detok import Detokenizer
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class Say:
 class Stream:
     """One choice's output so far."""
 
-    detok: object  # engine.detok.Detokenizer
+    detok: Detokenizer
     last_at: float = 0.0  # perf_counter of its latest token
     generated: int = 0
     unsent: int = 0  # tokens generated since its last chunk
@@ -82,6 +86,7 @@ class OutputProcessor:
 
     def accept(self, seq: Sequence, tok: int, now: float) -> list[Say]:
         """One token of `seq` (on its lane), read at `now` (perf_counter)."""
+        assert seq.lane is not None  # a sequence with tokens was admitted to a lane
         st = self.requests[seq.work.request_id]
         stream = st.streams.get(seq.index)
         if stream is None:
@@ -122,6 +127,7 @@ class OutputProcessor:
         """A non-streaming choice's empty chunk, when the gateway should hear that it
         makes progress: at its first token, then every quarter of its stall timeout."""
         w = seq.work
+        assert seq.lane is not None  # accept()'s sequence
         if stream.noted and (w.stall_s <= 0 or now - stream.noted < w.stall_s / 4):
             return []
         stream.noted = now
@@ -135,6 +141,7 @@ class OutputProcessor:
         """Its new text; sets `seq.finish` when this token ends it."""
         detok = stream.detok
         w = seq.work
+        assert seq.lane is not None  # accept()'s sequence
         if (tok in seq.lane.eos and not w.ignore_eos) or tok in w.sampling.stop_token_ids:
             seq.finish = "stop"
             return detok.flush()
@@ -151,6 +158,7 @@ class OutputProcessor:
     @staticmethod
     def _chunk(seq: Sequence, stream: Stream, text: str) -> Say:
         w = seq.work
+        assert seq.lane is not None  # accept()'s sequence
         chunk = GenChunk(w.request_id, seq.index, text, stream.unsent, seq.finish,
                          w.attempt, seq.lane.version, stream.logprobs, stream.prompt, stream.sent)
         stream.unsent, stream.sent = 0, stream.sent + 1

@@ -221,6 +221,7 @@ class StepScheduler:
         for seq in self.prefilling:
             if left <= 0:
                 break
+            assert seq.lane is not None  # admitted: a prefilling sequence has its lane
             n = min(left, seq.lane.engine.prefilling(seq.slot))
             left -= n
             prefill.append((seq, n))
@@ -314,6 +315,7 @@ class StepScheduler:
                 out.append((seq, first))
                 continue
             # Queued behind the step in flight: it joins the next one dispatched.
+            assert seq.lane is not None  # it was prefilling: admitted to a lane
             seq.joined = seq.lane.dispatched + 1
             seq.live = True
             self.prefilling.remove(seq)
