@@ -163,9 +163,10 @@ class Job:
             return
         batch = await self.store.change(self.id, lambda b: _started(b, len(lines)))
         done = await self.store.lines_done(self.id)
-        # None only for a batch deleted meanwhile: `.status` then fails the job.
-        batch = cast(Batch, await self.store.change(
-            self.id, lambda b: _counted(b, len(lines), done)))
+        batch = await self.store.change(self.id, lambda b: _counted(b, len(lines), done))
+        if batch is None:  # its record was removed from the KV meanwhile: nothing to run
+            log.info("batch_gone", batch_id=self.id)
+            return
         if batch.status == "in_progress":
             log.info("batch_running", batch_id=self.id, total=len(lines), done=len(done))
             await self._feed(batch, lines, done)
