@@ -86,7 +86,11 @@ def load_host_forms(model_dir: str | Path, cfg: DecoderConfig, quant: str, forms
     if quant != "none" and "w8a8" in forms:
         hosts.add("w8a8")
     fields = {"config": dataclasses.asdict(cfg), "quant": quant, "forms": sorted(hosts)}
-    return prepared.load_or_build(cache, weight_files(model_dir), fields,
+    sources = weight_files(model_dir)
+    config = Path(model_dir) / "config.json"
+    if config.exists():  # its quantization_config says how stored weights read (prequant)
+        sources = [*sources, config]
+    return prepared.load_or_build(cache, sources, fields,
                                   lambda: _build_host_forms(model_dir, cfg, quant, hosts))
 
 

@@ -4,6 +4,7 @@ build, and built again when the source file changes."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -17,6 +18,7 @@ from engine.decoder import DecoderEngine
 from engine.decoder.config import load_config
 from engine.decoder.model import load_host_forms
 from engine.quant import QWeight, is_qweight
+from tests.support.tiny_models import build
 
 
 def _assert_identical(got, want) -> None:
@@ -81,6 +83,25 @@ def test_a_changed_source_is_built_again(smollm2_file, tmp_path):
     assert how == "built" and new.stat().st_size > 1 << 20
     _, how = load_host_forms(model, cfg, "none", ("float",), folder)
     assert how == "cache"
+
+
+def test_a_changed_config_json_is_built_again(tmp_path):
+    """The config file says how the stored weights read (a quantization_config's
+    block size, say) beyond what the engine's config keeps: a changed one is a new
+    entry, not the old one's weights."""
+    model, folder = tmp_path / "model", tmp_path / "prepared"
+    build("llama", model, positions=32)
+    cfg = load_config(model)
+    _, how = load_host_forms(model, cfg, "none", ("float",), folder)
+    assert how == "built"
+    _, how = load_host_forms(model, cfg, "none", ("float",), folder)
+    assert how == "cache"
+    config = json.loads((model / "config.json").read_text())
+    config["transformers_version"] = "0.0.1"  # a key the engine's config does not keep
+    (model / "config.json").write_text(json.dumps(config))
+    assert load_config(model) == cfg
+    _, how = load_host_forms(model, cfg, "none", ("float",), folder)
+    assert how == "built" and len(_entries(folder)) == 2
 
 
 def test_the_engine_keeps_its_weights_and_loads_them_back(smollm2_dir, tmp_path):
