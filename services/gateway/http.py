@@ -10,6 +10,7 @@ answer), when the server's `http.disconnect` message says it left.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import socket
 from functools import partial
@@ -337,9 +338,10 @@ async def serve_http(app: Starlette, host: str, port: int, max_header_bytes: int
                          h11_max_incomplete_event_size=max_header_bytes, lifespan="off",
                          timeout_graceful_shutdown=5)
     server = uvicorn.Server(cfg)
-    # The process owns signals. (A hook of uvicorn before 0.29; later ones take the
-    # signals in `serve` whatever this says.)
-    server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
+    # The process owns signals: its stop drains (not ready, then HTTP, then the work in
+    # flight). uvicorn's `serve` would take SIGINT and SIGTERM for the time it runs,
+    # close HTTP first and hand the signal on only after.
+    server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign,assignment]
     task = asyncio.create_task(server.serve(sockets=[listen_socket(host, port)]))
     while not server.started:
         if task.done():

@@ -1,6 +1,7 @@
 """Stopping `honcho start` (Ctrl-C) on the real Procfile while streams run: honcho
-signals every process at once, and the streams already running still finish; and a
-decoder worker stopped while it compiles in the background exits 0."""
+signals every process at once, and the streams already running, over NATS and over
+HTTP, still finish; and a decoder worker stopped while it compiles in the background
+exits 0."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import asyncio
 import signal
 from pathlib import Path
 
+import httpx
 import msgspec
 
 from shared import catalog, subjects
 from shared.bus import connect
+from shared.natsd import free_port
 from services.supervisor import Supervisor, wait_ready
 from bench.support import orchestration as fleet
 from tests.support.stack import wait_until
@@ -38,19 +41,36 @@ async def _stream(nc, started: asyncio.Event, i: int, out: list[bytes]) -> list[
             return out
 
 
+async def _http_stream(url: str, started: asyncio.Event, out: list[bytes]) -> list[bytes]:
+    body = {"model": fleet.DEMO_LM, "prompt": "Stream over HTTP says", "max_tokens": TOKENS,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with httpx.AsyncClient(timeout=120) as client:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
+            assert reply.status_code == 200
+            async for line in reply.aiter_lines():
+                if line.startswith("data: "):
+                    out.append(line[len("data: "):].encode())
+                    started.set()
+    return out
+
+
 async def test_stopping_honcho_lets_running_streams_finish(tmp_path, jax_cache_dir):
+    http_port = free_port()
     env = fleet.stack_env(tmp_path, Path(jax_cache_dir), TENSORBUS_FLEET=f"{fleet.DEMO_LM}=1:1",
-                          TENSORBUS_DECODE_SLOTS="4", TENSORBUS_MAX_CONTEXT="512")
+                          TENSORBUS_DECODE_SLOTS="4", TENSORBUS_MAX_CONTEXT="512",
+                          TENSORBUS_HTTP_PORT=str(http_port))
     env.pop("TENSORBUS_MODEL_DIR")
     h = fleet.Honcho(tmp_path, env)
     nc = None
     try:
         nc = await connect(h.url, "shutdown-client")
         await wait_ready(nc, fleet.DEMO_LM, 1, timeout=300)
-        started = [asyncio.Event() for _ in range(3)]
+        started = [asyncio.Event() for _ in range(4)]
         got: list[list[bytes]] = [[] for _ in started]
         streams = [asyncio.create_task(_stream(nc, ev, i, got[i]))
-                   for i, ev in enumerate(started)]
+                   for i, ev in enumerate(started[:3])]
+        streams.append(asyncio.create_task(  # the last over HTTP (SSE)
+            _http_stream(f"http://127.0.0.1:{http_port}", started[3], got[3])))
         for ev in started:
             await ev.wait()
         h.popen.send_signal(signal.SIGINT)  # Ctrl-C: honcho stops every process
