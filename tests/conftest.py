@@ -15,6 +15,7 @@ import pytest_asyncio
 
 from shared import catalog
 from shared.natsd import NatsServer
+from tests.support.bus import connect as bus_connect
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +28,7 @@ def nats_server(tmp_path_factory):
 async def nc(nats_server):
     import nats
 
-    client = await nats.connect(nats_server.url)
+    client = await bus_connect(nats_server.url)
     yield client
     await client.drain()
 

@@ -35,6 +35,7 @@ import yaml
 from services.supervisor import wait_ready
 from shared import catalog
 from shared.natsd import NatsServer, free_port
+from tests.support.bus import connect as bus_connect
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "deploy" / "image" / "build.sh"
@@ -200,7 +201,7 @@ async def test_the_image_runs_the_stack_and_answers_embeddings(image, tmp_path, 
 
             import nats
 
-            nc = await nats.connect(server.url)
+            nc = await bus_connect(server.url)
             try:
                 try:
                     await wait_ready(nc, ENCODER, timeout=240)

@@ -22,13 +22,14 @@ from shared import catalog, subjects
 from bench.support.load import LOST, one
 from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import running_stack, wait_until
+from tests.support.bus import connect as bus_connect
 
 
 @contextlib.asynccontextmanager
 async def second_gateway(url: str, config, front=None):
     """Another gateway on the same bus (`front(nc, config)`: its own Frontend), stopped
     however the test ends: one left running would answer the next tests' requests."""
-    nc = await nats.connect(url, name="gateway-2")
+    nc = await bus_connect(url, name="gateway-2")
     gw = Gateway(nc, config, front(nc, config) if front else None, http=False)
     ready = asyncio.Event()
     task = asyncio.create_task(gw.run(ready))
@@ -184,7 +185,7 @@ async def test_a_request_that_cannot_meet_its_deadline_is_refused_at_once(nats_s
 async def test_two_schedulers_share_one_bound(nats_server):
     engine = MockEncoder(per_token_s=0.001)  # 4 ms per request
     async with running_stack(nats_server.url, max_queue_s=0.2) as st:
-        nc = await nats.connect(nats_server.url, name="scheduler-2")
+        nc = await bus_connect(nats_server.url, name="scheduler-2")
         second = Scheduler(nc, st.config, scheduler_id="second")
         ready = asyncio.Event()
         task = asyncio.create_task(second.run(ready))
@@ -241,8 +242,8 @@ async def test_the_schedulers_load_reaches_the_gateways_as_it_moves(nats_server)
     # Reports every 30 s: any report within this test came early.
     config = Config.from_env({}, nats_url=nats_server.url, heartbeat_s=30.0,
                              worker_expiry_s=120.0, max_queue_per_worker=2)
-    snc = await nats.connect(nats_server.url, name="scheduler-early")
-    nc = await nats.connect(nats_server.url, name="gateway-and-worker")
+    snc = await bus_connect(nats_server.url, name="scheduler-early")
+    nc = await bus_connect(nats_server.url, name="gateway-and-worker")
     sched = Scheduler(snc, config, scheduler_id="early")
     ready = asyncio.Event()
     task = asyncio.create_task(sched.run(ready))

@@ -15,6 +15,7 @@ from services.gateway.service import Gateway
 from shared import catalog, subjects
 from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import running_stack, wait_until
+from tests.support.bus import connect as bus_connect
 
 MODEL = catalog.ENCODER
 
@@ -39,7 +40,7 @@ def counted(gw: Gateway, served: Counter, name: str) -> None:
 async def test_two_gateways_share_the_http_port_and_both_take_traffic(nats_server):
     port = free_port()
     async with running_stack(nats_server.url, http_port=port) as st:
-        nc = await nats.connect(nats_server.url, name="gateway-2")
+        nc = await bus_connect(nats_server.url, name="gateway-2")
         second = Gateway(nc, st.config)
         ready = asyncio.Event()
         task = asyncio.create_task(second.run(ready))

@@ -24,6 +24,7 @@ from services.gateway.models import ModelTable
 from services.gateway.service import Gateway
 from shared import catalog
 from tests.support.stack import running_stack, table_resolver, wait_until
+from tests.support.bus import connect as bus_connect
 
 MODEL = catalog.SMOLLM2
 CONTEXT = 256  # the shapes of test_smollm2.py's engine: their programs compile once
@@ -53,7 +54,7 @@ async def gateways(nats_server, engine, smollm2_dir):
                              decode_slots=2) as st:
         await st.add_worker(engine, "dec-reasoning", kind="decoder")
         config = st.config.with_(reasoning_parser=f"{MODEL}=think")
-        nc = await nats.connect(nats_server.url, name="gateway-thinking")
+        nc = await bus_connect(nats_server.url, name="gateway-thinking")
         fleet = Fleet(expiry_s=config.worker_expiry_s)
         second = Gateway(nc, config, Frontend(nc, config, fleet,
                                               ModelTable(fleet, table_resolver(models))))

@@ -20,6 +20,7 @@ from services.supervisor import Supervisor, wait_ready
 from shared import catalog, subjects
 from shared.errors import HEADER_CODE
 from shared.natsd import free_port
+from tests.support.bus import connect as bus_connect
 
 ENCODER = catalog.ENCODER
 
@@ -44,7 +45,7 @@ async def test_one_requests_lines_join_across_gateway_scheduler_and_worker(tmp_p
         sup.start("scheduler", "services.scheduler")
         sup.start("worker", "services.worker", TENSORBUS_WORKER_ID="w-logs",
                   TENSORBUS_MODEL_DIR=str(catalog.bundled_dir(ENCODER)))
-        nc = await nats.connect(sup.nats_url)
+        nc = await bus_connect(sup.nats_url)
         try:
             await wait_ready(nc, ENCODER, timeout=240)
             msg = await nc.request(subjects.EMBEDDINGS, msgspec.json.encode(

@@ -26,6 +26,7 @@ from bench.support.mock_encoder import MockEncoder
 from tests.support.stack import running_stack, wait_until
 from tests.support.telemetry import running_telemetry
 from tests.support.tiny_models import serve_tiny
+from tests.support.bus import connect as bus_connect
 
 CONTEXT = 128
 MODEL = "tiny-metrics"
@@ -43,7 +44,7 @@ async def records(nats_server):
     """Every RequestRecord published from now on, as they arrive."""
     import nats
 
-    nc = await nats.connect(nats_server.url)
+    nc = await bus_connect(nats_server.url)
     got: list[RequestRecord] = []
 
     async def on(msg):

@@ -25,6 +25,7 @@ from shared.telemetry import encode as encode_record
 from tests.reliability.conftest import ENCODER
 from tests.reliability.replies import ask
 from tests.support.stack import running_stack
+from tests.support.bus import connect as bus_connect
 
 CONF = 'max_payload: 256KB\nmax_pending: 262144\nwrite_deadline: "1s"\n'
 
@@ -63,13 +64,13 @@ async def test_a_consumer_that_never_reads_never_slows_inference(small_buffer_se
     async def on_error(exc: Exception) -> None:
         dropped.append(exc)  # nats.py's slow-consumer report: messages it discarded
 
-    blocked = await nats.connect(server.url, name="blocked-consumer", error_cb=on_error)
+    blocked = await bus_connect(server.url, name="blocked-consumer", error_cb=on_error)
 
     async def never_returns(msg) -> None:
         await stuck.wait()
 
     await blocked.subscribe("telemetry.v1.>", cb=never_returns, pending_msgs_limit=100)
-    flood = await nats.connect(server.url, name="flood")
+    flood = await bus_connect(server.url, name="flood")
     try:
         async with running_stack(server.url) as st:
             await st.add_worker(minilm, "enc-slow")

@@ -19,6 +19,7 @@ import pytest_asyncio
 from nats.aio.client import Client
 
 from shared.natsd import NatsServer
+from tests.support.bus import connect as bus_connect
 
 REPO = Path(__file__).resolve().parents[2]
 NATS_DIR = REPO / "deploy" / "nats"
@@ -113,7 +114,7 @@ class SecuredBus:
         async def quiet(*_a) -> None:
             return None
 
-        nc = await nats.connect(
+        nc = await bus_connect(
             self.url_for(role, password), name=f"test-{role}", allow_reconnect=False,
             connect_timeout=3, error_cb=violations.on_error,
             disconnected_cb=quiet, closed_cb=quiet,

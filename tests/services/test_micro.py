@@ -10,6 +10,7 @@ import nats
 import pytest
 
 from services.micro import ServiceHealth, add_service, health_subject, ready_subject
+from tests.support.bus import connect as bus_connect
 
 
 def _name() -> str:
@@ -110,7 +111,7 @@ async def test_every_instance_answers_health(nc):
 
 
 async def test_stop_is_idempotent_and_removes_interest(nats_server):
-    client = await nats.connect(nats_server.url)
+    client = await bus_connect(nats_server.url)
     name = _name()
     svc = await add_service(client, name, "0.1.0", "stops")
     await asyncio.gather(svc.stop(), svc.stop())

@@ -34,6 +34,7 @@ from shared import catalog, subjects
 from shared.catalog import ModelInfo
 from shared.natsd import NatsServer
 from shared.registry import Aliases
+from tests.support.bus import connect as bus_connect
 
 SMALL_ENCODER_FILES = ["config.json", "vocab.txt", "tokenizer_config.json",
                        "special_tokens_map.json", "sentence_bert_config.json",
@@ -281,7 +282,7 @@ async def test_watch_aliases_yields_changes(reg, enc_dir):
 
 async def test_seed_twice_pushes_once_even_when_racing(nats_server, tmp_path):
     info = ModelInfo(_name(), "encoder", str(make_encoder_dir(tmp_path / "m")), 256)
-    ncs = [await nats.connect(nats_server.url) for _ in range(2)]
+    ncs = [await bus_connect(nats_server.url) for _ in range(2)]
     try:
         regs = [await Registry.open(nc) for nc in ncs]
         first = await asyncio.gather(*(seed_bundled(r, [info]) for r in regs))
@@ -343,7 +344,7 @@ async def test_source_falls_back_to_catalogue(tmp_path):
     assert await ModelSource(None, tmp_path).resolve(catalog.ENCODER) == ("local", bundled_path)
     # A registry that does not know the model (a fresh server: nothing seeded).
     with NatsServer(tmp_path / "js") as server:
-        nc = await nats.connect(server.url)
+        nc = await bus_connect(server.url)
         try:
             # Two services starting together both create the buckets: no error.
             reg, _ = await asyncio.gather(Registry.open(nc), Registry.open(nc))

@@ -35,6 +35,7 @@ from shared.config import Config
 from shared.natsd import free_port
 from shared.telemetry import (Heartbeat, RequestRecord, ScaleDecision, Summary, encode, itl_bucket,
                               itl_counts, record_decoder)
+from tests.support.bus import connect as bus_connect
 
 ALPHA = 0.01
 SUMMARY_S = 0.2
@@ -119,7 +120,7 @@ async def started(nats_server):
     running: list[tuple[TelemetryService, asyncio.Task, nats.NATS]] = []
 
     async def start(**config) -> TelemetryService:
-        tnc = await nats.connect(nats_server.url)
+        tnc = await bus_connect(nats_server.url)
         svc = TelemetryService(tnc, _config(nats_server.url, **config),
                                registry=CollectorRegistry(), window_slots=100)
         task = asyncio.create_task(svc.run())
@@ -407,8 +408,8 @@ async def test_ensure_stream_is_idempotent_and_restores_limits(started, nc):
 async def test_a_burst_never_blocks_the_publisher(started, nats_server):
     svc = await started()
     model = _model()
-    pub = await nats.connect(nats_server.url)
-    stuck_nc = await nats.connect(nats_server.url, error_cb=_quiet)
+    pub = await bus_connect(nats_server.url)
+    stuck_nc = await bus_connect(nats_server.url, error_cb=_quiet)
     never = asyncio.Event()
 
     async def stuck(msg):
@@ -476,7 +477,7 @@ async def test_registered_as_micro_service_and_ready(started, nc):
 
 
 async def test_stop_is_idempotent(nats_server):
-    tnc = await nats.connect(nats_server.url)
+    tnc = await bus_connect(nats_server.url)
     svc = TelemetryService(tnc, _config(nats_server.url), registry=CollectorRegistry())
     task = asyncio.create_task(svc.run())
     await asyncio.wait_for(svc.started.wait(), 15)

@@ -29,6 +29,7 @@ from shared import bus
 from shared.bus import close
 from shared.config import Config
 from shared.errors import HEADER_CODE
+from tests.support.bus import connect as bus_connect
 
 
 async def _connect(url: str, name: str):
@@ -36,7 +37,7 @@ async def _connect(url: str, name: str):
     list (a cluster) as the processes make it (shared.bus: reconnecting forever), tried
     in the order given, so a test decides which member each service starts on."""
     if "," not in url:
-        return await nats.connect(url, name=name)
+        return await bus_connect(url, name=name)
     return await bus.connect(url, name, dont_randomize=True)
 
 
@@ -93,7 +94,7 @@ class Stack:
                                   wait_ready: bool = True) -> Worker:
         """A worker that loads `model`'s versions from the registry with `factory`
         (`(ModelInfo, version) -> engine`) and follows its aliases, as the process does."""
-        nc = await nats.connect(self.config.nats_url, name=worker_id)
+        nc = await bus_connect(self.config.nats_url, name=worker_id)
         self._exit.push_async_callback(close, nc)
         source = ModelSource(await Registry.open(nc), self.cache_dir / worker_id)
 
@@ -136,7 +137,7 @@ class Stack:
 
     async def start_scheduler(self) -> Scheduler:
         """A new scheduler (after `stop_scheduler`), ready."""
-        nc = await nats.connect(self.config.nats_url, name="scheduler")
+        nc = await bus_connect(self.config.nats_url, name="scheduler")
         self._exit.push_async_callback(close, nc)
         self.scheduler = Scheduler(nc, self.config, scale_interval_s=self.scheduler.scale_interval_s)
         ready = asyncio.Event()

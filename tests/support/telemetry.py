@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from services.registry.store import Registry
 from services.telemetry.service import TelemetryService
 from shared.config import Config
+from tests.support.bus import connect as bus_connect
 
 
 @asynccontextmanager
@@ -22,7 +23,7 @@ async def running_telemetry(nats_url: str, registry: bool = False,
     base = dict(nats_url=nats_url, metrics_port=0, summary_interval_s=0.5,
                 worker_expiry_s=1.0, log_format="json", log_level="warning")
     config = Config.from_env({}, **{**base, **overrides})
-    nc = await nats.connect(nats_url, name="telemetry")
+    nc = await bus_connect(nats_url, name="telemetry")
     models = await Registry.open(nc) if registry else None
     svc = TelemetryService(nc, config, registry=CollectorRegistry(), model_registry=models)
     task = asyncio.create_task(svc.run())
