@@ -88,15 +88,13 @@ def _tensor_data(path: str | Path, header: Header):
     align = int(header.metadata.get("general.alignment", 32))
     start = -(-header.size // align) * align  # the data section, aligned
     mm = np.memmap(path, dtype=np.uint8, mode="r")
-    offsets = header.offsets
-    assert offsets is not None  # read_header's parse fills it
     for name, (shape, kind) in header.tensors.items():
         try:
             qtype = GGMLQuantizationType(kind)
         except ValueError:
             raise GGUFError(f"{path}: tensor {name!r} has an unknown type {kind}") from None
         block, size = GGML_QUANT_SIZES[qtype]
-        at, n = start + offsets[name], int(np.prod(shape)) * size // block
+        at, n = start + header.offsets[name], int(np.prod(shape)) * size // block
         raw = mm[at : at + n]
         if len(raw) != n:
             raise GGUFError(f"{path}: tensor {name!r} runs past the end of the file")

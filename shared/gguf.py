@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ class Header:
     metadata: dict[str, Any]
     tensors: dict[str, tuple[tuple[int, ...], int]]  # name -> (shape [out, in] order, ggml type)
     size: int = 0  # bytes of the header: its first `size` bytes read alone as this header
-    offsets: dict[str, int] | None = None  # name -> offset of its data in the data section
+    offsets: dict[str, int] = field(default_factory=dict)  # name -> its data's offset
 
     @property
     def architecture(self) -> str:
@@ -202,7 +202,7 @@ def tensor_f32(header: Header, name: str) -> list[float]:
     for n in shape:
         count *= n
     align = int(header.metadata.get("general.alignment", 32))
-    start = -(-header.size // align) * align + (header.offsets or {})[name]
+    start = -(-header.size // align) * align + header.offsets[name]
     with open(header.path, "rb") as f:
         f.seek(start)
         data = f.read(4 * count)
