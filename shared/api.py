@@ -324,8 +324,11 @@ class ToolCallDelta(msgspec.Struct, omit_defaults=True):
     function: FunctionDelta | None = None
 
 
+ChatRole = Literal["system", "user", "assistant", "developer", "tool"]
+
+
 class ChatMessage(_Request, kw_only=True):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    role: ChatRole
     content: Text | Annotated[list[ContentPart], Meta(max_length=MAX_LIST)] | None = None
     name: Annotated[str, Meta(max_length=256)] | None = None
     tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOLS)] | None = None  # assistant
