@@ -33,7 +33,6 @@ import functools
 import json
 import re
 from dataclasses import dataclass
-from typing import cast
 
 from services.gateway import tool_auto, tool_formats
 from services.gateway.structured import response_schema, schema_grammar
@@ -183,9 +182,9 @@ def parse(tp: ToolPlan, text: str) -> tuple[str | None, list[tuple[str, str]] | 
         content, deltas = content + rest, deltas + more
     # The readers' deltas each carry a function: a call's first (with its id) its name
     # and "", the rest pieces of its arguments.
-    names = {d.index: cast(str, cast(FunctionDelta, d.function).name) for d in deltas if d.id}
-    calls = [(names[i], "".join(cast(str, cast(FunctionDelta, d.function).arguments)
-                                for d in deltas if d.index == i))
+    fns = [(d.index, d.id, d.function) for d in deltas if d.function is not None]
+    names = {i: f.name or "" for i, first, f in fns if first}
+    calls = [(names[i], "".join(f.arguments or "" for j, _, f in fns if j == i))
              for i in sorted(names)]
     try:
         if all(isinstance(json.loads(a), dict) for _, a in calls):

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.worker.decode.scheduler import Request, Sequence
+from services.worker.decode.scheduler import Lane, Request, Sequence
 from shared.errors import ServiceError, out_of_time
 from shared.messages import GenChunk, GenDone, GenerateWork, Timing, TokenLogprob
 from shared.telemetry import itl_bucket, itl_counts
@@ -86,11 +86,12 @@ class OutputProcessor:
 
     def accept(self, seq: Sequence, tok: int, now: float) -> list[Say]:
         """One token of `seq` (on its lane), read at `now` (perf_counter)."""
-        assert seq.lane is not None  # a sequence with tokens was admitted to a lane
+        lane = seq.lane
+        assert lane is not None  # a sequence with tokens was admitted to a lane
         st = self.requests[seq.work.request_id]
         stream = st.streams.get(seq.index)
         if stream is None:
-            stream = st.streams[seq.index] = Stream(_detokenizer(seq.lane.engine, seq.work),
+            stream = st.streams[seq.index] = Stream(_detokenizer(lane.engine, seq.work),
                                                     prompt=st.prompt_logprobs)
         if stream.generated == 0:
             if not st.first_at:
@@ -106,49 +107,47 @@ class OutputProcessor:
         seq.tokens.append(tok)
         st.completion_tokens += 1
         if seq.work.sampling.logprobs >= 0:
-            got = seq.lane.engine.token_logprobs(seq.slot)
+            got = lane.engine.token_logprobs(seq.slot)
             if got is not None:
                 stream.logprobs.append(TokenLogprob(tok, got[0], got[1]))
-        text = self._check(seq, stream, tok)
+        text = self._check(seq, lane, stream, tok)
         if stream.generated <= seq.work.skip and not seq.finish:
             # resumed: the gateway delivered these already; the detokenizer has run
             # over them, so the next chunk's text goes on where they stopped
             stream.unsent, stream.logprobs = 0, []
             return []
         if seq.work.stream:
-            return [self._chunk(seq, stream, text)] if text or seq.finish else []
+            return [self._chunk(seq, lane, stream, text)] if text or seq.finish else []
         stream.text.append(text)
         if seq.finish:
-            return [self._chunk(seq, stream, "".join(stream.text))]
-        return self._progress(seq, stream, now)
+            return [self._chunk(seq, lane, stream, "".join(stream.text))]
+        return self._progress(seq, lane, stream, now)
 
     @staticmethod
-    def _progress(seq: Sequence, stream: Stream, now: float) -> list[Say]:
+    def _progress(seq: Sequence, lane: Lane, stream: Stream, now: float) -> list[Say]:
         """A non-streaming choice's empty chunk, when the gateway should hear that it
         makes progress: at its first token, then every quarter of its stall timeout."""
         w = seq.work
-        assert seq.lane is not None  # accept()'s sequence
         if stream.noted and (w.stall_s <= 0 or now - stream.noted < w.stall_s / 4):
             return []
         stream.noted = now
-        chunk = GenChunk(w.request_id, seq.index, "", 0, None, w.attempt, seq.lane.version,
+        chunk = GenChunk(w.request_id, seq.index, "", 0, None, w.attempt, lane.version,
                          prompt_logprobs=stream.prompt, seq=stream.sent)
         stream.prompt, stream.sent = [], stream.sent + 1
         return [Say(w, chunk)]
 
     @staticmethod
-    def _check(seq: Sequence, stream: Stream, tok: int) -> str:
+    def _check(seq: Sequence, lane: Lane, stream: Stream, tok: int) -> str:
         """Its new text; sets `seq.finish` when this token ends it."""
         detok = stream.detok
         w = seq.work
-        assert seq.lane is not None  # accept()'s sequence
-        if (tok in seq.lane.eos and not w.ignore_eos) or tok in w.sampling.stop_token_ids:
+        if (tok in lane.eos and not w.ignore_eos) or tok in w.sampling.stop_token_ids:
             seq.finish = "stop"
             return detok.flush()
         text = detok.feed(tok)
         in_context = len(seq.work.prompt) + stream.generated  # the slot may be preempted
         if not detok.stopped and (stream.generated >= seq.work.max_tokens
-                                  or seq.lane.max_context <= in_context):
+                                  or lane.max_context <= in_context):
             seq.finish = "length"
             text += detok.flush()  # may still complete a stop string
         if detok.stopped:
@@ -156,11 +155,10 @@ class OutputProcessor:
         return text
 
     @staticmethod
-    def _chunk(seq: Sequence, stream: Stream, text: str) -> Say:
+    def _chunk(seq: Sequence, lane: Lane, stream: Stream, text: str) -> Say:
         w = seq.work
-        assert seq.lane is not None  # accept()'s sequence
         chunk = GenChunk(w.request_id, seq.index, text, stream.unsent, seq.finish,
-                         w.attempt, seq.lane.version, stream.logprobs, stream.prompt, stream.sent)
+                         w.attempt, lane.version, stream.logprobs, stream.prompt, stream.sent)
         stream.unsent, stream.sent = 0, stream.sent + 1
         stream.logprobs, stream.prompt = [], []
         return Say(w, chunk)
