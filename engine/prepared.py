@@ -6,9 +6,10 @@ fused, quantized forms built) takes seconds each start; reading the result back
 takes a fraction of one. So:
 
 1. `key(sources, fields, folder)`: the identity of what would be built: each source
-   file's (the weights, and a decoder's config.json, whose quantization_config says
-   how stored weights read) size and SHA-256 (hashed once per file: `content_hash` remembers it by the
-   file's path, size, modification time and inode), the form's fields (family,
+   file's size and SHA-256 (the weights, and a decoder's config.json, whose
+   quantization_config says how stored weights read; hashed once per file:
+   `content_hash` remembers it by the file's path, size, modification time and
+   inode), the form's fields (family,
    config, quantization, forms) and a hash of the code that builds the trees, so an
    update that changes their layout never reads an old entry. Bytes, not paths: the
    registry's fetched copy of the bundled file finds the entry the bundled file made.

@@ -103,12 +103,12 @@ class Heartbeat(_Rec, tag="heartbeat"):
     prefix_keys: list[int] = []
     devices: list[str] = []  # devices the prod engine spans, e.g. ["cpu:0", "cpu:1"] (tensor parallel)
     # Encoders: engine seconds per token and per batch, timed at warm-up (0 = not timed);
-    # schedulers start their cost estimate from it (shared.admission.CostBook.learn).
+    # schedulers start their cost estimate from it (shared.costs.CostBook.learn).
     cost_per_token: float = 0.0
     cost_per_batch: float = 0.0
     # Decoders: engine seconds of a prompt (per chunk, per token) and of a decode step
     # (per step, per sequence in it), timed at warm-up and refitted as the runner steps
-    # (0 = not timed); schedulers admit generation by them (shared.admission.gen_cost).
+    # (0 = not timed); schedulers admit generation by them (shared.costs.gen_cost).
     prefill_per_token: float = 0.0
     prefill_per_chunk: float = 0.0
     decode_per_step: float = 0.0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.admission import Cost, CostBook, Tally, check, drained
+from shared.admission import Tally, check, drained
+from shared.costs import Cost, CostBook
 from shared.errors import ServiceError
 
 

@@ -17,7 +17,8 @@ from services.scheduler.holds import Holds
 from services.scheduler.loads import LoadReports
 from services.worker.generation import DecoderRunner
 from services.worker.versions import LoadedModels
-from shared.admission import Cost, GenCost, GenCostBook, LoadBoard
+from shared.admission import LoadBoard
+from shared.costs import Cost, GenCost, GenCostBook
 from shared.config import Config
 from shared.errors import ServiceError
 from shared.messages import GenerateWork, Sampling

@@ -40,7 +40,8 @@ from nats.errors import TimeoutError as NatsTimeout
 from services.fleet import Fleet
 from services.gateway.inbox import as_service_error
 from shared import admission, subjects
-from shared.admission import Cost, LoadBoard, Report, Tally
+from shared.admission import LoadBoard, Report, Tally
+from shared.costs import Cost, gen_cost
 from shared.bus import close, connect
 from shared.config import Config, prefill_chunk_on
 from shared.messages import Reserve, Reserved, SchedLoad, WorkError, encode, reserve_reply_decoder
@@ -176,7 +177,7 @@ class GatewayAdmission:
         admission.check_generation(
             model, self.loads.total(model, time.monotonic()) + own, n, prompts[-1], len(workers),
             slots=min(hb.max_batch for hb in hbs), running=sum(hb.in_flight for hb in hbs),
-            cost=admission.gen_cost(hbs), left_s=deadline - time.time(),
+            cost=gen_cost(hbs), left_s=deadline - time.time(),
             max_queue_per_worker=self.config.max_queue_per_worker,
             max_queue_s=self.config.max_queue_s,
             chunk=prefill_chunk_on(self.config.prefill_chunk, hbs[0].device),

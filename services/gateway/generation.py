@@ -38,6 +38,7 @@ import msgspec
 from services.gateway import codec, fanout, params, reasoning, tool_formats, tools
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
 from services.gateway import continuity
+from services.gateway.chat_prompt import chat_prompt_of, chat_template
 from services.gateway.echo import Echo, joined
 from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
@@ -402,52 +403,6 @@ def coalesced(batch: list[GenChunk | GenDone]) -> list[GenChunk | GenDone]:
                           ev.finish_reason or have.finish_reason, ev.attempt, ev.version,
                           have.logprobs + ev.logprobs, have.prompt_logprobs + ev.prompt_logprobs)
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def chat_template(model_dir: str):
-    """The model's engine.chat.ChatTemplate, read once per directory."""
-    from engine.chat import ChatTemplate
-
-    return ChatTemplate.from_dir(model_dir)
-
-
-def chat_prompt_of(req: ChatCompletionRequest, entry: ModelEntry, tp=None) -> list[int]:
-    return chat_prompt(req.messages, entry, req.add_generation_prompt, tp, req.chat_template,
-                       req.chat_template_kwargs)
-
-
-def chat_prompt(messages: list, entry: ModelEntry, add_generation_prompt: bool = True,
-                tp: tools.ToolPlan | None = None, source: str | None = None,
-                extra: dict | None = None) -> list[int]:
-    """Chat messages (shared.api.ChatMessage) rendered with the model's chat template,
-    or the request's own `source` (with the model's special tokens), with the
-    request's tools (services.gateway.tools) and extra variables, and tokenized; a
-    template that refuses them is a 400."""
-    contents = [_content(m.content) for m in messages]
-    try:
-        template = chat_template(entry.info.path)
-        if source is not None:
-            template = template.with_source(source)
-        plain = tools.template_messages(messages, contents, tp, template.knows_tools)
-        given = tp.dicts() if tp is not None and template.knows_tools else None
-        return template.encode(entry.tokenizer, plain, add_generation_prompt, given, extra)
-    except ValueError as exc:
-        raise bad_request(f"cannot render the chat: {exc}") from None
-
-
-def _content(content: str | list | None) -> str:
-    """A message's text: a string, or its text parts joined by newlines (as vLLM
-    joins them); any other part type is a 400 that names it."""
-    if not isinstance(content, list):
-        return content or ""
-    for part in content:
-        if part.type != "text":
-            raise bad_request(f"message content part type '{part.type}' is not supported; "
-                              f"only 'text' parts are")
-        if part.text is None:
-            raise bad_request("a message content part of type 'text' needs 'text'")
-    return "\n".join(part.text for part in content)
 
 
 def _prompt_logprobs(req, chat: bool) -> int:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from services.gateway import codec
 from services.gateway.frontend import INLINE_TOKENIZE
-from services.gateway.generation import chat_prompt
+from services.gateway.chat_prompt import chat_prompt
 from services.gateway.models import ModelEntry, split_name
 from shared.api_models import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
 from shared.errors import bad_request

@@ -36,7 +36,8 @@ from typing import Callable, NamedTuple
 
 from services.fleet import Fleet, WorkerView
 from shared import admission
-from shared.admission import Cost, CostBook, LoadBoard, Tally
+from shared.admission import LoadBoard, Tally
+from shared.costs import Cost, CostBook, gen_cost
 from shared.config import Config, prefill_chunk_on
 from shared.errors import deadline_exceeded, unavailable
 from shared.messages import EmbedWork, GenerateWork, Reserve, SchedLoad, WorkDone, WorkRequest
@@ -136,7 +137,7 @@ class Admission:
         admission.check_generation(
             work.model, self.ahead(work.model), work.n, len(work.prompt), len(ready),
             slots=min((hb.max_batch for hb in hbs), default=1),  # a decoder's: its slots
-            running=sum(hb.in_flight for hb in hbs), cost=admission.gen_cost(hbs),
+            running=sum(hb.in_flight for hb in hbs), cost=gen_cost(hbs),
             left_s=work.deadline - time.time(),
             max_queue_per_worker=self.config.max_queue_per_worker,
             max_queue_s=self.config.max_queue_s,

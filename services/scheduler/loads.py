@@ -27,7 +27,8 @@ from nats.aio.msg import Msg
 from services.scheduler.admission import Admission
 from services.scheduler.holds import Holds
 from shared import subjects
-from shared.admission import Cost, Tally
+from shared.admission import Tally
+from shared.costs import Cost
 from shared.messages import ModelLoad, SchedLoad, encode, sched_load_decoder
 
 if TYPE_CHECKING:

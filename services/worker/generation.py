@@ -50,7 +50,7 @@ from services.worker.decode.scheduler import (
     Lane, LaneStep, Request, Sequence, StepPlan, StepResult, StepScheduler)
 from services.worker.runner import Gauges, Outbox
 from services.worker.versions import LoadedModels
-from shared.admission import GenCostBook
+from shared.costs import GenCostBook
 from shared.errors import ServiceError, internal
 from shared.logging import get_logger
 from shared.messages import GenerateWork, TokenLogprob

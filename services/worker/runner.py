@@ -18,7 +18,7 @@ from typing import Callable, Protocol, TypeVar
 from nats.aio.client import Client
 
 from shared import subjects
-from shared.admission import GenCostBook
+from shared.costs import GenCostBook
 from shared.errors import ServiceError
 from shared.logging import get_logger
 from shared.messages import Results, WorkDone, WorkError, WorkRequest, encode

@@ -51,7 +51,7 @@ from services.worker.runner import Gauges, Outbox, Runner
 from services.worker.versions import EngineFactory, HotSwap, LoadedModels
 from shared import VERSION, subjects
 from shared.bus import Links
-from shared.admission import Cost, CostBook, GenCost
+from shared.costs import Cost, CostBook, GenCost
 from shared.config import Config
 from shared.errors import ServiceError
 from shared.logging import get_logger
@@ -66,7 +66,7 @@ PROBE_TOKENS = (16, 64)  # tokens per input of the two batches timed at warm-up:
 
 
 def time_encoder(engine, max_batch: int) -> Cost | None:
-    """An encoder's engine time (`shared.admission.Cost`), from two full batches of
+    """An encoder's engine time (`shared.costs.Cost`), from two full batches of
     the runner (`max_batch` inputs, one engine call each, as `WorkDone` reports a
     batch) timed after its warm-up; None if it failed. Before it, a fresh scheduler
     knew no cost until the first batches finished, and refused a first burst by a
@@ -102,7 +102,7 @@ def _no_victim(holders: list[int]) -> int:
 
 
 def time_decoder(engine, chunk: int) -> GenCost | None:
-    """A decoder's engine time (`shared.admission.GenCost`) after its warm-up:
+    """A decoder's engine time (`shared.costs.GenCost`) after its warm-up:
     prompts of DECODE_PROBE tokens and of a whole chunk computed in one slot (per
     chunk and per prompt token), then DECODE_STEPS decode steps of one sequence, at
     the batch bucket the warm-up compiled first. One sequence cannot tell a step's fixed

@@ -420,7 +420,7 @@ async def test_a_reserved_request_is_not_refused_when_the_estimate_moves(nats_se
     import threading
 
     from bench.support.workload import long_inputs
-    from shared.admission import Cost, CostBook
+    from shared.costs import Cost, CostBook
 
     engine = MockEncoder(per_token_s=0.0002)
     texts = long_inputs(8)
@@ -479,7 +479,7 @@ async def test_work_whose_reservation_lapsed_is_checked_on_arrival(nats_server):
     """A reservation is room held for RESERVATION_S. Work that arrives after its room
     was dropped (its gateway stalled past it) is judged as any other arrival, not
     dispatched on a promise the scheduler no longer keeps."""
-    from shared.admission import Cost, CostBook
+    from shared.costs import Cost, CostBook
     from shared.messages import EmbedWork, Reserve, WorkError, encode, result_decoder
 
     engine = MockEncoder(per_token_s=0.0002)

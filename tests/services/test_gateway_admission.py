@@ -11,7 +11,8 @@ import pytest
 
 from services.fleet import Fleet
 from services.gateway.admission import GatewayAdmission, TokenRatio, reserved_by, work_ahead
-from shared.admission import Cost, Report, Tally
+from shared.admission import Report, Tally
+from shared.costs import Cost
 from shared.config import Config
 from shared.errors import ServiceError
 from shared.messages import (

@@ -17,7 +17,8 @@ from services.gateway.call import Call
 from services.gateway.generation import Prepared
 from services.gateway.outcome import Outcome
 from shared import admission
-from shared.admission import Cost, GenCost, Tally
+from shared.admission import Tally
+from shared.costs import Cost, GenCost
 from shared.api import MAX_PROMPTS, CompletionRequest, Usage
 from shared.api_replies import CompletionChoice, CompletionChunk, CompletionResponse
 from shared.errors import ServiceError, bad_request, overloaded

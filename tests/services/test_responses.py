@@ -7,8 +7,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from services.gateway.response_events import Events
 from services.gateway.responses import (
-    Events,
     chat_request,
     input_messages,
     reply_message,

@@ -12,7 +12,7 @@ from services.fleet import Fleet
 from services.scheduler.admission import RESERVATION_S, Admission
 from services.scheduler.holds import Holds
 from services.scheduler.loads import LoadReports
-from shared.admission import Cost
+from shared.costs import Cost
 from shared.config import Config
 from shared.errors import ServiceError
 from shared.messages import (
