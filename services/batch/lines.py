@@ -1,10 +1,11 @@
 """A batch's input file, checked line by line before any of it runs.
 
 Each non-blank line is a JSON object `{custom_id, method: "POST", url, body}` whose
-`url` is one of the batch endpoints served (BATCH_ENDPOINTS: a file may mix them,
-where OpenAI wants every line on the batch's own endpoint); custom_ids are unique;
-the file holds at most TENSORBUS_BATCH_MAX_LINES requests. Every problem is named
-with its 1-based line (OpenAI's `errors.data[]`), at most `MAX_ERRORS` of them.
+`url` is the batch's own `endpoint` (one of BATCH_ENDPOINTS), as OpenAI requires: a
+line on another endpoint fails the batch with OpenAI's `invalid_url` (param `url`);
+custom_ids are unique; the file holds at most TENSORBUS_BATCH_MAX_LINES requests.
+Every problem is named with its 1-based line (OpenAI's `errors.data[]`), at most
+`MAX_ERRORS` of them.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ MAX_ERRORS = 100
 _decode = msgspec.json.Decoder(InputLine).decode
 
 
-def parse(data: bytes, max_lines: int) -> tuple[list[InputLine],
-                                                               list[BatchError]]:
-    """(the requests in input order, the problems); a batch runs only with no problem."""
+def parse(data: bytes, max_lines: int, endpoint: str) -> tuple[list[InputLine],
+                                                              list[BatchError]]:
+    """(the requests in input order, the problems) of a batch on `endpoint`; a batch
+    runs only with no problem."""
     out: list[InputLine] = []
     errors: list[BatchError] = []
     seen: set[str] = set()
@@ -34,7 +36,7 @@ def parse(data: bytes, max_lines: int) -> tuple[list[InputLine],
             errors.append(BatchError(code="invalid_json_line", line=n,
                                      message=f"not a valid request line: {exc}"))
             continue
-        problem = _check(line, seen)
+        problem = _check(line, seen, endpoint)
         if problem:
             errors.append(BatchError(code=problem[0], line=n, message=problem[1],
                                      param=problem[2]))
@@ -50,12 +52,15 @@ def parse(data: bytes, max_lines: int) -> tuple[list[InputLine],
     return out, errors
 
 
-def _check(line: InputLine, seen: set[str]) -> tuple[str, str, str] | None:
+def _check(line: InputLine, seen: set[str], endpoint: str) -> tuple[str, str, str] | None:
     if line.method != "POST":
         return "invalid_method", f"method is '{line.method}'; only POST is served", "method"
     if line.url not in BATCH_ENDPOINTS:
         return ("invalid_url", f"url is '{line.url}'; use one of {', '.join(BATCH_ENDPOINTS)}",
                 "url")
+    if line.url != endpoint:
+        return ("invalid_url", f"url is '{line.url}', which does not match the batch's "
+                f"endpoint '{endpoint}': every line of a batch goes to its endpoint", "url")
     if not line.custom_id:
         return "invalid_custom_id", "custom_id is empty", "custom_id"
     if line.custom_id in seen:

@@ -152,7 +152,7 @@ class Job:
         if batch is None or batch.status not in ACTIVE:
             return
         data = await self.store.file_bytes(batch.input_file_id)
-        lines, errors = parse(data or b"", self.runner.config.batch_max_lines)
+        lines, errors = parse(data or b"", self.runner.config.batch_max_lines, batch.endpoint)
         if data is None:
             errors = [msgspec.structs.replace(errors[0], code="file_not_found",
                                               message=f"input file '{batch.input_file_id}' "

@@ -3,14 +3,15 @@ scheduler, a SmolLM2-135M-Instruct decoder worker and a MiniLM encoder worker, a
 batch runner as its own process (`python -m services.batch`), driven by the unchanged
 `openai` client.
 
-- A batch mixing chat completions and embeddings completes: one output line per
-  custom_id, each body the one the same request gets sent interactively (greedy
-  text equal, vectors within 1e-6); a line naming an unknown model lands in the
-  error file; request_counts add up.
+- A chat completions batch and an embeddings batch, run side by side, complete: one
+  output line per custom_id, each body the one the same request gets sent
+  interactively (greedy text equal, vectors within 1e-6); a line naming an unknown
+  model lands in the error file; request_counts add up.
 - The runner killed (SIGKILL) mid-batch and started again: every custom_id answered
   exactly once.
 - Cancelled mid-way: `cancelled`, with the lines done so far.
-- A bad line or a duplicate custom_id fails the batch in validation, by line; a
+- A bad line, a duplicate custom_id or a line whose url is not the batch's endpoint
+  fails the batch in validation, by line (OpenAI's `invalid_url` for the last); a
   wrong endpoint is a 400 at creation.
 """
 
@@ -127,9 +128,9 @@ def jsonl(lines: list[dict]) -> bytes:
     return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
 
 
-async def submit(client, lines: list[dict]):
+async def submit(client, lines: list[dict], endpoint: str = "/v1/chat/completions"):
     f = await client.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
-    return await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+    return await client.batches.create(input_file_id=f.id, endpoint=endpoint,
                                        completion_window="24h", metadata={"test": "batches"})
 
 
@@ -158,35 +159,40 @@ async def lines_of(client, file_id: str | None) -> dict[str, dict]:
     return by_id
 
 
-async def test_a_mixed_batch_answers_each_line_as_the_interactive_request(stack, runner,
-                                                                          client):
-    lines = [chat_line(f"chat-{i}", q) for i, q in enumerate(QUESTIONS)]
-    lines += [embed_line(f"emb-{i}", f"sentence number {i} about {q}")
-              for i, q in enumerate(QUESTIONS[:8])]
-    lines.insert(5, chat_line("unknown-model", "hi") | {
+async def test_batches_answer_each_line_as_the_interactive_request(stack, runner, client):
+    chats = [chat_line(f"chat-{i}", q) for i, q in enumerate(QUESTIONS)]
+    chats.insert(5, chat_line("unknown-model", "hi") | {
         "body": {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}})
-    assert len(lines) == 19
+    embeds = [embed_line(f"emb-{i}", f"sentence number {i} about {q}")
+              for i, q in enumerate(QUESTIONS[:8])]
+    assert len(chats) + len(embeds) == 19
 
-    batch = await submit(client, lines)
+    batch, other = await asyncio.gather(submit(client, chats),
+                                        submit(client, embeds, "/v1/embeddings"))
     assert batch.id.startswith("batch_") and batch.object == "batch"
     assert batch.status == "validating" and batch.metadata == {"test": "batches"}
     assert batch.completion_window == "24h" and batch.expires_at == batch.created_at + 86400
-    done = await until(client, batch.id, final, timeout=120)
-    assert done.status == "completed", done
+    done, embedded = await asyncio.gather(until(client, batch.id, final, timeout=120),
+                                          until(client, other.id, final, timeout=120))
+    assert done.status == "completed" and embedded.status == "completed", (done, embedded)
     assert (done.request_counts.total, done.request_counts.completed,
-            done.request_counts.failed) == (19, 18, 1)
+            done.request_counts.failed) == (11, 10, 1)
+    assert (embedded.request_counts.total, embedded.request_counts.completed,
+            embedded.request_counts.failed) == (8, 8, 0)
     assert done.in_progress_at and done.finalizing_at and done.completed_at
 
     out = await lines_of(client, done.output_file_id)
     errs = await lines_of(client, done.error_file_id)
-    assert set(out) == {x["custom_id"] for x in lines} - {"unknown-model"}
-    assert list(out) == [x["custom_id"] for x in lines if x["custom_id"] in out]  # input order
+    assert set(out) == {x["custom_id"] for x in chats} - {"unknown-model"}
+    assert list(out) == [x["custom_id"] for x in chats if x["custom_id"] in out]  # input order
     (err,) = errs.values()
     assert err["custom_id"] == "unknown-model" and err["response"]["status_code"] == 404
     assert err["response"]["body"]["error"]["code"] == "model_not_found"
+    assert embedded.error_file_id is None
+    out |= await lines_of(client, embedded.output_file_id)
 
     async with httpx.AsyncClient(base_url=stack.http_url, timeout=120) as http:
-        for line in lines:
+        for line in chats + embeds:
             got = out.get(line["custom_id"])
             if got is None:
                 continue
@@ -259,6 +265,15 @@ async def test_bad_input_fails_validation_by_line(stack, runner, client):
     assert [(e.line, e.code) for e in done.errors.data] == [
         (3, "invalid_json_line"), (4, "duplicate_custom_id")]
     assert done.request_counts.total == 0
+
+    # every line on the batch's endpoint, as OpenAI requires: the others named by line
+    mixed = await submit(client, [chat_line("c", "hi"), embed_line("e", "hi"),
+                                  chat_line("d", "hi")])
+    failed = await until(client, mixed.id, final)
+    assert failed.status == "failed" and failed.request_counts.total == 0
+    assert [(e.line, e.code, e.param) for e in failed.errors.data] == [(2, "invalid_url", "url")]
+    assert "/v1/embeddings" in failed.errors.data[0].message
+    assert "/v1/chat/completions" in failed.errors.data[0].message
 
     with pytest.raises(openai.BadRequestError, match="endpoint"):
         await client.batches.create(input_file_id=f.id, endpoint="/v1/responses",
