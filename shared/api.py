@@ -258,6 +258,9 @@ class CompletionRequest(_Sampling, kw_only=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = 16
     echo: bool = False
     logprobs: TopLogprobs | None = None  # top logprobs per token (0: the sampled token's)
+    # vLLM's: the prompt's tokens scored (each given those before it), with this many
+    # top alternatives each, in each choice's `prompt_logprobs` (as chat's).
+    prompt_logprobs: TopLogprobs | None = None
     suffix: Any = UNSET  # documented, not acted on (IGNORED)
 
 

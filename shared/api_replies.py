@@ -26,15 +26,16 @@ class ChatLogprobs(msgspec.Struct):
 
 
 class PromptLogprob(msgspec.Struct):
-    """vLLM's `Logprob`: one entry of chat's `prompt_logprobs` (a prompt position's
-    map of token id -> this: its own token first, then the top alternatives)."""
+    """vLLM's `Logprob`: one entry of `prompt_logprobs` (a prompt position's map of
+    token id -> this: its own token first, then the top alternatives)."""
 
     logprob: float
     rank: int | None
     decoded_token: str | None
 
 
-# chat's `prompt_logprobs`: the first prompt token's null, then one map per later token
+# `prompt_logprobs` (chat's at the top level, completions' per choice): the first
+# prompt token's null, then one map per later token
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
@@ -50,6 +51,8 @@ class CompletionChoice(msgspec.Struct):
     text: str
     finish_reason: str | None
     logprobs: CompletionLogprobs | None = None
+    # vLLM's, when asked (streamed: on each choice's first chunk); left out otherwise
+    prompt_logprobs: PromptLogprobs | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct):

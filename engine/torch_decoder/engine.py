@@ -71,7 +71,7 @@ class TorchDecoder:
     share or preempt."""
 
     def prompt_logprobs(self, tokens: list[int], top: int) -> list:
-        raise ValueError("prompt logprobs ('echo' with 'logprobs', chat's 'prompt_logprobs') "
+        raise ValueError("prompt logprobs ('echo' with 'logprobs', 'prompt_logprobs') "
                          "are computed by the JAX engine only: serve this model with "
                          "TENSORBUS_ENGINE=jax")
 

@@ -39,7 +39,7 @@ from services.gateway import codec, fanout, params, reasoning, tool_formats, too
 from services.gateway.frontend import INLINE_TOKENIZE, user_key
 from services.gateway import continuity
 from services.gateway.chat_prompt import chat_prompt_of, chat_template
-from services.gateway.echo import Echo, joined
+from services.gateway.echo import Echo, joined, prompt_top
 from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
 from services.gateway.structured import request_grammar, vllm_structures
@@ -263,7 +263,7 @@ class Generation:
                 if isinstance(ev, GenChunk):
                     texts[ev.index].append(ev.text)
                     lps[ev.index] += ev.logprobs
-                    heads[ev.index] += ev.prompt_logprobs  # echo: on its first chunk
+                    heads[ev.index] += ev.prompt_logprobs  # on its first chunk, if asked
                     finish[ev.index] = ev.finish_reason or finish[ev.index]
                 else:
                     done = ev
@@ -280,11 +280,11 @@ class Generation:
                                           model=prep.model, choices=choices, usage=usage,
                                           prompt_logprobs=scored)
         req = cast(CompletionRequest, prep.req)  # not chat
-        echo, first = Echo(req, prep.work.prompt, prep.tokenizer), prep.work.prompt[:1]
+        echo = Echo(req, prep.work.prompt, prep.tokenizer)  # and prompt_logprobs
         completions = [CompletionChoice(
             i, echo.text + "".join(t), _reason(finish[i]),
-            joined(render.prompt(i, first[0], heads[i]) if echo.on else None,
-                   render.completion(i, lps[i]))) for i, t in enumerate(texts)]
+            joined(echo.logprobs(render, i, heads[i]), render.completion(i, lps[i])),
+            echo.maps(render, heads[i])) for i, t in enumerate(texts)]
         return CompletionResponse(id=f"cmpl-{prep.work.request_id}", created=prep.created,
                                   model=prep.model, choices=completions, usage=usage)
 
@@ -355,11 +355,12 @@ class Generation:
                     choice = ChatChunkChoice(ev.index, delta, reason, render.chat(ev.logprobs))
                     ready.append(ChatCompletionChunk(cid, created, model, [choice], usage=usage))
                 else:
-                    echoed = echo.first(ev)  # echo: the prompt goes in front of its first
-                    lp = joined(echo.logprobs(render, ev.index, ev) if echoed else None,
-                                render.completion(ev.index, ev.logprobs))
+                    leads = echo.first(ev)  # echo, prompt_logprobs: in front of its first
+                    lp = joined(echo.logprobs(render, ev.index, ev.prompt_logprobs) if leads
+                                else None, render.completion(ev.index, ev.logprobs))
                     completion = CompletionChoice(
-                        ev.index, echo.text + ev.text if echoed else ev.text, reason, lp)
+                        ev.index, echo.text + ev.text if leads else ev.text, reason, lp,
+                        echo.maps(render, ev.prompt_logprobs) if leads else msgspec.UNSET)
                     ready.append(CompletionChunk(cid, created, model, [completion], usage=usage))
             if ready:
                 yield ready
@@ -406,11 +407,12 @@ def coalesced(batch: list[GenChunk | GenDone]) -> list[GenChunk | GenDone]:
 
 
 def _prompt_logprobs(req, chat: bool) -> int:
-    """Top alternatives per prompt token a completions `echo` with `logprobs`
-    (services/gateway/echo.py) or chat's `prompt_logprobs` wants; -1: none."""
+    """Top alternatives per prompt token chat's `prompt_logprobs`, or a completions
+    `echo` with `logprobs` or `prompt_logprobs` (services/gateway/echo.py), wants;
+    -1: none."""
     if chat:
         return req.prompt_logprobs if req.prompt_logprobs is not None else -1
-    return req.logprobs if req.echo and req.logprobs is not None else -1
+    return prompt_top(req)
 
 
 def _reason(reason: str | None) -> str | None:

@@ -347,6 +347,47 @@ async def test_chat_prompt_logprobs_score_the_rendered_prompt(client, stack, tin
         await client.chat.completions.create(**body, extra_body={"prompt_logprobs": 21})
 
 
+
+async def test_completions_prompt_logprobs_on_every_choice(client, stack, tiny):
+    """vLLM's completions `prompt_logprobs`: each choice carries the prompt scored as
+    transformers scores it, whole and (on each choice's first chunk) streamed, over
+    HTTP and NATS; each prompt of a list its own; beside `echo` + `logprobs` each
+    answer keeps its own count of alternatives."""
+    _, engine, _, refs = tiny
+    want = refs["prompt_logprobs"]
+    body = dict(model=engine.name, prompt=PROMPT, max_tokens=2, temperature=0, n=2)
+    raw = {**body, "prompt_logprobs": 3}
+    whole, streamed, nats, nats_chunks, listed, echoed = await asyncio.gather(
+        client.completions.create(**body, extra_body={"prompt_logprobs": 3}),
+        client.completions.create(**body, stream=True, extra_body={"prompt_logprobs": 3}),
+        stack.client.request(subjects.COMPLETIONS, json.dumps(raw).encode(), timeout=30),
+        _nats_chunks(stack.client, subjects.COMPLETIONS, {**raw, "stream": True}),
+        client.completions.create(**{**body, "n": 1, "prompt": [PROMPT, PROMPT[:3]]},
+                                  extra_body={"prompt_logprobs": 1}),
+        client.completions.create(**{**body, "n": 1}, echo=True, logprobs=1,
+                                  extra_body={"prompt_logprobs": 3}))
+    chunks = [c.model_dump() async for c in streamed]
+    for choices in (whole.model_dump()["choices"], json.loads(nats.data)["choices"],
+                    [echoed.model_dump()["choices"][0]]):
+        assert len(choices) in (1, 2)
+        for choice in choices:
+            _check_prompt_logprobs(choice["prompt_logprobs"], engine, PROMPT, want, 3)
+    for got in (chunks, nats_chunks):
+        per_choice = [[c["choices"][0] for c in got if c["choices"] and
+                       c["choices"][0]["index"] == i] for i in range(2)]
+        for first, *rest in per_choice:
+            _check_prompt_logprobs(first["prompt_logprobs"], engine, PROMPT, want, 3)
+            assert all(c.get("prompt_logprobs") is None for c in rest)
+    a, b = listed.model_dump()["choices"]
+    _check_prompt_logprobs(a["prompt_logprobs"], engine, PROMPT, want, 1)
+    _check_prompt_logprobs(b["prompt_logprobs"], engine, PROMPT[:3], want[:2], 1)
+    n = len(PROMPT)  # echo's own: one alternative (and the token) per prompt position
+    assert all(len(top) <= 2 for top in echoed.choices[0].logprobs.top_logprobs[1:n])
+    plain = await client.completions.create(**body)
+    assert all("prompt_logprobs" not in c for c in plain.model_dump()["choices"])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        await client.completions.create(**body, extra_body={"prompt_logprobs": 21})
+
 # ------------------------------------------------------------- tokenize
 async def test_tokenize_and_detokenize_over_http_and_nats(stack, tiny):
     _, engine, path, _ = tiny
