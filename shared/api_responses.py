@@ -243,14 +243,55 @@ class Deleted(msgspec.Struct):
     deleted: bool = True
 
 
+class ListedPart(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A content part of a listed item: `input_text`, or a reply's `output_text` (with
+    its `annotations` and `logprobs`, as OpenAI writes them), or `reasoning_text`."""
+
+    type: str
+    text: str
+    annotations: list[Any] | UnsetType = UNSET
+    logprobs: list[Any] | UnsetType = UNSET
+
+
+class ListedItem(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One item a response was made from, as `GET /v1/responses/{id}/input_items`
+    lists it, with its id: a `message` (role, content), a `function_call` (call_id,
+    name, arguments), a `function_call_output` (call_id, output) or a `reasoning`
+    item (summary, content). One struct for all, as InputItem; the fields an item's
+    type has not are left out."""
+
+    id: str
+    type: str
+    status: str | UnsetType = UNSET
+    role: str | UnsetType = UNSET
+    content: list[ListedPart] | UnsetType = UNSET
+    call_id: str | UnsetType = UNSET
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+    output: str | list[ListedPart] | UnsetType = UNSET
+    summary: list[Any] | UnsetType = UNSET
+
+
+class InputItemList(msgspec.Struct, kw_only=True):
+    """`GET /v1/responses/{id}/input_items`: one page of a response's input items."""
+
+    data: list[ListedItem]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+    object: str = "list"
+
+
 class Stored(msgspec.Struct, kw_only=True):
-    """What the response store keeps per response: the response, and its whole
+    """What the response store keeps per response: the response, its whole
     conversation in chat form (the instructions left out, as a follow-up's own
     apply; the response's reply last), which a follow-up's `previous_response_id`
-    continues."""
+    continues, and the items it was made from with their ids (the earlier turns'
+    inputs and outputs, then its own input), which `input_items` lists."""
 
     response: Response
     messages: list[ChatMessage]
+    items: list[ListedItem] = msgspec.field(default_factory=list)
 
 
 # ------------------------------------------------------------------ events

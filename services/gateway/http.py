@@ -179,6 +179,17 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
             return error_response(err)
         return Response(_json.encode(got), media_type="application/json")
 
+    async def input_items(request: Request) -> Response:
+        """GET /v1/responses/{id}/input_items (services.gateway.response_items)."""
+        assert responses is not None  # the route is there only with the pipeline
+        try:
+            if not authorised(request):
+                raise ServiceError(401, "a valid API key is required", code="invalid_api_key")
+            got = await responses.input_items(request.path_params["id"], request.query_params)
+        except ServiceError as err:
+            return error_response(err)
+        return Response(_json.encode(got), media_type="application/json")
+
     async def healthz(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
@@ -208,7 +219,9 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
         # Text Embeddings Inference's (services.gateway.tei); /rerank takes its body too.
         Route("/embed", partial(serve, TeiEmbed(front), True), methods=["POST"]),
         Route("/rerank", partial(serve, RerankRoute(front), False), methods=["POST"]),
-        *([Route("/v1/responses/{id}", stored, methods=["GET", "DELETE"])] if responses else []),
+        *([Route("/v1/responses/{id}", stored, methods=["GET", "DELETE"]),
+           Route("/v1/responses/{id}/input_items", input_items, methods=["GET"])]
+          if responses else []),
         *batches.routes(front.nc, config, authorised),  # /v1/files, /v1/batches
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),

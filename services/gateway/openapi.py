@@ -20,7 +20,7 @@ from shared.api_replies import (ChatCompletionChunk, ChatCompletionResponse, Com
 from shared.api_models import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                TokenizeRequest, TokenizeResponse)
 from shared.api_batches import Batch, BatchList, CreateBatch, FileDeleted, FileList, FileObject
-from shared.api_responses import Deleted, Response, ResponsesRequest
+from shared.api_responses import Deleted, InputItemList, Response, ResponsesRequest
 from shared.errors import ErrorBody
 
 _ERRORS = {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model",
@@ -53,8 +53,8 @@ def openapi_document() -> dict:
              CompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
              TokenizeRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse,
              RerankRequest, RerankResponse, ScoreRequest, ScoreResponse, ModelList, ModelCard,
-             ResponsesRequest, Response, Deleted, ErrorBody, CreateBatch, Batch, BatchList,
-             FileObject, FileList, FileDeleted]
+             ResponsesRequest, Response, Deleted, InputItemList, ErrorBody, CreateBatch, Batch,
+             BatchList, FileObject, FileList, FileDeleted]
     _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     plain = lambda d: {"responses": {"200": {"description": d}, "503": {"description": "not ready"}}}
     return {
@@ -83,6 +83,17 @@ def openapi_document() -> dict:
                 "delete": _op("Forget a stored response", None, "Deleted"),
                 "parameters": [{"name": "id", "in": "path", "required": True,
                                 "schema": {"type": "string"}}]},
+            "/v1/responses/{id}/input_items": {"get": {
+                **_op("The items a stored response was made from (404: unknown or expired)",
+                      None, "InputItemList"),
+                "parameters": [
+                    {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}},
+                    {"name": "limit", "in": "query",
+                     "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}},
+                    {"name": "order", "in": "query",
+                     "schema": {"type": "string", "enum": ["asc", "desc"], "default": "desc"}},
+                    {"name": "after", "in": "query", "schema": {"type": "string"}},
+                    {"name": "before", "in": "query", "schema": {"type": "string"}}]}},
             **_batch_paths(),
             "/v1/models": {"get": _op("List served models, with their state", None, "ModelList")},
             "/v1/models/{model}": {"get": {

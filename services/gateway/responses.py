@@ -19,16 +19,17 @@
      (or incomplete) with the whole response; a failure after the first event is a
      `response.failed` event. Over HTTP each is an SSE event named by its `type`.
   4. With `store` (the default) the response and its conversation are kept for
-     `GET` / `DELETE /v1/responses/{id}` and follow-ups.
+     `GET` / `DELETE /v1/responses/{id}` and follow-ups, with the items it was made
+     from for `GET /v1/responses/{id}/input_items` (services.gateway.response_items).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, cast
+from typing import TYPE_CHECKING, AsyncIterator, Mapping, cast
 
-from services.gateway import codec
+from services.gateway import codec, response_items
 from services.gateway.generation import Generation
 from services.gateway.response_events import Events, finished, new_id, response_usage
 from services.gateway.response_store import ResponseStore, not_found
@@ -53,6 +54,8 @@ from shared.api_responses import (
     EchoedTool,
     FunctionCallItem,
     InputItem,
+    InputItemList,
+    ListedItem,
     MessageItem,
     OutputText,
     ReasoningItem,
@@ -80,6 +83,7 @@ class Prepared:
     inner: generation.Prepared | fanout.Fanned  # the chat request's (never fanned out)
     conversation: list[ChatMessage]  # earlier + this input (instructions left out)
     response: Response  # the response so far: its echoed fields, no output
+    items: list[ListedItem]  # earlier + this input, as input_items lists them
 
     @property
     def stream(self) -> bool:
@@ -102,6 +106,7 @@ class Responses:
         req = codec.decode(body, ResponsesRequest, call.msgpack)
         _refused(req)
         earlier: list[ChatMessage] = []
+        items: list[ListedItem] = []
         if req.previous_response_id is not None:
             stored = await self.store.get(req.previous_response_id)
             if stored is None:
@@ -109,12 +114,14 @@ class Responses:
                                   f"'{req.previous_response_id}'",
                                   code="previous_response_not_found")
             earlier = stored.messages
+            items = stored.items + response_items.of_output(stored.response.output)
         conversation = earlier + input_messages(req.input, earlier)
         system = [ChatMessage(role="system", content=req.instructions)] if req.instructions else []
         chat = chat_request(req, system + conversation)
         inner = await self.chat.prepare(codec.encode(chat, call.msgpack), call)
         call.ignored = ignored_fields(req)
-        return Prepared(req, inner, conversation, skeleton(req, int(time.time())))
+        return Prepared(req, inner, conversation, skeleton(req, int(time.time())),
+                        items + response_items.listed(req.input))
 
     async def whole(self, prep: Prepared, call: Call) -> Response:
         reply = await self.chat.whole(prep.inner, call)
@@ -160,7 +167,8 @@ class Responses:
 
     async def _keep(self, prep: Prepared, resp: Response) -> None:
         if resp.store and not await self.store.put(
-                Stored(response=resp, messages=prep.conversation + [reply_message(resp)])):
+                Stored(response=resp, messages=prep.conversation + [reply_message(resp)],
+                       items=prep.items)):
             resp.store = False  # said in the response itself: a follow-up cannot use it
 
     # ------------------------------------------------ GET / DELETE /v1/responses/{id}
@@ -169,6 +177,13 @@ class Responses:
         if stored is None:
             raise not_found(rid)
         return stored.response
+
+    async def input_items(self, rid: str, query: Mapping[str, str]) -> InputItemList:
+        """GET /v1/responses/{id}/input_items: a page of the items it was made from."""
+        stored = await self.store.get(rid)
+        if stored is None:
+            raise not_found(rid)
+        return response_items.page(stored.items, query)
 
     async def delete(self, rid: str) -> Deleted:
         if not await self.store.delete(rid):

@@ -5,8 +5,8 @@ completion's of the same messages (greedy; the chat path is checked against
 transformers in test_smollm2.py), whole and streamed (the documented events, in
 order); a forced function call, answered through `previous_response_id` and a
 `function_call_output`; `text.format` json_schema; retrieve and delete from the
-JetStream KV bucket; the 400s and 404s of the error contract; and the same endpoint
-over NATS."""
+JetStream KV bucket; a stored response's input items, listed in pages; the 400s and
+404s of the error contract; and the same endpoint over NATS."""
 
 from __future__ import annotations
 
@@ -180,6 +180,54 @@ async def test_retrieve_delete_and_unknown_ids(client):
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         await client.responses.create(model=MODEL, input="Hi", previous_response_id=resp.id)
 
+
+
+async def test_input_items_list_what_a_stored_response_was_made_from(client, stack):
+    """`GET /v1/responses/{id}/input_items` through the client: the items with their
+    ids (a follow-up's: the earlier input and output first), newest first by default,
+    in cursor pages; unknown or unstored ids are 404s, bad parameters 400s."""
+    first = await client.responses.create(model=MODEL, input=QUESTION, temperature=0,
+                                          instructions=INSTRUCTIONS, max_output_tokens=4)
+    listed = await client.responses.input_items.list(first.id)
+    (asked,) = listed.data
+    assert (asked.type, asked.role) == ("message", "user") and asked.id.startswith("msg_")
+    assert [(c.type, c.text) for c in asked.content] == [("input_text", QUESTION)]
+    assert listed.first_id == listed.last_id == asked.id and listed.has_more is False
+    given = [{"role": "user", "content": "Thanks."},
+             {"type": "message", "id": "msg_given", "role": "user",
+              "content": [{"type": "input_text", "text": "And of Spain?"}]}]
+    second = await client.responses.create(model=MODEL, previous_response_id=first.id,
+                                           input=given, temperature=0, max_output_tokens=4)
+    oldest = await client.responses.input_items.list(second.id, order="asc")
+    ids = [i.id for i in oldest.data]
+    assert len(ids) == 4 and ids[0] == asked.id and ids[1] == first.output[0].id
+    assert ids[3] == "msg_given" and ids[2].startswith("msg_")
+    reply = oldest.data[1]
+    assert (reply.role, reply.content[0].type) == ("assistant", "output_text")
+    assert reply.content[0].text == first.output_text
+    assert oldest.data[2].content[0].text == "Thanks."
+    newest = await client.responses.input_items.list(second.id)  # desc, the default
+    assert [i.id for i in newest.data] == ids[::-1]
+    head = await client.responses.input_items.list(second.id, order="asc", limit=3)
+    assert [i.id for i in head.data] == ids[:3] and head.has_more and head.last_id == ids[2]
+    tail = await client.responses.input_items.list(second.id, order="asc", after=ids[2])
+    assert [i.id for i in tail.data] == ids[3:] and not tail.has_more
+    walked = [i.id async for i in client.responses.input_items.list(second.id, limit=1)]
+    assert walked == ids[::-1]  # the client's own paging, by `after`
+    async with httpx.AsyncClient(base_url=stack.http_url, timeout=30) as http:
+        url = f"/v1/responses/{second.id}/input_items"
+        got = (await http.get(url, params={"order": "asc", "before": ids[3], "limit": 2})).json()
+        assert [i["id"] for i in got["data"]] == ids[1:3] and got["object"] == "list"
+        for params, needle in (({"limit": 0}, "'limit'"), ({"order": "up"}, "'order'"),
+                               ({"after": "msg_nope"}, "'after'")):
+            r = await http.get(url, params=params)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+    unstored = await client.responses.create(model=MODEL, input="Hi", max_output_tokens=2,
+                                             store=False)
+    await client.responses.delete(first.id)
+    for rid in (first.id, unstored.id, "resp_unknown"):
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.input_items.list(rid)
 
 @pytest.mark.parametrize("body,needle", [
     ({"input": []}, "'input' is empty"),

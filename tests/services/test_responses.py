@@ -1,6 +1,7 @@
 """The Responses API's translation (services/gateway/responses.py), without a bus: input
-items into chat messages, a request into chat's, and chat chunks into the documented
-event sequence."""
+items into chat messages, a request into chat's, chat chunks into the documented
+event sequence, and the input items a response keeps and lists in pages
+(services/gateway/response_items.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import msgspec
 import pytest
 
 from services.gateway.response_events import Events
+from services.gateway.response_items import listed, page
 from services.gateway.responses import (
     chat_request,
     input_messages,
@@ -16,7 +18,7 @@ from services.gateway.responses import (
 )
 from shared.api import ChatCompletionRequest, ToolCallDelta, Usage
 from shared.api_replies import ChatChunkChoice, ChatCompletionChunk, ChatDelta
-from shared.api_responses import ResponsesRequest
+from shared.api_responses import ListedItem, ResponsesRequest
 from shared.api import FunctionDelta
 from shared.errors import ServiceError
 
@@ -111,3 +113,56 @@ def test_an_empty_stream_is_an_empty_message_and_length_is_incomplete():
         "response.output_item.done", "response.incomplete"]
     assert out[-1].response.incomplete_details.reason == "max_output_tokens"
     assert [e.sequence_number for e in out] == list(range(len(out)))
+
+
+def test_input_items_keep_their_ids_and_shapes():
+    items = listed(_req(input=[
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "id": "msg_given", "content": [{"type": "output_text",
+                                                              "text": "yes"}]},
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    ]).input)
+    wire = msgspec.json.decode(msgspec.json.encode(items))
+    assert [i["type"] for i in wire] == ["message", "message", "function_call",
+                                         "function_call_output"]
+    assert wire[0]["content"] == [{"type": "input_text", "text": "hi"}]
+    assert wire[1]["id"] == "msg_given" and wire[1]["content"] == [
+        {"type": "output_text", "text": "yes", "annotations": [], "logprobs": []}]
+    assert wire[2]["id"].startswith("fc_") and wire[3]["id"].startswith("fco_")
+    assert (wire[3]["call_id"], wire[3]["output"], wire[3]["status"]) == ("c1", "sunny",
+                                                                        "completed")
+    assert "role" not in wire[2] and "output" not in wire[2]
+    (one,) = listed("just text")
+    assert (one.role, one.content[0].type, one.content[0].text) == ("user", "input_text",
+                                                                    "just text")
+
+
+def _ids(n: int):
+    return [ListedItem(id=f"i{k}", type="message") for k in range(n)]
+
+
+@pytest.mark.parametrize("query,want,more", [
+    ({}, ["i4", "i3", "i2", "i1", "i0"], False),  # desc, the default: newest first
+    ({"order": "asc", "limit": "2"}, ["i0", "i1"], True),
+    ({"order": "asc", "limit": "2", "after": "i1"}, ["i2", "i3"], True),
+    ({"order": "asc", "after": "i3"}, ["i4"], False),
+    ({"limit": "2", "after": "i3"}, ["i2", "i1"], True),  # after, in desc order
+    ({"order": "asc", "limit": "2", "before": "i4"}, ["i2", "i3"], True),  # nearest it
+    ({"order": "asc", "after": "i0", "before": "i3"}, ["i1", "i2"], False),
+    ({"order": "asc", "after": "i4"}, [], False),
+])
+def test_input_items_pages(query, want, more):
+    got = page(_ids(5), query)
+    assert [i.id for i in got.data] == want and got.has_more is more
+    assert (got.first_id, got.last_id) == ((want[0], want[-1]) if want else (None, None))
+
+
+@pytest.mark.parametrize("query,needle", [
+    ({"limit": "0"}, "'limit'"), ({"limit": "101"}, "'limit'"), ({"limit": "x"}, "'limit'"),
+    ({"order": "up"}, "'order'"), ({"after": "nope"}, "'after'"), ({"before": "nope"}, "'before'"),
+])
+def test_input_items_bad_queries_are_400s_naming_them(query, needle):
+    with pytest.raises(ServiceError) as err:
+        page(_ids(2), query)
+    assert err.value.status == 400 and needle in err.value.message
