@@ -13,7 +13,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@" \
     tests/engine/test_blocks.py tests/engine/test_buckets.py tests/engine/test_packing.py \
     tests/engine/test_slot_table.py \
-    tests/services/batch/test_lines.py tests/services/test_canary_guard.py \
+    tests/services/batch/test_lines.py tests/services/test_batch_lane.py \
+    tests/services/test_canary_guard.py \
     tests/services/test_chunk_order.py tests/services/test_decode_scheduler.py \
     tests/services/test_gateway_admission.py tests/services/test_gateway_fanout.py \
     tests/services/test_gateway_inbox.py tests/services/test_heartbeat_fields.py \

@@ -64,6 +64,7 @@ class EmbedWork(_Msg, tag="embed"):
     types: list[list[int]] = msgspec.field(default_factory=list)  # [] = embed; else pairs
     dimensions: int = 0  # Matryoshka: keep the first `dimensions` of each vector
     # (renormalised when the model normalises); 0 = the full width
+    priority: int = 0  # its lane at the scheduler (shared.priority): 0 interactive, 1 batch
 
 
 class GenerateWork(_Msg, tag="generate"):
@@ -97,6 +98,7 @@ class GenerateWork(_Msg, tag="generate"):
     include_stop_str_in_output: bool = False  # a matched stop string ends the text (vLLM's)
     resumes: bool = False  # its requester resumes it when its worker is lost: a scheduler
     # tells it (WorkError `worker_lost`) rather than dispatching it again
+    priority: int = 0  # as EmbedWork.priority
 
 
 WorkRequest = EmbedWork | GenerateWork

@@ -23,6 +23,9 @@ to the request's reply subject at once):
      ready workers' heartbeats carry (timed at warm-up, refitted as they step), and
      one whose prompt cannot be computed before its deadline is a 429 at once.
      Generation that no worker has timed is bounded by count alone.
+     Batch-priority work (shared.priority) skips 5: it is never refused for the work
+     ahead or its deadline, but waits for idle room in the scheduler's batch lane
+     (services.scheduler.lane), which bounds it by count.
 
 `reserve` admits a large embeddings body by its estimated size (a completion by
 count: its size is not known before tokenizing) before the gateway tokenizes it, and
@@ -41,6 +44,7 @@ from shared.costs import Cost, CostBook, gen_cost
 from shared.config import Config, prefill_chunk_on
 from shared.errors import deadline_exceeded, unavailable
 from shared.messages import EmbedWork, GenerateWork, Reserve, SchedLoad, WorkDone, WorkRequest
+from shared.priority import BATCH
 from shared.telemetry import Heartbeat
 
 RESERVATION_S = 5.0  # a reservation whose work never came (its gateway gone) is dropped
@@ -101,8 +105,8 @@ class Admission:
                 raise unavailable(f"no ready worker serves model '{model}' version "
                                   f"{work.version}; retry shortly")
             return []
-        if reserved:  # admitted by its size (or count) before tokenizing
-            return ready
+        if reserved or work.priority >= BATCH:  # admitted before tokenizing; or batch
+            return ready  # work, which waits for room rather than being refused for it
         if isinstance(work, EmbedWork):
             self.check_size(model, *work_size(work), work.deadline, ready, by_work=True)
         else:

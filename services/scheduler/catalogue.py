@@ -5,16 +5,21 @@
   2. `note()` adds what the bus shows: a heartbeat's model and kind, a submitted
      request's model (the gateway resolved it, so it exists).
   3. `refresh()` adds the registry's models (their kind from the prod version's
-     record, read once per name); called in the background, never on a request's path.
+     record, read once per name); called in the background (`run`: every
+     REFRESH_S), never on a request's path.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from shared import catalog
 from shared.config import parse_fleet
 from shared.logging import get_logger
 
 log = get_logger("scheduler.catalogue")
+
+REFRESH_S = 10.0  # how often the registry's model list is read again
 
 
 class Catalogue:
@@ -44,6 +49,18 @@ class Catalogue:
             if self.kinds.get(name):
                 continue
             self.note(name, await self._kind(name))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """`refresh()` every REFRESH_S until `stop`; a failed read is logged, and the
+        scheduler's decisions go on with what is known."""
+        while not stop.is_set():
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - decisions go on with what is known
+                log.warning("catalogue_refresh_failed", error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(REFRESH_S)
 
     async def _kind(self, name: str) -> str:
         aliases = await self.registry.aliases(name)

@@ -5,7 +5,9 @@
      and counts against the model's queue bound as if one worker were ready; the
      gateway is told (`Held`) and demand goes out at once (the service does both).
   2. The first worker that becomes ready gets them (`take`), each admitted again with
-     the time it was held (its `Accepted`).
+     the time it was held (its `Accepted`): interactive work first, then batch work
+     (shared.priority), which takes the room left or waits in the batch lane. Held
+     batch work is not counted ahead of arrivals (`tally`).
   3. A generation is held until its deadline or, when this scheduler has seen a
      worker of the model start (`observe_start`: the slowest start measured), until
      that cold start has passed with some margin, if its `end_by` (the client's own
@@ -27,6 +29,7 @@ from services.scheduler.admission import work_size
 from shared.admission import Tally
 from shared.errors import ServiceError, deadline_exceeded, overloaded, unavailable
 from shared.messages import GenerateWork, WorkRequest
+from shared.priority import BATCH
 
 START_MARGIN = 1.25  # a held request waits this many measured cold starts: a start
 # also spends time before the worker measures (the interpreter, imports)
@@ -77,9 +80,10 @@ class Holds:
         held.append(HeldWork(work, time.monotonic() if since is None else since))
         return len(held)
 
-    def take(self, model: str) -> deque[HeldWork]:
-        """Everything held for `model`, oldest first, no longer held."""
-        return self.by_model.pop(model, deque())
+    def take(self, model: str) -> list[HeldWork]:
+        """Everything held for `model`, interactive before batch, each oldest first;
+        no longer held."""
+        return sorted(self.by_model.pop(model, ()), key=lambda h: h.work.priority)
 
     def drop(self, request_id: str) -> WorkRequest | None:
         """The held request `request_id`, no longer held (None: not held here)."""
@@ -100,7 +104,8 @@ class Holds:
         """The work held for `model` (it counts ahead of new arrivals)."""
         out = Tally()
         for h in self.by_model.get(model, ()):
-            out.add(*work_size(h.work))
+            if h.work.priority < BATCH:
+                out.add(*work_size(h.work))
         return out
 
     def models(self) -> list[str]:

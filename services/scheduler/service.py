@@ -30,7 +30,9 @@ Dataflow of one request:
      When no ready worker holds the drawn version yet (a canary still loading, a
      promotion in progress), prod is used, and failing that any ready worker.
      Workers at this scheduler's own site come first; other sites' only when none
-     of its own has room (services.scheduler.sites).
+     of its own has room (services.scheduler.sites). Batch-priority work goes only
+     to a worker with idle room, and waits for one in the batch lane
+     (services.scheduler.lane) behind every interactive request.
   5. The worker replies to the gateway directly and tells this scheduler which
      requests finished (`WorkDone`, with the batch's engine time: the model's cost),
      so the outstanding count per worker stays exact.
@@ -67,11 +69,13 @@ from services.registry.alias_table import AliasTable
 from services.scheduler.catalogue import Catalogue
 from services.scheduler.decisions import ScaleDecisions
 from services.scheduler.holds import Holds
+from services.scheduler.lane import BatchLane, idle
 from services.scheduler.loads import LoadReports
 from services.scheduler.recovery import Recovery
 from services.scheduler.routed import Routed
 from services.scheduler.sites import at_site
 from shared import VERSION, prefix, subjects
+from shared.priority import BATCH
 from shared.bus import Links
 from shared.config import Config
 from shared.errors import ServiceError
@@ -103,7 +107,6 @@ class Outstanding:
     keys: list[int] = field(default_factory=list)  # short prefix keys of its prompt
 
 
-CATALOGUE_REFRESH_S = 10.0  # how often the registry's model list is read again
 ROUTED_GRACE_BEATS = 4  # heartbeat intervals a finished request's prefix counts as held
 
 
@@ -128,6 +131,7 @@ class Scheduler:
         self.routed = Routed(grace_s=ROUTED_GRACE_BEATS * config.heartbeat_s)
         self.load: dict[str, int] = {}  # worker_id -> requests outstanding here
         self.holds = Holds(config.max_queue_per_worker, config.cold_start_s)
+        self.lane = BatchLane(config.max_queue_per_worker)  # batch work waiting for room
         self.admission = Admission(config, self.id, self.fleet, held=self.holds.tally)
         self.loads = LoadReports(nc, self.id, self.admission, self.holds, config.heartbeat_s)
         self.admission.changed = self.loads.changed
@@ -176,7 +180,7 @@ class Scheduler:
         try:
             async with asyncio.TaskGroup() as tg:
                 loops = [tg.create_task(self._housekeeping()), tg.create_task(self._scaling()),
-                         tg.create_task(self._refresh_catalogue()),
+                         tg.create_task(self.catalogue.run(self._stop)),
                          tg.create_task(self.loads.run(self._stop))]
                 await self._stop.wait()
                 for task in loops:  # none waits out its interval
@@ -211,10 +215,24 @@ class Scheduler:
     async def admit(self, work: WorkRequest, since: float | None = None) -> None:
         """Dispatch, hold or refuse one request; `since` = held from then (monotonic)."""
         ready = self.admission.admit(work)
-        if ready:
-            await self._dispatch(work, ready, since)
-        else:
+        if not ready:
             await self._hold(work, since)
+        elif work.priority < BATCH:
+            await self._dispatch(work, ready, since)
+        elif (roomy := self._idle(work, ready)) and not self.lane.waits(work.model):
+            await self._dispatch(work, roomy, since)
+        else:  # no room left by interactive work, or older batch work waits first
+            self.lane.put(work, len(ready))
+
+    def _idle(self, work: WorkRequest, ready: list[WorkerView] | None = None) -> list[WorkerView]:
+        """The ready workers for `work` with room for batch work (services.scheduler.lane)."""
+        ready = self.fleet.available(work.model, work.version) if ready is None else ready
+        return idle(ready, lambda w: self._load_of(w)[0])
+
+    async def _drain_lane(self, model: str) -> None:
+        """Batch work waiting for `model` out to the room there is now, oldest first."""
+        for work, workers in self.lane.take(model, self._idle):
+            await self._dispatch(work, workers)
 
     async def _admit_or_refuse(self, work: WorkRequest, since: float | None = None) -> None:
         try:
@@ -256,7 +274,7 @@ class Scheduler:
         """A request its gateway gave up on (its client left, its time ran out): held
         for a cold start, it is dropped, so the worker that starts never generates
         it; reserved and not submitted (it failed to tokenize), its room comes back."""
-        if not self.admission.reservations and not self.holds.by_model:
+        if not (self.admission.reservations or self.holds.by_model or self.lane.by_model):
             return
         try:
             rid = cancel_decoder.decode(msg.data).request_id
@@ -267,6 +285,8 @@ class Scheduler:
         if self.holds.by_model and self.holds.drop(rid) is not None:
             log.debug("held_request_cancelled", request_id=rid)
             self.loads.changed()
+        if self.lane.by_model and self.lane.drop(rid) is not None:
+            log.debug("batch_request_cancelled", request_id=rid)
 
     # ------------------------------------------------------------------ dispatch
     async def _dispatch(self, work: WorkRequest, ready: list[WorkerView],
@@ -350,6 +370,8 @@ class Scheduler:
             view = self.fleet.workers.get(done.worker_id)
             model = view.hb.model if view else ""
         self.admission.observe_done(done, model)
+        if self.lane.waits(model):  # room freed: batch work waiting takes it
+            await self._drain_lane(model)
 
     def _finished(self, o: Outstanding) -> None:
         self.load[o.worker_id] = max(0, self.load.get(o.worker_id, 0) - 1)
@@ -371,6 +393,8 @@ class Scheduler:
         view = self.fleet.observe(hb)
         if view.ready and self.holds.count(hb.model) and self.fleet.available(hb.model):
             await self._release_held(hb.model)
+        if view.ready and self.lane.waits(hb.model):  # its own count of work may have fallen
+            await self._drain_lane(hb.model)
         # A draining worker finishes what it holds; a stopped, unhealthy or wedged one
         # will not, so its outstanding work goes elsewhere (a no-op when it has none).
         if hb.state in ("stopped", "unhealthy") or view.stalled:
@@ -389,7 +413,8 @@ class Scheduler:
             await self._refuse(work, err)
 
     async def _release_held(self, model: str) -> None:
-        """The first ready worker of `model`: what waited for it goes out, oldest first."""
+        """The first ready worker of `model`: what waited for it goes out, interactive
+        first, each lane oldest first (batch work takes the room left, or waits)."""
         for h in self.holds.take(model):
             await self._admit_or_refuse(h.work, since=h.since)
 
@@ -409,21 +434,13 @@ class Scheduler:
             for gone in self.fleet.expire():
                 log.warning("worker_expired", worker_id=gone.worker_id)
                 await self.recovery.recover(gone.worker_id, "missed heartbeats", gone=True)
-            for work, err in self.holds.expire(time.time()):
+            for work, err in self.holds.expire(time.time()) + self.lane.expire(time.time()):
                 await self._refuse(work, err)
+            for model in self.lane.models():  # room a heartbeat-less change freed
+                await self._drain_lane(model)
             self.admission.expire_reservations(time.monotonic())
 
     async def _scaling(self) -> None:
         while not self._stop.is_set():
             await asyncio.sleep(self.scale_interval_s)
             await self.scaling.publish_all()
-
-    async def _refresh_catalogue(self) -> None:
-        while not self._stop.is_set():
-            try:
-                await self.catalogue.refresh()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - decisions go on with what is known
-                log.warning("catalogue_refresh_failed", error=f"{type(exc).__name__}: {exc}")
-            await asyncio.sleep(CATALOGUE_REFRESH_S)
