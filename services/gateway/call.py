@@ -20,6 +20,7 @@ from structlog.contextvars import bind_contextvars, reset_contextvars
 from services.gateway.frontend import Frontend, new_request_id, wire_id
 from services.gateway.outcome import Outcome
 from shared.errors import ServiceError, internal
+from shared.priority import BATCH, INTERACTIVE
 from shared.logging import get_logger
 
 log = get_logger("gateway")
@@ -45,6 +46,13 @@ class Call:
     parts: list[str] = field(default_factory=list)  # ids of the works it was cut into
     over_bus: bool = False  # a NATS request: its whole answer goes back as one bus message
     ignored: list[str] = field(default_factory=list)  # documented fields not acted on
+    priority: int = INTERACTIVE  # its lane (shared.priority): the transport reads the header
+
+    @property
+    def batch(self) -> bool:
+        """A batch-lane request: it may wait, so it is not refused for the work ahead
+        or its deadline (the scheduler's batch lane waits for idle capacity)."""
+        return self.priority >= BATCH
 
     @classmethod
     def open(cls, front: Frontend, endpoint: str, *, client_id: str | None,

@@ -71,7 +71,7 @@ class Embeddings:
         call.out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "",
                          user=user, reserved=reserved,
-                         dimensions=truncated_width(req, entry))
+                         dimensions=truncated_width(req, entry), priority=call.priority)
         prep = EmbedPrepared(req, work, truncated_width(req, entry) or entry.dim)
         if call.over_bus:
             check_answer_fits(prep, call.msgpack, front.bus_limit())
@@ -113,16 +113,20 @@ async def tokenized(front: Frontend, call: Call, entry: ModelEntry, version: str
     `tokenize()` gives (ids, types); `what` names the inputs in a count refusal."""
     adm, name = front.admission, entry.info.name
     adm.check_served(name)
+    # A batch request may wait (the scheduler's batch lane): bounded by count only.
+    deadline = None if call.batch else call.deadline
     if len(body) <= INLINE_TOKENIZE:  # on the loop: nothing is read meanwhile
-        adm.shed(name, call.deadline)
+        adm.shed(name, deadline)
         return (*tokenize(), "")
     inputs, texts, id_tokens = size()
     check_count(inputs, front.config, what)  # the 400 comes first, as on the inline path
     tokens = id_tokens + adm.tokens.estimate(name, texts, entry.info.max_tokens)
-    adm.shed(name, call.deadline, inputs, tokens)
+    adm.shed(name, deadline, inputs, tokens)
     with adm.preparing(name, inputs, tokens):
-        # admitted by the scheduler before the wait, so never refused after it
-        reserved = await adm.reserve(call.wire, name, version, inputs, tokens, call.deadline)
+        # admitted by the scheduler before the wait, so never refused after it (a
+        # batch request reserves nothing: its lane admits it on arrival)
+        reserved = "" if call.batch else await adm.reserve(call.wire, name, version, inputs,
+                                                           tokens, call.deadline)
         try:
             ids, types = await front.tokenize(tokenize)
         except BaseException:

@@ -144,9 +144,9 @@ class Generation:
         else:  # in a thread: counted as waiting meanwhile (the count bound)
             with self.front.admission.preparing(name, 1, 0):
                 # admitted by a scheduler before the wait, so never refused after it
-                reserved = await self.front.admission.reserve(rid, name, version,
-                                                              req.n * len(reqs), 0,
-                                                              deadline, generate=True)
+                # (a batch request reserves nothing: its lane admits it on arrival)
+                reserved = "" if call.batch else await self.front.admission.reserve(
+                    rid, name, version, req.n * len(reqs), 0, deadline, generate=True)
                 try:
                     prompts = await self.front.tokenize(tokenized)
                 except BaseException:
@@ -170,7 +170,7 @@ class Generation:
                               "structured output ends at its grammar's end")
         params.check_tokens(sampling, entry.tokenizer.vocab_size)
         ids = [rid]
-        if len(reqs) > 1:  # every prompt checked; the list admitted as its sum, whole
+        if len(reqs) > 1 and not call.batch:  # every prompt checked; admitted as its sum
             self.front.admission.shed_list(name, deadline, req.n, [len(p) for p in prompts],
                                            max_tokens)
             ids, user = fanout.part_ids(rid, len(reqs)), user or rid  # one canary draw
@@ -182,7 +182,8 @@ class Generation:
             stall_s=self.config.stall_timeout_s, end_by=call.end_by,
             prompt_logprobs=_prompt_logprobs(req, chat),
             skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            priority=call.priority),
             req.model, created, bool(opts and opts.include_usage),
             bool(opts and opts.continuous_usage_stats), entry.tokenizer, tp, think)
             for pid, r, prompt, budget in zip(ids, reqs, prompts, max_tokens)]

@@ -32,7 +32,7 @@ from services.gateway.openapi import openapi_document
 from services.gateway.pipeline import Pipeline, Route as PipelineRoute
 from services.gateway.responses import Responses
 from services.gateway.tei import RerankRoute, TeiEmbed
-from shared import VERSION
+from shared import VERSION, priority
 from shared.errors import ServiceError, too_large
 from shared.logging import get_logger
 
@@ -130,6 +130,7 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
 
     async def answer(pipe: Pipeline[Any], cut: bool, request: Request, call: Call) -> Response:
         check_headers(request)
+        call.priority = priority.parse(request.headers.get(priority.HEADER))
         if not authorised(request):
             raise ServiceError(401, "a valid API key is required (Authorization: Bearer KEY)",
                                code="invalid_api_key")

@@ -75,7 +75,7 @@ class Pairs:
             lambda: tokenize_pairs(pairs, entry, each), "documents" if self.rerank else "pairs")
         call.out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "", types=types,
-                         user=user, reserved=reserved)
+                         user=user, reserved=reserved, priority=call.priority)
         return PairsPrepared(req, work)
 
     async def whole(self, prep: PairsPrepared, call: Call) -> RerankResponse | ScoreResponse:

@@ -29,7 +29,7 @@ from services.gateway.call import Call
 from services.gateway.frontend import USER_HEADER, Frontend
 from services.gateway.pipeline import Pipeline, Prepared, routes
 from services.micro import ConcurrentHandler, ServiceHealth, add_service
-from shared import VERSION, subjects
+from shared import VERSION, priority, subjects
 from shared.config import Config
 from shared.api_replies import STREAM_DONE
 from shared.errors import ServiceError, bad_request, too_large
@@ -155,6 +155,7 @@ class Gateway:
                          msgpack=mp, user=hdrs.get(USER_HEADER, ""))
         call.over_bus = True
         async with call.guarded():
+            call.priority = priority.parse(hdrs.get(priority.HEADER))
             prep = await pipe.prepare(msg.data, call)
             if prep.stream:
                 await self._stream(msg, pipe, prep, call)
