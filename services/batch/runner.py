@@ -9,10 +9,12 @@
   3. in_progress: the lines not yet answered (no `lines.` key: batchstore) are sent,
      in input order, each to the inference subject of its `url`
      (`inference.v1.chat.completions` ...), the same request bodies a client sends,
-     through the batch lane: at most TENSORBUS_BATCH_CONCURRENCY requests of all
-     batches in flight. The wire has no priority field, so the lane's bound is what
-     leaves the interactive traffic its capacity. A 429 or 503 (busy, or no
-     gateway) is retried after its Retry-After, a few times.
+     each marked `Tensorbus-Priority: batch` (shared.priority): the schedulers run
+     it only on capacity interactive work leaves idle, and never refuse it for the
+     work ahead or its deadline (services.scheduler.lane). At most
+     TENSORBUS_BATCH_CONCURRENCY requests of all batches are in flight. A 429 or
+     503 (no idle room for a long while, or no gateway) is retried after its
+     Retry-After, a few times.
   4. Each answer is stored under its line's key before the batch's counts move; a
      runner that dies loses only the requests in flight, which the next one sends
      again. No line is answered twice in the output, none is lost.
@@ -37,7 +39,7 @@ from nats.js.kv import KV_DEL, KV_PURGE
 from services.batch.lines import parse
 from services.batchstore import BatchStore, new_id, now
 from services.micro import MicroService, ServiceHealth, add_service
-from shared import VERSION, subjects
+from shared import VERSION, priority, subjects
 from shared.api_batches import (
     ACTIVE,
     Batch,
@@ -197,7 +199,8 @@ class Job:
         """One request, as a client sends it; retried while the answer says "not now"."""
         nc, config = self.runner.nc, self.runner.config
         rid = new_id("req_")
-        headers = {"X-Request-Id": rid, "Tensorbus-Timeout": f"{config.max_generation_s:g}"}
+        headers = {"X-Request-Id": rid, "Tensorbus-Timeout": f"{config.max_generation_s:g}",
+                   priority.HEADER: "batch"}
         body = _json.encode(line.body)
         problem = "no answer"
         for attempt in range(TRIES):
