@@ -104,5 +104,8 @@ class LiveDecisions:
     def held(self, model: str) -> int:
         return sum(d.held for d in self.latest(model))
 
+    def batch_waiting(self, model: str) -> int:
+        return sum(d.batch_waiting for d in self.latest(model))
+
     def kind(self, model: str) -> str:
         return next((d.kind for d in self.latest(model) if d.kind), "")

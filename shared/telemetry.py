@@ -157,6 +157,8 @@ class ScaleDecision(_Rec, tag="scale"):
     kind: str = ""  # encoder | decoder | "" (not known yet)
     target_per_replica: float = 0.0  # the load one replica is meant to carry
     pressured: int = 0  # ready workers above TENSORBUS_MEMORY_HIGH (no new work)
+    batch_waiting: int = 0  # batch-priority requests this scheduler keeps waiting for
+    # idle room (its batch lane); not demand: batch work scales nothing up
 
 
 class ModelSummary(msgspec.Struct, gc=False):

@@ -27,12 +27,14 @@ from shared.telemetry import encode as encode_record
 
 class ScaleDecisions:
     def __init__(self, nc: Client, config: Config, scheduler_id: str, fleet: Fleet,
-                 catalogue: Catalogue, holds: Holds, queued: Callable[[str], int]) -> None:
+                 catalogue: Catalogue, holds: Holds, queued: Callable[[str], int],
+                 waiting: Callable[[str], int] = lambda model: 0) -> None:
         self.nc = nc
         self.fleet = fleet
         self.catalogue = catalogue
         self.holds = holds
         self.queued = queued  # model -> requests dispatched here, unfinished
+        self.waiting = waiting  # model -> batch requests in this scheduler's batch lane
         self.autoscaler = Autoscaler(config, scheduler_id)
         self.published: dict[str, int] = {}  # model -> desired in its last decision
 
@@ -47,7 +49,8 @@ class ScaleDecisions:
             held=self.holds.count(model),
             queued=self.queued(model),
             queue_depth=sum(w.hb.queue_depth for w in workers),
-            in_flight=sum(w.hb.in_flight for w in workers))
+            in_flight=sum(w.hb.in_flight for w in workers),
+            batch_waiting=self.waiting(model))
 
     def decide(self, model: str) -> ScaleDecision:
         return self.autoscaler.decide(self.demand(model), time.monotonic())

@@ -49,6 +49,7 @@ class Demand:
     queued: int = 0  # requests this scheduler dispatched and has not seen finish
     queue_depth: int = 0  # heartbeats: requests (sequences) waiting inside the workers
     in_flight: int = 0  # heartbeats: requests running (a decoder's: KV slots held)
+    batch_waiting: int = 0  # batch work waiting for idle room: reported, not demand
 
     @property
     def workers(self) -> int:
@@ -118,7 +119,8 @@ class Autoscaler:
             queue_depth=d.queue_depth, in_flight=d.in_flight, reason=reason,
             at=time.time() if at is None else at, scheduler_id=self.scheduler_id,
             held=d.held, queued=d.queued, min_replicas=lo, max_replicas=hi, kind=d.kind,
-            target_per_replica=self.target(d.kind), pressured=d.pressured)
+            target_per_replica=self.target(d.kind), pressured=d.pressured,
+            batch_waiting=d.batch_waiting)
 
     def _floor(self, st: _Model, lo: int, now: float) -> tuple[int, float]:
         """(the fewest workers now, seconds idle)."""

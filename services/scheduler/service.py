@@ -136,7 +136,7 @@ class Scheduler:
         self.loads = LoadReports(nc, self.id, self.admission, self.holds, config.heartbeat_s)
         self.admission.changed = self.loads.changed
         self.scaling = ScaleDecisions(nc, config, self.id, self.fleet, self.catalogue,
-                                      self.holds, self._queued)
+                                      self.holds, self._queued, self.lane.count)
         self._stop = asyncio.Event()
         self._subs: list = []
         self.rng = random.Random()

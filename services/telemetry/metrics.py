@@ -245,6 +245,10 @@ class TelemetryMetrics:
         self.m_held = Gauge(f"{NS}_model_held_requests",
                             "Requests held for a cold start, over live schedulers.",
                             ["model"], registry=r)
+        self.m_batch_waiting = Gauge(
+            f"{NS}_model_batch_waiting_requests",
+            "Batch-priority requests waiting for idle capacity, over live schedulers.",
+            ["model"], registry=r)
 
     def _build_self_metrics(self, r: CollectorRegistry) -> None:
         self.records = Counter(f"{NS}_telemetry_records", "Telemetry records consumed.",
@@ -372,6 +376,7 @@ class TelemetryMetrics:
     def _refresh_desired(self, model: str) -> None:
         self.m_desired.labels(model).set(self.decisions.desired(model))
         self.m_held.labels(model).set(self.decisions.held(model))
+        self.m_batch_waiting.labels(model).set(self.decisions.batch_waiting(model))
 
     def expire_workers(self, now: float) -> list[str]:
         """Drop workers silent for longer than `expiry_s`; returns their ids."""

@@ -209,3 +209,21 @@ def test_work_from_before_the_field_decodes_as_interactive():
     assert fields[-1] == BATCH
     old = msgspec.msgpack.encode(fields[:-1])  # a sender that knows no priority
     assert work_decoder.decode(old).priority == INTERACTIVE
+
+
+# ------------------------------------------------------------------ signals
+def test_the_lane_is_a_gauge_of_its_own_and_no_scaling_demand():
+    from prometheus_client import CollectorRegistry
+
+    from services.telemetry.metrics import TelemetryMetrics
+
+    sched, _ = scheduler(max_batch=1)
+    idle_fleet = sched.scaling.decide(M)
+    for i in range(5):
+        sched.lane.put(embed(f"b{i}", BATCH), n_ready=1)
+    waiting = sched.scaling.decide(M)
+    assert waiting.batch_waiting == 5 and idle_fleet.batch_waiting == 0
+    assert waiting.desired_replicas == idle_fleet.desired_replicas  # batch work scales nothing
+    reg = CollectorRegistry()
+    TelemetryMetrics(reg).observe_scale(waiting, now=0.0)
+    assert reg.get_sample_value("tensorbus_model_batch_waiting_requests", {"model": M}) == 5
