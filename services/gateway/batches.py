@@ -1,23 +1,17 @@
 """OpenAI's Files and Batch API over HTTP: `/v1/files` and `/v1/batches`.
 
-The gateway only stores and reads (services/batchstore.py: bytes in the Object Store
-`tensorbus_files`, records in the KV bucket `tensorbus_batches`); the batch runner
-(`python -m services.batch`) validates and runs each batch and writes its output.
+The routes parse the request (a multipart upload, path ids, the query string) and
+call the operations of services/gateway/batch_ops.py, which the NATS subjects
+(services/gateway/batch_bus.py) share.
 
   1. `POST /v1/files`: a multipart upload (`purpose`, `file`), at most
-     TENSORBUS_MAX_FILE_BYTES; `purpose` must be `batch`. Its lines are checked when
-     a batch uses it (the runner), as OpenAI does.
-  2. `POST /v1/batches`: the input file must exist with purpose `batch`; `endpoint`
-     one of /v1/chat/completions, /v1/completions, /v1/embeddings;
-     `completion_window` `24h`. The batch is stored `validating`; the runner's KV
-     watch picks it up.
-  3. `POST /v1/batches/{id}/cancel`: the record turns `cancelling` (compare-and-set,
-     so the runner's progress writes never undo it); the runner stops feeding it.
+     TENSORBUS_MAX_FILE_BYTES (plus the form around it) read before it is parsed.
+  2. `POST /v1/batches`: a CreateBatch body.
+  3. `POST /v1/batches/{id}/cancel`: the batch turns `cancelling`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import email
 from typing import Callable
 
@@ -26,27 +20,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from services.batchstore import BatchStore, new_id, now
-from shared.api_batches import (
-    BATCH_ENDPOINTS,
-    COMPLETION_WINDOW,
-    WINDOW_S,
-    Batch,
-    BatchList,
-    CreateBatch,
-    FileDeleted,
-    FileList,
-)
+from services.gateway.batch_ops import BatchOps
 from shared.config import Config
 from shared.errors import ServiceError, bad_request, too_large
-from shared.logging import get_logger
-
-log = get_logger("gateway.batches")
 
 _json = msgspec.json.Encoder()
-_create = msgspec.json.Decoder(CreateBatch).decode
 MULTIPART_SLACK = 65_536  # form fields and part headers around the file's bytes
-MAX_METADATA = 16  # OpenAI's: pairs, keys of 64 characters, values of 512
 
 
 def routes(nc, config: Config, authorised: Callable[[Request], bool]) -> list[Route]:
@@ -63,11 +42,9 @@ def routes(nc, config: Config, authorised: Callable[[Request], bool]) -> list[Ro
 
 class BatchApi:
     def __init__(self, nc, config: Config, authorised: Callable[[Request], bool]) -> None:
-        self.nc = nc
         self.config = config
         self.authorised = authorised
-        self._store: BatchStore | None = None
-        self._lock = asyncio.Lock()
+        self.ops = BatchOps(nc, config)
 
     def guard(self, handler):
         """The handler behind the API key check, its ServiceErrors as error responses."""
@@ -82,51 +59,25 @@ class BatchApi:
                                 media_type="application/json")
         return endpoint
 
-    async def store(self) -> BatchStore:
-        if self._store is None:
-            async with self._lock:
-                if self._store is None:
-                    try:
-                        self._store = await BatchStore.open(self.nc)
-                    except Exception as exc:  # noqa: BLE001 - JetStream down or not allowed
-                        log.warning("batch_store_unavailable", error=str(exc) or type(exc).__name__)
-                        raise ServiceError(503, "the files and batches store (JetStream) is "
-                                           "unavailable", code="store_unavailable") from None
-        return self._store
-
     # --- files
 
     async def files(self, request: Request) -> Response:
-        store = await self.store()
         if request.method == "GET":
-            purpose = request.query_params.get("purpose")
-            found = [f for f in await store.files() if purpose in (None, f.purpose)]
-            page, more = _page(found, request, 10_000)
-            return _reply(FileList(data=page, has_more=more, first_id=_first(page),
-                                   last_id=_last(page)))
+            q = request.query_params
+            return _reply(await self.ops.list_files(q.get("purpose"), _limit(request),
+                                                    q.get("after")))
+        await self.ops.store()  # a store that is down answers 503 before the upload is read
         filename, purpose, data = await self._upload(request)
-        if purpose != "batch":
-            raise bad_request(f"purpose '{purpose}' is not served; only 'batch' is")
-        f = await store.put_file(filename, purpose, data)
-        log.info("file_uploaded", file_id=f.id, bytes=f.bytes)
-        return _reply(f)
+        return _reply(await self.ops.put_file(filename, purpose, data))
 
     async def file(self, request: Request) -> Response:
-        store, fid = await self.store(), request.path_params["id"]
+        fid = request.path_params["id"]
         if request.method == "DELETE":
-            if not await store.delete_file(fid):
-                raise _no_file(fid)
-            return _reply(FileDeleted(id=fid))
-        f = await store.file(fid)
-        if f is None:
-            raise _no_file(fid)
-        return _reply(f)
+            return _reply(await self.ops.delete_file(fid))
+        return _reply(await self.ops.get_file(fid))
 
     async def content(self, request: Request) -> Response:
-        fid = request.path_params["id"]
-        data = await (await self.store()).file_bytes(fid)
-        if data is None:
-            raise _no_file(fid)
+        data = await self.ops.file_content(request.path_params["id"])
         return Response(data, media_type="application/octet-stream")
 
     async def _upload(self, request: Request) -> tuple[str, str, bytes]:
@@ -148,77 +99,22 @@ class BatchApi:
         if "file" not in fields:
             raise bad_request("the form has no `file` field")
         filename, data = fields["file"]
-        if len(data) > self.config.max_file_bytes:
-            raise too_large(f"the file is {len(data)} bytes; the limit is "
-                            f"{self.config.max_file_bytes} (TENSORBUS_MAX_FILE_BYTES)")
         purpose = fields.get("purpose", ("", b""))[1].decode(errors="replace").strip()
-        return filename or "upload.jsonl", purpose, data
+        return filename, purpose, data
 
     # --- batches
 
     async def batches(self, request: Request) -> Response:
-        store = await self.store()
         if request.method == "GET":
-            page, more = _page(await store.batches(), request, 100)
-            return _reply(BatchList(data=page, has_more=more, first_id=_first(page),
-                                    last_id=_last(page)))
-        try:
-            req = _create(await request.body())
-        except msgspec.ValidationError as exc:
-            raise bad_request(f"invalid batch request: {exc}") from None
-        except msgspec.DecodeError:
-            raise bad_request("the body is not valid JSON") from None
-        _check(req)
-        f = await store.file(req.input_file_id)
-        if f is None or f.purpose != "batch":
-            raise bad_request(f"input_file_id '{req.input_file_id}' is not a file uploaded "
-                              "with purpose 'batch'")
-        created = now()
-        batch = Batch(id=new_id("batch_"), endpoint=req.endpoint,
-                      input_file_id=req.input_file_id, completion_window=req.completion_window,
-                      created_at=created, expires_at=created + WINDOW_S, metadata=req.metadata)
-        await store.create_batch(batch)
-        log.info("batch_created", batch_id=batch.id, endpoint=batch.endpoint)
-        return _reply(batch)
+            return _reply(await self.ops.list_batches(_limit(request),
+                                                      request.query_params.get("after")))
+        return _reply(await self.ops.create_batch(await request.body()))
 
     async def batch(self, request: Request) -> Response:
-        bid = request.path_params["id"]
-        batch = await (await self.store()).batch(bid)
-        if batch is None:
-            raise _no_batch(bid)
-        return _reply(batch)
+        return _reply(await self.ops.get_batch(request.path_params["id"]))
 
     async def cancel(self, request: Request) -> Response:
-        bid = request.path_params["id"]
-        refused: list[str] = []
-
-        def cancelling(b: Batch) -> Batch | None:
-            if b.status in ("validating", "in_progress"):
-                b.status, b.cancelling_at = "cancelling", now()
-                return b
-            if b.status not in ("cancelling", "cancelled"):
-                refused.append(b.status)
-            return None
-
-        batch = await (await self.store()).change(bid, cancelling)
-        if batch is None:
-            raise _no_batch(bid)
-        if refused:
-            raise bad_request(f"the batch is {refused[-1]}; only a validating or in_progress "
-                              "batch can be cancelled")
-        return _reply(batch)
-
-
-def _check(req: CreateBatch) -> None:
-    if req.endpoint not in BATCH_ENDPOINTS:
-        raise bad_request(f"endpoint '{req.endpoint}' is not served in batches; use one of "
-                          f"{', '.join(BATCH_ENDPOINTS)}")
-    if req.completion_window != COMPLETION_WINDOW:
-        raise bad_request(f"completion_window must be '{COMPLETION_WINDOW}'")
-    meta = req.metadata or {}
-    if len(meta) > MAX_METADATA or any(len(k) > 64 or len(v) > 512 for k, v in meta.items()):
-        raise bad_request(f"metadata holds at most {MAX_METADATA} pairs, keys of up to 64 "
-                          "characters and values of up to 512")
+        return _reply(await self.ops.cancel_batch(request.path_params["id"]))
 
 
 def _multipart(body: bytes, boundary: bytes) -> dict[str, tuple[str, bytes]]:
@@ -235,34 +131,15 @@ def _multipart(body: bytes, boundary: bytes) -> dict[str, tuple[str, bytes]]:
     return out
 
 
-def _page(items: list, request: Request, most: int) -> tuple[list, bool]:
-    """OpenAI's cursor pages: `limit` (default 20) items after the id `after`."""
+def _limit(request: Request) -> int | None:
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return None
     try:
-        limit = min(most, max(1, int(request.query_params.get("limit", 20))))
+        return int(raw)
     except ValueError:
         raise bad_request("limit must be an integer") from None
-    after = request.query_params.get("after")
-    if after:
-        ids = [x.id for x in items]
-        items = items[ids.index(after) + 1:] if after in ids else []
-    return items[:limit], len(items) > limit
-
-
-def _first(page: list) -> str | None:
-    return page[0].id if page else None
-
-
-def _last(page: list) -> str | None:
-    return page[-1].id if page else None
 
 
 def _reply(obj) -> Response:
     return Response(_json.encode(obj), media_type="application/json")
-
-
-def _no_file(fid: str) -> ServiceError:
-    return ServiceError(404, f"no file has id '{fid}'", code="file_not_found")
-
-
-def _no_batch(bid: str) -> ServiceError:
-    return ServiceError(404, f"no batch has id '{bid}'", code="batch_not_found")
