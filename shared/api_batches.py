@@ -137,3 +137,43 @@ class OutputLine(msgspec.Struct, kw_only=True):
     def ok(self) -> bool:
         return self.error is None and self.response is not None \
             and self.response.status_code == 200
+
+
+# --- over NATS (`inference.v1.files.*`, `inference.v1.batches.*`): what the HTTP
+# route carries in its path and query string travels in a JSON (or msgpack) body.
+# `files.put` sends the file's bytes as the body, its purpose and name in headers;
+# `batches.create` sends CreateBatch, as `POST /v1/batches` does.
+
+PURPOSE_HEADER = "Tensorbus-File-Purpose"  # files.put: the form's `purpose` (required)
+FILENAME_HEADER = "Tensorbus-File-Name"  # files.put: the form's file name (optional)
+
+
+class _BusRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class FileRef(_BusRequest):
+    """files.get, files.delete, files.content: `GET|DELETE /v1/files/{file_id}[/content]`."""
+
+    file_id: str
+
+
+class BatchRef(_BusRequest):
+    """batches.get, batches.cancel: `GET /v1/batches/{batch_id}`, `POST .../cancel`."""
+
+    batch_id: str
+
+
+class ListFiles(_BusRequest):
+    """files.list (an empty body: the defaults): `GET /v1/files`'s query."""
+
+    purpose: str | None = None
+    limit: int | None = None
+    after: str | None = None
+
+
+class ListBatches(_BusRequest):
+    """batches.list (an empty body: the defaults): `GET /v1/batches`'s query."""
+
+    limit: int | None = None
+    after: str | None = None

@@ -145,7 +145,7 @@ def _own_probes(service: str) -> tuple[str, ...]:
     return (probe(service, "health"), probe(service, "ready"))
 
 
-PUBLIC = s.PUBLIC_INFERENCE + (s.MODELS,)
+PUBLIC = s.PUBLIC_INFERENCE + (s.MODELS, s.files(ANY_ID), s.batches(ANY_ID))
 STREAMED = (s.EMBEDDINGS, s.COMPLETIONS, s.CHAT_COMPLETIONS, s.RESPONSES)
 """Public subjects answered by more than one message (chunks, then [DONE])."""
 

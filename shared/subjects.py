@@ -19,6 +19,21 @@ RESPONSES = "inference.v1.responses"
 PUBLIC_INFERENCE = (EMBEDDINGS, COMPLETIONS, CHAT_COMPLETIONS, TOKENIZE, DETOKENIZE, RERANK, SCORE,
                     RESPONSES)
 
+# The Files and Batch API (request/reply, the HTTP routes' bodies; docs/protocol.md).
+FILE_OPS = ("put", "get", "list", "delete", "content")
+BATCH_OPS = ("create", "get", "list", "cancel")
+
+
+def files(op: str) -> str:
+    """`inference.v1.files.<op>`, op one of FILE_OPS (`*`: all of them)."""
+    return f"inference.v1.files.{op}"
+
+
+def batches(op: str) -> str:
+    """`inference.v1.batches.<op>`, op one of BATCH_OPS (`*`: all of them)."""
+    return f"inference.v1.batches.{op}"
+
+
 # Telemetry (msgpack records, schemas in shared.telemetry).
 TELEMETRY_REQUESTS = "telemetry.v1.requests"
 TELEMETRY_WORKERS = "telemetry.v1.workers"

@@ -1,4 +1,5 @@
-"""The gateway's NATS surface: `inference.v1.*` request/reply (queue group `gateway`).
+"""The gateway's NATS surface: `inference.v1.*` request/reply (queue group `gateway`);
+the Files and Batch API's subjects are services/gateway/batch_bus.py's.
 
   1. Each route's subject is a nats.micro endpoint (services.gateway.pipeline.routes);
      each request runs in its own task (a subscription callback must not wait on a
@@ -25,6 +26,8 @@ from nats.aio.msg import Msg
 
 from services.gateway import codec
 from services.gateway.codec import VERSION_HEADER  # noqa: F401 - where tests and clients look
+from services.gateway.batch_bus import BatchBus
+from services.gateway.batch_ops import BatchOps
 from services.gateway.call import Call
 from services.gateway.frontend import USER_HEADER, Frontend
 from services.gateway.pipeline import Pipeline, Prepared, routes
@@ -76,7 +79,8 @@ class Gateway:
         # its errors and its time; each request is still served in its own task.
         endpoints: tuple[tuple[str, str, ConcurrentHandler], ...] = (
             *((r.endpoint, r.subject, partial(self._serve, r.pipeline)) for r in self.routes),
-            ("models", subjects.MODELS, self._on_models))
+            ("models", subjects.MODELS, self._on_models),
+            *BatchBus(self.nc, BatchOps(self.nc, self.config)).endpoints())
         for name, subject, handler in endpoints:
             await self.micro.add_concurrent_endpoint(
                 name, subject, handler, queue_group=subjects.QUEUE_GATEWAY, tasks=self._tasks,

@@ -201,7 +201,8 @@ async def test_a_cancel_reaches_the_scheduler_and_the_workers_from_the_gateway_o
 @pytest.mark.parametrize("role", ["worker", "scheduler", "telemetry", "deploy", "gateway"])
 async def test_no_service_role_speaks_for_the_public_api(bus, role):
     r = await bus.connect(role)
-    for subject in subjects.PUBLIC_INFERENCE + (subjects.MODELS,):
+    for subject in subjects.PUBLIC_INFERENCE + (subjects.MODELS, subjects.files("put"),
+                                                subjects.batches("create")):
         await r.nc.publish(subject, b"{}")
         await r.violations.wait("Publish", subject)
     if role != "gateway":  # nor takes public requests in the gateway's place
