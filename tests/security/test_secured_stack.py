@@ -22,6 +22,7 @@ import pytest
 from services.gateway.frontend import INLINE_TOKENIZE
 from services.supervisor import REPO, Supervisor, wait_ready
 from shared import catalog, subjects
+from shared.api_batches import PURPOSE_HEADER
 from shared.bus import close, open_client
 from shared.config import Config
 from shared.errors import HEADER_CODE
@@ -72,11 +73,13 @@ def cli(login: Login, role: str, *args: str, timeout: float = 120) -> subprocess
 
 async def exercise(client) -> None:
     """Every endpoint an encoder serves, and the paths behind them: tokenize and
-    detokenize (gateway only), the model list, and a body large enough to be
-    reserved at a scheduler before it is tokenized (`sched.reserve`, then the
-    reserving scheduler's own submit subject). Each answer must be a success."""
-    async def ok(subject: str, req: dict) -> dict:
-        msg = await client.request(subject, msgspec.json.encode(req), timeout=30)
+    detokenize (gateway only), the model list, a body large enough to be reserved
+    at a scheduler before it is tokenized (`sched.reserve`, then the reserving
+    scheduler's own submit subject), and a file put and listed. Each answer must be
+    a success."""
+    async def ok(subject: str, req: dict, headers=None, raw: bytes | None = None) -> dict:
+        data = msgspec.json.encode(req) if raw is None else raw
+        msg = await client.request(subject, data, timeout=30, headers=headers)
         assert (msg.headers or {}).get(HEADER_CODE) is None, (subject, msg.data[:500])
         return msgspec.json.decode(msg.data)
 
@@ -86,6 +89,11 @@ async def exercise(client) -> None:
     large = "signed in" + " " * (INLINE_TOKENIZE + 100)
     body = await ok(subjects.EMBEDDINGS, {"model": ENCODER, "input": [large]})
     assert len(body["data"][0]["embedding"]) == 384
+    # The Files and Batch API: the CLIENTS account's import of the gateway's subjects,
+    # and the gateway's own rights on the files and batches buckets.
+    f = await ok(subjects.files("put"), {}, {PURPOSE_HEADER: "batch"}, b"{}\n")
+    assert f["id"] in {x["id"] for x in (await ok(subjects.files("list"), {}))["data"]}
+    assert (await ok(subjects.batches("list"), {}))["object"] == "list"
 
 
 VIOLATION = re.compile(r'permissions violation for (publish|subscription) to "([^"]+)"')
