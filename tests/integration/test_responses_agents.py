@@ -4,7 +4,8 @@
 off, nothing leaves the machine), driven by `Runner.run`. The model must call the
 tool on its first turn; the tool runs with the arguments the model produced (they
 parse against the tool's own schema), its result goes back as a
-`function_call_output`, and the run ends with a final text. The stack is
+`function_call_output`, and the run ends with a final text; the same through
+`Runner.run_streamed` (every turn streamed over SSE). The stack is
 test_responses.py's: SmolLM2-135M-Instruct on the JAX engine, behind a real
 nats-server."""
 
@@ -42,11 +43,7 @@ async def sent(stack):  # noqa: F811 (the imported fixture)
     await http.aclose()
 
 
-async def test_an_agent_calls_its_tool_and_answers(sent):
-    bodies, client = sent
-    set_tracing_disabled(True)
-    calls: list[str] = []
-
+def weather_agent(client, calls: list[str]):
     @function_tool
     def get_weather(city: Annotated[str, Field(max_length=12)]) -> str:
         """Weather in a city"""
@@ -55,15 +52,16 @@ async def test_an_agent_calls_its_tool_and_answers(sent):
 
     # One call per turn, and a short city: the second turn's prompt (the tool's
     # definition, the call and its output) must fit the stack's 256-token context.
-    agent = Agent(name="weather", tools=[get_weather],
-                  model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
-                                               temperature=0, max_tokens=48))
-    result = await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
+    return Agent(name="weather", tools=[get_weather],
+                 model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                 model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                              temperature=0, max_tokens=48))
 
+
+def check_the_loop(agent, calls: list[str], bodies: list[dict], result) -> None:
     # The tool really ran, once, with what the model wrote: valid for its schema.
     (city,) = calls
-    jsonschema.validate({"city": city}, get_weather.params_json_schema)
+    jsonschema.validate({"city": city}, agent.tools[0].params_json_schema)
     first, second = bodies
     assert first["tool_choice"] == "required" and first["tools"][0]["name"] == "get_weather"
     assert first["parallel_tool_calls"] is False
@@ -76,3 +74,25 @@ async def test_an_agent_calls_its_tool_and_answers(sent):
     # ... and the run ended on the model's text.
     assert isinstance(result.final_output, str) and result.final_output
     assert [r.output[-1].type for r in result.raw_responses] == ["function_call", "message"]
+
+
+async def test_an_agent_calls_its_tool_and_answers(sent):
+    bodies, client = sent
+    set_tracing_disabled(True)
+    calls: list[str] = []
+    agent = weather_agent(client, calls)
+    result = await Runner.run(agent, "What is the weather in Paris?", max_turns=2)
+    check_the_loop(agent, calls, bodies, result)
+
+
+async def test_the_same_loop_streamed(sent):
+    """Runner.run_streamed: each turn a streamed response (SSE), the same loop."""
+    bodies, client = sent
+    set_tracing_disabled(True)
+    calls: list[str] = []
+    agent = weather_agent(client, calls)
+    result = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=2)
+    kinds = [ev.type async for ev in result.stream_events()]
+    assert all(b["stream"] is True for b in bodies)
+    check_the_loop(agent, calls, bodies, result)
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
