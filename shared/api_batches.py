@@ -153,9 +153,19 @@ class _BusRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class FileRef(_BusRequest):
-    """files.get, files.delete, files.content: `GET|DELETE /v1/files/{file_id}[/content]`."""
+    """files.get, files.delete: `GET|DELETE /v1/files/{file_id}`."""
 
     file_id: str
+
+
+class FileContent(_BusRequest):
+    """files.content: `GET /v1/files/{file_id}/content`, or `length` bytes of it from
+    `offset` (both optional: from 0, to the end) for a file larger than one bus
+    message (shared/api_uploads.py)."""
+
+    file_id: str
+    offset: int | None = None
+    length: int | None = None
 
 
 class BatchRef(_BusRequest):
