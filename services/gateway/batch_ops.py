@@ -65,6 +65,9 @@ class BatchOps:
                                            "unavailable", code="store_unavailable") from None
         return self._store
 
+    async def store_exists(self) -> bool:
+        return self._store is not None or await BatchStore.exists(self.nc)
+
     # --- files
 
     async def list_files(self, purpose: str | None, limit: int | None,
@@ -73,12 +76,16 @@ class BatchOps:
         page, more = _page(found, limit, after, MOST_FILES)
         return FileList(data=page, has_more=more, first_id=_first(page), last_id=_last(page))
 
-    async def put_file(self, filename: str, purpose: str, data: bytes) -> FileObject:
-        if len(data) > self.config.max_file_bytes:
-            raise too_large(f"the file is {len(data)} bytes; the limit is "
+    def check_new_file(self, size: int, purpose: str) -> None:
+        """A new file of `size` bytes for `purpose`, or the 413 or 400 that refuses it."""
+        if size > self.config.max_file_bytes:
+            raise too_large(f"the file is {size} bytes; the limit is "
                             f"{self.config.max_file_bytes} (TENSORBUS_MAX_FILE_BYTES)")
         if purpose != "batch":
             raise bad_request(f"purpose '{purpose}' is not served; only 'batch' is")
+
+    async def put_file(self, filename: str, purpose: str, data: bytes) -> FileObject:
+        self.check_new_file(len(data), purpose)
         f = await (await self.store()).put_file(filename or "upload.jsonl", purpose, data)
         log.info("file_uploaded", file_id=f.id, bytes=f.bytes)
         return f
@@ -96,6 +103,12 @@ class BatchOps:
 
     async def file_content(self, fid: str) -> bytes:
         data = await (await self.store()).file_bytes(fid)
+        if data is None:
+            raise _no_file(fid)
+        return data
+
+    async def file_range(self, fid: str, offset: int, length: int) -> bytes:
+        data = await (await self.store()).file_range(fid, offset, length)
         if data is None:
             raise _no_file(fid)
         return data
