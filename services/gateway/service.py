@@ -77,15 +77,18 @@ class Gateway:
         # The inference subjects are the micro service's endpoints (queue group
         # `gateway`), so `nats micro stats tensorbus-gateway` counts every request,
         # its errors and its time; each request is still served in its own task.
+        batch_bus = BatchBus(self.nc, BatchOps(self.nc, self.config))
         endpoints: tuple[tuple[str, str, ConcurrentHandler], ...] = (
             *((r.endpoint, r.subject, partial(self._serve, r.pipeline)) for r in self.routes),
             ("models", subjects.MODELS, self._on_models),
-            *BatchBus(self.nc, BatchOps(self.nc, self.config)).endpoints())
+            *batch_bus.endpoints())
         for name, subject, handler in endpoints:
             await self.micro.add_concurrent_endpoint(
                 name, subject, handler, queue_group=subjects.QUEUE_GATEWAY, tasks=self._tasks,
                 pending_msgs=1_000_000, pending_bytes=1 << 30)
         await self.nc.flush()
+        # Abandoned multipart uploads (services/gateway/uploads.py): at start, then now and then.
+        sweeper = asyncio.create_task(batch_bus.uploads.sweep_forever())
         server = None
         if self.http:
             from services.gateway.http import build_app, serve_http
@@ -101,6 +104,7 @@ class Gateway:
             ready.set()
         await self._stop.wait()
         self._ready = False
+        sweeper.cancel()
         await self.micro.stop()
         if server is not None:
             server.should_exit = True
