@@ -10,7 +10,9 @@ Two buckets, created by whichever process binds them first (safe to race):
     files.<file_id>                  the FileObject
     batches.<batch_id>               the Batch (status, counts, file ids)
     lines.<batch_id>.<ok|err>.<n>    the OutputLine of input line n (0-based), written
-                                     once, when its request finished
+                                     once (created: the first answer stays), when its
+                                     request finished
+    leases.<batch_id>                the batch runner working on it (services/batch/lease.py)
     uploads.<upload_id>              a multipart upload over NATS (shared.api_uploads.Upload)
 
 A multipart upload's parts go straight into the Object Store's stream, as the chunks
@@ -82,6 +84,11 @@ class BatchStore:
         self._kv = kv
         self._obj = objects
         self._chunk = chunk  # what put_chunks writes: CHUNK, less on a smaller bus
+
+    @property
+    def kv(self):
+        """The KV bucket itself, for the batch runners' leases (services/batch/lease.py)."""
+        return self._kv
 
     @classmethod
     async def open(cls, nc) -> "BatchStore":
@@ -291,17 +298,24 @@ class BatchStore:
 
     # --- per-line progress
 
-    async def put_line(self, batch_id: str, n: int, line: OutputLine) -> None:
-        await self._kv.put(f"lines.{batch_id}.{'ok' if line.ok else 'err'}.{n}", _encode(line))
+    async def put_line(self, batch_id: str, n: int, line: OutputLine) -> bool:
+        """Store line n's answer; False (nothing written) when it has one already:
+        the first answer stays."""
+        try:
+            await self._kv.create(f"lines.{batch_id}.{'ok' if line.ok else 'err'}.{n}",
+                                  _encode(line))
+        except KeyWrongLastSequenceError:
+            return False
+        return True
 
     async def lines_done(self, batch_id: str) -> dict[int, bool]:
         """{input line index: answered with status 200} for every line answered."""
         info = await self._js.stream_info(KV_STREAM,
                                           subjects_filter=f"{_PRE}lines.{batch_id}.*.*")
-        out = {}
+        out: dict[int, bool] = {}
         for subject in info.state.subjects or {}:
             *_, kind, n = subject.split(".")
-            out[int(n)] = kind == "ok"
+            out[int(n)] = out.get(int(n), False) or kind == "ok"  # an ok answer wins
         return out
 
     async def line(self, batch_id: str, n: int, ok: bool) -> bytes:

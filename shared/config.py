@@ -46,6 +46,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     # --- batch runner (`python -m services.batch`)
     batch_concurrency: int = 4  # requests of all batches in flight at once: the batch lane
     batch_max_lines: int = 50_000  # most requests in one batch's input file
+    batch_lease_s: float = 15.0  # a batch runner's lease on a batch: renewed every third of it; a lease unmoved this long is taken over by another runner
     # --- scheduler
     scheduler_id: str = ""  # stable id (probes, logs); empty = random per process
     worker_expiry_s: float = 2.0  # a worker silent this long is dropped

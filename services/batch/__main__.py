@@ -1,6 +1,7 @@
 """`python -m services.batch`: process wiring only (services.lifecycle.serve).
 
-One runner per deployment (docs/operations.md, "The batch runner")."""
+Any number of runners side by side: a lease per batch (lease.py) gives each batch
+to one of them (docs/operations.md, "The batch runner")."""
 
 from __future__ import annotations
 

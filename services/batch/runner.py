@@ -3,7 +3,11 @@
   1. A KV watch on `batches.*` (services/batchstore.py) hands it each batch record,
      the stored ones first, then every change. A batch in an active status
      (validating, in_progress, finalizing, cancelling) that no job of this runner
-     holds gets a job; a record that turns `cancelling` tells its job to stop.
+     holds gets a job if this runner takes its lease (lease.py): several runners
+     share the batches, one runner per batch. A batch another runner holds is
+     tried again every third of TENSORBUS_BATCH_LEASE_S, and taken over once its
+     lease has not moved for that long (its runner died); a job whose lease is
+     lost stops. A record that turns `cancelling` tells its job to stop.
   2. validating: the input file is read and checked (lines.py). A problem fails the
      batch (`errors` lists them, by line); else it turns in_progress with its total.
   3. in_progress: the lines not yet answered (no `lines.` key: batchstore) are sent,
@@ -28,6 +32,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
+import secrets
+import socket
 import time
 from typing import cast
 
@@ -36,6 +43,7 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from nats.js.kv import KV_DEL, KV_PURGE
 
+from services.batch.lease import Lease, Leases
 from services.batch.lines import parse
 from services.batchstore import BatchStore, new_id, now
 from services.micro import MicroService, ServiceHealth, add_service
@@ -77,6 +85,9 @@ class BatchRunner:
         self.lane = asyncio.Semaphore(max(1, config.batch_concurrency))
         self.health = ServiceHealth()
         self.jobs: dict[str, asyncio.Event] = {}  # batch id -> its cancel event
+        self.waiting: set[str] = set()  # active batches this runner holds no lease of
+        self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.leases: Leases | None = None
         self._tasks: set[asyncio.Task] = set()
         self._stop = asyncio.Event()
         self._failure: BaseException | None = None
@@ -84,6 +95,7 @@ class BatchRunner:
 
     async def run(self) -> None:
         self.store = self.store or await BatchStore.open(self.nc)
+        self.leases = Leases(self.store.kv, self.owner, self.config.batch_lease_s)
         watcher = await self.store.watch_batches()
         self._micro = await add_service(self.nc, SERVICE_NAME, VERSION,
                                         "runs /v1/batches on the inference subjects",
@@ -91,6 +103,7 @@ class BatchRunner:
         self.health.add_check("nats", lambda: self.nc.is_connected)
         self.health.ready = True
         self._spawn(self._watch(watcher))
+        self._spawn(self._sweep())
         try:
             await self._stop.wait()
         finally:
@@ -119,25 +132,68 @@ class BatchRunner:
             self._stop.set()
 
     async def _watch(self, watcher) -> None:
-        assert self.store is not None  # run() opened it before starting this
+        assert self.store is not None and self.leases is not None  # run() made them first
         async for entry in watcher:
             if entry is None or entry.operation in (KV_DEL, KV_PURGE) or not entry.value:
                 continue
             batch = self.store.decode_batch(entry.value)
             if batch.status not in ACTIVE:
+                self.waiting.discard(batch.id)
+                self.leases.forget(batch.id)
                 continue
             cancel = self.jobs.get(batch.id)
-            if cancel is None:
-                self.jobs[batch.id] = asyncio.Event()
-                self._spawn(self._job(batch.id))
-            elif batch.status == "cancelling":
-                cancel.set()
+            if cancel is not None:
+                if batch.status == "cancelling":
+                    cancel.set()
+            elif batch.id not in self.waiting:
+                self.waiting.add(batch.id)
+                self._try(batch.id)
+
+    async def _sweep(self) -> None:
+        """Every third of the lease's time: each batch another runner holds is tried
+        again (taken once its lease is released, or has stopped moving)."""
+        assert self.leases is not None
+        while True:
+            await asyncio.sleep(self.leases.renew_s)  # a period, not a wait for an event
+            for batch_id in list(self.waiting):
+                self._try(batch_id)
+
+    def _try(self, batch_id: str) -> None:
+        if batch_id not in self.jobs:
+            self.jobs[batch_id] = asyncio.Event()
+            self._spawn(self._job(batch_id))
 
     async def _job(self, batch_id: str) -> None:
+        leases = cast(Leases, self.leases)
+        lease = None
         try:
-            await Job(self, batch_id, self.jobs[batch_id]).run()
+            lease = await leases.take(batch_id)
+            if lease is None:
+                return  # another runner's
+            if await self._hold(lease, Job(self, batch_id, self.jobs[batch_id]).run()):
+                self.waiting.discard(batch_id)
         finally:
+            if lease is not None:
+                await leases.release(lease)
             self.jobs.pop(batch_id, None)
+
+    async def _hold(self, lease: Lease, work) -> bool:
+        """Run `work` while renewing `lease`: True when it ended, False when the
+        lease was lost (the job stopped; the runner that holds it now goes on)."""
+        leases = cast(Leases, self.leases)
+        job = asyncio.create_task(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({job}, timeout=leases.renew_s)
+                if done:
+                    job.result()  # its failure, if any, is the runner's
+                    return True
+                if not await leases.renew(lease):
+                    return False
+        finally:
+            if not job.done():
+                job.cancel()  # its lines in flight are sent again by the lease's holder
+                await asyncio.gather(job, return_exceptions=True)
 
 
 class Job:
@@ -189,7 +245,8 @@ class Job:
 
     async def _one(self, batch: Batch, n: int, line: InputLine) -> None:
         out = await self._send(line)
-        await self.store.put_line(self.id, n, out)
+        if not await self.store.put_line(self.id, n, out):
+            return  # answered already (by a runner whose lease this one took over)
         ok = out.ok
         now_ = await self.store.change(self.id, lambda b: _one_more(b, ok))
         if now_ is not None and now_.status == "cancelling":
