@@ -16,4 +16,9 @@ async def build(nc, config: Config):
 
 
 if __name__ == "__main__":
+    import sys
+
+    from services.probe import run_check
+
+    run_check(sys.argv[1:], SERVICE_NAME, "")  # this host's runner (its id starts with it)
     serve("batch", build, client_name=SERVICE_NAME)

@@ -101,6 +101,7 @@ class BatchRunner:
                                         "runs /v1/batches on the inference subjects",
                                         health=self.health)
         self.health.add_check("nats", lambda: self.nc.is_connected)
+        self.health.details = {"instance": self.owner}  # `--check` finds its own answer
         self.health.ready = True
         self._spawn(self._watch(watcher))
         self._spawn(self._sweep())

@@ -35,7 +35,8 @@ GPU = K8S / "overlays" / "gpu"
 CONFIGMAP = "tensorbus-config"
 CREDENTIALS = "tensorbus-nats-credentials"
 ROLE_OF = {"gateway": "gateway", "scheduler": "scheduler", "telemetry": "telemetry",
-           "worker-encoder": "worker", "worker-decoder": "worker", "registry-seed": "deploy"}
+           "batch": "batch", "worker-encoder": "worker", "worker-decoder": "worker",
+           "registry-seed": "deploy"}
 SCALING_METRICS = {"tensorbus_model_desired_replicas", "tensorbus_model_queue_depth"}
 # Settings the manifests set ahead of shared/config.py reading them.
 PENDING_SETTINGS = {"TENSORBUS_METRICS_HOST"}
@@ -188,6 +189,20 @@ def test_scheduler_runs_two_replicas_and_workers_serve_bundled_models():
         assert pod_spec(DEPLOYMENTS[name])["containers"][0]["startupProbe"]
 
 
+def test_batch_runners_run_side_by_side_probed_by_their_own_answer():
+    """Two runners are safe (a lease per batch: services/batch/lease.py); each probe
+    asks the runner's service and takes this pod's answer (services/probe.py)."""
+    batch = DEPLOYMENTS["batch"]
+    assert batch["spec"]["replicas"] == 2
+    assert batch["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    (c,) = pod_spec(batch)["containers"]
+    assert c["command"] == ["python", "-m", "services.batch"]
+    for probe, kind in (("readinessProbe", "ready"), ("livenessProbe", "health")):
+        assert c[probe]["exec"]["command"] == ["python", "-m", "services.batch", "--check", kind]
+    assert "ports" not in c  # reached over NATS only: no Service, no ingress
+    assert float(CONFIG.get("TENSORBUS_BATCH_LEASE_S", Config().batch_lease_s)) > 0
+
+
 # --- Services, policies, budgets ----------------------------------------------
 
 
@@ -312,7 +327,7 @@ def keda_errors(doc: dict) -> list[str]:
 def test_kustomize_renders_every_manifest_into_the_namespace(rendered):
     name, docs = rendered
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds.count("Deployment") == 5 and kinds.count("ScaledObject") == 2, kinds
+    assert kinds.count("Deployment") == 6 and kinds.count("ScaledObject") == 2, kinds
     assert len(docs) == len(base_docs())
     for d in docs:
         if d["kind"] != "Namespace":
