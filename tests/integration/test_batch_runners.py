@@ -1,7 +1,8 @@
 """Two batch runners on one bus (services/batch/lease.py): a real nats-server,
 gateway, scheduler and the hand-checkable mock encoder, the Batch API driven by the
 unchanged `openai` client, each runner (`BatchRunner`) on its own connection, leases
-of TENSORBUS_BATCH_LEASE_S = 1 s. The test watches the `leases.*` keys themselves.
+of TENSORBUS_BATCH_LEASE_S = 3 s (renewed each second: a loaded machine's pauses
+do not hand a lease over). The test watches the `leases.*` keys themselves.
 
 - Side by side: several batches at once each run under one runner's lease from
   start to end, each custom_id answered exactly once, and the model computed each
@@ -9,6 +10,8 @@ of TENSORBUS_BATCH_LEASE_S = 1 s. The test watches the `leases.*` keys themselve
 - One runner dies mid-batch (its connection drops first, so it releases nothing):
   the other takes its lease over once the lease stops moving and finishes the
   batch, each custom_id once, none missing.
+- One runner stops cleanly mid-batch: it releases its lease and the other finishes
+  the batch, each custom_id once.
 Every wait is on a condition.
 """
 
@@ -137,13 +140,14 @@ async def answered_once(client, batch, prefix: str, n: int) -> None:
 async def test_two_runners_share_the_batches_and_one_takes_over_a_dead_ones(nats_server):
     eng = Counting()
     async with running_stack(nats_server.url, max_batch=8, batch_concurrency=8,
-                             batch_lease_s=1.0) as st:
+                             batch_lease_s=3.0) as st:
         await st.add_worker(eng, "enc-runners")
         owners, follower = await watch_owners(st.client)
         a = await Runner(nats_server.url, st.config).start()
         b = await Runner(nats_server.url, st.config).start()
         client = openai.AsyncOpenAI(base_url=st.http_url + "/v1", api_key="none",
                                     max_retries=0)
+        c: Runner | None = None
         try:
             # Side by side: each batch under one lease, each line computed once.
             batches = await asyncio.gather(*(submit(client, f"s{k}", 40) for k in range(6)))
@@ -161,8 +165,8 @@ async def test_two_runners_share_the_batches_and_one_takes_over_a_dead_ones(nats
             eng.after = eng.computed + 50
             batch = await submit(client, "t", 150)
             assert await asyncio.to_thread(eng.held.wait, 30), "the engine was never held"
-            mid = await client.batches.retrieve(batch.id)
-            assert mid.status == "in_progress" and 0 < mid.request_counts.completed < 150, mid
+            mid = await until(client, batch.id, lambda y: y.request_counts.completed > 0)
+            assert mid.status == "in_progress" and mid.request_counts.completed < 150, mid
             holder = owners[batch.id][-1]
             dead, alive = (a, b) if holder == a.owner else (b, a)
             await dead.kill()
@@ -172,8 +176,24 @@ async def test_two_runners_share_the_batches_and_one_takes_over_a_dead_ones(nats
             finished = await until(client, batch.id, lambda y: y.status in FINAL)
             await answered_once(client, finished, "t", 150)
             assert set(owners[batch.id]) == {dead.owner, alive.owner}
+
+            # One stops cleanly mid-batch: it releases the lease, the other goes on.
+            c = await Runner(nats_server.url, st.config).start()
+            eng.held.clear()
+            eng.after = eng.computed + 50
+            batch = await submit(client, "u", 150)
+            assert await asyncio.to_thread(eng.held.wait, 30), "the engine was never held"
+            await until(client, batch.id, lambda y: y.request_counts.completed > 0)
+            leaving, staying = (alive, c) if owners[batch.id][-1] == alive.owner else (c, alive)
+            await leaving.stop()
+            eng.after = None
+            eng.gate.set()
+            await wait_until(lambda: owners[batch.id][-1] == staying.owner, timeout=20)
+            await answered_once(client, await until(client, batch.id,
+                                                    lambda y: y.status in FINAL), "u", 150)
         finally:
             eng.gate.set()
-            for r in (a, b):
-                await r.stop()
+            for r in (a, b, c):
+                if r is not None:
+                    await r.stop()
             follower.cancel()
