@@ -28,6 +28,7 @@ this path working.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -199,7 +200,8 @@ def main(argv=None) -> dict:
         if a.dry:
             from engine import jaxrt
 
-            jaxrt.setup(Path(tmp) / "jax-cache")
+            # JAX_CACHE_DIR: a cache kept between runs (the test suite passes its own)
+            jaxrt.setup(os.environ.get("JAX_CACHE_DIR") or Path(tmp) / "jax-cache")
         enc_dir = write_encoder(Path(tmp) / "encoder", enc_cfg)
         dec_dir = write_decoder(Path(tmp) / "decoder", dec_cfg)
         for q in quants:

@@ -28,6 +28,7 @@ from shared.natsd import free_port
 from shared.telemetry import heartbeat_decoder
 from bench.support import faults
 from bench.support.load import one
+from bench.support.testcache import default_cache
 from bench.support.workload import embed_body
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,10 +52,6 @@ def stack_env(workdir: Path, jax_cache: Path, **extra: str) -> dict[str, str]:
     and no worker for a model nobody named (minimum 0)."""
     return {**faults.ENV, "TENSORBUS_DATA_DIR": str(data_dir(workdir, jax_cache)),
             "TENSORBUS_MIN_WORKERS": "0", **extra}
-
-
-def default_cache() -> Path:
-    return Path(os.environ.get("TENSORBUS_TEST_CACHE", REPO / ".data" / "test-jax-cache"))
 
 
 # ----------------------------------------------------------- honcho stack

@@ -19,9 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 # two cores (its engine benchmarks alone passed 200 s). The bound is there to catch a
 # hang, not to time it: a dry run gives each step 400 s.
 @pytest.mark.timeout(1300)
-def test_dry_mode_writes_one_json_file_with_every_form(tmp_path):
+def test_dry_mode_writes_one_json_file_with_every_form(tmp_path, jax_cache_dir):
     out = tmp_path / "check.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The suite's compilation cache: a second run loads the benchmarks' programs.
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+           "JAX_CACHE_DIR": jax_cache_dir}
     done = subprocess.run(["bash", "bench/gpu_check.sh", "--dry", "--out", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=1250)  # fmt: skip
     doc = json.loads(out.read_text()) if out.exists() else {}
