@@ -42,6 +42,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     trust_request_chat_template: bool = False  # chat: accept a request's own `chat_template` (a Jinja program run by the gateway, sandboxed), as vLLM's flag of that name
     reasoning_parser: str = "auto"  # chat: a reply's `<think>` reasoning apart in `reasoning_content`: auto (on when the model's chat template has think tags) / none / think (on), as VALUE[,MODEL=VALUE...]
     max_header_bytes: int = 16_384  # HTTP header bytes accepted
+    max_inflight_body_bytes: int = 134_217_728  # HTTP request bodies being read and parsed at once (bytes); past it a request is a 429 with Retry-After
     max_file_bytes: int = 104_857_600  # largest /v1/files upload (bytes)
     # --- batch runner (`python -m services.batch`)
     batch_concurrency: int = 4  # requests of all batches in flight at once: the batch lane

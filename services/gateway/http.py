@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.gateway import batches
+from services.gateway.body_budget import BodyBudget, Share
 from services.gateway.codec import IGNORED_HEADER, VERSION_HEADER
 from services.gateway.call import Call
 from services.gateway.frontend import USER_HEADER, Frontend
@@ -47,6 +48,9 @@ class HttpMetrics:
                                 registry=registry)
         self.in_flight = Gauge("tensorbus_gateway_http_in_flight_requests",
                                "HTTP requests being served", registry=registry)
+        self.body_bytes = Gauge("tensorbus_gateway_http_inflight_body_bytes",
+                                "bytes of HTTP request bodies being read and parsed",
+                                registry=registry)
 
 
 def error_response(err: ServiceError) -> Response:
@@ -65,6 +69,7 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
     registry = CollectorRegistry()
     metrics = HttpMetrics(registry)
     spec = openapi_document()
+    budget = BodyBudget(config.max_inflight_body_bytes, metrics.body_bytes)
 
     def authorised(request: Request) -> bool:
         if not keys:
@@ -95,17 +100,22 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
             return bus, "the message bus's max_payload"
         return config.max_payload, "TENSORBUS_MAX_PAYLOAD"
 
-    async def read_body(request: Request, cut: bool) -> bytes:
+    async def read_body(request: Request, cut: bool, share: Share) -> bytes:
+        """The body, within its own limit and the gateway's budget of bodies in
+        memory at once (`share`: its stated length up front, else as it arrives)."""
         limit, name = body_limit(cut)
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise too_large(f"the request body is {declared} bytes; the limit is {limit} bytes "
                             f"({name})")
+        if declared and declared.isdigit():
+            share.hold(int(declared))
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise too_large(f"the request body exceeds the limit of {limit} bytes ({name})")
+            share.hold(size)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -134,7 +144,8 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
         if not authorised(request):
             raise ServiceError(401, "a valid API key is required (Authorization: Bearer KEY)",
                                code="invalid_api_key")
-        prep = await pipe.prepare(await read_body(request, cut), call)
+        with budget.share() as share:  # given back once the body is parsed
+            prep = await pipe.prepare(await read_body(request, cut, share), call)
         if not prep.stream:
             resp = await _unless_gone(request, pipe.whole(prep, call))
             return Response(_json.encode(resp), media_type="application/json",

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
@@ -107,3 +108,58 @@ async def test_embeddings_larger_than_a_bus_message_are_cut_and_answered_whole(
 async def _chunked(data: bytes):
     for i in range(0, len(data), 8192):  # no Content-Length: the stream is counted
         yield data[i:i + 8192]
+
+
+BUDGET = 100_000
+
+
+async def test_bodies_in_memory_at_once_are_bounded_by_the_budget(nats_server):
+    """TENSORBUS_MAX_INFLIGHT_BODY_BYTES: a client that states a large body and sends
+    it slowly holds its share of the budget; while it does, a body that does not fit
+    beside it is a prompt 429 with Retry-After naming the limit, one that fits is
+    served, and once the slow body is in, the budget is free again."""
+    async with running_stack(nats_server.url, max_inflight_body_bytes=BUDGET) as st:
+        await st.add_worker(MockEncoder(), "w-budget")
+        slow_body, big, small = inputs(80_000), inputs(30_000), inputs(1_000)
+        assert len(slow_body) + len(big) > BUDGET > len(slow_body) + len(small)
+        async with httpx.AsyncClient(base_url=st.http_url, timeout=30) as http:
+            port = st.gateway.http_port
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/embeddings HTTP/1.1\r\nHost: t\r\n"
+                         b"Content-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(slow_body) + slow_body[:100])
+            await writer.drain()
+            await until_held(http, len(slow_body))
+
+            r = await http.post("/v1/embeddings", content=big)
+            assert r.status_code == 429, r.text
+            assert r.headers["Retry-After"] == "1"
+            err = r.json()["error"]
+            assert err["code"] == "body_budget_exhausted"
+            assert f"{BUDGET} bytes (TENSORBUS_MAX_INFLIGHT_BODY_BYTES)" in err["message"]
+            r = await http.post("/v1/embeddings", content=small)
+            assert r.status_code == 200, r.text
+
+            writer.write(slow_body[100:])  # the slow body arrives whole: answered, given back
+            await writer.drain()
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head
+            writer.close()
+            await until_held(http, 0)
+            r = await http.post("/v1/embeddings", content=big)
+            assert r.status_code == 200, r.text
+
+
+def inputs(chars: int) -> bytes:
+    """An embeddings body of about `chars` bytes, in short inputs."""
+    return msgspec.json.encode({"model": MODEL, "input": ["word " * 20] * (chars // 103)})
+
+
+async def until_held(http: httpx.AsyncClient, held: int, timeout: float = 10) -> None:
+    """Wait until the gateway's budget gauge reads `held` bytes (polled, no sleep as a
+    stand-in for it)."""
+    line = f"tensorbus_gateway_http_inflight_body_bytes {float(held)}"
+    end = time.monotonic() + timeout
+    while line not in (await http.get("/metrics")).text.splitlines():
+        assert time.monotonic() < end, f"the budget never held {held} bytes"
+        await asyncio.sleep(0.01)
