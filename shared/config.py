@@ -43,6 +43,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     reasoning_parser: str = "auto"  # chat: a reply's `<think>` reasoning apart in `reasoning_content`: auto (on when the model's chat template has think tags) / none / think (on), as VALUE[,MODEL=VALUE...]
     max_header_bytes: int = 16_384  # HTTP header bytes accepted
     max_inflight_body_bytes: int = 134_217_728  # HTTP request bodies being read and parsed at once (bytes); past it a request is a 429 with Retry-After
+    max_schema_bytes: int = 262_144  # largest JSON schema, regex, choice list or grammar one structured-output field (`response_format`, `guided_*`, a tool's `parameters`) may take (bytes); over it a 400 naming the field
+    max_schema_depth: int = 64  # deepest nesting of objects and lists in one such field; deeper is a 400 naming the field
+    max_schema_compile_s: float = 2.0  # longest a request's grammars may take to compile (off the event loop); longer is a 400, and that structure is refused at once after
     max_file_bytes: int = 104_857_600  # largest /v1/files upload (bytes)
     # --- batch runner (`python -m services.batch`)
     batch_concurrency: int = 4  # requests of all batches in flight at once: the batch lane

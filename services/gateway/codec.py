@@ -44,6 +44,9 @@ def decode(body: bytes, typ: type, msgpack: bool = False):
     except msgspec.DecodeError as exc:
         kind = "msgpack" if msgpack else "JSON"
         raise bad_request(f"the body is not valid {kind}: {_short(exc)}") from None
+    except RecursionError:  # the decoder's own bound on nesting, not a failure of ours
+        raise bad_request("the body nests objects and lists deeper than this server reads",
+                          code="nesting_too_deep") from None
 
 
 def _short(exc: Exception) -> str:

@@ -33,6 +33,7 @@ from services.gateway.schedulers import NO_SCHEDULER_TRIES, SchedulerLinks
 from services.gateway.models import ModelTable
 from services.gateway.outcome import Outcome
 from services.gateway.recorder import Recorder
+from services.gateway.structured_limits import Compiler, SchemaLimits
 from shared import subjects
 from shared.bus import Links
 from shared.api_models import ModelList
@@ -98,6 +99,8 @@ class Frontend:
                                          config.worker_expiry_s)
         self.admission = GatewayAdmission(nc, config, self.fleet, self.inbox.cancel)
         self._tokenizing = asyncio.Semaphore(2)  # large inputs tokenized at once
+        self.grammars = Compiler(SchemaLimits(config.max_schema_bytes, config.max_schema_depth,
+                                              config.max_schema_compile_s))
         self.decisions = LiveDecisions()  # the schedulers' scale decisions (model cards)
         self.statuses: dict[str, ModelStatus] = {}  # the orchestrator's view, per model
 
@@ -111,6 +114,7 @@ class Frontend:
         await self.inbox.stop()
         await self.admission.stop()
         await self.models.stop()
+        self.grammars.close()
 
     def deadline(self, timeout_s: float | None = None) -> float:
         """When a request must have its answer, or (generation) its first token:

@@ -42,7 +42,7 @@ from services.gateway.chat_prompt import chat_prompt_of, chat_template
 from services.gateway.echo import Echo, joined, prompt_top
 from services.gateway.logprobs import Logprobs
 from services.gateway.models import ModelEntry, split_name
-from services.gateway.structured import request_grammar, vllm_structures
+from services.gateway import structured_limits
 from shared.api import ChatCompletionRequest, CompletionRequest, Usage, ignored_fields
 from shared.api_replies import (
     ChatChoice,
@@ -104,6 +104,8 @@ class Generation:
         self.front.check_size(body)
         chat, out, rid, deadline = self.chat, call.out, call.wire, call.deadline
         req = codec.decode(body, self._request_type, call.msgpack)
+        # schemas' size and depth before anything else; their grammars off the loop
+        shaped = structured_limits.check(req, self.front.grammars.limits)
         if isinstance(req.best_of, int) and req.best_of > req.n:
             raise bad_request(f"'best_of' is {req.best_of}: sampling more candidates than 'n' "
                               f"({req.n}) to return the best is not supported; leave it out")
@@ -132,9 +134,12 @@ class Generation:
             raise bad_request("'chat_template' is refused: this server runs only its models' "
                               "own templates (TENSORBUS_TRUST_REQUEST_CHAT_TEMPLATE=1 allows "
                               "a request's)")  # fmt: skip
-        tp = tools.plan(req, tool_formats.detect(  # the template in use teaches the calls' form
-            chat_template(entry.info.path).source if req.chat_template is None
-            else req.chat_template) if req.tools else "json") if chat else None  # fmt: skip
+        # the template in use teaches the calls' form
+        fmt = (tool_formats.detect(chat_template(entry.info.path).source if req.chat_template
+                                   is None else req.chat_template)
+               if chat and req.tools else "json")
+        structure = functools.partial(tools.structure, req, fmt, chat)
+        tp, grammar = await self.front.grammars.compile(req, structure) if shaped else structure()
         render = functools.partial(chat_prompt_of, tp=tp) if chat else self._prompt
         limit = min(entry.info.max_tokens, self.config.max_context)
         tokenized = functools.partial(self._tokenized, reqs, render, entry, name, limit)
@@ -163,7 +168,7 @@ class Generation:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         sampling = params.sampling(req, params.generation_defaults(entry.info.path),
                                    params.top_logprobs(req, chat),
-                                   _grammar(req, tp))
+                                   grammar)
         think = self._reasoning(name, entry, prompts[0], bool(sampling.grammar)) if chat else None
         if sampling.grammar and req.ignore_eos:
             raise bad_request("'ignore_eos' cannot be used with 'response_format': a "
@@ -425,19 +430,6 @@ def _usage(done: GenDone | None) -> Usage | None:
         return None
     return Usage(prompt_tokens=done.prompt_tokens, completion_tokens=done.completion_tokens,
                  total_tokens=done.prompt_tokens + done.completion_tokens)
-
-
-def _grammar(req, tp) -> str:
-    """The request's structure: its tool plan's grammar (which holds response_format's
-    schema), else what its response_format or vLLM's fields ask for. Tools and one of
-    vLLM's fields at once are a 400."""
-    if tp is not None and tp.grammar:
-        given = vllm_structures(req)
-        if given:
-            raise bad_request(f"'tools' and {' and '.join(given)} cannot both shape the "
-                              "answer: send one")
-        return tp.grammar
-    return request_grammar(req)
 
 
 def _truncated(prompt: list[int], keep: int | None, limit: int) -> list[int]:

@@ -35,7 +35,8 @@ import re
 from dataclasses import dataclass
 
 from services.gateway import tool_auto, tool_formats
-from services.gateway.structured import response_schema, schema_grammar
+from services.gateway.structured import (request_grammar, response_schema, schema_grammar,
+                                         vllm_structures)
 from services.gateway.tool_formats import call_id
 from shared.api import (
     ChatCompletionRequest, FunctionCall, FunctionDelta, NamedToolChoice, ToolCall, ToolCallDelta)
@@ -304,3 +305,23 @@ class ToolStream:
         if not content and not calls:
             return None, reason
         return ChatDelta(content=content or None, tool_calls=calls or None), reason
+
+
+def structure(req, fmt: str, chat: bool) -> tuple[ToolPlan | None, str]:
+    """The request's tool plan (chat) and grammar, each compiled where it is first
+    needed, or the 400 that says what is wrong with them."""
+    tp = plan(req, fmt) if chat else None
+    return tp, grammar(req, tp)
+
+
+def grammar(req, tp) -> str:
+    """The request's structure: its tool plan's grammar (which holds response_format's
+    schema), else what its response_format or vLLM's fields ask for. Tools and one of
+    vLLM's fields at once are a 400."""
+    if tp is not None and tp.grammar:
+        given = vllm_structures(req)
+        if given:
+            raise bad_request(f"'tools' and {' and '.join(given)} cannot both shape the "
+                              "answer: send one")
+        return tp.grammar
+    return request_grammar(req)
