@@ -47,6 +47,8 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     max_schema_depth: int = 64  # deepest nesting of objects and lists in one such field; deeper is a 400 naming the field
     max_schema_compile_s: float = 2.0  # longest a request's grammars may take to compile (off the event loop); longer is a 400, and that structure is refused at once after
     max_file_bytes: int = 104_857_600  # largest /v1/files upload (bytes)
+    sse_write_timeout_s: float = 30.0  # an SSE stream whose client takes no bytes for this long is cancelled (its work too, freeing the worker's slot)
+    sse_max_buffer_bytes: int = 8_388_608  # an SSE stream whose unwritten events pass this many bytes (a client reading slower than the model writes) is cancelled
     # --- batch runner (`python -m services.batch`)
     batch_concurrency: int = 4  # requests of all batches in flight at once: the batch lane
     batch_max_lines: int = 50_000  # most requests in one batch's input file

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.gateway import batches
@@ -32,6 +32,7 @@ from services.gateway.frontend import USER_HEADER, Frontend
 from services.gateway.openapi import openapi_document
 from services.gateway.pipeline import Pipeline, Route as PipelineRoute
 from services.gateway.responses import Responses
+from services.gateway.sse_bounds import BoundedStream
 from services.gateway.tei import RerankRoute, TeiEmbed
 from shared import VERSION, priority
 from shared.errors import ServiceError, too_large
@@ -48,6 +49,9 @@ class HttpMetrics:
                                 registry=registry)
         self.in_flight = Gauge("tensorbus_gateway_http_in_flight_requests",
                                "HTTP requests being served", registry=registry)
+        self.sse_cancelled = Counter("tensorbus_gateway_sse_streams_cancelled_total",
+                                     "SSE streams cancelled because their client stopped "
+                                     "reading", ["route", "reason"], registry=registry)
         self.body_bytes = Gauge("tensorbus_gateway_http_inflight_body_bytes",
                                 "bytes of HTTP request bodies being read and parsed",
                                 registry=registry)
@@ -156,9 +160,12 @@ def build_app(front: Frontend, pipeline_routes: list[PipelineRoute], ready) -> S
         first = await _unless_gone(request, anext(chunks, None))
         call.detach()  # the stream finishes the call: record and metrics at its end
         done = getattr(pipe, "sse_done", True)  # Responses streams end without [DONE]
-        return StreamingResponse(_sse(call, chunks, first, metrics, done),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", **_headers(call)})
+        return BoundedStream(_sse(call, chunks, first, metrics, done), rid=call.rid,
+                             write_timeout_s=config.sse_write_timeout_s,
+                             max_buffer=config.sse_max_buffer_bytes,
+                             cancelled=lambda why: metrics.sse_cancelled.labels(pipe.name, why).inc(),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", **_headers(call)})
 
     async def models(request: Request) -> Response:
         if not authorised(request):
