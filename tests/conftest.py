@@ -45,12 +45,12 @@ def jax_cache_dir() -> str:
     (the stacks the integration tests start share it through their data dirs). The
     weight-form choices and prepared weights that engines keep beside it follow it,
     as they do beside a worker's."""
-    from bench.support.testcache import default_cache, prune
+    from bench.support.testcache import cache_root, default_cache, prune
     from engine import jaxrt
 
     d = default_cache()
     jaxrt.setup(d)  # creates it
-    prune(d)  # kept across runs and clones (bench/support/testcache.py)
+    prune(cache_root())  # kept across runs and clones (bench/support/testcache.py)
     return str(d)
 
 

@@ -6,7 +6,7 @@ instead of compiling it again (docs/decisions/0085-test-cache-outlives-the-clone
 JAX keys each program by its whole computation, its compile options and the
 jax/jaxlib version, so an entry only ever serves the program it was made from; a
 changed engine compiles anew beside the old entries; `prune` drops the least
-recently used once the folder passes MAX_BYTES (at the start of a test session, not
+recently used once the root passes MAX_BYTES (at the start of a test session, not
 on every read: JAX's own bound takes a file lock around each one).
 """
 
@@ -22,12 +22,21 @@ log = get_logger("testcache")
 MAX_BYTES = 3 * 1024**3  # about fifteen whole-suite runs of programs that differ
 
 
-def default_cache() -> Path:
-    """The test compilation cache's folder (not created here)."""
+def cache_root() -> Path:
+    """The folder of every machine's test caches (not created here)."""
     if os.environ.get("TENSORBUS_TEST_CACHE"):
         return Path(os.environ["TENSORBUS_TEST_CACHE"]).resolve()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "tensorbus" / "test-jax-cache"
+
+
+def default_cache() -> Path:
+    """This process's test compilation cache (not created here): a folder of the root
+    per `engine.jaxrt.fingerprint`, since XLA compiles a CPU program for the host's
+    instruction set and a VM may move to another CPU between two runs."""
+    from engine import jaxrt
+
+    return cache_root() / jaxrt.fingerprint_id()
 
 
 def prune(folder: Path, max_bytes: int = MAX_BYTES) -> int:
