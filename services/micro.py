@@ -12,7 +12,9 @@ does; each answer carries the instance id. A failing check answers with
 `Nats-Service-Error-Code: 503` and the same JSON body.
 
 The service owns a `ServiceHealth`; it flips `health.ready` once warmed up and may
-register checks (callables returning a bool, or a bool and a details mapping).
+register checks (callables returning a bool, or a bool and a details mapping). Given
+a `live_file`, the service also writes its liveness there (services/liveness.py), so
+a probe can read it without the bus.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
 import msgspec
@@ -29,6 +32,7 @@ from nats.aio.msg import Msg
 from nats.micro.request import ERROR_CODE_HEADER, ERROR_HEADER, Handler, Request
 from nats.micro.service import Endpoint, EndpointConfig, Service, ServiceConfig
 
+from services.liveness import keep_live, write_live
 from shared.logging import get_logger
 
 log = get_logger("micro")
@@ -150,6 +154,12 @@ class MicroService(Service):
         super().__init__(nc, config)
         self.health = health
         self._stop_lock = asyncio.Lock()
+        self._live_task: asyncio.Task | None = None
+
+    def keep_live_file(self, path: Path) -> None:
+        """Write `health.health()` to `path` now, then every few seconds until `stop()`."""
+        write_live(path, self.health.health)
+        self._live_task = asyncio.create_task(keep_live(path, self.health.health))
 
     @property
     def name(self) -> str:
@@ -177,6 +187,8 @@ class MicroService(Service):
         async with self._stop_lock:
             if self.stopped.is_set():
                 return
+            if self._live_task is not None:
+                self._live_task.cancel()
             if not (self._client.is_closed or self._client.is_draining):
                 try:
                     await super().stop()
@@ -212,12 +224,14 @@ async def add_service(
     *,
     health: ServiceHealth | None = None,
     metadata: Mapping[str, str] | None = None,
+    live_file: Path | None = None,
 ) -> MicroService:
     """Register and start a micro service with `health` and `ready` endpoints.
 
     `endpoints` maps endpoint name to a handler (subject = the name) or to an
     `EndpointConfig` for an explicit subject, queue group or metadata. `queue_group`
     is the default queue group of those endpoints (nats.micro's "q" when None).
+    `live_file`: where to keep this process's liveness for `--check health`.
     """
     config = ServiceConfig(name=name, version=version, description=description,
                            metadata=dict(metadata or {}), queue_group=queue_group)
@@ -231,6 +245,8 @@ async def add_service(
                 await service.add_endpoint(name=ep_name, handler=spec)
         await _add_probes(service)
         await nc.flush()
+        if live_file is not None:
+            service.keep_live_file(live_file)
     except BaseException:
         await service.stop()
         raise

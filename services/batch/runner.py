@@ -46,6 +46,7 @@ from nats.js.kv import KV_DEL, KV_PURGE
 from services.batch.lease import Lease, Leases
 from services.batch.lines import parse
 from services.batchstore import BatchStore, new_id, now
+from services.liveness import live_file
 from services.micro import MicroService, ServiceHealth, add_service
 from shared import VERSION, priority, subjects
 from shared.api_batches import (
@@ -99,7 +100,8 @@ class BatchRunner:
         watcher = await self.store.watch_batches()
         self._micro = await add_service(self.nc, SERVICE_NAME, VERSION,
                                         "runs /v1/batches on the inference subjects",
-                                        health=self.health)
+                                        health=self.health,
+                                        live_file=live_file(SERVICE_NAME, self.config))
         self.health.add_check("nats", lambda: self.nc.is_connected)
         self.health.details = {"instance": self.owner}  # `--check` finds its own answer
         self.health.ready = True

@@ -28,6 +28,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from services.liveness import live_file
 from services.micro import ServiceHealth, add_service
 from services.orchestrator.policy import (
     ModelSpec,
@@ -103,7 +104,8 @@ class Orchestrator:
         health.details = {"instance": f"{socket.gethostname()}-{os.getpid()}"}
         micro = await add_service(self.nc, "tensorbus-orchestrator", VERSION,
                                   "local orchestrator: runs the worker processes",
-                                  health=health, metadata={"orchestrator_id": self.id})
+                                  health=health, metadata={"orchestrator_id": self.id},
+                                  live_file=live_file("tensorbus-orchestrator", self.config))
         subs = [await self.nc.subscribe(subjects.TELEMETRY_SCALE, cb=self._on_record),
                 await self.nc.subscribe(subjects.TELEMETRY_WORKERS, cb=self._on_record)]
         await self.refresh_catalogue()

@@ -63,6 +63,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from services.fleet import Fleet, WorkerView
+from services.liveness import live_file
 from services.micro import ServiceHealth, add_service
 from services.scheduler.admission import Admission
 from services.registry.alias_table import AliasTable
@@ -169,7 +170,8 @@ class Scheduler:
         ]
         self.micro = await add_service(
             self.nc, "tensorbus-scheduler", VERSION, "admission, routing and scaling signals",
-            health=self._health(), metadata={"scheduler_id": self.id})
+            health=self._health(), metadata={"scheduler_id": self.id},
+            live_file=live_file("tensorbus-scheduler", self.config))
         await self.nc.flush()
         # Said at once, even with no load to report: a gateway holding submissions
         # that found no scheduler (one restarted) sends them again when it hears one.

@@ -39,6 +39,7 @@ import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from services.liveness import live_file
 from services.micro import ServiceHealth, add_service
 from services.registry.source import LOCAL, ModelSource
 from services.worker.batcher import EncoderRunner, run_encoder
@@ -242,7 +243,8 @@ class Worker:
         what = f"{self.kind} worker" if self.kind else "worker"
         self.micro = await add_service(
             self.nc, "tensorbus-worker", VERSION, f"{what} for {self.model}",
-            health=self.health, metadata={"worker_id": self.id, "model": self.model})
+            health=self.health, metadata={"worker_id": self.id, "model": self.model},
+            live_file=live_file("tensorbus-worker", self.config))
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._heartbeats())
             if self.swap is not None:
