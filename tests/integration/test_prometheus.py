@@ -167,6 +167,10 @@ async def keda_values(prom, triggers) -> dict[str, float]:
     for trig in triggers:
         result = await prom.query(trig["metadata"]["query"])
         assert len(result) <= 1, result  # KEDA wants one value
+        # ignoreNullValues "false": an empty result is an error toward the fallback,
+        # so the queries must return a sample whenever telemetry is scraped, idle too.
+        if trig["metadata"].get("ignoreNullValues", "true") == "false":
+            assert result, f"{trig['metadata']['query']} came back empty"
         out[trig["name"]] = float(result[0]["value"][1]) if result else 0.0
     return out
 
