@@ -54,7 +54,7 @@ from nats.js.errors import (
 from shared import subjects
 from shared.api_batches import Batch, FileObject, OutputLine
 from shared.api_uploads import Upload, max_chunk
-from shared.jetstream import replicas
+from shared.jetstream import check_replicas, replicas
 
 KV_STREAM = f"KV_{subjects.BATCHES_BUCKET}"
 OBJ_STREAM = f"OBJ_{subjects.FILES_BUCKET}"
@@ -105,6 +105,7 @@ class BatchStore:
             obj = await js.create_object_store(
                 subjects.FILES_BUCKET, description="tensorbus /v1/files contents",
                 replicas=replicas(nc))
+        await check_replicas(nc, (f"KV_{subjects.BATCHES_BUCKET}", f"OBJ_{subjects.FILES_BUCKET}"))
         return cls(js, kv, obj, chunk=min(CHUNK, max_chunk(nc.max_payload or CHUNK)))
 
     @staticmethod

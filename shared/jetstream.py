@@ -4,7 +4,10 @@ The registry's buckets (KV `tensorbus_registry`, objects `tensorbus_models`) and
 TELEMETRY stream are created with `TENSORBUS_JS_REPLICAS` replicas; 0 (the default)
 means 3 on a cluster of 3 or more servers, else 1. The cluster's size is what the
 connected server tells every client: the client URLs of all members (`connect_urls`
-in its INFO). An existing deployment is raised with `tensorbus replicas [N]`
+in its INFO), and a server started with `no_advertise` (the NATS Helm chart's cluster
+block) announces none: set TENSORBUS_JS_REPLICAS there. At start-up each service
+checks the streams it binds (`check_replicas`) and warns when one has fewer replicas
+than that. An existing deployment is raised with `tensorbus replicas [N]`
 (`raise_replicas`), which updates each stream's config; JetStream then copies the
 data to the new peers while the stream keeps serving.
 """
@@ -15,6 +18,9 @@ from nats.aio.client import Client
 
 from shared import subjects
 from shared.config import Config
+from shared.logging import get_logger
+
+log = get_logger("jetstream")
 
 CLUSTER_REPLICAS = 3  # JetStream's usual quorum: survives one server lost
 
@@ -69,3 +75,25 @@ async def raise_replicas(nc: Client, want: int) -> dict[str, str]:
         except Exception as exc:  # noqa: BLE001 - reported per stream
             out[name] = f"error: {exc or type(exc).__name__}"
     return out
+
+
+async def check_replicas(nc: Client, names: tuple[str, ...] = STREAMS,
+                         setting: int | None = None) -> dict[str, int]:
+    """Warn (`js_replicas_below_configured`) for each existing stream of `names` kept
+    on fewer servers than `replicas(nc, setting)`: one created before the setting, or
+    on a lone server, loses its data with that server. Returns {stream: replicas}
+    of those; a missing stream, or one this role may not read, is skipped."""
+    want = replicas(nc, setting)
+    js = nc.jetstream()
+    low: dict[str, int] = {}
+    for name in names:
+        try:
+            info = await js.stream_info(name)
+        except Exception:  # noqa: BLE001 - not created yet, or not this role's to read
+            continue
+        have = info.config.num_replicas or 1
+        if have < want:
+            low[name] = have
+            log.warning("js_replicas_below_configured", stream=name, replicas=have,
+                        configured=want, fix=f"tensorbus replicas {want}")
+    return low

@@ -54,7 +54,7 @@ from services.registry.programs import Shelf
 from services.registry.push import Pusher
 from services.registry.watch import AliasWatch
 from shared import subjects
-from shared.jetstream import replicas
+from shared.jetstream import check_replicas, replicas
 from shared.logging import get_logger
 from shared.registry import READY, Aliases, AliasChange, CanaryGuard, FileEntry, ModelVersion
 
@@ -102,6 +102,7 @@ class Registry:
                 subjects.REGISTRY_OBJECTS, description="tensorbus model files",
                 replicas=replicas(nc),
             )
+        await check_replicas(nc, (f"KV_{subjects.REGISTRY_META}", f"OBJ_{subjects.REGISTRY_OBJECTS}"))
         return cls(js, kv, obj, actor, nc=nc)
 
     # --- reading versions

@@ -39,7 +39,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from services.micro import MicroService, ServiceHealth, add_service
 from shared import subjects
 from shared.config import Config, bad_config
-from shared.jetstream import replicas
+from shared.jetstream import check_replicas, replicas
 from shared.logging import get_logger
 from shared.telemetry import Heartbeat, RequestRecord, ScaleDecision, encode, record_decoder
 
@@ -180,6 +180,7 @@ class TelemetryService:
             await ensure_stream(self.nc.jetstream(), self._stream_config,
                                 replicas(self.nc, self.config.js_replicas))
             self._stream_ok = True
+            await check_replicas(self.nc, (str(self._stream_config.name),), self.config.js_replicas)
         except (NatsError, asyncio.TimeoutError) as exc:
             # Metrics and summaries still work; replay waits for JetStream.
             log.warning("stream_unavailable", stream=self._stream_config.name, error=str(exc))
