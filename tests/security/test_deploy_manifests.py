@@ -378,3 +378,73 @@ def test_the_validators_catch_what_a_reviewer_would():
     scaled["spec"]["minReplicas"] = 0  # not KEDA's name for it
     errors = keda_errors(scaled)
     assert any("threshold" in e for e in errors) and any("minReplicas" in e for e in errors)
+
+
+# --- safe without monitoring, and without the bus ---------------------------------
+
+# How each kind of probe reaches its answer. Liveness must come from the process (a
+# bus outage restarting the fleet would turn a blip into an outage); readiness from
+# the bus (a pod that cannot reach NATS must get no work).
+LOCAL_LIVENESS = ({"httpGet": {"path": "/healthz"}},  # a constant answer of the gateway
+                  {"exec": "--check health"},  # the file the service keeps (services/liveness.py)
+                  {"exec": "http://127.0.0.1:9400/metrics"})  # telemetry's own port
+BUS_READINESS = ({"httpGet": {"path": "/readyz"}},  # serving and nc.is_connected
+                 {"exec": "--check ready"})  # asked over NATS (services/probe.py)
+# Telemetry is read by Prometheus, not given work over the bus: ready when it serves.
+READY_WITHOUT_BUS = {"telemetry"}
+
+
+def probe_is(probe: dict, forms: tuple[dict, ...]) -> bool:
+    for form in forms:
+        if "httpGet" in form and probe.get("httpGet", {}).get("path") == form["httpGet"]["path"]:
+            return True
+        if "exec" in form and form["exec"] in " ".join(probe.get("exec", {}).get("command", [])):
+            return True
+    return False
+
+
+def test_every_scaled_object_keeps_its_fleet_when_prometheus_fails(rendered):
+    _, docs = rendered
+    scaled = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert scaled
+    for so in scaled:
+        fallback = so["spec"]["fallback"]
+        # Keep what runs (at least `replicas`), never shrink to a fixed count.
+        assert fallback["behavior"] == "currentReplicasIfHigher", so["metadata"]["name"]
+        assert fallback["replicas"] >= 1 and fallback["failureThreshold"] >= 1
+        for trig in so["spec"]["triggers"]:
+            if trig["type"] == "prometheus":
+                # An empty result is an error (toward the fallback), never a 0.
+                assert trig["metadata"]["ignoreNullValues"] == "false", trig["name"]
+                assert trig["metricType"] == "AverageValue"  # the fallback needs it
+
+
+def test_liveness_comes_from_the_process_and_readiness_from_the_bus(rendered):
+    _, docs = rendered
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    assert set(deployments) == set(DEPLOYMENTS)
+    for name, d in deployments.items():
+        for c in pod_spec(d)["containers"]:
+            for kind in ("livenessProbe", "startupProbe"):
+                if kind in c:
+                    assert probe_is(c[kind], LOCAL_LIVENESS), (name, kind, c[kind])
+                    assert not probe_is(c[kind], BUS_READINESS), (name, kind)
+            if name not in READY_WITHOUT_BUS:
+                assert probe_is(c["readinessProbe"], BUS_READINESS), (name, c["readinessProbe"])
+            # Three failed liveness probes restart the pod: at least a minute of a
+            # stuck process, never a bus outage (the file does not need the bus).
+            live = c["livenessProbe"]
+            assert live["periodSeconds"] * live.get("failureThreshold", 3) >= 30
+
+
+def test_the_deployment_asks_for_three_jetstream_replicas(rendered):
+    """The chart's cluster block advertises no routes to clients (`no_advertise`), so
+    the INFO a client sees lists one server and the automatic choice would be R1: the
+    ConfigMap sets R3 outright, matching the three servers of the shipped values."""
+    _, docs = rendered
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == CONFIGMAP]
+    values = load(REPO / "deploy" / "nats" / "helm-values.yaml")[0]
+    servers = values["config"]["cluster"]["replicas"]
+    assert servers == 3
+    assert Config.from_env(cm["data"]).js_replicas == servers == 3
+
