@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,14 @@ class DecoderConfig:
     activation: str  # gelu_new | gelu | relu | silu
     tie_embeddings: bool
     rope_theta: float = 10000.0
-    # ("default",) or ("linear", factor) or
-    # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_positions)
+    # ("default",) | ("linear", factor) | ("dynamic", factor) (default RoPE within
+    # max_positions, as transformers computes it) |
+    # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_positions) |
+    # ("yarn", factor, original_max_positions, beta_fast, beta_slow, attention_factor,
+    #  truncate) | ("longrope", short_factors, long_factors, original_max_positions,
+    #  attention_factor): layers.inv_frequencies / rope_scale compute them.
     rope_scaling: tuple = ("default",)
+    partial_rotary: float = 1.0  # the leading fraction of each head's dims RoPE rotates
     attn_bias: bool = False  # q/k/v biases in a Llama-like model (Qwen2 has them)
     # Local attention (Mistral, Gemma): a query sees the `sliding_window` positions up
     # to its own. `sliding_layers` names the layers that use it (Gemma alternates
@@ -72,6 +78,10 @@ class DecoderConfig:
         return self.heads // self.kv_heads
 
     @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary)
+
+    @property
     def scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
 
@@ -96,23 +106,77 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(v for v in value if isinstance(v, int) and not isinstance(v, bool))
 
 
-def _scaling(scaling: dict | None) -> tuple:
+def _mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature (transformers' `yarn_get_mscale`)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _original(scaling: dict, cfg: dict) -> int:
+    """The pre-training length, where transformers reads it: a top-level
+    `original_max_position_embeddings` (Phi-3) first, then the scaling's, then
+    max_position_embeddings."""
+    for value in (cfg.get("original_max_position_embeddings"),
+                  scaling.get("original_max_position_embeddings")):
+        if value is not None:
+            return int(value)
+    return int(cfg.get("max_position_embeddings", 2048))
+
+
+def _yarn(scaling: dict, cfg: dict) -> tuple:
+    """transformers' `_compute_yarn_parameters`, its numbers read once here."""
+    original = _original(scaling, cfg)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else (
+        int(cfg.get("max_position_embeddings", 2048)) / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (_mscale(factor, mscale) / _mscale(factor, mscale_all)
+                     if mscale and mscale_all else _mscale(factor))
+    return ("yarn", factor, original, float(scaling.get("beta_fast") or 32),
+            float(scaling.get("beta_slow") or 1), float(attention),
+            bool(scaling.get("truncate", True)))
+
+
+def _longrope(scaling: dict, cfg: dict) -> tuple:
+    """transformers' `_compute_longrope_parameters`: short factors up to the
+    pre-training length, long ones past it, cos/sin scaled by the attention factor."""
+    original = _original(scaling, cfg)
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else (
+        int(cfg.get("max_position_embeddings", 2048)) / original)
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    short = tuple(float(f) for f in scaling["short_factor"])
+    long = tuple(float(f) for f in scaling["long_factor"])
+    return ("longrope", short, long, original, float(attention))
+
+
+def _scaling(scaling: dict | None, cfg: dict | None = None) -> tuple:
     kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if kind == "default":
         return ("default",)
     assert scaling is not None  # None reads as "default"
+    cfg = cfg or {}
     if kind == "linear":
         return ("linear", float(scaling["factor"]))
+    if kind == "dynamic":
+        return ("dynamic", float(scaling["factor"]))
     if kind == "llama3":
         return (
             "llama3",
             float(scaling["factor"]),
             float(scaling["low_freq_factor"]),
             float(scaling["high_freq_factor"]),
-            int(scaling["original_max_position_embeddings"]),
+            _original(scaling, cfg),
         )
-    raise UnsupportedDecoder(f"rope scaling {kind!r} is not supported (default, linear "
-                             f"and llama3 are)")
+    if kind == "yarn":
+        return _yarn(scaling, cfg)
+    if kind == "longrope":
+        return _longrope(scaling, cfg)
+    raise UnsupportedDecoder(f"rope scaling {kind!r} is not supported (default, linear, "
+                             f"dynamic, llama3, yarn and longrope are)")
 
 
 def _rope(cfg: dict) -> tuple[float, tuple, float | None]:
@@ -131,7 +195,7 @@ def _rope(cfg: dict) -> tuple[float, tuple, float | None]:
     elif cfg.get("rope_local_base_freq") is not None:
         local = float(cfg["rope_local_base_freq"])
     theta = float(nested.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    return theta, _scaling(cfg.get("rope_scaling") or nested), local
+    return theta, _scaling(cfg.get("rope_scaling") or nested, cfg), local
 
 
 def _gpt2(cfg: dict) -> DecoderConfig:
@@ -191,13 +255,28 @@ def _gemma(cfg: dict) -> dict:
     return out
 
 
-def _refuse_unserved(cfg: dict) -> None:
-    kind = cfg.get("model_type")
+def _partial(cfg: dict, head_dim: int) -> float:
+    """`partial_rotary_factor`: served where the family's own attention rotates only
+    that fraction (Phi-3's, so Phi-4-mini); Llama, Mistral, Qwen and Gemma's
+    attention in transformers rotates every dim whatever the config says, so a
+    factor there is refused rather than guessed."""
     partial = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor",
                                                      cfg.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
+    partial = 1.0 if partial is None else float(partial)
+    if partial == 1.0:
+        return partial
+    kind = cfg.get("model_type")
+    if kind != "phi3":
         raise UnsupportedDecoder(f"partial rotary embeddings (partial_rotary_factor "
-                                 f"{partial}) are not supported")
+                                 f"{partial}) are not supported for {kind} (phi3 only)")
+    rotary = int(head_dim * partial)
+    if not 0 < rotary <= head_dim or rotary % 2:
+        raise UnsupportedDecoder(f"partial_rotary_factor {partial} gives {rotary} rotary "
+                                 f"dims of {head_dim}: an even count is needed")
+    return partial
+
+
+def _refuse_unserved(cfg: dict) -> None:
     if cfg.get("use_bidirectional_attention"):
         raise UnsupportedDecoder("bidirectional attention is not a causal decoder")
 
@@ -208,6 +287,12 @@ def _llama(cfg: dict) -> DecoderConfig:
     theta, scaling, local_theta = _rope(cfg)
     window, sliding = _window(cfg)
     kind = cfg.get("model_type")
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    partial = _partial(cfg, head_dim)
+    freqs = int(head_dim * partial) // 2
+    if scaling[0] == "longrope" and not len(scaling[1]) == len(scaling[2]) == freqs:
+        raise UnsupportedDecoder(f"longrope has {len(scaling[1])} short and {len(scaling[2])} "
+                                 f"long factors for {freqs} frequencies")
     extra = _gemma(cfg) if kind in GEMMA else {"qk_norm": kind == "qwen3"}
     fields = dict(
         family=LLAMA,
@@ -216,7 +301,7 @@ def _llama(cfg: dict) -> DecoderConfig:
         layers=int(cfg["num_hidden_layers"]),
         heads=heads,
         kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         intermediate=int(cfg["intermediate_size"]),
         max_positions=int(cfg.get("max_position_embeddings", 2048)),
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -224,6 +309,7 @@ def _llama(cfg: dict) -> DecoderConfig:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_theta=theta,
         rope_scaling=scaling,
+        partial_rotary=partial,
         attn_bias=bool(cfg.get("attention_bias", kind == "qwen2")),
         sliding_window=window,
         sliding_layers=sliding,

@@ -55,7 +55,7 @@ def embed(params: dict, cfg: DecoderConfig, tokens, positions):
     return take_rows(params["wte"], tokens, params["wpe"].dtype) + params["wpe"][positions]
 
 
-def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq):
+def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq, scale: float = 1.0):
     """x: [N, E] -> q: [N, H, D], k, v: [N, KV, D] (GPT-2 has no RoPE)."""
     n = x.shape[0]
     h = layer_norm(x, lp["ln1_w"], lp["ln1_b"], cfg.norm_eps)

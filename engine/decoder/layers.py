@@ -69,12 +69,16 @@ def activation(name: str, x):
 
 
 # ----------------------------------------------------------------------- RoPE
-def inv_frequencies(cfg: DecoderConfig, local: bool = False) -> np.ndarray:
-    """[D/2] float32, with the configured context-extension scaling applied (`local`:
-    the sliding layers' own base and no scaling, where the model has them)."""
-    d = cfg.head_dim
+def inv_frequencies(cfg: DecoderConfig, local: bool = False, long: bool = False) -> np.ndarray:
+    """[R/2] float32 (R: the rotary dims), with the configured context-extension
+    scaling applied (`local`: the sliding layers' own base and no scaling, where the
+    model has them; `long`: longrope's long factors, for sequences past the
+    pre-training length). Dynamic NTK is the default RoPE up to max_positions, the
+    longest a sequence is served (engine/decoder/host.py)."""
+    d = cfg.rotary_dim
     theta = cfg.local_rope_theta if local and cfg.local_rope_theta else cfg.rope_theta
-    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    shape = np.arange(0, d, 2, dtype=np.float64) / d
+    inv = 1.0 / (theta ** shape)
     kind = cfg.rope_scaling[0] if theta == cfg.rope_theta else "default"
     if kind == "linear":
         inv = inv / cfg.rope_scaling[1]
@@ -85,21 +89,55 @@ def inv_frequencies(cfg: DecoderConfig, local: bool = False) -> np.ndarray:
         smooth = (original / wavelen - low) / (high - low)
         mid = (1 - smooth) * inv / factor + smooth * inv
         inv = np.where(wavelen > low_wl, inv / factor, np.where(wavelen < high_wl, inv, mid))
+    elif kind == "yarn":  # transformers' _compute_yarn_parameters
+        factor, original, fast, slow, _, truncate = cfg.rope_scaling[1:]
+        dim_of = lambda rot: d * math.log(original / (rot * 2 * math.pi)) / (2 * math.log(theta))  # noqa: E731
+        lo, hi = dim_of(fast), dim_of(slow)
+        if truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, d - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        ramp = np.clip((np.arange(d // 2, dtype=np.float64) - lo) / (hi - lo), 0, 1)
+        inv = inv / factor * ramp + inv * (1 - ramp)
+    elif kind == "longrope":
+        factors = np.asarray(cfg.rope_scaling[2 if long else 1], np.float64)
+        inv = 1.0 / (factors * theta ** shape)
     return inv.astype(np.float32)
 
 
-def rope(x, positions, inv_freq):
-    """Rotate-half RoPE (the Hugging Face Llama convention, not interleaved pairs).
+def rope_scale(cfg: DecoderConfig, local: bool = False) -> float:
+    """What cos and sin are multiplied by (YaRN's and longrope's attention factor)."""
+    if local and cfg.local_rope_theta:
+        return 1.0
+    kind = cfg.rope_scaling[0]
+    if kind == "yarn":
+        return float(cfg.rope_scaling[5])
+    if kind == "longrope":
+        return float(cfg.rope_scaling[4])
+    return 1.0
 
-    x: [N, H, D], positions: [N] int32, inv_freq: [D/2] -> [N, H, D]
+
+def rope(x, positions, inv_freq, scale: float = 1.0):
+    """Rotate-half RoPE (the Hugging Face Llama convention, not interleaved pairs) on
+    the first R = 2 * len(inv_freq) dims of each head; the rest pass (partial rotary).
+
+    x: [N, H, D], positions: [N] int32, inv_freq: [R/2], or [N, R/2] (a row's own)
+    -> [N, H, D]
     """
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [N, D/2]
-    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, None, :]  # [N, 1, D]
-    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, None, :]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [N, R/2]
+    emb = jnp.concatenate([angles, angles], -1)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [N, 1, R]
     xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], -1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
+    r = emb.shape[-1]
+    xr, half = xf[..., :r], r // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], -1)
+    out = xr * cos + rotated * sin
+    if r < x.shape[-1]:
+        out = jnp.concatenate([out, xf[..., r:]], -1)
+    return out.astype(x.dtype)
 
 
 # ------------------------------------------------------------------ attention

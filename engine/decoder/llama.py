@@ -87,7 +87,7 @@ def embed(params: dict, cfg: DecoderConfig, tokens, positions):
     return x
 
 
-def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq):
+def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq, scale: float = 1.0):
     """x: [N, E] -> q: [N, H, D], k, v: [N, KV, D], RoPE applied to q and k."""
     n, d = x.shape[0], cfg.head_dim
     h = rms_norm(x, lp["ln1_w"], cfg.norm_eps)
@@ -98,7 +98,7 @@ def attn_in(lp: dict, cfg: DecoderConfig, x, positions, inv_freq):
     v = v.reshape(n, cfg.kv_heads, d)
     if cfg.qk_norm:
         q, k = rms_norm(q, lp["q_norm_w"], cfg.norm_eps), rms_norm(k, lp["k_norm_w"], cfg.norm_eps)
-    return rope(q, positions, inv_freq), rope(k, positions, inv_freq), v
+    return rope(q, positions, inv_freq, scale), rope(k, positions, inv_freq, scale), v
 
 
 def attn_out(lp: dict, cfg: DecoderConfig, x, attn):

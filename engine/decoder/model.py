@@ -24,7 +24,7 @@ from engine.decoder import gpt2, llama
 from engine.decoder.config import GPT2, LLAMA, DecoderConfig
 from engine.decoder.blocks import SCRATCH
 from engine.decoder.attention import chunk_attention, gather, paged_decode, write
-from engine.decoder.layers import causal_attention, context_attention, inv_frequencies
+from engine.decoder.layers import causal_attention, context_attention, inv_frequencies, rope_scale
 
 FAMILIES = {GPT2: gpt2, LLAMA: llama}
 _PREFIXES = {GPT2: ("transformer.",), LLAMA: ("model.",)}
@@ -193,39 +193,47 @@ def _fold_mlp_norm(tree: dict, cfg: DecoderConfig) -> dict:
     return dict(tree, layers=layers)
 
 
-def _inv_freqs(cfg: DecoderConfig) -> list:
-    """Each layer's RoPE frequencies (None for GPT-2): Gemma 3's sliding layers have
-    their own base."""
+def _inv_freqs(cfg: DecoderConfig, seq_len) -> list:
+    """Each layer's RoPE (frequencies, cos/sin scale); (None, 1.0) for GPT-2. Gemma 3's
+    sliding layers have their own base. `seq_len`: [] or [N] int32, the length of the
+    sequence each row's keys belong to when it is computed: longrope takes its long
+    factors past the pre-training length, as transformers decides per forward."""
     if cfg.family != LLAMA:
-        return [None] * cfg.layers
+        return [(None, 1.0)] * cfg.layers
     glob = jnp.asarray(inv_frequencies(cfg))
+    if cfg.rope_scaling[0] == "longrope":
+        long = jnp.asarray(inv_frequencies(cfg, long=True))
+        glob = jnp.where((jnp.asarray(seq_len) > cfg.rope_scaling[3])[..., None], long, glob)
     if cfg.local_rope_theta is None:
-        return [glob] * cfg.layers
-    local = jnp.asarray(inv_frequencies(cfg, local=True))
-    return [local if cfg.window(i) is not None else glob for i in range(cfg.layers)]
+        return [(glob, rope_scale(cfg))] * cfg.layers
+    local = (jnp.asarray(inv_frequencies(cfg, local=True)), rope_scale(cfg, local=True))
+    return [local if cfg.window(i) is not None else (glob, rope_scale(cfg))
+            for i in range(cfg.layers)]
 
 
-def forward_prompt(params: dict, cfg: DecoderConfig, tokens):
+def forward_prompt(params: dict, cfg: DecoderConfig, tokens, length=None):
     """tokens: [T] -> x: [T, E] (before the final norm), k, v: L x [KV, T, D]
 
     Without a cache: the reference path the tests check logits on. Padding after the true length cannot reach earlier positions (causal mask), so
-    the caller reads hidden states and K/V only below the true length.
+    the caller reads hidden states and K/V only below the true length, given as
+    `length` ([] int32; None: all of `tokens`) where longrope needs it.
     """
-    fam, inv_freqs = family(cfg), _inv_freqs(cfg)
+    fam = family(cfg)
+    inv_freqs = _inv_freqs(cfg, tokens.shape[0] if length is None else length)
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     x = fam.embed(params, cfg, tokens, positions)
     ks, vs = [], []
     for i, lp in enumerate(params["layers"]):
-        q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freqs[i])
+        q, k, v = fam.attn_in(lp, cfg, x, positions, *inv_freqs[i])
         x = fam.attn_out(lp, cfg, x, causal_attention(q, k, v, cfg, cfg.window(i)))
         ks.append(k.swapaxes(0, 1))  # [KV, T, D]
         vs.append(v.swapaxes(0, 1))
     return x, tuple(ks), tuple(vs)
 
 
-def prompt_logits(params: dict, cfg: DecoderConfig, tokens):
+def prompt_logits(params: dict, cfg: DecoderConfig, tokens, length=None):
     """tokens: [T] -> logits: [T, V] float32 at every position."""
-    x, _, _ = forward_prompt(params, cfg, tokens)
+    x, _, _ = forward_prompt(params, cfg, tokens, length)
     return family(cfg).head(params, cfg, x)
 
 
@@ -258,7 +266,7 @@ def decode_forward(params: dict, cfg: DecoderConfig, tokens, positions, tables, 
     cache is most of a step's cost, and live sequences are usually short. Every live
     slot must have its position below NW * BLOCK.
     """
-    fam, inv_freqs = family(cfg), _inv_freqs(cfg)
+    fam, inv_freqs = family(cfg), _inv_freqs(cfg, positions + 1)
     block, nw = k_cache[0].shape[2], tables.shape[1]
     at = jnp.minimum(positions // block, nw - 1)
     blocks = jnp.where(live, jnp.take_along_axis(tables, at[:, None], 1)[:, 0], SCRATCH)  # [S]
@@ -266,7 +274,7 @@ def decode_forward(params: dict, cfg: DecoderConfig, tokens, positions, tables, 
     x = fam.embed(params, cfg, tokens, positions)
     new_k, new_v = [], []
     for i, (lp, kc, vc) in enumerate(zip(params["layers"], k_cache, v_cache)):
-        q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freqs[i])  # k, v: [S, KV, D]
+        q, k, v = fam.attn_in(lp, cfg, x, positions, *inv_freqs[i])  # k, v: [S, KV, D]
         kc, vc = write(kc, blocks, offsets, k), write(vc, blocks, offsets, v)
         att = paged_decode(q, kc, vc, tables, positions, cfg, kernel, interpret, cfg.window(i))
         x = fam.attn_out(lp, cfg, x, att)
@@ -287,7 +295,7 @@ def forward_chunk(params: dict, cfg: DecoderConfig, tokens, offset, length, tabl
     -> x: [T, E] (before the final norm), and both caches. Padding writes go to the
     scratch block; its queries are computed and ignored.
     """
-    fam, inv_freqs = family(cfg), _inv_freqs(cfg)
+    fam, inv_freqs = family(cfg), _inv_freqs(cfg, offset + length)
     block, nc = k_cache[0].shape[2], table.shape[0]
     positions = offset + jnp.arange(tokens.shape[0], dtype=jnp.int32)  # [T]
     real = jnp.arange(tokens.shape[0]) < length
@@ -296,7 +304,7 @@ def forward_chunk(params: dict, cfg: DecoderConfig, tokens, offset, length, tabl
     x = fam.embed(params, cfg, tokens, positions)
     new_k, new_v = [], []
     for i, (lp, kc, vc) in enumerate(zip(params["layers"], k_cache, v_cache)):
-        q, k, v = fam.attn_in(lp, cfg, x, positions, inv_freqs[i])  # k, v: [T, KV, D]
+        q, k, v = fam.attn_in(lp, cfg, x, positions, *inv_freqs[i])  # k, v: [T, KV, D]
         kc, vc = write(kc, blocks, offsets, k), write(vc, blocks, offsets, v)
         if kernel == "cpu":  # padding queries (position -1) read nothing
             seen = jnp.where(real, positions, -1)

@@ -27,8 +27,8 @@ MIN_BUCKET = 16
 
 @functools.lru_cache(maxsize=8)
 def _scorer(cfg: DecoderConfig):
-    def score(params, tokens):  # tokens: [T] -> [T - 1], [T - 1, K] ids, [T - 1, K], [T - 1]
-        logp = jax.nn.log_softmax(prompt_logits(params, cfg, tokens)[:-1], axis=-1)
+    def score(params, tokens, length):  # tokens: [T] -> [T - 1], [T - 1, K] ids, [T - 1, K], [T - 1]
+        logp = jax.nn.log_softmax(prompt_logits(params, cfg, tokens, length)[:-1], axis=-1)
         chosen = jnp.take_along_axis(logp, tokens[1:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logp, MAX_TOP)
         rank = 1 + jnp.sum(logp > chosen[:, None], axis=-1, dtype=jnp.int32)
@@ -49,7 +49,8 @@ def prompt_logprobs(params, cfg: DecoderConfig, tokens: list[int],
     size = max(MIN_BUCKET, 1 << (len(tokens) - 1).bit_length())
     padded = np.zeros(size, np.int32)
     padded[: len(tokens)] = tokens  # padding comes after: causal attention never sees it
-    chosen, ids, lps, ranks = jax.device_get(_scorer(cfg)(params, jnp.asarray(padded)))
+    chosen, ids, lps, ranks = jax.device_get(_scorer(cfg)(params, jnp.asarray(padded),
+                                                          jnp.int32(len(tokens))))
     n = len(tokens) - 1
     return [(int(tokens[i + 1]), float(chosen[i]),
              [(int(t), float(v)) for t, v in zip(ids[i, :top], lps[i, :top])], int(ranks[i]))

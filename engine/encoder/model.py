@@ -223,6 +223,6 @@ def decoder_forward(params: Params, ids, mask, cfg: BertConfig):
     from engine.decoder.model import forward_prompt
 
     dec, dcfg = params["decoder"], cfg.decoder
-    x = jax.vmap(lambda t: forward_prompt(dec, dcfg, t)[0])(ids)  # [B, S, E]
+    x = jax.vmap(lambda t, m: forward_prompt(dec, dcfg, t, m.sum())[0])(ids, mask)  # [B, S, E]
     x = rms_norm(x, dec["norm_w"], dcfg.norm_eps)
     return head(params, x.astype(jnp.float32), mask.astype(jnp.float32), cfg)

@@ -95,12 +95,15 @@ def _rope_tables(cfg: DecoderConfig, max_len: int, device: str):
 
 def check_served(cfg: DecoderConfig) -> None:
     """The torch engine computes GPT-2 and the plain Llama loop (Llama, Mistral
-    without a window, Qwen2, Phi-3 without one); UnsupportedDecoder for the rest."""
+    without a window, Qwen2, Phi-3 without one; default, linear, dynamic and llama3
+    RoPE, every dim rotated); UnsupportedDecoder for the rest."""
     from engine.decoder.config import UnsupportedDecoder
 
     missing = [what for what, used in (
         ("q/k norms (Qwen3, Gemma 3)", cfg.qk_norm), ("Gemma's layers", cfg.gemma),
-        ("sliding-window attention", cfg.windowed)) if used]  # fmt: skip
+        ("sliding-window attention", cfg.windowed),
+        (f"{cfg.rope_scaling[0]} RoPE scaling", cfg.rope_scaling[0] in ("yarn", "longrope")),
+        ("partial rotary embeddings", cfg.rotary_dim != cfg.head_dim)) if used]  # fmt: skip
     if missing:
         raise UnsupportedDecoder(f"the torch engine does not compute {', '.join(missing)}: "
                                  f"serve this model with TENSORBUS_ENGINE=jax")

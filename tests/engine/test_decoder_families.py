@@ -133,8 +133,8 @@ def test_what_each_config_says_is_read():
 
 @pytest.mark.parametrize("change,needle", [
     ({"model_type": "mamba"}, "model_type 'mamba'"),
-    ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial rotary"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"partial_rotary_factor": 0.75}, "partial rotary"),  # Llama's attention rotates all
+    ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "proportional"),
 ])
 def test_what_the_engine_does_not_compute_is_refused_by_name(change, needle):
     cfg = {**_config("llama3").to_dict(), **change}

@@ -184,7 +184,8 @@ MODULES = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.mo
     ({"model_type": "qwen3", "architectures": ["Qwen3Model"]}, "lacks 'hidden_size'"),
     ({"model_type": "qwen3", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
       "num_hidden_layers": 1, "num_attention_heads": 2,
-      "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope scaling 'yarn'"),
+      "rope_scaling": {"rope_type": "proportional", "factor": 2.0}},
+     "rope scaling 'proportional'"),
     ({**BERT_CFG, "position_embedding_type": "relative_key"}, "absolute positions only"),
     ({**BERT_CFG, "hidden_act": "swish"}, "hidden_act 'swish'"),
 ])  # fmt: skip

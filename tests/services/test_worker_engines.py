@@ -198,8 +198,8 @@ def test_build_engine_exits_78_on_a_pooling_it_does_not_serve(tmp_path):
 
 @pytest.mark.parametrize("config, env, says", [
     ({"model_type": "mamba"}, {}, "model_type 'mamba' is not a supported decoder"),
-    ({"model_type": "llama", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, {},
-     "rope scaling 'yarn'"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "proportional", "factor": 4.0}},
+     {}, "rope scaling 'proportional'"),
     ({"model_type": "qwen3", "head_dim": 8}, {"TENSORBUS_ENGINE": "torch"},
      "q/k norms (Qwen3, Gemma 3): serve this model with TENSORBUS_ENGINE=jax"),
 ])  # fmt: skip
