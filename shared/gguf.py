@@ -184,6 +184,8 @@ def hf_config(header: Header) -> dict[str, Any]:
     scaling = a("rope.scaling.type")
     if "rope_freqs.weight" in header.tensors:
         cfg["rope_scaling"] = llama3_scaling(header, cfg["head_dim"], cfg["rope_theta"])
+    elif scaling in ("yarn", "longrope"):  # llama.cpp's own fields: not mapped, so refused
+        cfg["rope_scaling"] = {"rope_type": f"{scaling} (GGUF)"}
     elif scaling and scaling != "none":
         cfg["rope_scaling"] = {"rope_type": scaling, "factor": float(a("rope.scaling.factor", 1.0))}
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
