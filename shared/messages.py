@@ -99,6 +99,19 @@ class GenerateWork(_Msg, tag="generate"):
     resumes: bool = False  # its requester resumes it when its worker is lost: a scheduler
     # tells it (WorkError `worker_lost`) rather than dispatching it again
     priority: int = 0  # as EmbedWork.priority
+    # A resumed request with several choices (services.gateway.continuity):
+    choices: list[int] = msgspec.field(default_factory=list)  # the choices (by index) to
+    # generate; [] = all `n`. Those delivered whole already are left out.
+    skips: list[int] = msgspec.field(default_factory=list)  # `skip` of each choice, by
+    # index; [] = `skip` for every choice
+
+    def skipped(self, index: int) -> int:
+        """Tokens of choice `index` delivered already: generated again, not sent."""
+        return self.skips[index] if self.skips else self.skip
+
+    def generated(self) -> list[int]:
+        """The choices (by index) this work generates."""
+        return list(self.choices) if self.choices else list(range(self.n))
 
 
 WorkRequest = EmbedWork | GenerateWork

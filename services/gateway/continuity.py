@@ -23,12 +23,17 @@ from 0); `ChunkOrder`, per choice:
      One that found no scheduler subscribed ("no responders": the scheduler is
      between servers) was received by nobody: submitted again at the next report of
      a scheduler, as `Frontend.call` does, a few times within its deadline.
-  2. A broken path of a deterministic generation (one choice, greedy or seeded:
-     `resumable`) is resumed: a new request (`<id>-r<n>`) with `skip` = the tokens
-     already passed on, which the worker generates again and does not send (its
-     detokenizer runs over them, so the text goes on exactly where it stopped);
-     the old one is cancelled, and anything late from it is dropped with its
-     closed queue. At most MAX_RESUMES times.
+  2. A broken path of a deterministic generation (greedy or seeded, without the
+     prompt's logprobs: `resumable`) is resumed: a new request (`<id>-r<n>`) that
+     generates each choice not yet passed on whole, with its tokens already passed
+     on as its `skip` (`GenerateWork.choices`, `skips`; one choice: `skip`), which
+     the worker generates again and does not send (its detokenizer runs over them,
+     so the text goes on exactly where it stopped). A choice keeps its index, so
+     its draws (seed + index) too. The old request is cancelled, and anything late
+     from it is dropped with its closed queue. Its GenDone counts the tokens of the
+     choices left out as well; when every choice was passed on whole and only the
+     GenDone was lost, the gateway writes it (`Progress.done`) rather than sending
+     an empty request. At most MAX_RESUMES times.
   3. Any other broken path ends the stream with a 503 `stream_broken` error chunk
      that says how many chunks were delivered: never a silent gap.
   4. A lost worker (killed, its node gone, wedged): a resumable generation is sent
@@ -51,7 +56,7 @@ from services.gateway.inbox import NoScheduler, PathLost
 from services.gateway.schedulers import NO_SCHEDULER_TRIES
 from shared.errors import ServiceError, internal
 from shared.logging import get_logger
-from shared.messages import GenChunk, GenDone, GenerateWork
+from shared.messages import GenChunk, GenDone, GenerateWork, Timing
 
 log = get_logger("gateway")
 
@@ -86,9 +91,11 @@ def stream_broken(delivered: int) -> ServiceError:
 
 
 class ChunkOrder:
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, choices: list[int] | None = None) -> None:
+        """`choices`: those the attempt generates (None: all `n`); the others were
+        passed on whole already."""
         self.expect = [0] * n  # per choice: the next chunk's number
-        self.finished = [False] * n
+        self.finished = [i not in choices for i in range(n)] if choices else [False] * n
         self.passed = 0  # chunks passed on, all choices
         self.dropped = 0  # duplicates dropped
 
@@ -113,29 +120,73 @@ class ChunkOrder:
 
 
 def resumable(work: GenerateWork) -> bool:
-    """Generated again the same from its start: one choice, greedy or seeded, without
-    the prompt's logprobs."""
+    """Generated again the same from its start: greedy or seeded (each choice draws
+    from seed + its index), without the prompt's logprobs."""
     s = work.sampling
-    return work.n == 1 and (s.temperature == 0 or s.seed is not None) and work.prompt_logprobs < 0
+    return (s.temperature == 0 or s.seed is not None) and work.prompt_logprobs < 0
+
+
+class Progress:
+    """What of a request's choices reached the client, over all its attempts."""
+
+    def __init__(self, work: GenerateWork) -> None:
+        self.work = work
+        self.tokens = [0] * work.n  # per choice: tokens passed on
+        self.finished = [False] * work.n  # per choice: its last chunk passed on
+        self.chunks = 0
+
+    def note(self, batch: list[GenChunk | GenDone]) -> list[GenChunk | GenDone]:
+        """`batch`, passed on; its GenDone counting the tokens of choices that a
+        resumption left out."""
+        running = self.work.generated()
+        for at, ev in enumerate(batch):
+            if isinstance(ev, GenChunk):
+                self.tokens[ev.index] += ev.tokens
+                self.chunks += 1
+                self.finished[ev.index] = self.finished[ev.index] or bool(ev.finish_reason)
+            elif len(running) < self.work.n:
+                whole = sum(t for i, t in enumerate(self.tokens) if i not in running)
+                batch[at] = msgspec.structs.replace(
+                    ev, completion_tokens=ev.completion_tokens + whole)
+        return batch
+
+    def resumed(self, work: GenerateWork, request_id: str, deadline: float) -> GenerateWork:
+        """`work` sent again as `request_id`: the choices not passed on whole, each
+        from its last token passed on."""
+        left = [i for i in range(work.n) if not self.finished[i]]
+        several = work.n > 1
+        self.work = msgspec.structs.replace(
+            work, request_id=request_id, attempt=0, reserved="", deadline=deadline,
+            skip=0 if several else self.tokens[0], skips=list(self.tokens) if several else [],
+            choices=left if several and len(left) < work.n else [])
+        return self.work
+
+    def done(self, out) -> GenDone:
+        """The GenDone of a request whose every choice was passed on whole, its own lost."""
+        w = self.work
+        return GenDone(w.request_id, "", w.model, out.version, len(w.prompt), sum(self.tokens),
+                       Timing(), w.attempt)
 
 
 async def events(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | GenDone]]:
     """The request's GenChunks and GenDone, as lists of those queued together; a
     broken path resumed (2.) or ended (3.); a lost worker's request resumed (4.)."""
-    rid, delivered, passed = work.request_id, 0, 0
+    rid = work.request_id
     work.resumes = resumable(work)
+    seen = Progress(work)
     broken = lost = 0  # resumptions for a broken path, for a lost worker
     cap = front.config.max_redispatch
     while True:
         try:
+            if all(seen.finished):  # every choice passed on whole: only the GenDone lost
+                yield [seen.done(out)]
+                return
             async for batch in _leg(front, work, out):
-                delivered += sum(ev.tokens for ev in batch if isinstance(ev, GenChunk))
-                passed += sum(1 for ev in batch if isinstance(ev, GenChunk))
-                yield batch
+                yield seen.note(batch)
             return
         except StreamBroken:
             if broken == MAX_RESUMES or not work.resumes:
-                raise StreamBroken(passed) from None
+                raise StreamBroken(seen.chunks) from None
             broken += 1
             why = "resumed"
         except WorkerLost as exc:
@@ -147,19 +198,17 @@ async def events(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk 
             lost += 1
             why = "worker_lost"
         await front.inbox.cancel(work.request_id, why)
-        now = time.time()
-        deadline = now + front.config.request_timeout_s
-        work = msgspec.structs.replace(
-            work, request_id=f"{rid}-r{broken + lost}", skip=delivered, attempt=0,
-            reserved="", deadline=min(deadline, work.end_by) if work.end_by else deadline)
+        deadline = time.time() + front.config.request_timeout_s
+        work = seen.resumed(work, f"{rid}-r{broken + lost}",
+                            min(deadline, work.end_by) if work.end_by else deadline)
         front.resumed += 1
-        log.warning("stream_resumed", wire_id=work.request_id, skip=delivered, reason=why)
+        log.warning("stream_resumed", wire_id=work.request_id, skip=seen.tokens, reason=why)
 
 
 async def _leg(front, work: GenerateWork, out) -> AsyncIterator[list[GenChunk | GenDone]]:
     """One request's messages (1. above); StreamBroken when its path broke."""
     rid, inbox = work.request_id, front.inbox
-    order = ChunkOrder(work.n)
+    order = ChunkOrder(work.n, work.generated())
     with front.dispatched(work, path_lost=True) as (reply, q):
         if not front.nc.is_connected:  # not sent yet: wait for the bus, in time
             await front.reconnected(work.deadline)

@@ -48,7 +48,7 @@ def test_a_lost_last_chunk_ends_the_stream_at_its_done():
     assert err.value.code == "stream_broken"
 
 
-def test_only_a_deterministic_single_choice_generation_is_resumed():
+def test_only_a_deterministic_generation_is_resumed():
     from services.gateway.continuity import resumable
     from shared.messages import GenerateWork, Sampling
 
@@ -58,7 +58,7 @@ def test_only_a_deterministic_single_choice_generation_is_resumed():
 
     assert resumable(work()) and resumable(work(temperature=0.8, seed=7))
     assert not resumable(work(temperature=0.8))  # a random draw: not the same again
-    assert not resumable(work(n=2))
+    assert resumable(work(n=2)) and resumable(work(n=3, temperature=0.8, seed=7))
     assert not resumable(work(prompt_logprobs=2))
 
 
@@ -78,6 +78,8 @@ class _Front:
         self.nc, self.config, self.retried, self.resumed = _Nc(), Config(), 0, 0
         self.inbox = ReplyInbox(self.nc)
         self.arrivals, self.submitted = arrivals, 0
+        self.sent: list[GenerateWork] = []
+        self.inbox.cancel = self.cancel  # type: ignore[method-assign]  # nothing to tell
 
     @contextmanager
     def dispatched(self, work, path_lost: bool = False):
@@ -88,11 +90,18 @@ class _Front:
             self.inbox.close(work.request_id)
 
     async def submit(self, work, reply: str) -> None:
+        """`arrivals`: what every submission brings, or (a dict) what each brings by
+        request id."""
         self.submitted += 1
-        for item in self.arrivals:
+        self.sent.append(work)
+        arrivals = self.arrivals
+        for item in arrivals[work.request_id] if isinstance(arrivals, dict) else arrivals:
             self.q.put_nowait(item)
 
     async def reconnected(self, deadline: float) -> None:
+        pass
+
+    async def cancel(self, request_id: str, why: str) -> None:
         pass
 
 
@@ -108,3 +117,39 @@ async def test_a_scheduler_path_lost_between_chunks_already_queued_does_not_end_
     got = [ev async for batch in events(front, work, Outcome("chat")) for ev in batch]
     assert [ev.text for ev in got if isinstance(ev, GenChunk)] == ["0.0", "0.1", "0.2"]
     assert isinstance(got[-1], GenDone) and front.submitted == 1
+
+
+def _lost() -> ServiceError:
+    return ServiceError(503, "worker w was lost (expired)", code="worker_lost")
+
+
+async def test_a_lost_worker_resumes_each_unfinished_choice_from_its_own_last_token():
+    """Three choices: the first passed on whole, the second two tokens in, the third
+    none, when the worker is lost. The resumption generates the second and third only,
+    each from its own count, and its GenDone counts the first's tokens too."""
+    first = [chunk(0, 0), chunk(0, 1, last=True), chunk(1, 0), chunk(1, 1), _lost()]
+    then = [chunk(1, 0), chunk(2, 0), chunk(1, 1, last=True), chunk(2, 1, last=True),
+            GenDone("r-r1", "w2", "m", "v", 2, 6, Timing())]
+    front = _Front({"r": first, "r-r1": then})
+    work = GenerateWork("r", "m", "", [1, 2], 4, Sampling(temperature=0.9, seed=5), [], 3,
+                        True, time.time() + 30, "", "sched")
+    got = [ev async for batch in events(front, work, Outcome("chat")) for ev in batch]
+    assert [ev.text for ev in got if isinstance(ev, GenChunk)] == [
+        "0.0", "0.1", "1.0", "1.1", "1.0", "2.0", "1.1", "2.1"]
+    again = front.sent[-1]
+    assert again.request_id == "r-r1" and again.choices == [1, 2] and again.skips == [2, 2, 0]
+    assert again.sampling.seed == 5 and again.generated() == [1, 2]
+    assert isinstance(got[-1], GenDone) and got[-1].completion_tokens == 6 + 2
+    assert front.resumed == 1
+
+
+async def test_choices_all_passed_on_whole_before_the_loss_end_without_a_new_request():
+    """Every choice's last chunk passed on, the GenDone lost with the worker: nothing
+    is generated again; the stream ends with a GenDone that counts what was passed on."""
+    front = _Front({"r": [chunk(0, 0, last=True), chunk(1, 0, last=True), _lost()]})
+    work = GenerateWork("r", "m", "", [1, 2], 1, Sampling(temperature=0), [], 2, False,
+                        time.time() + 30, "", "sched")
+    got = [ev async for batch in events(front, work, Outcome("chat")) for ev in batch]
+    assert [ev.text for ev in got if isinstance(ev, GenChunk)] == ["0.0", "1.0"]
+    assert isinstance(got[-1], GenDone) and got[-1].completion_tokens == 2
+    assert front.submitted == 1

@@ -285,3 +285,18 @@ def test_a_failed_prompt_fails_its_request_once():
     _, adm = sched.schedule(time.time(), NOW)  # its last choice is dropped, never begun
     assert adm.admitted == [] and [r.work.request_id for r in adm.closed] == ["a"]
     assert not sched.prefilling and not sched.busy
+
+
+def test_a_resumed_request_runs_only_its_unfinished_choices_with_their_own_seeds():
+    """A request resumed after its worker was lost names the choices still to
+    generate: only those wait, each keeping its index and so its seed (seed + index);
+    the request closes when they have retired."""
+    sched, versions = scheduler(**{"1": PoolDecoder(slots=4)})
+    w = msgspec.structs.replace(work("a", n=3), choices=[0, 2], skips=[3, 5, 1])
+    sched.add(w, NOW, seed=10)
+    assert ids(sched.waiting) == [("a", 0), ("a", 2)]
+    assert [s.seed for s in sched.waiting] == [10, 12]
+    assert sched.requests["a"].remaining == 2
+    assert [w.skipped(i) for i in range(3)] == [3, 5, 1]
+    sched.schedule(time.time(), NOW)
+    assert [seed for _, _, seed in versions.engines["1"].begun] == [10, 12]

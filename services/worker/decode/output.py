@@ -111,7 +111,7 @@ class OutputProcessor:
             if got is not None:
                 stream.logprobs.append(TokenLogprob(tok, got[0], got[1]))
         text = self._check(seq, lane, stream, tok)
-        if stream.generated <= seq.work.skip and not seq.finish:
+        if stream.generated <= seq.work.skipped(seq.index) and not seq.finish:
             # resumed: the gateway delivered these already; the detokenizer has run
             # over them, so the next chunk's text goes on where they stopped
             stream.unsent, stream.logprobs = 0, []

@@ -1,6 +1,7 @@
 """The decoder's step scheduler: which sequences are in the next engine call. Host only.
 
-  1. `add()` turns a GenerateWork with `n` choices into `n` sequences waiting FIFO.
+  1. `add()` turns a GenerateWork with `n` choices into `n` sequences waiting FIFO
+     (a resumed one: those of `choices` only).
   2. `retiring()` names the slots to free before the next step: sequences that
      finished, were cancelled or ran out of time; `retire()` forgets them once the
      engine freed those slots, and returns the requests whose last choice just
@@ -192,9 +193,11 @@ class StepScheduler:
 
     # ------------------------------------------------------------- requests
     def add(self, work: GenerateWork, now: float, seed: int) -> None:
-        """`seed`: the first choice's; choice i draws from seed + i."""
-        self.requests[work.request_id] = Request(work, now, work.n)
-        for i in range(work.n):
+        """`seed`: the first choice's; choice i draws from seed + i (a resumed
+        request's choices keep their index, so their draws too)."""
+        choices = work.generated()
+        self.requests[work.request_id] = Request(work, now, len(choices))
+        for i in choices:
             self.waiting.append(Sequence(work, i, (seed + i) % 2**32, now))
 
     def cancel(self, request_id: str) -> bool:
