@@ -217,3 +217,151 @@ async def test_a_request_whose_workers_keep_dying_ends_at_the_cap(nats_server, d
         assert "TENSORBUS_MAX_REDISPATCH=1" in stream.error["message"]
         assert st.gateway.front.given_up == 1
         assert sum(map(len, sent.values())) == 2  # not sent a third time
+
+
+# ------------------------------------------------------------- several choices
+SEED = 4242  # the seeded requests' own
+
+
+class Answer:
+    """One request with several choices over HTTP, streamed or whole: each choice's
+    text, its streamed pieces, its finish reason."""
+
+    def __init__(self, body: dict, chat: bool = False) -> None:
+        self.body, self.chat = body, chat
+        n = body["n"]
+        self.pieces: list[list[str]] = [[] for _ in range(n)]
+        self.finish: list[str | None] = [None] * n
+        self.status, self.error, self.usage = 0, None, None
+
+    async def run(self, http: httpx.AsyncClient) -> Answer:
+        path = "/v1/chat/completions" if self.chat else "/v1/completions"
+        if not self.body.get("stream"):
+            r = await http.post(path, json=self.body)
+            got = r.json()
+            self.status, self.error, self.usage = r.status_code, got.get("error"), got.get("usage")
+            for c in got.get("choices", []):
+                self.pieces[c["index"]] = [c["message"]["content"] if self.chat else c["text"]]
+                self.finish[c["index"]] = c["finish_reason"]
+            return self
+        async with http.stream("POST", path, json=self.body) as r:
+            self.status, held = r.status_code, b""
+            if r.status_code != 200:
+                self.error = json.loads(await r.aread()).get("error")
+                return self
+            async for data in r.aiter_bytes():  # events split on blank lines only: a
+                *events, held = (held + data).split(b"\n\n")  # text may hold U+2028
+                for event in events:
+                    if event.startswith(b"data: {"):
+                        self._take(json.loads(event[6:]))
+        return self
+
+    def _take(self, chunk: dict) -> None:
+        self.error = chunk.get("error", self.error)
+        self.usage = chunk.get("usage") or self.usage
+        for c in chunk.get("choices", []):
+            text = c["delta"].get("content") if self.chat else c["text"]
+            if text:
+                self.pieces[c["index"]].append(text)
+            self.finish[c["index"]] = c["finish_reason"] or self.finish[c["index"]]
+
+    @property
+    def texts(self) -> list[str]:
+        return ["".join(p) for p in self.pieces]
+
+
+def _choices(i: int, n: int, stream: bool, chat: bool = False, **extra) -> dict:
+    """Request i's body: prompt i (chat: its text), n choices of NEW tokens."""
+    body = {"model": "tiny-lost", "max_tokens": NEW, "ignore_eos": True, "n": n,
+            "stream": stream, **extra}
+    if chat:
+        body["messages"] = [{"role": "user", "content": f"tell me {i} things"}]
+    else:
+        body["prompt"] = _prompt(i)
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def _stop_early(text: str, others: list[str]) -> str:
+    """A stop string that ends `text` early and none of `others`."""
+    for at in range(8, len(text) - 6):
+        stop = text[at:at + 6]
+        if stop.strip() and not any(stop in o for o in others):
+            return stop
+    raise AssertionError(f"no stop string ends {text!r} alone")
+
+
+async def test_every_choice_follows_a_lost_worker(nats_server, decoder):
+    """n = 2 or 3, streamed and whole, chat and completions, greedy, seeded and
+    sampled without a seed: the worker generating them all vanishes mid-stream, with
+    one choice already finished; each choice resumes from its own last token on the
+    survivor, the finished one is not generated again, and every choice's text is the
+    unbroken run's."""
+    engine, path, greedy = decoder
+    # Engines of their own: the module's engine may still hold the slots of a worker
+    # an earlier test killed. The second is built ahead: it joins while the first
+    # is generating.
+    first, second = _second(path), _second(path)
+    async with running_stack(nats_server.url, models={engine.name: path}, max_context=CONTEXT,
+                             decode_slots=SLOTS) as st:  # fmt: skip
+        await st.add_worker(first, "many-a", kind="decoder")
+        sent = await _watch_work(st.client, ["many-a", "many-b"])
+        async with httpx.AsyncClient(base_url=st.http_url, timeout=120) as http:
+            # Seeded, three choices: a stop string that ends the first one early only.
+            free = await Answer(_choices(2, 3, True, seed=SEED)).run(http)
+            stop = _stop_early(free.texts[0], free.texts[1:])
+            streamed = [  # 8 choices: every one in a slot at once
+                (_choices(0, 2, True, temperature=0), False),  # greedy
+                (_choices(1, 3, True, chat=True), True),  # sampled, no seed
+                (_choices(2, 3, True, seed=SEED, stop=[stop]), False)]  # seeded, one ends early
+            whole = [(_choices(3, 2, False), False),  # sampled, no seed
+                     (_choices(4, 2, False, chat=True, temperature=0), True)]  # greedy
+            # Unbroken references of the seeded and greedy ones (and shapes compiled).
+            refs = await asyncio.gather(*(Answer(b, chat).run(http) for b, chat in streamed + whole))
+            assert [(a.status, a.error) for a in refs] == [(200, None)] * 5
+            assert refs[0].texts == [greedy[0]] * 2  # transformers' tokens
+            assert refs[2].finish == ["stop", "length", "length"]
+            for ws in sent.values():
+                ws.clear()
+
+            answers = [Answer(b, chat) for b, chat in streamed + whole]
+            tasks = [asyncio.create_task(a.run(http)) for a in answers[:3]]
+            await wait_until(lambda: len(sent["many-a"]) == 3)  # the streamed ones first
+            tasks += [asyncio.create_task(a.run(http)) for a in answers[3:]]
+            await wait_until(lambda: len(sent["many-a"]) == 5)
+            await st.add_worker(second, "many-b", kind="decoder")
+            seeded = answers[2]
+            await wait_until(lambda: seeded.finish[0] == "stop" and all(
+                len(p) >= 2 for a in answers[:3] for p, f in zip(a.pieces, a.finish) if not f),
+                timeout=60)
+            assert not any(t.done() for t in tasks[:3]), \
+                "the streams ended before their worker was killed: make them longer"
+            await _vanish(st, "many-a")
+            await asyncio.gather(*tasks)
+
+            assert st.scheduler.recovery.told == 5 and st.gateway.front.resumed == 5
+            for i, a in enumerate(answers):
+                assert a.status == 200 and a.error is None, (i, a.error)
+            # Each went again to the survivor, every unfinished choice from its own
+            # last token; the seeded request's finished choice was not sent again.
+            lost = {w.request_id: w for w in sent["many-a"]}
+            again = {w.request_id.rsplit("-r", 1)[0]: w for w in sent["many-b"]}
+            assert set(again) == set(lost)
+            seeded_id = next(r for r, w in lost.items() if w.stop)
+            resumed = again[seeded_id]
+            assert resumed.choices == [1, 2] and resumed.skips[0] > 0, resumed
+            assert all(s > 0 for s in resumed.skips[1:]), resumed.skips
+            assert resumed.sampling.seed == SEED
+            for a, ref in zip(answers, refs):
+                if a.body.get("temperature") == 0 or "seed" in a.body:
+                    assert a.texts == ref.texts, a.body
+                    assert a.usage == ref.usage, a.body  # finished choices counted too
+            # Sampled without a seed: the same requests with the seeds drawn, unbroken.
+            drawn = {(w.stream, w.n): w.sampling.seed for w in lost.values()
+                     if w.sampling.temperature > 0 and not w.stop}
+            for a, chat in ((answers[1], True), (answers[3], False)):
+                seed = drawn[(a.body["stream"], a.body["n"])]
+                ref = await Answer({**a.body, "seed": seed}, chat).run(http)
+                assert ref.status == 200 and a.texts == ref.texts, a.body
+                assert a.usage == ref.usage, a.body
