@@ -64,10 +64,16 @@ class Reranker(Protocol):
 
     def warmup(self, progress: bool = True) -> int: ...
 
-    def score(self, inputs: list[list[int]], token_types: list[list[int]]) -> np.ndarray:
+    def score(self, inputs: list[list[int]], token_types: list[list[int]],
+              raw: bool = False) -> np.ndarray:
         """[len(inputs), dim] float32 after the model's activation (sentence-
         transformers' CrossEncoder.predict: sigmoid for one label unless the model
-        says otherwise). Inputs come from `Tokenizer.encode_pairs`."""
+        says otherwise), or with `raw` the classifier's logits before it (TEI's
+        `raw_scores`). Inputs come from `Tokenizer.encode_pairs`."""
+
+    def activate(self, logits: np.ndarray) -> np.ndarray:
+        """`score(..., raw=True)`'s logits -> what `score` gives without `raw`: a
+        batch of raw and activated requests is computed once."""
 
 
 class PendingStep(Protocol):

@@ -83,6 +83,7 @@ class Tokenizer:
         self._tok = tok
         # encode_batch_fast skips offset tracking; older tokenizers lack it.
         self._encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        self._cut: dict[int, Any] = {}  # max_length -> a truncating copy's encoder
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.pad_id = pad_id if pad_id is not None else (eos_token_ids or (0,))[0]
@@ -162,13 +163,29 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.encode_batch([text], add_special_tokens)[0]
 
-    def encode_pairs(self, pairs: list[tuple[str, str]]) -> tuple[list[list[int]], list[list[int]]]:
+    def encode_pairs(self, pairs: list[tuple[str, str]], max_length: int | None = None
+                     ) -> tuple[list[list[int]], list[list[int]]]:
         """Text pairs as a cross-encoder reads them, through the file's pair template
-        (`[CLS] a [SEP] b [SEP]`, `<s> a </s></s> b </s>`): (ids, token type ids)."""
+        (`[CLS] a [SEP] b [SEP]`, `<s> a </s></s> b </s>`): (ids, token type ids).
+        With `max_length`, a longer pair is cut to it, special tokens included, the
+        longer text first (the tokenizers library's `longest_first`, as transformers'
+        `truncation=True` and TEI cut a pair)."""
         if not pairs:
             return [], []
-        encodings = self._encode([tuple(p) for p in pairs], add_special_tokens=True)
+        encode = self._encode if max_length is None else self._cutting(max_length)
+        encodings = encode([tuple(p) for p in pairs], add_special_tokens=True)
         return [e.ids for e in encodings], [e.type_ids for e in encodings]
+
+    def _cutting(self, max_length: int):
+        """The batch encoder of a copy of the tokenizer that truncates at
+        `max_length` (this one never does; a copy per length, made once)."""
+        cut = self._cut.get(max_length)
+        if cut is None:
+            tok = _HFTokenizer.from_str(self._tok.to_str())
+            tok.no_padding()
+            tok.enable_truncation(max_length, strategy="longest_first", direction="right")
+            cut = self._cut[max_length] = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        return cut
 
     def count(self, texts: list[str], add_special_tokens: bool = True) -> list[int]:
         return [len(ids) for ids in self.encode_batch(texts, add_special_tokens)]

@@ -65,6 +65,8 @@ class EmbedWork(_Msg, tag="embed"):
     dimensions: int = 0  # Matryoshka: keep the first `dimensions` of each vector
     # (renormalised when the model normalises); 0 = the full width
     priority: int = 0  # its lane at the scheduler (shared.priority): 0 interactive, 1 batch
+    raw: bool = False  # pairs: the classifier's logits, before the model's activation
+    # (TEI's `raw_scores`); False = the activated scores (CrossEncoder.predict's)
 
 
 class GenerateWork(_Msg, tag="generate"):

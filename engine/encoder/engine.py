@@ -43,8 +43,8 @@ from engine import buckets as bk
 from engine import jaxrt, sharding
 from engine.encoder import packing
 from engine.encoder.config import BertConfig
-from engine.encoder.model import (decoder_forward, forward, forward_packed, score_forward,
-                                  score_packed)
+from engine.encoder.model import (activate, decoder_forward, forward, forward_packed,
+                                  score_forward, score_packed)
 from engine.encoder.params import Params, load_params
 from engine.programs import Programs
 from engine.quant import check_mode, tree_bytes
@@ -261,16 +261,24 @@ class EncoderEngine:
                              f"does not embed")  # fmt: skip
         return self._run(inputs, None)
 
-    def score(self, inputs: list[list[int]], token_types: list[list[int]]) -> np.ndarray:
+    def score(self, inputs: list[list[int]], token_types: list[list[int]],
+              raw: bool = False) -> np.ndarray:
         """A cross-encoder's scores: [len(inputs), num_labels] float32, after the
-        model's activation (CrossEncoder.predict's). Each input is one text pair as
-        its tokenizer encodes it (`[CLS] a [SEP] b [SEP]`, `<s> a </s></s> b </s>`),
-        with the pair's token type ids (all 0 for RoBERTa-style models)."""
+        model's activation (CrossEncoder.predict's), or with `raw` the logits before
+        it (one program computes the logits; `activate` is the host's). Each input is
+        one text pair as its tokenizer encodes it (`[CLS] a [SEP] b [SEP]`,
+        `<s> a </s></s> b </s>`), with the pair's token type ids (all 0 for
+        RoBERTa-style models)."""
         if self.task != "score":
             raise ValueError(f"{self.name} embeds texts; scoring pairs needs a cross-encoder")
         if [len(x) for x in inputs] != [len(t) for t in token_types]:
             raise ValueError("each input needs one token type per token")
-        return self._run(inputs, token_types)
+        logits = self._run(inputs, token_types)
+        return logits if raw else self.activate(logits)
+
+    def activate(self, logits: np.ndarray) -> np.ndarray:
+        """`score(raw=True)`'s logits -> the model's activated scores."""
+        return activate(logits, self.cfg)
 
     def _run(self, inputs: list[list[int]], types: list[list[int]] | None) -> np.ndarray:
         out = np.empty((len(inputs), self.dim), dtype=np.float32)  # [N, D]

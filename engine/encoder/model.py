@@ -15,6 +15,9 @@ model dtype; LayerNorm, softmax, pooling and the head in float32.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -85,6 +88,26 @@ _HEAD_ACTS = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False), "sigmoid": jax.nn.sigmoid,
     "silu": jax.nn.silu,
 }  # fmt: skip
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+_HOST_ACTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "identity": lambda x: x, "tanh": np.tanh, "relu": lambda x: np.maximum(x, 0.0),
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / np.sqrt(2.0))),
+    "sigmoid": lambda x: _sigmoid(x), "silu": lambda x: x * _sigmoid(x),
+}  # fmt: skip
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + e^-x) without overflow, and to full precision near 0 and 1."""
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def activate(logits: np.ndarray, cfg: BertConfig) -> np.ndarray:
+    """A cross-encoder's logits [N, L] -> its scores: the model's activation
+    (CrossEncoder.predict's), on the host in float64, as float32."""
+    return _HOST_ACTS[cfg.spec.score_activation](logits.astype(np.float64)).astype(np.float32)
 
 
 def head(params: Params, x32, m, cfg: BertConfig):
@@ -182,7 +205,7 @@ def forward_packed(params: Params, ids, slot, pos, cfg: BertConfig, tp: int = 1,
 
 def score_packed(params: Params, ids, slot, pos, types, cfg: BertConfig, tp: int = 1, *,
                  slots: int):
-    """A cross-encoder's packed program -> [slots, L] float32 scores (`score_forward`
+    """A cross-encoder's packed program -> [slots, L] float32 logits (`score_forward`
     on each pair's first token)."""
     x = encode_packed(params, ids, slot, pos, cfg, tp, types)
     xf = x.astype(jnp.float32).reshape(-1, x.shape[-1])  # [T, D]
@@ -191,11 +214,12 @@ def score_packed(params: Params, ids, slot, pos, types, cfg: BertConfig, tp: int
 
 
 def _classify(params: Params, cls, cfg: BertConfig):
-    """First-token states [N, D] float32 -> [N, L]: BERT's pooler (dense, tanh; RoBERTa's
-    classifier head has the same shape), the logits, the model's activation."""
+    """First-token states [N, D] float32 -> [N, L] logits: BERT's pooler (dense, tanh;
+    RoBERTa's classifier head has the same shape), then the classifier. The model's
+    activation is the host's (`activate`): one program gives raw and activated scores."""
     c = params["classifier"]
     h = jnp.tanh(cls @ c["cls_w"] + c["cls_b"])  # [N, D]
-    return _HEAD_ACTS[cfg.spec.score_activation](h @ c["out_w"] + c["out_b"])  # [N, L]
+    return h @ c["out_w"] + c["out_b"]  # [N, L]
 
 
 def forward(params: Params, ids, mask, cfg: BertConfig, tp: int = 1):
@@ -206,12 +230,11 @@ def forward(params: Params, ids, mask, cfg: BertConfig, tp: int = 1):
 
 def score_forward(params: Params, ids, mask, types, cfg: BertConfig, tp: int = 1):
     """A cross-encoder: ids, mask, token types of text pairs: [B, S] int32 -> [B, L]
-    float32 scores. CLS state -> dense, tanh (BERT's pooler; RoBERTa's classifier
-    head has the same shape) -> L logits -> the model's activation."""
+    float32 logits. CLS state -> dense, tanh (BERT's pooler; RoBERTa's classifier
+    head has the same shape) -> L logits; `activate` applies the model's activation."""
     x, m = encode(params, ids, mask, cfg, tp, types)
     if cfg.family == "modernbert":  # no token types; its own head
-        logits = modernbert.classify(params, x.astype(jnp.float32), m, cfg)
-        return _HEAD_ACTS[cfg.spec.score_activation](logits)  # [B, L]
+        return modernbert.classify(params, x.astype(jnp.float32), m, cfg)  # [B, L]
     return _classify(params, x[:, 0].astype(jnp.float32), cfg)  # [B, L]
 
 

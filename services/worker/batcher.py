@@ -77,12 +77,14 @@ BATCH_S_WEIGHT = 0.2  # moving-average weight of the newest batch's compute time
 
 
 def run_encoder(engine, inputs: list[list[int]],
-                types: list[list[int]] | None = None) -> np.ndarray:
+                types: list[list[int]] | None = None, raw: bool = False) -> np.ndarray:
     """One engine call: a cross-encoder (`task` "score", `engine.interface.Reranker`)
     scores `inputs` as text pairs with their token types (all 0 when none are given:
-    the warm-up's probes); an embedder embeds them. [len(inputs), dim] float32."""
+    the warm-up's probes), `raw`: its logits; an embedder embeds them.
+    [len(inputs), dim] float32."""
     if engine.task == "score":
-        return engine.score(inputs, types if types is not None else [[0] * len(x) for x in inputs])
+        return engine.score(inputs, types if types is not None else [[0] * len(x) for x in inputs],
+                            raw=raw)
     return engine.embed(inputs)
 
 
@@ -264,7 +266,8 @@ class EncoderRunner:
         types = [t for p in batch for t in p.work.types] if scoring else None
         start = time.perf_counter()
         try:
-            vecs = run_encoder(engine, flat, types)  # [sum(inputs), dim]
+            # pairs: the logits, each request's activated here unless it asks for them
+            vecs = run_encoder(engine, flat, types, raw=scoring)  # [sum(inputs), dim]
             self.steps += 1
         except Exception as exc:  # noqa: BLE001 - reported per request
             if len(batch) == 1:
@@ -277,7 +280,11 @@ class EncoderRunner:
         normalize = engine.normalize
         for p in batch:
             k = len(p.work.inputs)
-            out.append(matryoshka(vecs[i:i + k], p.work.dimensions, normalize))
+            v = vecs[i:i + k]
+            if scoring:
+                out.append(v if p.work.raw else engine.activate(v))
+            else:
+                out.append(matryoshka(v, p.work.dimensions, normalize))
             i += k
             timings.append(Timing(batch_wait=p.closed - p.arrived, queue=start - p.closed,
                                   compute=end - start, batch_size=len(flat)))

@@ -56,3 +56,46 @@ def test_a_reranker_is_not_an_embedder(tmp_path):
         enc.embed([[101, 102]])
     with pytest.raises(UnsupportedEncoder, match="JAX engine only"):
         TorchEncoder(tmp_path / "ce", **KW)
+
+
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_raw_scores_are_the_logits_from_the_same_program(tmp_path, family):
+    """`score(raw=True)` is CrossEncoder.predict with no activation (TEI's
+    `raw_scores`), from the programs that give the activated scores: nothing more is
+    compiled, and `activate` of the logits is exactly what `score` answers."""
+    import torch
+
+    ce = tiny_encoders.build_cross_encoder(tmp_path, family, num_labels=1)
+    d = tmp_path / "ce"
+    ids, types = Tokenizer.from_dir(d).encode_pairs(PAIRS)
+    enc = EncoderEngine(d, name="reranker", **KW)
+    scores = enc.score(ids, types)
+    traced = enc.traces
+    raw = enc.score(ids, types, raw=True)
+    assert enc.traces == traced  # the same program
+    logits = np.asarray(ce.predict(PAIRS, activation_fn=torch.nn.Identity()),
+                        dtype=np.float32).reshape(len(PAIRS), 1)
+    np.testing.assert_allclose(raw, logits, atol=1e-4, rtol=0)
+    assert np.abs(logits - np.asarray(ce.predict(PAIRS)).reshape(-1, 1)).min() > 1e-2  # differ
+    np.testing.assert_array_equal(enc.activate(raw), scores)
+    np.testing.assert_allclose(scores, 1 / (1 + np.exp(-logits.astype(np.float64))), atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
+def test_a_pair_is_cut_longest_first_as_transformers_cuts_it(tmp_path, family):
+    """`encode_pairs(max_length=n)`: transformers' `truncation='longest_first'`: the
+    longer text loses tokens first, special tokens count; a pair within `n` is whole."""
+    ce = tiny_encoders.build_cross_encoder(tmp_path, family, num_labels=1)
+    tok = Tokenizer.from_dir(tmp_path / "ce")
+    pairs = [("word " * 30, "short one"), ("short one", "word " * 30),
+             ("alpha beta " * 12, "gamma delta " * 10), ("hi", "there")]
+    for n in (12, 13, 20, 33):
+        ids, types = tok.encode_pairs(pairs, max_length=n)
+        ref = ce.tokenizer([a for a, _ in pairs], [b for _, b in pairs],
+                           truncation="longest_first", max_length=n)
+        assert ids == ref["input_ids"] and all(len(x) <= n for x in ids)
+        if "token_type_ids" in ref:
+            assert types == ref["token_type_ids"]
+    whole, _ = tok.encode_pairs(pairs)
+    assert tok.encode_pairs(pairs, max_length=max(map(len, whole)))[0] == whole
+    assert len(whole[0]) > 33 and len(whole[1]) > 33  # the cut is exercised both ways
