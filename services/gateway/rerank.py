@@ -4,7 +4,8 @@
      `documents`; score: vLLM's, `text_1` and `text_2`), resolve a cross-encoder
      with one score per pair (400 for any other model), check the pairs (400: none,
      more than TENSORBUS_MAX_INPUTS, an empty text, a pair longer than the model
-     takes: refused with its index, never cut), and tokenize them through the
+     takes: refused with its index, never cut unless TEI's `truncate` asks), and
+     tokenize them through the
      model's pair template (`Tokenizer.encode_pairs`) under the admission every
      encoder request gets (services.gateway.embeddings.tokenized).
   2. whole: one EmbedWork whose inputs are the pairs, with their token types; the
@@ -59,7 +60,10 @@ class Pairs:
         self.name = "rerank" if rerank else "score"
         self._type = RerankRequest if rerank else ScoreRequest
 
-    async def prepare(self, body: bytes, call: Call) -> PairsPrepared:
+    async def prepare(self, body: bytes, call: Call, *, raw: bool = False,
+                      truncate: bool = False) -> PairsPrepared:
+        """`raw` and `truncate`: TEI's `raw_scores` and `truncate` (services.gateway.tei);
+        Cohere's and vLLM's bodies have neither."""
         front = self.front
         front.check_size(body)
         req = codec.decode(body, self._type, call.msgpack)
@@ -72,10 +76,10 @@ class Pairs:
         check_count(len(pairs), front.config, "documents" if self.rerank else "pairs")
         ids, types, reserved = await tokenized(
             front, call, entry, version, body, lambda: (len(pairs), [a + b for a, b in pairs], 0),
-            lambda: tokenize_pairs(pairs, entry, each), "documents" if self.rerank else "pairs")
+            lambda: tokenize_pairs(pairs, entry, each, truncate), "documents" if self.rerank else "pairs")
         call.out.prompt_tokens = sum(len(x) for x in ids)
         work = EmbedWork(call.wire, name, version, ids, call.deadline, "", types=types,
-                         user=user, reserved=reserved, priority=call.priority)
+                         user=user, reserved=reserved, priority=call.priority, raw=raw)
         return PairsPrepared(req, work)
 
     async def whole(self, prep: PairsPrepared, call: Call) -> RerankResponse | ScoreResponse:
@@ -153,13 +157,14 @@ def score_pairs(req: ScoreRequest) -> tuple[list[tuple[str, str]], str]:
     return pairs, "pair"
 
 
-def tokenize_pairs(pairs: list[tuple[str, str]], entry: ModelEntry,
-                   each: str) -> tuple[list[list[int]], list[list[int]]]:
+def tokenize_pairs(pairs: list[tuple[str, str]], entry: ModelEntry, each: str,
+                   truncate: bool = False) -> tuple[list[list[int]], list[list[int]]]:
     """(ids, token types) per pair, special tokens included; a pair longer than the
     model takes is a 400 naming it (refused, not truncated: a cut document would be
-    scored on text the client did not send)."""
-    ids, types = entry.tokenizer.encode_pairs(pairs)
+    scored on text the client did not send), unless `truncate` asks to cut it to the
+    limit, the longer text first (`Tokenizer.encode_pairs`)."""
     limit = entry.info.max_tokens
+    ids, types = entry.tokenizer.encode_pairs(pairs, limit if truncate else None)
     for i, x in enumerate(ids):
         if len(x) > limit:
             raise bad_request(f"{each} {i} takes {len(x)} tokens as a pair; model "

@@ -12,8 +12,10 @@ with TEI's body (`query` and `texts`), beside OpenAI's and Cohere's shapes.
 goes to the rerank pipeline unchanged (`RerankRoute`). TEI's `normalize` is served
 as asked where the model's vectors allow it: unit vectors from a model without a
 Normalize module are normalised here; raw vectors from a model that normalises in
-its own modules cannot be had (400), nor can `raw_scores` (the engine returns the
-model's activated scores) or a rerank's `truncate` (a pair is never cut).
+its own modules cannot be had (400). A rerank's `raw_scores` gives the classifier's
+logits before the model's activation (sigmoid for one label), and its `truncate`
+cuts a pair longer than the model takes to its limit, the longer text first (without
+it such a pair is a 400 naming it).
 """
 
 from __future__ import annotations
@@ -119,15 +121,10 @@ class RerankRoute:
         if "texts" not in fields:
             return await self.cohere.prepare(body, call)
         req = codec.decode(body, TeiRerankRequest, call.msgpack)
-        if req.raw_scores:
-            raise bad_request("'raw_scores' is not served: scores are the model's own "
-                              "activated ones")  # fmt: skip
-        if req.truncate:
-            raise bad_request("'truncate' is not served for rerank: a pair longer than the "
-                              "model takes is refused with its index, never cut")  # fmt: skip
         model = req.model or await _only_model(self.front, "score", "reranker")
         inner = RerankRequest(model=model, query=req.query, documents=list(req.texts))
-        prep = await self.cohere.prepare(msgspec.json.encode(inner), _json(call))
+        prep = await self.cohere.prepare(msgspec.json.encode(inner), _json(call),
+                                         raw=req.raw_scores, truncate=req.truncate)
         return TeiRerankPrepared(prep, req.return_text)
 
     async def whole(self, prep, call: Call):

@@ -47,11 +47,11 @@ class Gated:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def score(self, inputs, types):
+    def score(self, inputs, types, raw=False):
         self.entered.set()
         self.gate.wait()
         self.sizes.append(len(inputs))
-        return self.inner.score(inputs, types)
+        return self.inner.score(inputs, types, raw=raw)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,6 @@ async def test_tei_rerank_body_and_cohere_document_objects(stack, reranker):
         objects = await http.post("/v1/rerank", json={
             "model": MODEL, "query": QUERY, "documents": [{"text": d} for d in DOCS],
             "top_n": 2, "return_documents": True})
-        raw = await http.post("/rerank", json={"query": QUERY, "texts": DOCS, "raw_scores": True})
     assert tei.status_code == 200, tei.text
     ranks = tei.json()
     assert [r["index"] for r in ranks] == best and [r["text"] for r in ranks] == [DOCS[i] for i in best]
@@ -171,7 +170,58 @@ async def test_tei_rerank_body_and_cohere_document_objects(stack, reranker):
     assert objects.status_code == 200, objects.text
     assert [(r["index"], r["document"]["text"]) for r in objects.json()["results"]] == \
         [(i, DOCS[i]) for i in best[:2]]
-    assert raw.status_code == 400 and "raw_scores" in raw.json()["error"]["message"]
+
+
+async def test_tei_raw_scores_are_the_cross_encoders_logits(stack, reranker):
+    """TEI's `raw_scores`: the classifier's logits (CrossEncoder.predict with no
+    activation), ranked as the activated scores rank; the activated ones unchanged."""
+    import torch
+
+    ce = reranker[0]
+    pairs = [(QUERY, d) for d in DOCS]
+    logits = np.asarray(ce.predict(pairs, activation_fn=torch.nn.Identity()),
+                        np.float64).reshape(-1)
+    ref = predict(ce, pairs)
+    assert np.abs(logits - ref).min() > 1e-2  # raw and activated differ: the test can fail
+    best = list(np.argsort(-logits, kind="stable"))
+    async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as http:
+        raw, act = await asyncio.gather(
+            http.post("/rerank", json={"query": QUERY, "texts": DOCS, "raw_scores": True}),
+            http.post("/rerank", json={"query": QUERY, "texts": DOCS}))
+        bad = await http.post("/rerank", json={"query": QUERY, "texts": DOCS,
+                                               "raw_scores": "yes"})
+    assert raw.status_code == 200 and act.status_code == 200, (raw.text, act.text)
+    assert [r["index"] for r in raw.json()] == best
+    np.testing.assert_allclose([r["score"] for r in raw.json()], logits[best], atol=1e-4)
+    np.testing.assert_allclose([r["score"] for r in act.json()], ref[best], atol=1e-4)
+    assert bad.status_code == 400 and "raw_scores" in bad.json()["error"]["message"]
+
+
+async def test_tei_truncate_cuts_an_over_long_pair_longest_first(stack, reranker):
+    """TEI's `truncate`: a pair past the model's 48 tokens is cut to them as
+    transformers' `truncation='longest_first'` cuts it, and scored as the model scores
+    that cut pair; without it the pair is still a 400 naming it."""
+    import torch
+
+    ce = reranker[0]
+    texts = ["fine", TOO_LONG, "word " * 20 + "end"]
+    whole = ce.tokenizer([QUERY] * 3, texts)["input_ids"]
+    assert [len(x) > tiny_encoders.MAX_SEQ for x in whole] == [False, True, False]
+    feats = ce.tokenizer([QUERY] * 3, texts, truncation="longest_first",
+                         max_length=tiny_encoders.MAX_SEQ, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        ref = torch.sigmoid(ce.model(**feats).logits).numpy().reshape(-1).astype(np.float64)
+    async with httpx.AsyncClient(base_url=stack.http_url, timeout=60) as http:
+        cut = await http.post("/rerank", json={"query": QUERY, "texts": texts, "truncate": True})
+        refused = await http.post("/rerank", json={"query": QUERY, "texts": texts})
+        left = await http.post("/rerank", json={"query": QUERY, "texts": texts, "truncate": True,
+                                                "truncation_direction": "left"})
+    assert cut.status_code == 200, cut.text
+    got = {r["index"]: r["score"] for r in cut.json()}
+    np.testing.assert_allclose([got[i] for i in range(3)], ref, atol=1e-4)
+    assert refused.status_code == 400
+    assert "document 1 takes 68 tokens as a pair" in refused.json()["error"]["message"]
+    assert left.status_code == 400 and "truncation_direction" in left.json()["error"]["message"]
 
 
 async def test_score_pairs_as_cross_encoder(stack, reranker):
