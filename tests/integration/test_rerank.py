@@ -19,7 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shared import subjects
 from shared.errors import HEADER_CODE, HEADER_MESSAGE
-from shared.messages import EmbedResult, EmbedWork, WorkError, encode, result_decoder
+from shared.messages import (EmbedResult, EmbedWork, WorkError, encode, result_decoder,
+                             work_decoder)
 from shared.telemetry import RequestRecord, record_decoder
 from bench.support import tiny_encoders
 from tests.support.stack import running_stack, wait_until
@@ -291,6 +292,26 @@ async def test_a_bad_request_is_a_400_while_its_neighbours_are_served(stack, rer
         assert [x["index"] for x in r["results"]] == list(np.argsort(-ref, kind="stable"))
 
 
+async def submit_pairs(nc, tok, rid: str, docs: list[str], with_types: bool = True,
+                       raw: bool = False):
+    """(QUERY, doc) pairs as one EmbedWork sent to the scheduler -> its reply's subscription."""
+    ids, types = tok.encode_pairs([(QUERY, d) for d in docs])
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    work = EmbedWork(rid, MODEL, "", ids, time.time() + 60, inbox,
+                     types=types if with_types else [], raw=raw)
+    await nc.publish(subjects.SCHED_SUBMIT, encode(work), reply=inbox)
+    return sub
+
+
+async def answer(sub):
+    while True:  # Accepted / Held notices may come first
+        res = result_decoder.decode((await sub.next_msg(timeout=60)).data)
+        if isinstance(res, (EmbedResult, WorkError)):
+            await sub.unsubscribe()
+            return res
+
+
 async def test_worker_refuses_embed_work_for_a_reranker_and_serves_its_batch_mates(stack,
                                                                                    reranker):
     """Work a gateway would never send (no token types for a cross-encoder) reaches
@@ -301,21 +322,8 @@ async def test_worker_refuses_embed_work_for_a_reranker_and_serves_its_batch_mat
     tok = Tokenizer.from_dir(path)
     nc = stack.client
 
-    async def submit(rid: str, docs: list[str], with_types: bool = True):
-        ids, types = tok.encode_pairs([(QUERY, d) for d in docs])
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-        work = EmbedWork(rid, MODEL, "", ids, time.time() + 60, inbox,
-                         types=types if with_types else [])
-        await nc.publish(subjects.SCHED_SUBMIT, encode(work), reply=inbox)
-        return sub
-
-    async def answer(sub):
-        while True:  # Accepted / Held notices may come first
-            res = result_decoder.decode((await sub.next_msg(timeout=60)).data)
-            if isinstance(res, (EmbedResult, WorkError)):
-                await sub.unsubscribe()
-                return res
+    def submit(rid: str, docs: list[str], with_types: bool = True):
+        return submit_pairs(nc, tok, rid, docs, with_types)
 
     engine.gate.clear()
     engine.entered.clear()
@@ -337,6 +345,41 @@ async def test_worker_refuses_embed_work_for_a_reranker_and_serves_its_batch_mat
         np.testing.assert_allclose(got, predict(ce, [(QUERY, d) for d in docs]), atol=1e-4)
     assert engine.sizes == [2, 5]  # batch-mates: the refused work left the batch, not them
     assert ok1.timing.batch_size == ok2.timing.batch_size == 5
+
+
+async def test_raw_and_activated_work_in_one_batch_each_get_their_own(stack, reranker):
+    """One engine call scores a batch whose requests ask for logits and for activated
+    scores: each gets what it asked for (the worker activates per request)."""
+    import torch
+
+    from engine.tokenizer import Tokenizer
+
+    ce, engine, path = reranker
+    tok, nc = Tokenizer.from_dir(path), stack.client
+    engine.gate.clear()
+    engine.entered.clear()
+    engine.sizes.clear()
+    try:
+        first = await submit_pairs(nc, tok, "rr-hold", DOCS[:1])
+        await asyncio.to_thread(engine.entered.wait, 30)  # the first batch holds the engine
+        raw = await submit_pairs(nc, tok, "rr-raw", DOCS[1:4], raw=True)
+        act = await submit_pairs(nc, tok, "rr-act", DOCS[4:])
+        await wait_until(lambda: stack.workers["rr-1"].runner.queue_depth == 2)
+    finally:
+        engine.gate.set()
+    results = [await answer(s) for s in (first, raw, act)]
+    assert all(isinstance(r, EmbedResult) for r in results), results
+    assert engine.sizes == [1, 6]  # raw and activated work in one engine call
+    logits = np.asarray(ce.predict([(QUERY, d) for d in DOCS[1:4]],
+                                   activation_fn=torch.nn.Identity()), np.float64).reshape(-1)
+    np.testing.assert_allclose(np.frombuffer(results[1].vectors, "<f4"), logits, atol=1e-4)
+    np.testing.assert_allclose(np.frombuffer(results[2].vectors, "<f4"),
+                               predict(ce, [(QUERY, d) for d in DOCS[4:]]), atol=1e-4)
+    np.testing.assert_allclose(np.frombuffer(results[0].vectors, "<f4"),
+                               predict(ce, [(QUERY, DOCS[0])]), atol=1e-4)
+    fields = msgspec.msgpack.decode(encode(EmbedWork("r", MODEL, "", [[1]], 0.0, "", raw=True)))
+    assert fields[-1] is True  # the last field: a sender that predates it asks activated
+    assert work_decoder.decode(msgspec.msgpack.encode(fields[:-1])).raw is False
 
 
 async def test_rerank_and_score_are_counted_like_every_endpoint(stack, records):
