@@ -53,7 +53,22 @@ def test_warmup_timing_finds_the_engines_cost_per_batch_and_per_token(clock):
     cost = time_encoder(engine, max_batch=64)
     assert cost.per_token == pytest.approx(5e-5, rel=1e-6)
     assert cost.per_batch == pytest.approx(0.02, abs=1e-6)
-    assert engine.batches == [1, 64, 64]  # one untimed call, then two full batches
+    assert engine.batches == [1, 64, 64, 64, 64]  # one untimed call, then each size twice
+
+
+def test_a_stalled_probe_does_not_skew_the_encoders_cost(clock):
+    """A shared machine stalls one timed batch (here the first, by a second): each
+    size's fastest run counts, so the fit is the engine's, not the stall's."""
+
+    class Stalled(TimedEncoder):
+        def embed(self, inputs):
+            if len(self.batches) == 1:  # the first timed batch
+                self.clock.spend(1.0)
+            return super().embed(inputs)
+
+    cost = time_encoder(Stalled(clock), max_batch=64)
+    assert cost.per_token == pytest.approx(5e-5, rel=1e-6)
+    assert cost.per_batch == pytest.approx(0.02, abs=1e-6)
 
 
 def test_an_engine_that_fails_its_timing_still_starts_without_an_estimate():
