@@ -122,12 +122,18 @@ def _original(scaling: dict, cfg: dict) -> int:
     return int(cfg.get("max_position_embeddings", 2048))
 
 
+def _factor(scaling: dict, cfg: dict, original: int) -> float:
+    """The scaling's `factor`, else how far the context reaches past the pre-training
+    length (transformers' default for YaRN and longrope)."""
+    factor = scaling.get("factor")
+    return float(factor) if factor is not None else (
+        int(cfg.get("max_position_embeddings", 2048)) / original)
+
+
 def _yarn(scaling: dict, cfg: dict) -> tuple:
     """transformers' `_compute_yarn_parameters`, its numbers read once here."""
     original = _original(scaling, cfg)
-    factor = scaling.get("factor")
-    factor = float(factor) if factor is not None else (
-        int(cfg.get("max_position_embeddings", 2048)) / original)
+    factor = _factor(scaling, cfg, original)
     attention = scaling.get("attention_factor")
     if attention is None:
         mscale, mscale_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
@@ -142,9 +148,7 @@ def _longrope(scaling: dict, cfg: dict) -> tuple:
     """transformers' `_compute_longrope_parameters`: short factors up to the
     pre-training length, long ones past it, cos/sin scaled by the attention factor."""
     original = _original(scaling, cfg)
-    factor = scaling.get("factor")
-    factor = float(factor) if factor is not None else (
-        int(cfg.get("max_position_embeddings", 2048)) / original)
+    factor = _factor(scaling, cfg, original)
     attention = scaling.get("attention_factor")
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))

@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import openai
 import pytest
 
 from bench.support.mock_encoder import MockEncoder
 from services.batch.runner import BatchRunner
+from tests.support.batches import until
 from tests.support.bus import connect as bus_connect
 from tests.support.stack import running_stack, wait_until
 
@@ -61,15 +61,6 @@ def embed_line(i: int) -> dict:
             "body": {"model": MODEL, "input": [FIRST + i]}}
 
 
-async def until(client, batch_id: str, cond, timeout: float = 60.0):
-    """The batch once `cond(batch)` holds (polled against a deadline)."""
-    end = time.monotonic() + timeout
-    while True:
-        b = await client.batches.retrieve(batch_id)
-        if cond(b):
-            return b
-        assert time.monotonic() < end, f"batch stuck: {b.status} {b.request_counts}"
-        await asyncio.sleep(0.05)
 
 
 async def vanish(st, worker_id: str) -> None:

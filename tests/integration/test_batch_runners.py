@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 
 import msgspec
 import openai
@@ -30,6 +29,7 @@ from nats.js.kv import KV_DEL, KV_PURGE
 from bench.support.mock_encoder import MockEncoder
 from services.batch.runner import BatchRunner
 from services.batchstore import BatchStore
+from tests.support.batches import until
 from tests.support.bus import connect as bus_connect
 from tests.support.stack import running_stack, wait_until
 
@@ -115,14 +115,6 @@ async def submit(client, prefix: str, n: int):
                                        completion_window="24h")
 
 
-async def until(client, batch_id: str, cond, timeout: float = 60.0):
-    end = time.monotonic() + timeout
-    while True:
-        b = await client.batches.retrieve(batch_id)
-        if cond(b):
-            return b
-        assert time.monotonic() < end, f"batch stuck: {b.status} {b.request_counts}"
-        await asyncio.sleep(0.05)
 
 
 async def answered_once(client, batch, prefix: str, n: int) -> None:

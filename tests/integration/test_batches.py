@@ -32,6 +32,7 @@ import pytest
 import pytest_asyncio
 
 from shared import catalog
+from tests.support.batches import until
 from tests.support.stack import running_stack
 
 MODEL = catalog.SMOLLM2
@@ -134,15 +135,6 @@ async def submit(client, lines: list[dict], endpoint: str = "/v1/chat/completion
                                        completion_window="24h", metadata={"test": "batches"})
 
 
-async def until(client, batch_id: str, cond, timeout: float = 60.0):
-    """The batch once `cond(batch)` holds (polled; a deadline, not a sleep)."""
-    end = time.monotonic() + timeout
-    while True:
-        b = await client.batches.retrieve(batch_id)
-        if cond(b):
-            return b
-        assert time.monotonic() < end, f"batch stuck: {b.status} {b.request_counts}"
-        await asyncio.sleep(0.05)
 
 
 def final(b) -> bool:
