@@ -12,15 +12,18 @@ still goes over the bus (services/probe.py). Imports nothing heavy.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 EVERY_S = 5.0  # how often the service rewrites its file
 STALE_S = 30.0  # a file older than this is a process that stopped making progress
+_writes = itertools.count()
 
 
 def live_path(service: str, instance: str = "", directory: str | Path | None = None) -> Path:
@@ -42,9 +45,15 @@ def live_file(service: str, config: Any) -> Path:
 def write_live(path: Path, health: Callable[[], tuple[bool, dict[str, Any]]]) -> bool:
     """Write one answer of `health` with the time, atomically; returns its ok."""
     ok, body = health()
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"ok": ok, "at": time.time(), **body}, default=str))
-    os.replace(tmp, path)
+    # A name of this write's own: services of one process (the tests' stacks, one per
+    # thread) may write the same file at once, and a shared temporary name let one
+    # writer's rename take the other's file away (FileNotFoundError).
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_writes)}.tmp")
+    try:
+        tmp.write_text(json.dumps({"ok": ok, "at": time.time(), **body}, default=str))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return ok
 
 

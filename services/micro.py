@@ -157,8 +157,13 @@ class MicroService(Service):
         self._live_task: asyncio.Task | None = None
 
     def keep_live_file(self, path: Path) -> None:
-        """Write `health.health()` to `path` now, then every few seconds until `stop()`."""
-        write_live(path, self.health.health)
+        """Write `health.health()` to `path` now, then every few seconds until `stop()`.
+        A write that fails (a full or missing /tmp) leaves the file stale, for the probe
+        to report; it never stops the service from starting."""
+        try:
+            write_live(path, self.health.health)
+        except OSError as exc:
+            log.warning("liveness_file_unwritable", path=str(path), error=str(exc))
         self._live_task = asyncio.create_task(keep_live(path, self.health.health))
 
     @property

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 
 from services.liveness import is_live, keep_live, live_path, write_live
@@ -95,3 +96,29 @@ def test_a_stale_missing_or_garbled_file_is_not_live(tmp_path):
     assert not is_live(path)
     path.write_text(json.dumps({"ok": True}))
     assert not is_live(path)
+
+
+def test_services_of_one_process_write_one_file_at_once(tmp_path):
+    """The tests' stacks run a service per thread (network namespaces), each writing
+    the same file: with one temporary name per process, one writer's rename took the
+    other's file away and its service failed to start. Each write has its own now."""
+    path = live_path(WORKER, "", tmp_path)
+    start = threading.Barrier(4)
+    failed: list[BaseException] = []
+
+    def writer() -> None:
+        start.wait()
+        try:
+            for _ in range(300):
+                write_live(path, lambda: (True, {}))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            failed.append(exc)
+
+    threads = [threading.Thread(target=writer) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failed, failed[:1]
+    assert is_live(path)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary left
