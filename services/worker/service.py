@@ -33,7 +33,7 @@ import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client
@@ -42,109 +42,26 @@ from nats.aio.msg import Msg
 from services.liveness import live_file
 from services.micro import ServiceHealth, add_service
 from services.registry.source import LOCAL, ModelSource
-from services.worker.batcher import EncoderRunner, run_encoder
+from services.worker.batcher import EncoderRunner
 from services.worker.engines import prefill_chunk
 from services.worker.fleet import FleetPrograms
 from services.worker.generation import DecoderRunner
 from services.worker.memory import MemoryProbe, rss_bytes
 from services.worker.priority import lower_threads
 from services.worker.runner import Gauges, Outbox, Runner
+from services.worker.timing import time_decoder, time_encoder
 from services.worker.versions import EngineFactory, HotSwap, LoadedModels
 from shared import VERSION, subjects
 from shared.bus import Links
-from shared.costs import Cost, CostBook, GenCost
+from shared.costs import Cost, GenCost
 from shared.config import Config
 from shared.errors import ServiceError
 from shared.logging import get_logger
-from shared.messages import Sampling, cancel_decoder, work_decoder
+from shared.messages import cancel_decoder, work_decoder
 from shared.telemetry import Heartbeat
 from shared.telemetry import encode as encode_record
 
 log = get_logger("worker")
-
-PROBE_TOKENS = (16, 64)  # tokens per input of the two batches timed at warm-up: two
-# sizes, so the fit tells a batch's fixed cost from its cost per token
-ENCODE_TRIES = 2  # each timed this often, the fastest counting: on a shared machine a
-# stall only ever adds time, and one stalled probe skewed the two-point fit so far
-# that a worker under load refused half of a burst it could serve
-
-
-def time_encoder(engine, max_batch: int) -> Cost | None:
-    """An encoder's engine time (`shared.costs.Cost`), from two full batches of
-    the runner (`max_batch` inputs, one engine call each, as `WorkDone` reports a
-    batch) timed after its warm-up; None if it failed. Before it, a fresh scheduler
-    knew no cost until the first batches finished, and refused a first burst by a
-    count of batches (short requests: 144 of 400 at two workers)."""
-    batch = max(1, max_batch)
-    book = CostBook()
-    try:
-        run_encoder(engine, [[1] * PROBE_TOKENS[0]])  # untimed: whatever a first call costs
-        for n in PROBE_TOKENS:
-            n = min(n, engine.max_tokens)
-            best = float("inf")
-            for _ in range(ENCODE_TRIES):
-                t0 = time.perf_counter()
-                run_encoder(engine, [[1] * n for _ in range(batch)])
-                best = min(best, time.perf_counter() - t0)
-            book.observe("probe", best, batch * n)
-    except Exception as exc:  # noqa: BLE001 - a broken engine fails its requests, not its start
-        log.warning("warmup_timing_failed", error=f"{type(exc).__name__}: {exc}")
-        return None
-    return book.cost("probe")
-
-
-DECODE_PROBE = 1  # the short prompt a decoder times at warm-up; the long one is a whole
-# chunk: far apart, so the fit finds the cost per token, and the two prompt shapes a
-# warm-up compiles first (a 96-token probe ran on the chunk's program while the smaller
-# ones compiled: about 5x the cost per token it has later, and a first minute of 429s)
-DECODE_TRIES = 2  # each prompt timed this often, the fastest counting (a shared
-# machine's noise, the warm-up's background compiles and, where the engine compiles
-# a shape where first needed, that compile only ever add time). The long one is a
-# chunk: 128 tokens on a CPU (0.3 s), so timing it twice costs less than one 512 did.
-DECODE_STEPS = 3  # decode steps timed at warm-up (the fastest counts: one stream's step)
-
-
-def _no_victim(holders: list[int]) -> int:
-    raise RuntimeError("one timed sequence found the KV pool full")
-
-
-def time_decoder(engine, chunk: int) -> GenCost | None:
-    """A decoder's engine time (`shared.costs.GenCost`) after its warm-up:
-    prompts of DECODE_PROBE tokens and of a whole chunk computed in one slot (per
-    chunk and per prompt token), then DECODE_STEPS decode steps of one sequence, at
-    the batch bucket the warm-up compiled first. One sequence cannot tell a step's fixed
-    cost from its cost per sequence: it counts as the step's (a small batch's step
-    costs about what one stream's does), and the runner's own steps refit it. None
-    if it failed."""
-    book = CostBook()
-    slot, vocab = 0, max(engine.info.vocab_size - 1, 1)
-    steps: list[float] = []
-    try:
-        top = engine.info.max_context - DECODE_STEPS - 2
-        for i, (n, tries) in enumerate([(DECODE_PROBE, DECODE_TRIES), (chunk or top, DECODE_TRIES)]):
-            n = max(1, min(n, top))
-            best = float("inf")
-            for r in range(tries):
-                prompt = [(7 * (i * DECODE_TRIES + r) + k) % vocab + 1 for k in range(n)]  # no shared prefix
-                t0 = time.perf_counter()
-                engine.begin(slot, prompt, Sampling(temperature=0.0), 0)
-                while engine.prefill_step(slot, chunk) is None:
-                    pass
-                best = min(best, time.perf_counter() - t0)
-                if not steps:  # the sequence now decoding: time its steps
-                    for _ in range(DECODE_STEPS):
-                        engine.make_room(_no_victim)
-                        t0 = time.perf_counter()
-                        engine.step_async().result()
-                        steps.append(time.perf_counter() - t0)
-                engine.free(slot)
-            book.observe("prefill", best, n)
-    except Exception as exc:  # noqa: BLE001 - a broken engine fails its requests, not its start
-        log.warning("warmup_timing_failed", error=f"{type(exc).__name__}: {exc}")
-        return None
-    # None only if both prompts timed 0 s (`observe` skips those): never on a real clock.
-    return GenCost(cast(Cost, book.cost("prefill")), Cost(min(steps), 0.0))
-
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"

@@ -1,4 +1,4 @@
-"""services.worker.service.time_encoder and time_decoder: an engine's cost, timed at
+"""services.worker.timing.time_encoder and time_decoder: an engine's cost, timed at
 warm-up, is the cost its batches (prompts, decode steps) then have (engines whose time
 per call and per token is known)."""
 
@@ -10,8 +10,8 @@ import types
 import pytest
 
 from bench.support.mock_encoder import MockEncoder
-from services.worker import service
-from services.worker.service import time_decoder, time_encoder
+from services.worker import timing
+from services.worker.timing import time_decoder, time_encoder
 from tests.support.mock_engine import MockDecoder
 
 
@@ -32,7 +32,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch) -> Clock:
     c = Clock()
-    monkeypatch.setattr(service, "time", types.SimpleNamespace(perf_counter=c.perf_counter))
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=c.perf_counter))
     return c
 
 
