@@ -23,6 +23,7 @@ from shared import subjects
 from shared.errors import HEADER_CODE
 from shared.natsd import NatsServer
 from bench.support.mock_encoder import MockEncoder
+from tests.support.metrics import until_metric
 from tests.support.stack import running_stack
 
 MODEL = "all-MiniLM-L6-v2"
@@ -156,10 +157,5 @@ def inputs(chars: int) -> bytes:
 
 
 async def until_held(http: httpx.AsyncClient, held: int, timeout: float = 10) -> None:
-    """Wait until the gateway's budget gauge reads `held` bytes (polled, no sleep as a
-    stand-in for it)."""
-    line = f"tensorbus_gateway_http_inflight_body_bytes {float(held)}"
-    end = time.monotonic() + timeout
-    while line not in (await http.get("/metrics")).text.splitlines():
-        assert time.monotonic() < end, f"the budget never held {held} bytes"
-        await asyncio.sleep(0.01)
+    """Until the gateway's body budget gauge reads `held` bytes."""
+    await until_metric(http, f"tensorbus_gateway_http_inflight_body_bytes {float(held)}", timeout)

@@ -16,6 +16,7 @@ import time
 import httpx
 import msgspec
 
+from tests.support.metrics import until_metric
 from tests.support.mock_engine import MockDecoder
 from tests.support.stack import running_stack, wait_until
 
@@ -111,9 +112,3 @@ async def drained(loop, sock: socket.socket) -> bool:
     return True
 
 
-async def until_metric(http: httpx.AsyncClient, line: str, timeout: float) -> None:
-    """Poll the gateway's /metrics until it has `line` (a condition, not a sleep)."""
-    end = time.monotonic() + timeout
-    while line not in (await http.get("/metrics")).text.splitlines():
-        assert time.monotonic() < end, f"never: {line}"
-        await asyncio.sleep(0.05)
