@@ -82,6 +82,9 @@ class PendingStep(Protocol):
     # Slot -> its further tokens, after its entry in `result()` (a speculative step's
     # accepted drafts and bonus token); empty for an engine that does not speculate.
     more: dict[int, list[int]]
+    # (slot, first token) of the prompts a mixed step finished in its pass, once
+    # `result()` was read; empty otherwise.
+    firsts: list[tuple[int, int]]
 
     def result(self) -> np.ndarray:
         """[slots] int32: the token each slot drew (waits for the step if needed)."""
@@ -212,6 +215,15 @@ class Decoder(Protocol):
     def step_async(self) -> PendingStep | None:
         """Start one decode step of the live slots (None: no slot is live); a slot
         begun before `result()` is read joins the next step, not this one."""
+
+    def step_mixed(self, chunks: list[tuple[int, int]]) -> tuple[
+            PendingStep | None, list[tuple[int, BaseException]]] | None:
+        """`step_async` with the next chunks of prefilling slots ((slot, at most n
+        tokens; 0: any)) in the same pass -> (the step, (slot, error) of chunks that
+        could not run); None when the engine does not mix them now (the caller runs
+        them with `prefill_step`, then `step_async`). The step's `firsts` ((slot,
+        first token) of the prompts it finished) are filled when its result is
+        read; those slots join the step after it."""
 
     def free(self, slot: int) -> None:
         """End the sequence in `slot`; the slot may be begun again."""

@@ -98,6 +98,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     compile_ahead: str = "first"  # compiled before ready: first (what a first request needs; the rest in the background; an encoder: its smallest program, one row of its limit and its full-size ones) | all | lazy (a decoder's rest where first needed; an encoder: all)
     prefill_chunk: int = 0  # decoder: most prompt tokens computed between two decode steps (0: 128 on a CPU, 512 on an accelerator)
     prefix_cache: bool = True  # decoder: reuse cached K/V of shared prompt prefixes
+    mixed_steps: bool = True  # decoder (jax engine, CPU kernel): prompt chunks ride in the decode step's pass
     prefill_per_step: int = 2  # decoder: prompts admitted per decode step
     speculative: str = "off"  # decoder (jax engine): prompt-lookup speculation of a lone stream: off | ngram:K (K draft tokens per step), as VALUE[,MODEL=VALUE...]
     heartbeat_s: float = 0.5  # heartbeat interval

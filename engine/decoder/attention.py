@@ -124,6 +124,16 @@ def chunk_attention(q, k_cache, v_cache, table, positions, cfg: DecoderConfig,
     return _in_place(q, k_cache, v_cache, table[None], rows, positions, cfg, window)
 
 
+def packed_attention(q, k_cache, v_cache, tables, rows, positions, cfg: DecoderConfig,
+                     window: int | None = None):
+    """Queries of several sequences in one call ("cpu"): a mixed step's decode rows
+    and prompt chunks (engine/decoder/steps.py `mixed`).
+
+    q: [T, H, D]; tables: [R, NW] int32; rows: [T] int32 (each query's table row);
+    positions: [T] int32 (each query's own; -1: padding, reads nothing) -> [T, H * D]"""
+    return _in_place(q, k_cache, v_cache, tables, rows, positions, cfg, window)
+
+
 def _in_place(q, k_cache, v_cache, tables, rows, positions, cfg: DecoderConfig, window):
     from engine import kernels
 

@@ -8,7 +8,12 @@ which compiled one runs a given piece of work.
      its bucket runs (engine/decoder/formchoice.py). `get` returns it compiled
      (engine/programs.py: compiled once, where first asked for, or on the
      background thread ahead of that).
-  3. `choose` picks the cheapest compiled shape that holds the work (a larger
+  3. On the CPU kernel, one mixed program (`mixed_shape`: the prefill chunk's
+     tokens through as many table rows as slots, at most one per token) runs
+     decode rows and prompt chunks of several sequences in one pass
+     (docs/decisions/0087). It is compiled in the background, first; until it
+     is, chunks and steps run apart.
+  4. `choose` picks the cheapest compiled shape that holds the work (a larger
      bucket or window computes the same tokens); while the background still
      compiles, `step_shape` runs a step in parts of a smaller compiled batch and
      `prefill_shape` computes a shorter chunk on a compiled program rather than
@@ -56,7 +61,7 @@ class StepPrograms:
     def __init__(self, name: str, cfg, forms: FormChoice, state_spec, sampling_spec,
                  block: int, buckets: tuple[int, ...], contexts: tuple[int, ...],
                  batches: tuple[int, ...], windows: tuple[int, ...], spec_k: int,
-                 attention: str, jit_kw: dict) -> None:
+                 attention: str, jit_kw: dict, mixed: bool = True) -> None:
         """state_spec, sampling_spec: the decode state's and a slot's sampling
         arguments' shapes (lowering never reads buffers a step may have donated);
         jit_kw: the output shardings of a sharded engine ({} otherwise)."""
@@ -69,6 +74,9 @@ class StepPrograms:
         self.spec_k = spec_k
         self.width = mask_words(cfg.vocab_size)  # int32 words of a row's token mask
         self._allowed: dict[int, jax.Array] = {}  # rows -> all-set masks, kept on device
+        # (tokens, table rows) of the mixed step; None off the CPU kernel
+        top = max(buckets)
+        self.mixed_shape = (top, min(batches[-1], top)) if mixed and attention == "cpu" else None
         self.compiles = self._served()  # fixed with the shapes: read on every stats call
         self.attention = attention
         self.jit_kw = jit_kw
@@ -86,6 +94,10 @@ class StepPrograms:
             params, cfg, state, *args, attention, interpret), donate_argnums=1, **jit_kw)  # fmt: skip
         self._verify = jax.jit(lambda params, state, *args: cast(_Step, verify)(
             params, cfg, state, *args, attention, interpret), donate_argnums=1, **jit_kw)  # fmt: skip
+        self._mixed = jax.jit(lambda params, state, *args: cast(_Step, steps.mixed)(
+            params, cfg, state, *args), donate_argnums=1, **jit_kw)  # fmt: skip
+        self.claim = jax.jit(steps.claim, donate_argnums=0,
+                             **({"out_shardings": jit_kw["out_shardings"][0]} if jit_kw else {}))
         self.copy = jax.jit(steps.copy_block, donate_argnums=0,
                             **({"out_shardings": jit_kw["out_shardings"][0]} if jit_kw else {}))
 
@@ -96,7 +108,8 @@ class StepPrograms:
         pre = [("prefill", b, c) for c in self.contexts for b in self.buckets if c >= b]
         step = sorted((("step", b, w) for b in self.batches for w in self.windows),
                       key=lambda k: (k[1] * k[2], k[1]))  # fmt: skip
-        return pre + step + self.verify_compiles()
+        mixed = [("mixed", *self.mixed_shape)] if self.mixed_shape else []
+        return mixed + pre + step + self.verify_compiles()
 
     def verify_compiles(self) -> list[Shape]:
         return [("verify", self.spec_k + 1, w) for w in self.windows] if self.spec_k else []
@@ -150,6 +163,13 @@ class StepPrograms:
             args = (i32(size), i32(size, other // self.block), jax.ShapeDtypeStruct((size,), bool),
                     i32(size, self.width))  # fmt: skip
             return lambda: self._generate.lower(params, self.state_spec, *args)
+        if kind == "mixed":  # size tokens through `other` table rows, a full context wide
+            wide = self.windows[-1] // self.block
+            args = (i32(size), i32(size), i32(size), i32(size),
+                    jax.ShapeDtypeStruct((size,), bool), i32(other, wide), i32(other),
+                    i32(other), jax.ShapeDtypeStruct((other,), bool),
+                    i32(other, self.width))  # fmt: skip
+            return lambda: self._mixed.lower(params, self.state_spec, *args)
         u32 = jax.ShapeDtypeStruct((), np.uint32)
         args = (i32(size), i32(), i32(), i32(other // self.block), i32(), self.sampling_spec, u32,
                 i32(self.width))  # fmt: skip

@@ -81,6 +81,7 @@ class DecoderEngine:
         kv_blocks: int = 0,
         prefill_chunk: int = 0,
         prefix_cache: bool = True,
+        mixed_steps: bool = True,
         tensor_parallel: int = 1,
         quant: str = "none",
         quant_form: str = "auto",
@@ -102,7 +103,8 @@ class DecoderEngine:
         ("first") or where first needed ("lazy": tests and benchmarks). attention:
         the decode step's paged attention (engine/decoder/attention.py).
         speculative: draft tokens per step of a lone stream's prompt-lookup
-        speculation (engine/decoder/speculative.py; 0: off)."""
+        speculation (engine/decoder/speculative.py; 0: off). mixed_steps: on the
+        CPU kernel, prompt chunks ride in the decode step's pass (steps.py `mixed`)."""
         t0 = time.perf_counter()
         if compile_ahead not in COMPILE_AHEAD:
             raise ValueError(f"compile_ahead {compile_ahead!r}: use one of {', '.join(COMPILE_AHEAD)}")
@@ -157,7 +159,7 @@ class DecoderEngine:
                                      warm_sampling)  # fmt: skip
         self.programs = StepPrograms(
             name, cfg, self.forms, shapes.spec(state), sampling_spec, block, buckets,
-            contexts, batches, windows, int(speculative), kernel, jit_kw)  # fmt: skip
+            contexts, batches, windows, int(speculative), kernel, jit_kw, mixed_steps)  # fmt: skip
         self.grammar = SlotGrammars(name, info.slots, cfg.vocab_size, info.tokenizer,
                                     info.eos_token_ids, on_release=self._grammar_released)  # fmt: skip
         self.runner = StepRunner(state, self.table, self.programs, self.forms, self.grammar,
@@ -240,6 +242,8 @@ class DecoderEngine:
         for job in jobs:  # each once: its first run's one-time costs leave the serving path
             self.runner.warm(*job)
         self.runner.copy(0, 0)  # the scratch block onto itself: compiles the copy
+        if programs.mixed_shape is not None:
+            self.runner.claim_dummy()  # compiles the claim a mixed step's last chunks run
         if self.compile_ahead != "lazy" and (background or measuring):
             # The programs the forms are measured with first (formchoice.py), then
             # the rest, cheapest first (one stream at every window is in the first set).
@@ -300,6 +304,27 @@ class DecoderEngine:
 
     def prefill_step(self, slot: int, budget: int = 0) -> int | None:
         return self.runner.prefill(slot, budget)
+
+    def mixes(self) -> bool:
+        """Whether mixed steps run now: on the CPU kernel, once their program is
+        compiled (the background compiles it first; never on the serving path)."""
+        shape = self.programs.mixed_shape
+        return shape is not None and self.programs.has(self.programs.key("mixed", *shape))
+
+    def step_mixed(self, chunks: list[tuple[int, int]]):
+        """Like `step_async`, with the next chunks of prefilling slots ((slot, at most
+        n tokens; 0: any), oldest first) in the same pass (runner.py `mixed`) ->
+        (the step, (slot, error) of chunks that could not run). None when they run
+        apart: the engine does not mix now (`mixes`), or a lone prompt with nothing
+        live keeps its own, smaller prefill program. The first tokens of prompts it
+        finished are in the step's `firsts` once it is read; those slots join the
+        steps after it."""
+        chunks = [(s, n) for s, n in chunks if self.table.prefilling(s)]
+        if not self.mixes() or not chunks or (len(chunks) == 1 and not self.table.active.any()):
+            return None
+        if self.table.grow():
+            raise RuntimeError("the KV pool is full: call make_room before the step")
+        return self.runner.mixed(chunks)
 
     def make_room(self, victim: Victim) -> list[int]:
         preempted: list[int] = []

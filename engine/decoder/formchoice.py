@@ -51,8 +51,11 @@ FORM_REPEATS = 3  # timed runs of a (bucket, form), after one untimed run
 
 def form_bucket(kind: str, size: int) -> str:
     """The bucket whose compute form a program runs: a verify pass is one stream's
-    step (engine/decoder/speculative.py)."""
-    return "step 1" if kind == "verify" else f"{kind} {size}"
+    step (engine/decoder/speculative.py), a mixed step the prefill chunk of its size
+    (most of its tokens are a prompt's)."""
+    if kind == "verify":
+        return "step 1"
+    return f"prefill {size}" if kind == "mixed" else f"{kind} {size}"
 
 
 class FormChoice:

@@ -215,6 +215,20 @@ class SlotGrammars:
         slots = len(self._spec)
         return any(s < slots and (self._spec[s] or self._ban[s]) for s in rows.tolist())
 
+    def step_masks(self, rows: np.ndarray, allowed):
+        """A mixed step's masks for `rows` ([R] slots; the dummy row's index pads):
+        `allowed` (the all-set masks on the device) when no row is constrained, else
+        computed here after the step before is read, as `step_program` does. A last
+        prompt chunk's row gets its first mask (`first_mask` built its matcher)."""
+        if not self.constrained(rows):
+            return allowed
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+            self.syncs += 1
+        self.masked_steps += 1
+        return self._fill(np.asarray(rows))
+
     def step_program(self, run, allowed, rows: np.ndarray):
         """The step to call for `rows` ([parts x B] slots) as (params, state, part,
         tables, live): `run` with `allowed` (the all-set masks) when no row is

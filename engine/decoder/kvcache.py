@@ -107,9 +107,18 @@ def start_slot(state: DecodeState, slot, token, position, key, sampling: SlotSam
     """A prefilled sequence takes `slot` (traced: one compile serves every slot); its
     first token is its first generated one."""
     first = jnp.zeros_like(state.counts[slot]).at[token].set(1)  # [V]
+    state = claim_slot(state, slot, key, sampling)
     return state._replace(
         tokens=state.tokens.at[slot].set(token),
         positions=state.positions.at[slot].set(position),
+        counts=state.counts.at[slot].set(first),
+    )
+
+
+def claim_slot(state: DecodeState, slot, key, sampling: SlotSampling):
+    """`slot`'s sampling state set for a new sequence, nothing generated yet: what a
+    mixed step's last prompt chunk draws its first token with (steps.mixed)."""
+    return state._replace(
         keys=state.keys.at[slot].set(key),
         temperature=state.temperature.at[slot].set(sampling.temperature),
         top_k=state.top_k.at[slot].set(sampling.top_k),
@@ -120,7 +129,7 @@ def start_slot(state: DecodeState, slot, token, position, key, sampling: SlotSam
         repetition=state.repetition.at[slot].set(sampling.repetition),
         bias_ids=state.bias_ids.at[slot].set(sampling.bias_ids),
         bias_vals=state.bias_vals.at[slot].set(sampling.bias_vals),
-        counts=state.counts.at[slot].set(first),
+        counts=state.counts.at[slot].set(jnp.zeros_like(state.counts[slot])),
         seen=state.seen.at[slot].set(sampling.seen),
         logprobs=state.logprobs.at[slot].set(sampling.logprobs),
     )

@@ -9,6 +9,9 @@ owns the layer loop and where keys and values go:
   sequence's blocks, attending to the blocks before it (prefill, prefix reuse, chunks).
 - `decode_forward`: one token per slot against the paged cache, written in place at
   each slot's own position, read through each slot's block table.
+- `forward_packed`: tokens of several sequences in one pass (decode rows and prompt
+  chunks side by side, a mixed step), each at its own position through its own
+  table; the CPU kernel only.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import numpy as np
 from engine.decoder import gpt2, llama
 from engine.decoder.config import GPT2, LLAMA, DecoderConfig
 from engine.decoder.blocks import SCRATCH
-from engine.decoder.attention import chunk_attention, gather, paged_decode, write
+from engine.decoder.attention import (chunk_attention, gather, packed_attention, paged_decode,
+                                      write)
 from engine.decoder.layers import causal_attention, context_attention, inv_frequencies, rope_scale
 
 FAMILIES = {GPT2: gpt2, LLAMA: llama}
@@ -312,6 +316,33 @@ def forward_chunk(params: dict, cfg: DecoderConfig, tokens, offset, length, tabl
         else:
             kw, vw = gather(kc, table), gather(vc, table)  # [KV, NC * BLOCK, D]
             att = context_attention(q, kw, vw, positions, cfg, cfg.window(i))
+        x = fam.attn_out(lp, cfg, x, att)
+        new_k.append(kc)
+        new_v.append(vc)
+    return x, tuple(new_k), tuple(new_v)
+
+
+def forward_packed(params: dict, cfg: DecoderConfig, tokens, rows, positions, lengths, tables,
+                   k_cache, v_cache):
+    """Tokens of several sequences in one pass, read and written in place ("cpu").
+
+    tokens, rows, positions, lengths: [T] int32: each token, its table row, its
+    position (-1: padding, written to the scratch block and attending to nothing)
+    and the length of its sequence as this pass leaves it (longrope's choice, as
+    `decode_forward` and `forward_chunk` make it); tables: [R, NW] int32
+    -> x: [T, E] (before the final norm), and both caches."""
+    fam, inv_freqs = family(cfg), _inv_freqs(cfg, lengths)
+    block, nw = k_cache[0].shape[2], tables.shape[1]
+    real = positions >= 0
+    at = jnp.maximum(positions, 0)
+    blocks = jnp.where(real, tables[rows, jnp.minimum(at // block, nw - 1)], SCRATCH)  # [T]
+    offsets = at % block
+    x = fam.embed(params, cfg, tokens, at)
+    new_k, new_v = [], []
+    for i, (lp, kc, vc) in enumerate(zip(params["layers"], k_cache, v_cache)):
+        q, k, v = fam.attn_in(lp, cfg, x, at, *inv_freqs[i])  # k, v: [T, KV, D]
+        kc, vc = write(kc, blocks, offsets, k), write(vc, blocks, offsets, v)
+        att = packed_attention(q, kc, vc, tables, rows, positions, cfg, cfg.window(i))
         x = fam.attn_out(lp, cfg, x, att)
         new_k.append(kc)
         new_v.append(vc)

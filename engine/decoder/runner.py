@@ -14,7 +14,13 @@ every program, so updated in place) and runs the three kinds of work on it:
      (each row's token, then its logprobs) leaves the device when the caller reads
      `PendingStep.result()`, and only then do the tokens reach the slot table and
      the grammars. The step in flight is `last`.
-  3. `verify`, `copy`, `run_form`, `warm`: a speculative pass, a block copy, one
+  3. `mixed(chunks)`: on the CPU kernel, the live slots' decode step and prompt
+     chunks of several sequences in one pass of the mixed program's tokens
+     (decode rows first, one token each; then the chunks, oldest first, as far as
+     the tokens go). It returns at once like `step`; a last chunk's first token
+     reaches the slot table when its result is read (`PendingStep.firsts`), and
+     its slot joins the decode steps after this one.
+  4. `verify`, `copy`, `run_form`, `warm`: a speculative pass, a block copy, one
      run of a bucket's measuring shape, one run of a shape at warm-up (the last
      two on the dummy row: no sequence's state or cache is touched).
 """
@@ -48,6 +54,10 @@ class PendingStep:
         # Slot -> its tokens after its entry in `result()`: a speculative step's
         # accepted drafts emit several (engine/decoder/speculative.py).
         self.more: dict[int, list[int]] = {}
+        # A mixed step's last prompt chunks: (slot, first token), filled by `result()`;
+        # and the prompt tokens its pass computed.
+        self.firsts: list[tuple[int, int]] = []
+        self.prompt_tokens = 0
 
     def result(self) -> np.ndarray:
         """[SLOTS] int32: each slot's token (slots not in the step: ignore)."""
@@ -104,6 +114,88 @@ class StepRunner:
             self.programs.allowed() if mask is None else mask,  # structured outputs
         )  # fmt: skip
         return token
+
+    def mixed(self, chunks: list[tuple[int, int]]) -> tuple[PendingStep, list[tuple[int, BaseException]]]:
+        """Dispatch one mixed step: every live slot's decode row, then the next
+        chunk of each (slot, at most n tokens; 0: any) in `chunks` while the
+        program's tokens and rows last -> (the step, (slot, error) of chunks that
+        could not run: a grammar that does not compile fails its sequence only)."""
+        table, programs = self.table, self.programs
+        assert programs.mixed_shape is not None  # the CPU kernel's
+        size, width = programs.mixed_shape
+        live = np.flatnonzero(table.active)
+        began = table.order[live].copy()
+        dummy = self._dummy
+        tokens = np.zeros(size, np.int32)
+        rows = np.zeros(size, np.int32)  # padding names row 0: at position -1 it reads nothing
+        positions = np.full(size, -1, np.int32)
+        lengths = np.zeros(size, np.int32)
+        decoding = np.zeros(size, bool)
+        slots = np.full(width, dummy, np.int32)
+        last = np.zeros(width, np.int32)
+        commit = np.zeros(width, bool)
+        n = len(live)  # decode rows: row i is live slot i, token i
+        slots[:n], last[:n], commit[:n] = live, np.arange(n), True
+        rows[:n], decoding[:n] = np.arange(n), True
+        firsts: dict[int, np.ndarray | None] = {}  # row -> its last chunk's mask (matcher built)
+        ends: dict[int, tuple[int, int]] = {}  # row -> (slot, where its chunk ends)
+        failed: list[tuple[int, BaseException]] = []
+        used, row = n, n
+        for slot, most in chunks:
+            left = size - used
+            if left <= 0 or row >= width:
+                break
+            if not table.prefilling(slot):  # taken back (preempted) since it was planned
+                continue
+            job, end = table.next_chunk(slot, min(left, most) if most > 0 else left)
+            if end == len(job.prompt):
+                try:
+                    firsts[row] = self.grammar.first_mask(slot)
+                except Exception as exc:  # noqa: BLE001 - its sequence fails, not the step
+                    failed.append((slot, exc))
+                    continue
+                self.state = programs.claim(self.state, np.int32(slot), job.seed, job.sampling)
+                commit[row] = True
+            k = end - job.done
+            tokens[used : used + k] = job.prompt[job.done : end]
+            rows[used : used + k] = row
+            positions[used : used + k] = np.arange(job.done, end)
+            lengths[used : used + k] = end
+            slots[row], last[row] = slot, used + k - 1
+            ends[row] = (slot, end)
+            used, row = used + k, row + 1
+        mask = self.grammar.step_masks(slots, programs.allowed(width))
+        run = programs.get("mixed", size, width)
+        self.state, packed = run(
+            self.forms.params_for("mixed", size), self.state, tokens, rows, positions, lengths,
+            decoding, table.tables[slots], slots, last, commit, mask)  # fmt: skip
+        table.advance()  # the live rows hold one more token each
+        for r, (slot, end) in ends.items():
+            if r not in firsts:  # its last chunk still to come
+                table.prefilled(slot, end, None)
+        done = [(r, *ends[r]) for r in firsts]
+
+        orders = {slot: int(table.order[slot]) for _, slot, _ in done}
+
+        def note(host: np.ndarray, lp: np.ndarray) -> None:
+            self._note(live, began, host, lp)
+            for _, slot, end in done:
+                if slot not in self.table.jobs or self.table.order[slot] != orders[slot]:
+                    continue  # freed (cancelled, preempted) before its first token was read
+                token = self.table.prefilled(slot, end, np.concatenate([host[slot : slot + 1],
+                                                                        lp[slot]]))  # fmt: skip
+                assert token is not None  # its last chunk
+                self.grammar.consume(slot, token)
+                pending.firsts.append((slot, token))
+
+        pending = PendingStep([packed], slots, table.slots, note)
+        pending.prompt_tokens = used - n
+        self.grammar.dispatched(pending)
+        self.last = pending
+        if n:
+            counts = programs.step_counts
+            counts[width] = counts.get(width, 0) + 1
+        return pending, failed
 
     def copy(self, src: int, dst: int) -> None:
         """Block `src`'s K/V into block `dst`, every layer (queued behind the step in flight)."""
@@ -168,9 +260,21 @@ class StepRunner:
                               np.uint32(0))
         elif kind == "verify":
             out = self.verify(self._dummy, np.zeros(size, np.int32), 0, 1, other)
+        elif kind == "mixed":  # nothing live: every token padding, every row the dummy's
+            slots = np.full(other, self._dummy, np.int32)
+            self.state, out = self.programs.get("mixed", size, other)(
+                self.forms.params_for("mixed", size), self.state, np.zeros(size, np.int32),
+                np.zeros(size, np.int32), np.full(size, -1, np.int32), np.zeros(size, np.int32),
+                np.zeros(size, bool), self.table.tables[slots], slots, np.zeros(other, np.int32),
+                np.zeros(other, bool), self.programs.allowed(other))  # fmt: skip
         else:
             out = self._run_step(size, other)[0]
         jax.block_until_ready(out)
+
+    def claim_dummy(self) -> None:
+        """Claim the dummy row once: compiles the claim (mixed steps)."""
+        self.state = self.programs.claim(self.state, np.int32(self._dummy), np.uint32(0),
+                                         self._warm_sampling)  # fmt: skip
 
     def run_form(self, bucket: str, form: str):
         """One run of `bucket`'s measuring program in `form`, on the dummy row."""

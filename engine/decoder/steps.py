@@ -19,7 +19,18 @@ driver jits them with the state donated.
     window, so a step costs its batch bucket x its window, not the slot count.
     Each drawn token is counted in its slot's row of `counts` (the penalties').
 
-Both take each row's token mask (structured outputs, engine/decoder/grammar.py) as
+- mixed(params, state, tokens, rows, positions, lengths, decoding, tables, slots,
+  last, commit, mask) -> (state, packed)
+    decode rows and prompt chunks of several sequences in one pass of a fixed
+    number of tokens T (static), through R table rows (static): vLLM v1's unified
+    step, on the CPU kernel (docs/decisions/0087). A decode row's token and position
+    are the state's (the step before may not have reached the host yet); a
+    chunk's come from the host. Every row draws from its last token's logits; only
+    rows that `commit` (decode rows, last chunks) keep theirs. A last chunk's slot
+    was claimed (kvcache.claim_slot) just before, so it draws as prefill_chunk does.
+- claim(state, slot, seed, sampling) -> state: that claim.
+
+All take each row's token mask (structured outputs, engine/decoder/grammar.py) as
 an argument: [W] / [B, W] int32 bits, all set for a row with no grammar. It is
 applied after the penalties and before temperature, top-k, top-p, min-p and the
 draw (so a filter never leaves a row with nothing allowed). One program serves
@@ -32,8 +43,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from engine.decoder.config import DecoderConfig
-from engine.decoder.kvcache import DecodeState, SlotSampling, start_slot
-from engine.decoder.model import decode_forward, forward_chunk, last_logits
+from engine.decoder.kvcache import DecodeState, SlotSampling, claim_slot, start_slot
+from engine.decoder.model import (decode_forward, family, forward_chunk, forward_packed,
+                                  last_logits)
 from engine.decoder.sampling import apply_mask, controlled, sample, seed_key, token_logprobs
 
 
@@ -107,3 +119,43 @@ def generate(params: dict, cfg: DecoderConfig, state: DecodeState, rows, tables,
                            positions=state.positions.at[rows].set(positions),
                            counts=state.counts.at[rows, tokens].add(1))  # fmt: skip
     return state, pack(raw, tokens, state.logprobs[rows])
+
+
+def mixed(params: dict, cfg: DecoderConfig, state: DecodeState, tokens, rows, positions,
+          lengths, decoding, tables, slots, last, commit, mask):
+    """tokens, rows, positions, lengths: [T] int32 (a chunk token's own; padding at
+    position -1), decoding: [T] bool (a live slot's next token: token, position and
+    length read from the state), tables: [R, NW] int32, slots: [R] int32 (each
+    row's slot; padding names the dummy row), last: [R] int32 (the index in T of
+    each row's last token), commit: [R] bool, mask: [R, W] int32
+    -> (state, packed: [R, 2 + 2K] int32, row r's token and logprobs)."""
+    dummy = state.tokens.shape[0] - 1
+    own = slots[rows]  # [T]: each token's slot
+    fed = jnp.where(decoding, state.tokens[own], tokens)
+    at = jnp.where(decoding, state.positions[own], positions)
+    lengths = jnp.where(decoding, at + 1, lengths)
+    x, k, v = forward_packed(params, cfg, fed, rows, at, lengths, tables, state.k, state.v)
+    raw = family(cfg).head(params, cfg, x[last])  # [R, V]: the lm head on each row's last token
+    into = jnp.where(commit, slots, dummy)  # rows that keep nothing read and write the dummy's
+    logits = controlled(
+        raw, lambda: (state.counts[into], state.seen[into]), state.presence[into],
+        state.frequency[into], state.repetition[into], state.bias_ids[into],
+        state.bias_vals[into],
+    )  # fmt: skip
+    logits = apply_mask(logits, mask)
+    drawn = at[last] + 1  # where each row's drawn token sits
+    out = sample(
+        logits, state.keys[into], drawn, state.temperature[into], state.top_k[into],
+        state.top_p[into], state.min_p[into],
+    )  # fmt: skip
+    state = state._replace(k=k, v=v, tokens=state.tokens.at[into].set(out),
+                           positions=state.positions.at[into].set(
+                               jnp.minimum(drawn, cfg.max_positions - 1)),
+                           counts=state.counts.at[into, out].add(1))  # fmt: skip
+    return state, pack(raw, out, state.logprobs[into])
+
+
+def claim(state: DecodeState, slot, seed, sampling: SlotSampling) -> DecodeState:
+    """slot: [] int32, seed: [] uint32: `slot`'s sampling state for the sequence
+    whose last prompt chunk the next mixed step computes."""
+    return claim_slot(state, slot, seed_key(seed), sampling)

@@ -53,6 +53,7 @@ class DoneStep:
     def __init__(self, tokens: np.ndarray) -> None:
         self._tokens = tokens  # [SLOTS] int32
         self.more: dict[int, list[int]] = {}  # no speculation: one token per slot
+        self.firsts: list[tuple[int, int]] = []  # no mixed steps
 
     def result(self) -> np.ndarray:
         return self._tokens
@@ -235,6 +236,10 @@ class TorchDecoder:
         does not overlap the caller); a slot inserted after this call joins the next.
         None when no slot is live."""
         return self._step() if self._active.any() else None
+
+    def step_mixed(self, chunks: list[tuple[int, int]]) -> None:
+        """Prompts and decode rows run apart on this engine."""
+        return None
 
     @torch.inference_mode()
     def _step(self) -> DoneStep:

@@ -277,7 +277,7 @@ def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp
 
     return DecoderEngine(info.path, kv_block=config.kv_block, kv_blocks=config.kv_blocks,
                          prefill_chunk=prefill_chunk(config), prefix_cache=config.prefix_cache,
-                         compile_ahead=config.compile_ahead, attention=config.attention,
+                         mixed_steps=config.mixed_steps, compile_ahead=config.compile_ahead, attention=config.attention,
                          tensor_parallel=tp, quant=quant, quant_form=form,
                          weight_budget=budget,
                          speculative=speculative_settings(config, info.name), **kw)  # fmt: skip

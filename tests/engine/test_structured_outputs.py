@@ -302,7 +302,7 @@ def test_structured_outputs_compile_nothing_of_their_own(tmp_path):
                            prefill_buckets=(16,), compile_ahead="all")
     engine.warmup(progress=False)
     served = engine.programs.compiles
-    assert len(served) == 4  # prefill 16; steps at batch 1, 2, 4
+    assert len(served) == 5  # mixed 16 x 4; prefill 16; steps at batch 1, 2, 4
     compiled = engine.programs.cache.compiled
     assert compiled == len(served)
     schema = Sampling(temperature=1.0, grammar=_schema_grammar(SCHEMAS[0]))

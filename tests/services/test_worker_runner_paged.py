@@ -62,12 +62,28 @@ class Trace:
         return first
 
     def step_async(self):
+        self._hold()
+        self.events.append(("step", frozenset(self.engine.table.active.nonzero()[0].tolist())))
+        return self.engine.step_async()
+
+    def step_mixed(self, chunks):
+        """Recorded as a step of the streams live at its dispatch, then ("mixed",
+        (prompt tokens it took, streams decoding)) when it ran mixed."""
+        if not self.engine.mixes():
+            return None
+        self._hold()
+        live = frozenset(self.engine.table.active.nonzero()[0].tolist())
+        got = self.engine.step_mixed(chunks)
+        if got is not None:
+            self.events.append(("step", live))
+            self.events.append(("mixed", (got[0].prompt_tokens, len(live))))
+        return got
+
+    def _hold(self) -> None:
         steps = sum(kind == "step" for kind, _ in self.events)
         if steps + 1 == self.hold_at:
             self.held.set()
             self.go.wait(60)
-        self.events.append(("step", frozenset(self.engine.table.active.nonzero()[0].tolist())))
-        return self.engine.step_async()
 
 
 async def _serve(engine, works: list[tuple[int, GenerateWork]], chunk: int = 512):
@@ -153,6 +169,50 @@ async def test_a_long_prompt_is_chunked_and_running_streams_miss_no_step(tiny):
             between = 0
     assert chunks >= 90 // CHUNK  # ...and the long prompt took several, all among them
     # ...and each short stream was in every step from its first to its last.
+    for slot in range(8):
+        live = [slot in s for _, s in steps]
+        first, last = live.index(True), len(live) - 1 - live[::-1].index(True)
+        assert all(live[first : last + 1]), slot
+
+
+async def test_a_long_prompt_rides_in_the_streams_steps_when_they_mix(tiny):
+    """The same arrival with the mixed program compiled: the 90-token prompt is
+    computed inside the eight streams' own steps (decode rows and chunks in one
+    pass of 16 tokens), so no pass runs a prompt while the streams wait, and each
+    stream is in every step from its first to its last. Texts equal transformers'."""
+    path, ref = tiny
+    engine = DecoderEngine(path, "tiny", slots=9, max_context=128, prefill_buckets=(16,),
+                           decode_windows=(32, 64), prefill_chunk=CHUNK)  # fmt: skip
+    engine.warmup(progress=False)
+    engine.programs.get("mixed", *engine.programs.mixed_shape)  # as the background would
+    assert engine.programs.mixed_shape == (CHUNK, 9) and engine.mixes()
+    trace = Trace(engine, hold_at=4)
+    short = [[5 + i, 17, 30 + i, 42] for i in range(8)]
+    long = list(range(2, 92))
+    runner = DecoderRunner(LoadedModels(trace, "1", kind="decoder"), out := Recorder(),
+                           ThreadPoolExecutor(1), prefill_per_step=8, prefill_chunk=CHUNK)
+    task = asyncio.create_task(runner.run())
+    try:
+        for i, p in enumerate(short):
+            runner.submit(_work(f"s{i}", p, 30))
+        assert await asyncio.to_thread(trace.held.wait, 60)
+        runner.submit(_work("long", long, 8))
+        trace.go.set()
+        await wait_until(lambda: len(out.finished) == 9, timeout=300)
+    finally:
+        trace.go.set()
+        task.cancel()
+    assert out.errors == []
+    for i, p in enumerate(short):
+        assert out.texts(f"s{i}")[0][0] == _expected(engine, ref, p, 30), i
+    assert out.texts("long")[0][0] == _expected(engine, ref, long, 8)
+    # No prompt pass of its own while streams decode: the long prompt's chunks all
+    # rode in steps with the eight streams' rows, 16 - 8 prompt tokens each.
+    assert all(decoding == 0 for kind, (_, decoding) in
+               [e for e in trace.events if e[0] == "prefill"])  # fmt: skip
+    rode = [what for kind, what in trace.events if kind == "mixed" and what[1] == 8]
+    assert sum(t for t, _ in rode) >= len(long) and max(t for t, _ in rode) <= CHUNK - 8
+    steps = [e for e in trace.events if e[0] == "step"]
     for slot in range(8):
         live = [slot in s for _, s in steps]
         first, last = live.index(True), len(live) - 1 - live[::-1].index(True)

@@ -26,6 +26,7 @@ class _Step:
     def __init__(self, tokens: np.ndarray) -> None:
         self._tokens = tokens
         self.more: dict[int, list[int]] = {}
+        self.firsts: list[tuple[int, int]] = []
 
     def result(self) -> np.ndarray:
         return self._tokens
@@ -88,6 +89,9 @@ class MockDecoder:
 
     def context_left(self, slot: int) -> int:
         return self.max_context - self._lengths[slot]
+
+    def step_mixed(self, chunks: list[tuple[int, int]]) -> None:
+        return None  # prompts are computed whole, apart from the steps
 
     def step_async(self) -> _Step | None:
         if not any(self._active):

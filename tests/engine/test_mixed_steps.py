@@ -1,0 +1,257 @@
+"""Mixed steps: decode rows and prompt chunks of several sequences in one pass
+(engine/decoder/steps.py `mixed`, docs/decisions/0087), against transformers.
+
+The driver serves the way the worker's loop does with a mixed-capable engine:
+whenever prompt work is waiting, it rides in the decode step's pass; new prompts
+arrive while other sequences decode. Every sequence's greedy tokens must equal its
+own solo `generate` on the same weights, and sampled tokens must equal those of the
+same requests served with separate prefill and decode programs."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import pytest
+
+from engine.decoder import DecoderEngine
+from engine.decoder.static import newest
+from shared.messages import Sampling
+from tests.support.tiny_models import build, hf_greedy
+
+GREEDY = Sampling(temperature=0.0)
+CONTEXT = 128
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("llama")
+    return out, build("llama", out, positions=CONTEXT)
+
+
+def engine(path, **kw) -> DecoderEngine:
+    kw = {"slots": 8, "max_context": CONTEXT, "prefill_buckets": (16, 32), "kv_block": 16,
+          "attention": "cpu", **kw}
+    eng = DecoderEngine(path, "tiny", **kw)
+    shape = eng.programs.mixed_shape
+    assert shape == (32, 8)  # the chunk's tokens through one table row per slot
+    eng.programs.get("mixed", *shape)  # compiled here, as the background would
+    eng.runner.claim_dummy()
+    assert eng.mixes()
+    return eng
+
+
+def drive(eng: DecoderEngine, prompts: list[list[int]], new: int, mixed: bool = True,
+          arrive: dict[int, int] | None = None, sampling: Sampling = GREEDY,
+          rows: list[list[int]] | None = None) -> list[list[int]]:
+    """Serve every prompt for `new` tokens; prompt j is admitted at step arrive[j].
+    `mixed`: prompt chunks ride in the decode pass (else each runs on its own, then
+    the step). `rows`: filled with the number of decode rows of each mixed step that
+    also carried prompt tokens."""
+    arrive = arrive or {}
+    out: list[list[int]] = [[] for _ in prompts]
+    waiting = [j for j in range(len(prompts)) if arrive.get(j, 0) == 0]
+    running: dict[int, int] = {}  # slot -> job
+    prefilling: dict[int, int] = {}
+    step = 0
+    while waiting or running or prefilling or any(a > step for a in arrive.values()):
+        waiting += [j for j, a in arrive.items() if a == step and a > 0]
+        while waiting:
+            slot = next((s for s in range(eng.slots) if s not in running
+                         and s not in prefilling), None)
+            tokens = prompts[waiting[0]] + out[waiting[0]]
+            if slot is None or not eng.can_admit(tokens):
+                break
+            eng.begin(slot, tokens, sampling, 7 + waiting[0])
+            prefilling[slot] = waiting.pop(0)
+        for slot in eng.make_room(newest):
+            job = running.pop(slot, None)
+            job = prefilling.pop(slot) if job is None else job
+            waiting.insert(0, job)
+        got_mixed = eng.step_mixed([(s, 0) for s in prefilling]) if mixed and prefilling else None
+        if got_mixed is not None:
+            live = list(running)
+            pending, failed = got_mixed
+            assert not failed
+            got = pending.result()
+            if rows is not None and live:
+                rows.append(len(live))
+            for slot, first in pending.firsts:
+                job = prefilling.pop(slot)
+                out[job].append(first)
+                running_after = True  # joins the next step
+                assert running_after
+                running[slot] = job
+            stepped = live
+        else:
+            for slot, job in list(prefilling.items()):
+                first = eng.prefill_step(slot)
+                if first is not None:
+                    out[job].append(first)
+                    running[prefilling.pop(slot)] = job
+            stepped = list(running)
+            got = eng.step() if running else None
+        for slot in stepped:
+            job = running[slot]
+            out[job].append(int(got[slot]))
+            if len(out[job]) >= new:
+                eng.free(slot)
+                del running[slot]
+        step += 1
+    return [o[:new] for o in out]
+
+
+PROMPTS = [[5, 17, 30, 42], list(range(40, 49)), list(range(100, 117)), list(range(2, 72)),
+           list(range(150, 161)), [9] * 33, list(range(60, 90))]
+
+
+def test_prompts_arriving_while_streams_decode_equal_transformers(tiny):
+    """Seven prompts, four of them arriving while others decode; the 70-token one
+    spans three passes of 32 tokens, shared with the decode rows."""
+    path, ref = tiny
+    eng = engine(path)
+    rows: list[int] = []
+    got = drive(eng, PROMPTS, NEW, arrive={3: 2, 4: 3, 5: 5, 6: 9}, rows=rows)
+    assert max(rows) >= 3  # prompt tokens rode in passes with several decode rows
+    for p, tokens in zip(PROMPTS, got):
+        assert tokens == hf_greedy(ref, p, NEW)
+    assert eng.table.pool.held == 0
+
+
+def test_sampled_tokens_equal_the_separate_programs(tiny):
+    """Seeded sampling draws the same tokens in a mixed pass as from a prefill
+    program and a decode step: the same key at the same position."""
+    path, _ = tiny
+    hot = Sampling(temperature=0.9, top_p=0.95, seed=3, frequency_penalty=0.4)
+    arrive = {2: 1, 3: 4, 4: 6}
+    mixed = drive(engine(path), PROMPTS[:5], NEW, arrive=arrive, sampling=hot)
+    apart = drive(engine(path), PROMPTS[:5], NEW, mixed=False, arrive=arrive, sampling=hot)
+    assert mixed == apart
+
+
+def test_a_cached_prefix_and_preemption_change_no_output(tiny):
+    """A pool of 11 blocks: prompts share a start (reused blocks) and the newest are
+    preempted and re-run as the rest grow."""
+    path, ref = tiny
+    eng = engine(path, kv_blocks=11)
+    system = list(range(10, 50))
+    prompts = [system + [1 + i, 2, 3] for i in range(5)]
+    got = drive(eng, prompts, NEW + 10, arrive={3: 2, 4: 3})
+    assert eng.cache_stats().hits > 0
+    assert eng.cache_stats().preemptions > 0
+    for p, tokens in zip(prompts, got):
+        assert tokens == hf_greedy(ref, p, NEW + 10)
+
+
+def test_a_grammar_that_does_not_compile_fails_its_chunk_only(tiny):
+    path, ref = tiny
+    eng = engine(path)
+    eng.begin(0, PROMPTS[0], GREEDY, 0)
+    while eng.prefill_step(0) is None:
+        pass
+    bad = Sampling(temperature=0.0, grammar='{"grammars": [{"lark_grammar": "start: ("}]}')
+    eng.begin(1, PROMPTS[1], bad, 0)
+    eng.begin(2, PROMPTS[2], GREEDY, 0)
+    pending, failed = eng.step_mixed([(1, 0), (2, 0)])
+    assert [s for s, _ in failed] == [1]
+    pending.result()
+    assert [s for s, _ in pending.firsts] == [2]
+    assert pending.firsts[0][1] == hf_greedy(ref, PROMPTS[2], 1)[0]
+
+
+def test_a_chunk_freed_before_its_result_is_read_is_forgotten(tiny):
+    """A request cancelled while its last chunk runs: its slot is freed before the
+    step is read, and the step's result neither revives it nor fails."""
+    path, _ = tiny
+    eng = engine(path)
+    eng.begin(0, PROMPTS[1], GREEDY, 0)
+    eng.begin(1, PROMPTS[0], GREEDY, 0)
+    assert eng.step_mixed([(0, 0)]) is None  # a lone prompt keeps its own program
+    pending, _ = eng.step_mixed([(0, 0), (1, 0)])
+    eng.free(0)
+    pending.result()
+    assert [s for s, _ in pending.firsts] == [1] and eng.table.active.tolist()[:2] == [False, True]
+    assert np.all(eng.table.tables[0] == eng.table.tables[eng.slots])  # scratch only
+
+
+def test_structured_outputs_in_mixed_steps_equal_the_separate_programs(tiny):
+    """Constrained and plain sequences side by side: a last chunk draws under its
+    grammar's first mask inside the mixed pass, a constrained decode row under its
+    matcher's; the tokens equal those of separate programs and the JSON parses."""
+    import json
+
+    from services.gateway.structured import grammar_for
+    from shared.api import JsonSchemaFormat, ResponseFormat
+
+    path, _ = tiny
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    grammar = grammar_for(ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+        name="t", schema=schema)))
+    constrained = Sampling(temperature=1.0, seed=5, grammar=grammar)
+    arrive = {1: 1, 2: 3, 3: 4}
+    prompts = PROMPTS[:4]
+    runs = []
+    for mixed in (True, False):
+        eng = engine(path)
+        # drive() gives every sequence one sampling; this one alternates by slot parity
+        got = _drive_alternating(eng, prompts, 80, mixed, arrive, constrained)
+        runs.append((eng, got))
+    (eng, mixed_out), (_, apart_out) = runs
+    assert mixed_out == apart_out
+    eos = set(eng.eos_token_ids)
+    for j in (0, 2):  # the constrained ones
+        tokens = [t for t in mixed_out[j] if t not in eos]
+        assert set(json.loads(eng.tokenizer.decode(tokens))) == {"name", "age"}
+
+
+def _drive_alternating(eng, prompts, new, mixed, arrive, constrained):
+    """drive(), with even jobs constrained and odd ones plain (temperature 1, seeded),
+    each ending at EOS or `new` tokens."""
+    plain = Sampling(temperature=1.0, seed=9)
+    eos = set(eng.eos_token_ids)
+    out: list[list[int]] = [[] for _ in prompts]
+    waiting = [j for j in range(len(prompts)) if arrive.get(j, 0) == 0]
+    running: dict[int, int] = {}
+    prefilling: dict[int, int] = {}
+    step = 0
+    while waiting or running or prefilling or any(a > step for a in arrive.values()):
+        waiting += [j for j, a in arrive.items() if a == step and a > 0]
+        while waiting:
+            slot = next(s for s in range(eng.slots) if s not in running and s not in prefilling)
+            j = waiting.pop(0)
+            eng.begin(slot, prompts[j], constrained if j % 2 == 0 else plain, 7 + j)
+            prefilling[slot] = j
+        stepped = list(running)
+        got_mixed = eng.step_mixed([(s, 0) for s in prefilling]) if mixed and prefilling else None
+        if got_mixed is not None:
+            pending, failed = got_mixed
+            assert not failed
+            got = pending.result()
+            for slot, first in pending.firsts:
+                out[prefilling[slot]].append(first)
+                running[slot] = prefilling.pop(slot)
+        else:
+            for slot, j in list(prefilling.items()):
+                first = eng.prefill_step(slot)
+                if first is not None:
+                    out[j].append(first)
+                    running[slot] = prefilling.pop(slot)
+            stepped = list(running)
+            got = eng.step() if running else None
+        for slot in stepped:
+            j = running[slot]
+            if out[j] and out[j][-1] in eos:
+                continue
+            out[j].append(int(got[slot]))
+        for slot, j in list(running.items()):
+            if len(out[j]) >= new or out[j][-1] in eos:
+                eng.free(slot)
+                del running[slot]
+        step += 1
+    return out
