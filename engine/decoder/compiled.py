@@ -8,10 +8,10 @@ which compiled one runs a given piece of work.
      its bucket runs (engine/decoder/formchoice.py). `get` returns it compiled
      (engine/programs.py: compiled once, where first asked for, or on the
      background thread ahead of that).
-  3. On the CPU kernel, one mixed program (`mixed_shape`: the prefill chunk's
-     tokens through as many table rows as slots, at most one per token) runs
-     decode rows and prompt chunks of several sequences in one pass
-     (docs/decisions/0087). It is compiled in the background, first; until it
+  3. On the CPU kernel, mixed programs (`mixed_shapes`: the prefill chunk's
+     tokens through 16, 32 ... table rows, up to the slots) run decode rows and
+     prompt chunks of several sequences in one pass (docs/decisions/0087). They
+     are compiled in the background, first; until one that holds the live rows
      is, chunks and steps run apart.
   4. `choose` picks the cheapest compiled shape that holds the work (a larger
      bucket or window computes the same tokens); while the background still
@@ -74,9 +74,13 @@ class StepPrograms:
         self.spec_k = spec_k
         self.width = mask_words(cfg.vocab_size)  # int32 words of a row's token mask
         self._allowed: dict[int, jax.Array] = {}  # rows -> all-set masks, kept on device
-        # (tokens, table rows) of the mixed step; None off the CPU kernel
+        # (tokens, table rows) of the mixed steps, fewest rows first; none off the CPU
+        # kernel. The lm head runs on every row, so rows come in buckets: 64 rows for
+        # 17 cost SmolLM2 a fifth more per step (0087).
         top = max(buckets)
-        self.mixed_shape = (top, min(batches[-1], top)) if mixed and attention == "cpu" else None
+        rows = sorted({b for b in batches if b >= min(16, batches[-1]) and b <= top}
+                      | {min(batches[-1], top)})
+        self.mixed_shapes = [(top, r) for r in rows] if mixed and attention == "cpu" else []
         self.compiles = self._served()  # fixed with the shapes: read on every stats call
         self.attention = attention
         self.jit_kw = jit_kw
@@ -108,7 +112,7 @@ class StepPrograms:
         pre = [("prefill", b, c) for c in self.contexts for b in self.buckets if c >= b]
         step = sorted((("step", b, w) for b in self.batches for w in self.windows),
                       key=lambda k: (k[1] * k[2], k[1]))  # fmt: skip
-        mixed = [("mixed", *self.mixed_shape)] if self.mixed_shape else []
+        mixed = [("mixed", *shape) for shape in self.mixed_shapes]
         return mixed + pre + step + self.verify_compiles()
 
     def verify_compiles(self) -> list[Shape]:
@@ -212,6 +216,17 @@ class StepPrograms:
                     and (cost is None or s * o < cost)):
                 best, cost = (s, o), s * o
         return best
+
+    def mixed_shape(self, live: int, rows: int) -> tuple[int, int] | None:
+        """(tokens, table rows) of a mixed step for `live` decode rows and `rows` in
+        all: the fewest compiled rows that hold them all, else the most compiled
+        (that hold the live ones and some chunks); None when none holds the live
+        rows and one chunk (they run apart)."""
+        compiled = [s for s in self.mixed_shapes if self.cache.has(self.key("mixed", *s))]
+        fits = [s for s in compiled if s[1] >= rows]
+        if fits:
+            return fits[0]
+        return compiled[-1] if compiled and compiled[-1][1] > live else None
 
     def prefill_shape(self, done: int, end: int) -> tuple[int, int, int]:
         """(bucket, context, where the chunk ends) for a prompt chunk [done, end): the

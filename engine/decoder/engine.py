@@ -242,7 +242,7 @@ class DecoderEngine:
         for job in jobs:  # each once: its first run's one-time costs leave the serving path
             self.runner.warm(*job)
         self.runner.copy(0, 0)  # the scratch block onto itself: compiles the copy
-        if programs.mixed_shape is not None:
+        if programs.mixed_shapes:
             self.runner.claim_dummy()  # compiles the claim a mixed step's last chunks run
         if self.compile_ahead != "lazy" and (background or measuring):
             # The programs the forms are measured with first (formchoice.py), then
@@ -306,25 +306,29 @@ class DecoderEngine:
         return self.runner.prefill(slot, budget)
 
     def mixes(self) -> bool:
-        """Whether mixed steps run now: on the CPU kernel, once their program is
-        compiled (the background compiles it first; never on the serving path)."""
-        shape = self.programs.mixed_shape
-        return shape is not None and self.programs.has(self.programs.key("mixed", *shape))
+        """Whether a mixed step may run: on the CPU kernel, once one of their programs
+        is compiled (the background compiles them first; never on the serving path)."""
+        return any(self.programs.has(self.programs.key("mixed", *s))
+                   for s in self.programs.mixed_shapes)  # fmt: skip
 
     def step_mixed(self, chunks: list[tuple[int, int]]):
         """Like `step_async`, with the next chunks of prefilling slots ((slot, at most
         n tokens; 0: any), oldest first) in the same pass (runner.py `mixed`) ->
         (the step, (slot, error) of chunks that could not run). None when they run
-        apart: the engine does not mix now (`mixes`), or a lone prompt with nothing
-        live keeps its own, smaller prefill program. The first tokens of prompts it
-        finished are in the step's `firsts` once it is read; those slots join the
-        steps after it."""
+        apart: no compiled mixed program holds the live rows and a chunk, or a lone
+        prompt with nothing live keeps its own, smaller prefill program. The first
+        tokens of prompts it finished are in the step's `firsts` once it is read;
+        those slots join the steps after it."""
         chunks = [(s, n) for s, n in chunks if self.table.prefilling(s)]
-        if not self.mixes() or not chunks or (len(chunks) == 1 and not self.table.active.any()):
+        live = int(self.table.active.sum())
+        if not chunks or (len(chunks) == 1 and not live):
+            return None
+        shape = self.programs.mixed_shape(live, live + len(chunks))
+        if shape is None:
             return None
         if self.table.grow():
             raise RuntimeError("the KV pool is full: call make_room before the step")
-        return self.runner.mixed(chunks)
+        return self.runner.mixed(chunks, shape)
 
     def make_room(self, victim: Victim) -> list[int]:
         preempted: list[int] = []

@@ -115,14 +115,15 @@ class StepRunner:
         )  # fmt: skip
         return token
 
-    def mixed(self, chunks: list[tuple[int, int]]) -> tuple[PendingStep, list[tuple[int, BaseException]]]:
-        """Dispatch one mixed step: every live slot's decode row, then the next
-        chunk of each (slot, at most n tokens; 0: any) in `chunks` while the
-        program's tokens and rows last -> (the step, (slot, error) of chunks that
-        could not run: a grammar that does not compile fails its sequence only)."""
+    def mixed(self, chunks: list[tuple[int, int]],
+              shape: tuple[int, int]) -> tuple[PendingStep, list[tuple[int, BaseException]]]:
+        """Dispatch one mixed step of `shape` (tokens, table rows; compiled, holding
+        the live rows): every live slot's decode row, then the next chunk of each
+        (slot, at most n tokens; 0: any) in `chunks` while the tokens and rows last
+        -> (the step, (slot, error) of chunks that could not run: a grammar that
+        does not compile fails its sequence only)."""
         table, programs = self.table, self.programs
-        assert programs.mixed_shape is not None  # the CPU kernel's
-        size, width = programs.mixed_shape
+        size, width = shape
         live = np.flatnonzero(table.active)
         began = table.order[live].copy()
         dummy = self._dummy

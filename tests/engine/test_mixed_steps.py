@@ -36,9 +36,8 @@ def engine(path, **kw) -> DecoderEngine:
     kw = {"slots": 8, "max_context": CONTEXT, "prefill_buckets": (16, 32), "kv_block": 16,
           "attention": "cpu", **kw}
     eng = DecoderEngine(path, "tiny", **kw)
-    shape = eng.programs.mixed_shape
-    assert shape == (32, 8)  # the chunk's tokens through one table row per slot
-    eng.programs.get("mixed", *shape)  # compiled here, as the background would
+    assert eng.programs.mixed_shapes == [(32, 8)]  # the chunk's tokens, a table row per slot
+    eng.programs.get("mixed", 32, 8)  # compiled here, as the background would
     eng.runner.claim_dummy()
     assert eng.mixes()
     return eng
@@ -255,3 +254,22 @@ def _drive_alternating(eng, prompts, new, mixed, arrive, constrained):
                 del running[slot]
         step += 1
     return out
+
+
+def test_a_mixed_step_takes_the_fewest_rows_that_hold_its_work(tiny):
+    """The lm head runs on every table row, so rows come in buckets (16 and 32 for
+    32 slots): a step takes the smallest compiled one that holds its rows, the
+    largest compiled one when none does, and none while none holds the live rows."""
+    path, _ = tiny
+    eng = DecoderEngine(path, "tiny", slots=32, max_context=CONTEXT, prefill_buckets=(16, 32),
+                        attention="cpu")  # fmt: skip
+    programs = eng.programs
+    assert programs.mixed_shapes == [(32, 16), (32, 32)]
+    assert programs.mixed_shape(3, 5) is None  # nothing compiled: apart
+    programs.get("mixed", 32, 16)
+    assert programs.mixed_shape(3, 5) == (32, 16)
+    assert programs.mixed_shape(14, 20) == (32, 16)  # the live rows and two chunks fit
+    assert programs.mixed_shape(16, 18) is None  # not one chunk fits beside them
+    programs.get("mixed", 32, 32)
+    assert programs.mixed_shape(16, 18) == (32, 32)
+    assert programs.mixed_shape(3, 5) == (32, 16)

@@ -184,8 +184,9 @@ async def test_a_long_prompt_rides_in_the_streams_steps_when_they_mix(tiny):
     engine = DecoderEngine(path, "tiny", slots=9, max_context=128, prefill_buckets=(16,),
                            decode_windows=(32, 64), prefill_chunk=CHUNK)  # fmt: skip
     engine.warmup(progress=False)
-    engine.programs.get("mixed", *engine.programs.mixed_shape)  # as the background would
-    assert engine.programs.mixed_shape == (CHUNK, 9) and engine.mixes()
+    assert engine.programs.mixed_shapes == [(CHUNK, 9)]
+    engine.programs.get("mixed", CHUNK, 9)  # as the background would
+    assert engine.mixes()
     trace = Trace(engine, hold_at=4)
     short = [[5 + i, 17, 30 + i, 42] for i in range(8)]
     long = list(range(2, 92))
