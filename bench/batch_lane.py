@@ -49,19 +49,31 @@ def chat_body(i: int) -> dict:
                           f"{sentence(i)}."}]}  # fmt: skip
 
 
-async def ask(nc, text: str) -> float:
+REFUSED = {"count": 0}  # 429 / 503 answers met (each retried, as a client does)
+
+
+async def _request(nc, subject: str, body: dict, timeout: float) -> float:
+    """Seconds to an answer; a refusal (429, 503) is retried after its Retry-After,
+    and its wait counts in the latency, as a client's would."""
     t0 = time.perf_counter()
-    msg = await nc.request(SUBJECT, msgspec.json.encode({"model": MODEL, "input": text}),
-                           timeout=60)
-    assert not (msg.headers or {}).get("Nats-Service-Error-Code"), msg.data[:200]
-    return time.perf_counter() - t0
+    while True:
+        msg = await nc.request(subject, msgspec.json.encode(body), timeout=timeout)
+        code = (msg.headers or {}).get("Nats-Service-Error-Code", "")
+        if code in ("429", "503"):
+            REFUSED["count"] += 1
+            after = float((msg.headers or {}).get("Retry-After", "1") or 1)
+            await asyncio.sleep(min(max(after, 0.2), 10.0))  # as the refusal asks
+            continue
+        assert not code, msg.data[:200]
+        return time.perf_counter() - t0
+
+
+async def ask(nc, text: str) -> float:
+    return await _request(nc, SUBJECT, {"model": MODEL, "input": text}, 60)
 
 
 async def chat(nc, i: int) -> float:
-    t0 = time.perf_counter()
-    msg = await nc.request(CHAT_SUBJECT, msgspec.json.encode(chat_body(i)), timeout=120)
-    assert not (msg.headers or {}).get("Nats-Service-Error-Code"), msg.data[:200]
-    return time.perf_counter() - t0
+    return await _request(nc, CHAT_SUBJECT, chat_body(i), 120)
 
 
 async def paced(nc, rate: float, seconds: float | None, until: asyncio.Event | None = None,
@@ -133,14 +145,31 @@ async def interactive_lines(nc, lines: int, concurrency: int, kind: str = "embed
     return time.perf_counter() - t0
 
 
+async def all_compiled(nc, model: str, timeout: float = 900.0) -> None:
+    """Until `model`'s card says every program it serves is compiled: the figures are
+    of a settled worker, not of one compiling in the background beside them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = await nc.request("inference.v1.models", b"", timeout=5)
+        card = next((c for c in msgspec.json.decode(msg.data)["data"] if c["id"] == model), {})
+        if card.get("programs_total") and card["programs_compiled"] >= card["programs_total"]:
+            return
+        await asyncio.sleep(1.0)  # polling the card, as an operator would
+    raise TimeoutError(f"{model} still compiling after {timeout:.0f} s")
+
+
 async def best_of(nc, lines: int, ladder: list[int], kind: str) -> dict:
     """The lines sent interactively at each concurrency of `ladder` -> the best."""
-    runs = {}
+    runs, refused = {}, {}
     for c in ladder:
+        before = REFUSED["count"]
         took = await interactive_lines(nc, lines, c, kind)
         runs[c] = round(lines / took, 1)
+        refused[c] = REFUSED["count"] - before
+        print(json.dumps({"kind": kind, "concurrency": c, "lines_per_s": runs[c],
+                          "refused": refused[c]}), flush=True)
     best = max(runs, key=lambda c: runs[c])
-    return {"concurrency": best, "lines_per_s": runs[best], "tried": runs}
+    return {"concurrency": best, "lines_per_s": runs[best], "tried": runs, "refused": refused}
 
 
 async def main_async(lines: int, rate: float, seconds: float, workdir: Path,
@@ -162,6 +191,7 @@ async def main_async(lines: int, rate: float, seconds: float, workdir: Path,
                 **env, "TENSORBUS_WORKER_ID": "chat", "TENSORBUS_MODEL": CHAT_MODEL,
                 "TENSORBUS_MODEL_DIR": str(catalog.bundled_dir(CHAT_MODEL))})
             await wait_ready(nc, CHAT_MODEL, 1, timeout=600)
+            await all_compiled(nc, CHAT_MODEL)
         sup.start("batch", "services.batch", **env)
         http = f"http://127.0.0.1:{port}"
         await both(nc, rate, chat_rate, 3)  # warm: every shape the requests use, once
@@ -171,6 +201,12 @@ async def main_async(lines: int, rate: float, seconds: float, workdir: Path,
         batch_task.add_done_callback(lambda _: done.set())
         during, during_chat = await both(nc, rate, chat_rate, None, until=done)
         took, batch = await batch_task
+        print(json.dumps({"batch": batch, "seconds": round(took, 1),
+                          "quiet": harness.percentiles(quiet, digits=1),
+                          "during": harness.percentiles(during, digits=1),
+                          "quiet_chat": harness.percentiles(quiet_chat, digits=1),
+                          "during_chat": harness.percentiles(during_chat, digits=1),
+                          "refused": REFUSED["count"]}), flush=True)  # before the rest
         plain = await best_of(nc, lines, ladder, "embed")
         plain_chat = await best_of(nc, chat_lines, chat_ladder or [16], "chat") \
             if chat_lines else None
@@ -184,7 +220,7 @@ async def main_async(lines: int, rate: float, seconds: float, workdir: Path,
            "during_batch": {"requests": len(during), **harness.percentiles(during, digits=1)},
            "batch": {**batch, "seconds": round(took, 2),
                      "lines_per_s": round((lines + chat_lines) / took, 1)},
-           "interactive_lines": plain}
+           "interactive_lines": plain, "refused_and_retried": REFUSED["count"]}
     if chat_lines:
         out.update({"chat_lines": chat_lines, "chat_rate_per_s": chat_rate,
                     "quiet_chat": {"requests": len(quiet_chat),

@@ -35,13 +35,9 @@ def _iteration(eng, mixed: bool, prompt: list[int], live: int) -> tuple[float, i
     eng.begin(slot, prompt, Sampling(temperature=0.0), 0)
     budget = eng.programs.mixed_shapes[0][0] - live
     t0 = time.perf_counter()
-    if mixed:
-        got = eng.step_mixed([(slot, budget)])
-        assert got is not None
-        step = got[0]
-    else:
-        eng.prefill_step(slot, budget)
-        step = eng.step_async()
+    eng.prefill_step(slot, budget, mix=mixed)
+    step = eng.step_async()
+    assert step.prompt_tokens if mixed else not step.prompt_tokens
     step.result()
     seconds = time.perf_counter() - t0
     done = len(prompt) - eng.prefilling(slot)

@@ -82,9 +82,6 @@ class PendingStep(Protocol):
     # Slot -> its further tokens, after its entry in `result()` (a speculative step's
     # accepted drafts and bonus token); empty for an engine that does not speculate.
     more: dict[int, list[int]]
-    # (slot, first token) of the prompts a mixed step finished in its pass, once
-    # `result()` was read; empty otherwise.
-    firsts: list[tuple[int, int]]
 
     def result(self) -> np.ndarray:
         """[slots] int32: the token each slot drew (waits for the step if needed)."""
@@ -201,11 +198,14 @@ class Decoder(Protocol):
     def prefilling(self, slot: int) -> int:
         """Prompt tokens `slot` has still to compute (0 when none)."""
 
-    def prefill_step(self, slot: int, budget: int = 0) -> int | None:
+    def prefill_step(self, slot: int, budget: int = 0, mix: bool = False) -> int | None:
         """Compute the next piece of `slot`'s prompt (at most `budget` tokens when the
         engine chunks and budget > 0); the first token after the last piece, else None.
         Re-running a sequence from prompt + its tokens so far draws what it would have
-        drawn next (draws are keyed by seed and position)."""
+        drawn next (draws are keyed by seed and position). `mix`: the engine may
+        compute the piece inside the next `step_async` instead (a mixed step); it
+        returns None then, and a prompt that step finishes (`prefilling` 0 after it)
+        is in that step, its first token in its result."""
 
     def make_room(self, victim: Victim) -> list[int]:
         """Cache for every live slot's next step, preempting (freeing) the sequences
@@ -215,15 +215,6 @@ class Decoder(Protocol):
     def step_async(self) -> PendingStep | None:
         """Start one decode step of the live slots (None: no slot is live); a slot
         begun before `result()` is read joins the next step, not this one."""
-
-    def step_mixed(self, chunks: list[tuple[int, int]]) -> tuple[
-            PendingStep | None, list[tuple[int, BaseException]]] | None:
-        """`step_async` with the next chunks of prefilling slots ((slot, at most n
-        tokens; 0: any)) in the same pass -> (the step, (slot, error) of chunks that
-        could not run); None when the engine does not mix them now (the caller runs
-        them with `prefill_step`, then `step_async`). The step's `firsts` ((slot,
-        first token) of the prompts it finished) are filled when its result is
-        read; those slots join the step after it."""
 
     def free(self, slot: int) -> None:
         """End the sequence in `slot`; the slot may be begun again."""

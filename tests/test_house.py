@@ -9,7 +9,7 @@ from pathlib import Path
 import engine.interface as interface
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER_FACING_MOST = 16
+WORKER_FACING_MOST = 15
 
 
 def _classes() -> dict[str, tuple[Path, ast.ClassDef]]:

@@ -88,6 +88,7 @@ class StepPrograms:
         self.sampling_spec = sampling_spec
         self.cache: Programs[Key] = Programs(name)
         self.step_counts: dict[int, int] = {}  # batch bucket -> decode steps run at it
+        self.mixed_counts: dict[int, int] = {}  # table rows -> mixed steps run at them
         # The Pallas kernel is written for GPUs; elsewhere it runs interpreted (tests).
         interpret = jax.devices()[0].platform == "cpu"
         self.interpret = interpret

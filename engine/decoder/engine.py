@@ -17,7 +17,9 @@ Dataflow of a served sequence:
      reusing a cached prefix (a shared partial block is copied by the runner);
      False when the pool has no room now.
   2. `prefill_step(slot, budget)`: the runner computes the next chunk; the last one
-     draws the first token and the slot goes live.
+     draws the first token and the slot goes live. With `mix`, the chunk rides in
+     the next step's pass instead (a mixed step, the CPU kernel's), and its first
+     token comes with that step's result.
   3. `make_room(victim)`: every live slot gets the block its next step writes into;
      while the pool is short, the caller's policy names a sequence to preempt.
      Then `step_async()`: a speculative verify pass for a lone plain stream when a
@@ -165,6 +167,7 @@ class DecoderEngine:
         self.runner = StepRunner(state, self.table, self.programs, self.forms, self.grammar,
                                  warm_sampling, chunk)  # fmt: skip
         self.speculation = Speculation(speculative, self.table, self.programs, self.runner)
+        self._riding: list[tuple[int, int]] = []  # chunks handed to the next step (prefill_step)
         self._bytes = block_bytes(cfg, block, self._jdtype)
         log.info(
             "decoder_loaded", model=name, family=cfg.family, dtype=info.dtype,
@@ -302,7 +305,22 @@ class DecoderEngine:
     def prefilling(self, slot: int) -> int:
         return self.table.prefilling(slot)
 
-    def prefill_step(self, slot: int, budget: int = 0) -> int | None:
+    def prefill_step(self, slot: int, budget: int = 0, mix: bool = False) -> int | None:
+        """The next chunk of `slot`'s prompt now; with `mix`, in the next
+        `step_async`'s pass instead when there is a step to share and a compiled
+        mixed program holds its rows (steps.py `mixed`): then None, and once that
+        step is dispatched `prefilling(slot)` says how far it went (0: the prompt is
+        done, its first token comes with that step's result). A grammar that does
+        not compile raises here, not in the step."""
+        table = self.table
+        live = int(table.active.sum())
+        if any(s == slot for s, _ in self._riding):
+            return None  # already handed to the next step
+        if mix and live and self.programs.mixed_shape(live, live + len(self._riding) + 1):
+            if table.prefilling(slot) <= (budget or self.runner.chunk):
+                self.grammar.first_mask(slot)  # may be its last chunk: its grammar, now
+            self._riding.append((slot, budget))
+            return None
         return self.runner.prefill(slot, budget)
 
     def mixes(self) -> bool:
@@ -310,25 +328,6 @@ class DecoderEngine:
         is compiled (the background compiles them first; never on the serving path)."""
         return any(self.programs.has(self.programs.key("mixed", *s))
                    for s in self.programs.mixed_shapes)  # fmt: skip
-
-    def step_mixed(self, chunks: list[tuple[int, int]]):
-        """Like `step_async`, with the next chunks of prefilling slots ((slot, at most
-        n tokens; 0: any), oldest first) in the same pass (runner.py `mixed`) ->
-        (the step, (slot, error) of chunks that could not run). None when they run
-        apart: no compiled mixed program holds the live rows and a chunk, or a lone
-        prompt with nothing live keeps its own, smaller prefill program. The first
-        tokens of prompts it finished are in the step's `firsts` once it is read;
-        those slots join the steps after it."""
-        chunks = [(s, n) for s, n in chunks if self.table.prefilling(s)]
-        live = int(self.table.active.sum())
-        if not chunks or (len(chunks) == 1 and not live):
-            return None
-        shape = self.programs.mixed_shape(live, live + len(chunks))
-        if shape is None:
-            return None
-        if self.table.grow():
-            raise RuntimeError("the KV pool is full: call make_room before the step")
-        return self.runner.mixed(chunks, shape)
 
     def make_room(self, victim: Victim) -> list[int]:
         preempted: list[int] = []
@@ -349,10 +348,20 @@ class DecoderEngine:
         begun meanwhile is not part of this step: ignore its entry in the result.
         RuntimeError when a live slot has no block for its next token (`make_room`
         first)."""
-        if not self.table.active.any():
+        table, riding = self.table, self._riding
+        riding = [(s, n) for s, n in riding if table.prefilling(s)]  # not taken back since
+        self._riding = []
+        if not table.active.any() and not riding:
             return None
-        if self.table.grow():
+        if table.grow():
             raise RuntimeError("the KV pool is full: call make_room before the step")
+        if riding:
+            live = int(table.active.sum())
+            shape = self.programs.mixed_shape(live, live + len(riding))
+            if shape is not None:  # else they wait for the next call
+                return self.runner.mixed(riding, shape)
+            if not live:
+                return None
         return self.speculation.step() or self.runner.step()
 
     def step(self):

@@ -14,12 +14,11 @@ every program, so updated in place) and runs the three kinds of work on it:
      (each row's token, then its logprobs) leaves the device when the caller reads
      `PendingStep.result()`, and only then do the tokens reach the slot table and
      the grammars. The step in flight is `last`.
-  3. `mixed(chunks)`: on the CPU kernel, the live slots' decode step and prompt
-     chunks of several sequences in one pass of the mixed program's tokens
+  3. `mixed(chunks, shape)`: on the CPU kernel, the live slots' decode step and
+     prompt chunks of several sequences in one pass of the mixed program's tokens
      (decode rows first, one token each; then the chunks, oldest first, as far as
-     the tokens go). It returns at once like `step`; a last chunk's first token
-     reaches the slot table when its result is read (`PendingStep.firsts`), and
-     its slot joins the decode steps after this one.
+     the tokens go). It returns at once like `step`; a last chunk's first token is
+     in its result like a decode row's, and its slot is in the steps after it.
   4. `verify`, `copy`, `run_form`, `warm`: a speculative pass, a block copy, one
      run of a bucket's measuring shape, one run of a shape at warm-up (the last
      two on the dummy row: no sequence's state or cache is touched).
@@ -54,10 +53,7 @@ class PendingStep:
         # Slot -> its tokens after its entry in `result()`: a speculative step's
         # accepted drafts emit several (engine/decoder/speculative.py).
         self.more: dict[int, list[int]] = {}
-        # A mixed step's last prompt chunks: (slot, first token), filled by `result()`;
-        # and the prompt tokens its pass computed.
-        self.firsts: list[tuple[int, int]] = []
-        self.prompt_tokens = 0
+        self.prompt_tokens = 0  # prompt tokens its pass computed (a mixed step)
 
     def result(self) -> np.ndarray:
         """[SLOTS] int32: each slot's token (slots not in the step: ignore)."""
@@ -115,17 +111,15 @@ class StepRunner:
         )  # fmt: skip
         return token
 
-    def mixed(self, chunks: list[tuple[int, int]],
-              shape: tuple[int, int]) -> tuple[PendingStep, list[tuple[int, BaseException]]]:
+    def mixed(self, chunks: list[tuple[int, int]], shape: tuple[int, int]) -> PendingStep:
         """Dispatch one mixed step of `shape` (tokens, table rows; compiled, holding
         the live rows): every live slot's decode row, then the next chunk of each
-        (slot, at most n tokens; 0: any) in `chunks` while the tokens and rows last
-        -> (the step, (slot, error) of chunks that could not run: a grammar that
-        does not compile fails its sequence only)."""
+        (slot, at most n tokens; 0: any) in `chunks` while the tokens and rows last.
+        A prompt whose last chunk it holds is live from the next step; its first
+        token reaches the slot table when this step is read, as a decode row's does."""
         table, programs = self.table, self.programs
         size, width = shape
         live = np.flatnonzero(table.active)
-        began = table.order[live].copy()
         dummy = self._dummy
         tokens = np.zeros(size, np.int32)
         rows = np.zeros(size, np.int32)  # padding names row 0: at position -1 it reads nothing
@@ -138,23 +132,15 @@ class StepRunner:
         n = len(live)  # decode rows: row i is live slot i, token i
         slots[:n], last[:n], commit[:n] = live, np.arange(n), True
         rows[:n], decoding[:n] = np.arange(n), True
-        firsts: dict[int, np.ndarray | None] = {}  # row -> its last chunk's mask (matcher built)
-        ends: dict[int, tuple[int, int]] = {}  # row -> (slot, where its chunk ends)
-        failed: list[tuple[int, BaseException]] = []
+        ends: list[tuple[int, int]] = []  # (slot, where its chunk ends)
         used, row = n, n
         for slot, most in chunks:
             left = size - used
             if left <= 0 or row >= width:
                 break
-            if not table.prefilling(slot):  # taken back (preempted) since it was planned
-                continue
             job, end = table.next_chunk(slot, min(left, most) if most > 0 else left)
-            if end == len(job.prompt):
-                try:
-                    firsts[row] = self.grammar.first_mask(slot)
-                except Exception as exc:  # noqa: BLE001 - its sequence fails, not the step
-                    failed.append((slot, exc))
-                    continue
+            if end == len(job.prompt):  # its first token is drawn here, under its mask
+                self.grammar.first_mask(slot)  # builds its matcher (`step_masks` reads it)
                 self.state = programs.claim(self.state, np.int32(slot), job.seed, job.sampling)
                 commit[row] = True
             k = end - job.done
@@ -163,7 +149,7 @@ class StepRunner:
             positions[used : used + k] = np.arange(job.done, end)
             lengths[used : used + k] = end
             slots[row], last[row] = slot, used + k - 1
-            ends[row] = (slot, end)
+            ends.append((slot, end))
             used, row = used + k, row + 1
         mask = self.grammar.step_masks(slots, programs.allowed(width))
         run = programs.get("mixed", size, width)
@@ -171,32 +157,17 @@ class StepRunner:
             self.forms.params_for("mixed", size), self.state, tokens, rows, positions, lengths,
             decoding, table.tables[slots], slots, last, commit, mask)  # fmt: skip
         table.advance()  # the live rows hold one more token each
-        for r, (slot, end) in ends.items():
-            if r not in firsts:  # its last chunk still to come
-                table.prefilled(slot, end, None)
-        done = [(r, *ends[r]) for r in firsts]
-
-        orders = {slot: int(table.order[slot]) for _, slot, _ in done}
-
-        def note(host: np.ndarray, lp: np.ndarray) -> None:
-            self._note(live, began, host, lp)
-            for _, slot, end in done:
-                if slot not in self.table.jobs or self.table.order[slot] != orders[slot]:
-                    continue  # freed (cancelled, preempted) before its first token was read
-                token = self.table.prefilled(slot, end, np.concatenate([host[slot : slot + 1],
-                                                                        lp[slot]]))  # fmt: skip
-                assert token is not None  # its last chunk
-                self.grammar.consume(slot, token)
-                pending.firsts.append((slot, token))
-
-        pending = PendingStep([packed], slots, table.slots, note)
+        for slot, end in ends:
+            table.prefilled(slot, end)  # a last chunk's slot is live from the next step
+        drew = slots[commit]  # decode rows and last chunks: their tokens are read with it
+        began = table.order[drew].copy()
+        pending = PendingStep([packed], slots, table.slots,
+                              lambda host, lp: self._note(drew, began, host, lp))
         pending.prompt_tokens = used - n
         self.grammar.dispatched(pending)
         self.last = pending
-        if n:
-            counts = programs.step_counts
-            counts[width] = counts.get(width, 0) + 1
-        return pending, failed
+        programs.mixed_counts[width] = programs.mixed_counts.get(width, 0) + 1
+        return pending
 
     def copy(self, src: int, dst: int) -> None:
         """Block `src`'s K/V into block `dst`, every layer (queued behind the step in flight)."""

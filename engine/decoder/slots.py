@@ -6,7 +6,8 @@ Host only (numpy, no JAX): the step runner reads its tables, the engine drives i
      cached block that goes on along the prompt is named for a copy into the first
      fresh one (returned: the runner dispatches it), up to where they part.
   2. `next_chunk` / `prefilled`: where the prompt's computing stands; the last chunk
-     makes the slot live with its first token.
+     makes the slot live with its first token (read at once, or with the mixed step
+     that drew it).
   3. `grow()` gives each live slot the block its next step writes into, as far as
      the pool has free ones, and names the slots still short. Which sequence gives
      its blocks back then is not decided here: the caller's policy picks one, and
@@ -142,10 +143,12 @@ class SlotTable:
         job = self.jobs[slot]
         return job, min(len(job.prompt), job.done + most)
 
-    def prefilled(self, slot: int, end: int, packed) -> int | None:
+    def prefilled(self, slot: int, end: int, packed=None) -> int | None:
         """The prompt of `slot` is computed up to `end`: key its full blocks; after the
         last chunk the slot is live with the first drawn token (`packed` [2 + 2K]: the
-        token, then its logprobs), which is returned."""
+        token, then its logprobs), which is returned. `packed` None: that token is
+        still on the device (a mixed step drew it); the slot is live from the next
+        step all the same, and `note` records the token when the step is read."""
         job = self.jobs[slot]
         job.done = end
         full = end // self.block
@@ -153,6 +156,10 @@ class SlotTable:
         if end < len(job.prompt):
             return None
         del self.jobs[slot]
+        if packed is None:
+            self.active[slot] = True
+            self.lengths[slot] = len(job.prompt) + 1
+            return None
         packed = np.asarray(packed)
         token = int(packed[0])
         self.active[slot] = True

@@ -53,7 +53,6 @@ class DoneStep:
     def __init__(self, tokens: np.ndarray) -> None:
         self._tokens = tokens  # [SLOTS] int32
         self.more: dict[int, list[int]] = {}  # no speculation: one token per slot
-        self.firsts: list[tuple[int, int]] = []  # no mixed steps
 
     def result(self) -> np.ndarray:
         return self._tokens
@@ -195,8 +194,8 @@ class TorchDecoder:
         job = self._begun.get(slot)
         return len(job[0]) if job else 0
 
-    def prefill_step(self, slot: int, budget: int = 0) -> int | None:
-        """The whole prompt, whatever the budget (nothing to chunk)."""
+    def prefill_step(self, slot: int, budget: int = 0, mix: bool = False) -> int | None:
+        """The whole prompt, whatever the budget (nothing to chunk or mix)."""
         prompt, sampling, seed = self._begun.pop(slot)
         return self.prefill_whole(slot, prompt, sampling, seed)
 
@@ -236,10 +235,6 @@ class TorchDecoder:
         does not overlap the caller); a slot inserted after this call joins the next.
         None when no slot is live."""
         return self._step() if self._active.any() else None
-
-    def step_mixed(self, chunks: list[tuple[int, int]]) -> None:
-        """Prompts and decode rows run apart on this engine."""
-        return None
 
     @torch.inference_mode()
     def _step(self) -> DoneStep:

@@ -361,19 +361,22 @@ class DecoderRunner:
 
 def _execute(plan: StepPlan) -> StepResult:
     """Runs on the engine thread: the plan's prompt chunks, then per lane make room
-    for the next step, dispatch it, and read the one before it. A lane whose engine
-    mixes (engine/decoder/steps.py `mixed`) takes its chunks into that step's pass
-    when they share it with decode rows or with each other; a lone prompt on an
-    idle lane keeps its own, smaller prefill program."""
+    for the next step, dispatch it, and read the one before it. An engine that mixes
+    (engine/decoder/steps.py `mixed`) may take a chunk into that step's pass instead;
+    a prompt it finishes there is in that step (its first token in its result)."""
     firsts: list[tuple[Sequence, int | BaseException]] = []
-    by_lane: dict[int, list[tuple[Sequence, int]]] = {}  # id(lane) -> its chunks
+    riding: list[Sequence] = []  # chunks handed to the step
     for seq, n in plan.prefill:
-        assert seq.lane is not None  # admitted: a prefilling sequence has its lane
-        by_lane.setdefault(id(seq.lane), []).append((seq, n))
-    stepped = {id(lane) for lane in plan.lanes}
-    for seq, n in plan.prefill:  # a lane with no step to share (cannot be: it is busy)
-        if id(seq.lane) not in stepped:
-            _prefill(seq, n, firsts)
+        try:
+            assert seq.lane is not None  # admitted: a prefilling sequence has its lane
+            first = seq.lane.engine.prefill_step(seq.slot, n, mix=True)
+        except Exception as exc:  # noqa: BLE001 - fails this sequence only
+            firsts.append((seq, exc))
+            continue
+        if first is not None:
+            firsts.append((seq, first))
+        else:
+            riding.append(seq)
     lanes = []
     for lane in plan.lanes:
         # The next step is dispatched before the last one is read: it queues behind
@@ -381,39 +384,13 @@ def _execute(plan: StepPlan) -> StepResult:
         # loop takes the tokens and calls back (docs/decisions/0016).
         engine = lane.engine
         preempted = engine.make_room(lane.victim)  # the scheduler's policy
-        mine = [(seq, n) for seq, n in by_lane.get(id(lane), []) if seq.slot not in preempted]
-        by_slot = {seq.slot: seq for seq, _ in mine}
-        mixed = engine.step_mixed([(seq.slot, n) for seq, n in mine]) if mine else None
-        joined: list[tuple[Sequence, int | BaseException]] = []
-        if mixed is None:  # apart: the chunks, then the step (they join it)
-            for seq, n in mine:
-                _prefill(seq, n, firsts)
-            pending = engine.step_async()
-        else:
-            pending, failed = mixed
-            joined += [(by_slot[slot], exc) for slot, exc in failed]
+        pending = engine.step_async()
+        joined = [seq for seq in riding if seq.lane is lane and seq.slot not in preempted
+                  and not engine.prefilling(seq.slot)]  # fmt: skip
         tokens = lane.pending.result() if lane.pending is not None else None  # [slots]
         more = lane.pending.more if lane.pending is not None else {}
-        if mixed is not None and pending is not None:
-            # The prompts it finished: their first tokens now (the device finishes
-            # this step before the next is dispatched, once per finished prompt).
-            pending.result()
-            joined += [(by_slot[slot], token) for slot, token in pending.firsts]
         lanes.append(LaneStep(lane, pending, tokens, preempted, more, joined))
     return StepResult(firsts, lanes)
-
-
-def _prefill(seq: Sequence, n: int,
-             firsts: list[tuple[Sequence, int | BaseException]]) -> None:
-    """One prompt chunk on its own program; its first token (or its error) noted."""
-    try:
-        assert seq.lane is not None  # admitted: a prefilling sequence has its lane
-        first = seq.lane.engine.prefill_step(seq.slot, n)
-    except Exception as exc:  # noqa: BLE001 - fails this sequence only
-        firsts.append((seq, exc))
-        return
-    if first is not None:
-        firsts.append((seq, first))
 
 
 def _measured(plan: StepPlan, result: StepResult) -> tuple[int, int, int]:

@@ -44,13 +44,14 @@ def engine(path, **kw) -> DecoderEngine:
 
 
 def drive(eng: DecoderEngine, prompts: list[list[int]], new: int, mixed: bool = True,
-          arrive: dict[int, int] | None = None, sampling: Sampling = GREEDY,
-          rows: list[list[int]] | None = None) -> list[list[int]]:
-    """Serve every prompt for `new` tokens; prompt j is admitted at step arrive[j].
-    `mixed`: prompt chunks ride in the decode pass (else each runs on its own, then
-    the step). `rows`: filled with the number of decode rows of each mixed step that
-    also carried prompt tokens."""
+          arrive: dict[int, int] | None = None, sampling: Sampling | None = None,
+          rows: list[int] | None = None, choose=None) -> list[list[int]]:
+    """Serve every prompt for `new` tokens (or to EOS when `choose` is given: job ->
+    its sampling); prompt j is admitted at step arrive[j]. `mixed`: prompt chunks
+    may ride in the decode step's pass (else each runs on its own, then the step).
+    `rows`: filled with the decode rows of each step that also carried prompt tokens."""
     arrive = arrive or {}
+    eos = set(eng.eos_token_ids) if choose else set()
     out: list[list[int]] = [[] for _ in prompts]
     waiting = [j for j in range(len(prompts)) if arrive.get(j, 0) == 0]
     running: dict[int, int] = {}  # slot -> job
@@ -64,39 +65,32 @@ def drive(eng: DecoderEngine, prompts: list[list[int]], new: int, mixed: bool = 
             tokens = prompts[waiting[0]] + out[waiting[0]]
             if slot is None or not eng.can_admit(tokens):
                 break
-            eng.begin(slot, tokens, sampling, 7 + waiting[0])
-            prefilling[slot] = waiting.pop(0)
-        for slot in eng.make_room(newest):
+            j = waiting.pop(0)
+            eng.begin(slot, tokens, choose(j) if choose else (sampling or GREEDY), 7 + j)
+            prefilling[slot] = j
+        for slot, job in list(prefilling.items()):
+            first = eng.prefill_step(slot, mix=mixed)
+            if first is not None:  # computed apart: in the step dispatched next
+                out[job].append(first)
+                running[slot] = prefilling.pop(slot)
+        for slot in eng.make_room(newest):  # the newest go back to the queue, front first
             job = running.pop(slot, None)
             job = prefilling.pop(slot) if job is None else job
             waiting.insert(0, job)
-        got_mixed = eng.step_mixed([(s, 0) for s in prefilling]) if mixed and prefilling else None
-        if got_mixed is not None:
-            live = list(running)
-            pending, failed = got_mixed
-            assert not failed
-            got = pending.result()
-            if rows is not None and live:
-                rows.append(len(live))
-            for slot, first in pending.firsts:
-                job = prefilling.pop(slot)
-                out[job].append(first)
-                running_after = True  # joins the next step
-                assert running_after
-                running[slot] = job
-            stepped = live
-        else:
-            for slot, job in list(prefilling.items()):
-                first = eng.prefill_step(slot)
-                if first is not None:
-                    out[job].append(first)
-                    running[prefilling.pop(slot)] = job
-            stepped = list(running)
-            got = eng.step() if running else None
-        for slot in stepped:
-            job = running[slot]
-            out[job].append(int(got[slot]))
-            if len(out[job]) >= new:
+        live = len(running)
+        pending = eng.step_async()
+        for slot in [s for s in prefilling if not eng.prefilling(s)]:
+            running[slot] = prefilling.pop(slot)  # its last chunk rode in this step
+        if pending is None:
+            step += 1
+            continue
+        if rows is not None and pending.prompt_tokens and live:
+            rows.append(live)
+        got = pending.result()
+        for slot, job in list(running.items()):
+            if not (out[job] and out[job][-1] in eos):
+                out[job].append(int(got[slot]))
+            if len(out[job]) >= new or out[job][-1] in eos:
                 eng.free(slot)
                 del running[slot]
         step += 1
@@ -146,6 +140,7 @@ def test_a_cached_prefix_and_preemption_change_no_output(tiny):
 
 
 def test_a_grammar_that_does_not_compile_fails_its_chunk_only(tiny):
+    """It raises where the chunk is handed over, never inside the shared step."""
     path, ref = tiny
     eng = engine(path)
     eng.begin(0, PROMPTS[0], GREEDY, 0)
@@ -154,11 +149,13 @@ def test_a_grammar_that_does_not_compile_fails_its_chunk_only(tiny):
     bad = Sampling(temperature=0.0, grammar='{"grammars": [{"lark_grammar": "start: ("}]}')
     eng.begin(1, PROMPTS[1], bad, 0)
     eng.begin(2, PROMPTS[2], GREEDY, 0)
-    pending, failed = eng.step_mixed([(1, 0), (2, 0)])
-    assert [s for s, _ in failed] == [1]
-    pending.result()
-    assert [s for s, _ in pending.firsts] == [2]
-    assert pending.firsts[0][1] == hf_greedy(ref, PROMPTS[2], 1)[0]
+    with pytest.raises(ValueError, match="does not compile"):
+        eng.prefill_step(1, mix=True)
+    assert eng.prefill_step(2, mix=True) is None  # rides
+    got = eng.step_async().result()
+    assert eng.prefilling(2) == 0 and eng.prefilling(1) == len(PROMPTS[1])
+    assert int(got[2]) == hf_greedy(ref, PROMPTS[2], 1)[0]
+    assert int(got[0]) == hf_greedy(ref, PROMPTS[0], 2)[1]
 
 
 def test_a_chunk_freed_before_its_result_is_read_is_forgotten(tiny):
@@ -166,14 +163,16 @@ def test_a_chunk_freed_before_its_result_is_read_is_forgotten(tiny):
     step is read, and the step's result neither revives it nor fails."""
     path, _ = tiny
     eng = engine(path)
-    eng.begin(0, PROMPTS[1], GREEDY, 0)
-    eng.begin(1, PROMPTS[0], GREEDY, 0)
-    assert eng.step_mixed([(0, 0)]) is None  # a lone prompt keeps its own program
-    pending, _ = eng.step_mixed([(0, 0), (1, 0)])
-    eng.free(0)
+    eng.begin(0, PROMPTS[0], GREEDY, 0)
+    assert eng.prefill_step(0, mix=True) is not None  # nothing live: a lone prompt runs apart
+    eng.begin(1, PROMPTS[1], GREEDY, 0)
+    assert eng.prefill_step(1, mix=True) is None
+    pending = eng.step_async()
+    assert eng.table.active.tolist()[:2] == [True, True]
+    eng.free(1)
     pending.result()
-    assert [s for s, _ in pending.firsts] == [1] and eng.table.active.tolist()[:2] == [False, True]
-    assert np.all(eng.table.tables[0] == eng.table.tables[eng.slots])  # scratch only
+    assert eng.table.active.tolist()[:2] == [True, False] and eng.table.tokens[1] == []
+    assert np.all(eng.table.tables[1] == eng.table.tables[eng.slots])  # scratch only
 
 
 def test_structured_outputs_in_mixed_steps_equal_the_separate_programs(tiny):
@@ -193,68 +192,22 @@ def test_structured_outputs_in_mixed_steps_equal_the_separate_programs(tiny):
     grammar = grammar_for(ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
         name="t", schema=schema)))
     constrained = Sampling(temperature=1.0, seed=5, grammar=grammar)
+    plain = Sampling(temperature=1.0, seed=9)
     arrive = {1: 1, 2: 3, 3: 4}
     prompts = PROMPTS[:4]
     runs = []
     for mixed in (True, False):
         eng = engine(path)
-        # drive() gives every sequence one sampling; this one alternates by slot parity
-        got = _drive_alternating(eng, prompts, 80, mixed, arrive, constrained)
+        got = drive(eng, prompts, 80, mixed, arrive,
+                    choose=lambda j: constrained if j % 2 == 0 else plain)  # fmt: skip
         runs.append((eng, got))
     (eng, mixed_out), (_, apart_out) = runs
     assert mixed_out == apart_out
+    assert sum(eng.programs.mixed_counts.values()) > 0
     eos = set(eng.eos_token_ids)
     for j in (0, 2):  # the constrained ones
         tokens = [t for t in mixed_out[j] if t not in eos]
         assert set(json.loads(eng.tokenizer.decode(tokens))) == {"name", "age"}
-
-
-def _drive_alternating(eng, prompts, new, mixed, arrive, constrained):
-    """drive(), with even jobs constrained and odd ones plain (temperature 1, seeded),
-    each ending at EOS or `new` tokens."""
-    plain = Sampling(temperature=1.0, seed=9)
-    eos = set(eng.eos_token_ids)
-    out: list[list[int]] = [[] for _ in prompts]
-    waiting = [j for j in range(len(prompts)) if arrive.get(j, 0) == 0]
-    running: dict[int, int] = {}
-    prefilling: dict[int, int] = {}
-    step = 0
-    while waiting or running or prefilling or any(a > step for a in arrive.values()):
-        waiting += [j for j, a in arrive.items() if a == step and a > 0]
-        while waiting:
-            slot = next(s for s in range(eng.slots) if s not in running and s not in prefilling)
-            j = waiting.pop(0)
-            eng.begin(slot, prompts[j], constrained if j % 2 == 0 else plain, 7 + j)
-            prefilling[slot] = j
-        stepped = list(running)
-        got_mixed = eng.step_mixed([(s, 0) for s in prefilling]) if mixed and prefilling else None
-        if got_mixed is not None:
-            pending, failed = got_mixed
-            assert not failed
-            got = pending.result()
-            for slot, first in pending.firsts:
-                out[prefilling[slot]].append(first)
-                running[slot] = prefilling.pop(slot)
-        else:
-            for slot, j in list(prefilling.items()):
-                first = eng.prefill_step(slot)
-                if first is not None:
-                    out[j].append(first)
-                    running[slot] = prefilling.pop(slot)
-            stepped = list(running)
-            got = eng.step() if running else None
-        for slot in stepped:
-            j = running[slot]
-            if out[j] and out[j][-1] in eos:
-                continue
-            out[j].append(int(got[slot]))
-        for slot, j in list(running.items()):
-            if len(out[j]) >= new or out[j][-1] in eos:
-                eng.free(slot)
-                del running[slot]
-        step += 1
-    return out
-
 
 def test_a_mixed_step_takes_the_fewest_rows_that_hold_its_work(tiny):
     """The lm head runs on every table row, so rows come in buckets (16 and 32 for

@@ -253,6 +253,26 @@ def test_a_sequence_joins_the_step_after_the_one_in_flight():
     assert got == [(b, 32)] and lane.pending is None and lane.dispatched == 3
 
 
+def test_a_prompt_finished_inside_a_step_gets_its_first_token_from_that_step():
+    """A mixed step: b's last chunk rode in step 2, so step 2's result holds b's
+    first token beside a's next; nothing of step 1 is b's."""
+    sched, _ = scheduler()
+    sched.add(work("a"), NOW, seed=0)
+    _, adm = sched.schedule(time.time(), NOW)
+    (a,) = adm.admitted
+    prefilled(sched, a, first=7)
+    lane = sched.lanes["1"]
+    sched.add(work("b"), NOW, seed=0)
+    _, adm = sched.schedule(time.time(), NOW)
+    (b,) = adm.admitted
+    step1 = np.array([11, 12], np.int32)
+    got = sched.update(StepResult([], [LaneStep(lane, object(), step1, [], joined=[b])]))
+    assert got == [(a, 11)] and (b.joined, b.live, lane.dispatched) == (2, True, 2)
+    assert b not in sched.prefilling
+    got = sched.update(StepResult([], [LaneStep(lane, object(), np.array([21, 22]), [])]))
+    assert got == [(a, 21), (b, 22)]  # b's first token, from the step it rode in
+
+
 def test_a_requests_version_is_fixed_when_its_first_choice_is_admitted():
     v1, v2 = PoolDecoder(slots=1), PoolDecoder(slots=1, tag=1)
     sched, versions = scheduler(**{"1": v1})

@@ -37,9 +37,9 @@ class Calls:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def prefill_step(self, slot: int, budget: int = 0):
+    def prefill_step(self, slot: int, budget: int = 0, mix: bool = False):
         self.calls.append("prefill")
-        return self.engine.prefill_step(slot, budget)
+        return self.engine.prefill_step(slot, budget, mix)
 
     def tune(self, limit: int = 1) -> int:
         self.calls.append(f"measure {self.engine.forms.measurements}")

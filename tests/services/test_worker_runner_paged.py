@@ -55,29 +55,25 @@ class Trace:
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
-    def prefill_step(self, slot: int, budget: int = 0):
+    def prefill_step(self, slot: int, budget: int = 0, mix: bool = False):
+        """Recorded as ("prefill", (tokens, streams decoding)) when it computed any
+        (a chunk handed to the next step computes nothing here)."""
         before, decoding = self.engine.prefilling(slot), self.engine.stats().active
-        first = self.engine.prefill_step(slot, budget)
-        self.events.append(("prefill", (before - self.engine.prefilling(slot), decoding)))
+        first = self.engine.prefill_step(slot, budget, mix)
+        if before - self.engine.prefilling(slot) or first is not None:
+            self.events.append(("prefill", (before - self.engine.prefilling(slot), decoding)))
         return first
 
     def step_async(self):
-        self._hold()
-        self.events.append(("step", frozenset(self.engine.table.active.nonzero()[0].tolist())))
-        return self.engine.step_async()
-
-    def step_mixed(self, chunks):
-        """Recorded as a step of the streams live at its dispatch, then ("mixed",
-        (prompt tokens it took, streams decoding)) when it ran mixed."""
-        if not self.engine.mixes():
-            return None
+        """Recorded as ("step", live slots), then ("mixed", (prompt tokens, streams
+        decoding)) when prompt chunks rode in its pass."""
         self._hold()
         live = frozenset(self.engine.table.active.nonzero()[0].tolist())
-        got = self.engine.step_mixed(chunks)
-        if got is not None:
-            self.events.append(("step", live))
-            self.events.append(("mixed", (got[0].prompt_tokens, len(live))))
-        return got
+        pending = self.engine.step_async()
+        self.events.append(("step", live))
+        if pending is not None and pending.prompt_tokens:
+            self.events.append(("mixed", (pending.prompt_tokens, len(live))))
+        return pending
 
     def _hold(self) -> None:
         steps = sum(kind == "step" for kind, _ in self.events)
@@ -209,8 +205,7 @@ async def test_a_long_prompt_rides_in_the_streams_steps_when_they_mix(tiny):
     assert out.texts("long")[0][0] == _expected(engine, ref, long, 8)
     # No prompt pass of its own while streams decode: the long prompt's chunks all
     # rode in steps with the eight streams' rows, 16 - 8 prompt tokens each.
-    assert all(decoding == 0 for kind, (_, decoding) in
-               [e for e in trace.events if e[0] == "prefill"])  # fmt: skip
+    assert all(what[1] == 0 for kind, what in trace.events if kind == "prefill")
     rode = [what for kind, what in trace.events if kind == "mixed" and what[1] == 8]
     assert sum(t for t, _ in rode) >= len(long) and max(t for t, _ in rode) <= CHUNK - 8
     steps = [e for e in trace.events if e[0] == "step"]

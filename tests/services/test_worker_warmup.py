@@ -97,9 +97,9 @@ class TimedDecoder(MockDecoder):
         self.prompts.append(list(prompt))
         return super().begin(slot, prompt, sampling, seed)
 
-    def prefill_step(self, slot, budget=0):
+    def prefill_step(self, slot, budget=0, mix=False):
         self.clock.spend(5e-3 + 1e-3 * self.prefilling(slot))
-        return super().prefill_step(slot, budget)
+        return super().prefill_step(slot, budget, mix)
 
     def step_async(self):
         self.clock.spend(0.02)

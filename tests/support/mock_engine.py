@@ -26,7 +26,6 @@ class _Step:
     def __init__(self, tokens: np.ndarray) -> None:
         self._tokens = tokens
         self.more: dict[int, list[int]] = {}
-        self.firsts: list[tuple[int, int]] = []
 
     def result(self) -> np.ndarray:
         return self._tokens
@@ -76,7 +75,7 @@ class MockDecoder:
     def prefilling(self, slot: int) -> int:
         return self._begun.get(slot, 0)
 
-    def prefill_step(self, slot: int, budget: int = 0) -> int | None:
+    def prefill_step(self, slot: int, budget: int = 0, mix: bool = False) -> int | None:
         self._active[slot], self._lengths[slot] = True, self._begun.pop(slot) + 1
         return self.tag
 
@@ -89,9 +88,6 @@ class MockDecoder:
 
     def context_left(self, slot: int) -> int:
         return self.max_context - self._lengths[slot]
-
-    def step_mixed(self, chunks: list[tuple[int, int]]) -> None:
-        return None  # prompts are computed whole, apart from the steps
 
     def step_async(self) -> _Step | None:
         if not any(self._active):

@@ -17,8 +17,8 @@
      call: prompt chunks of the admitted sequences, oldest first, at most `chunk`
      tokens in all, then a decode step for every busy lane.
   4. `update()` reads what the engine call did: a sequence whose prompt is done
-     joins the step after the one in flight (`joined`; after the one dispatched
-     when its last chunk rode in that step's pass, a mixed step), each lane's step count
+     joins the step after the one in flight (`joined`; the one dispatched when its
+     last chunk rode in that step's pass, a mixed step), each lane's step count
      moves on, and the tokens of the step read are matched to the sequences that
      were in it (a sequence's extra ride after its end, or a step before it
      joined, yields nothing).
@@ -142,9 +142,9 @@ class LaneStep:
     tokens: np.ndarray | None  # [slots] int32 of the step read (the one before)
     preempted: list[int]  # slots the engine took back to make room
     more: dict[int, list[int]] = field(default_factory=dict)  # slot -> further tokens read
-    # Prompts the dispatched step finished in its own pass (a mixed step): (sequence,
-    # first token | the error); each joins the step after it.
-    firsts: list[tuple["Sequence", "int | BaseException"]] = field(default_factory=list)
+    # Sequences whose prompt the dispatched step finished in its own pass (a mixed
+    # step): they are in it, their first token in its result.
+    joined: list["Sequence"] = field(default_factory=list)
 
 
 @dataclass
@@ -317,14 +317,23 @@ class StepScheduler:
         first tokens, oldest prompt first, then each lane's step by slot. A request
         with a token notes `now_wall` (UNIX seconds) as its latest token's time."""
         out: list[tuple[Sequence, int | BaseException]] = []
-        # Computed before the step dispatched with them: they join that step.
-        self._joined(result.firsts, out)
+        for seq, first in result.firsts:
+            if isinstance(first, BaseException):
+                out.append((seq, first))
+                continue
+            # Queued behind the step in flight: it joins the next one dispatched.
+            assert seq.lane is not None  # it was prefilling: admitted to a lane
+            seq.joined = seq.lane.dispatched + 1
+            self._live(seq)
+            out.append((seq, int(first)))
         for ls in result.lanes:
             lane, step_no = ls.lane, ls.lane.dispatched  # the read step's number
             lane.pending = ls.dispatched
             if ls.dispatched is not None:
                 lane.dispatched += 1
-            self._joined(ls.firsts, out)  # computed in it: they join the one after
+            for seq in ls.joined:  # its prompt's last chunk rode in the step dispatched
+                seq.joined = lane.dispatched
+                self._live(seq)
             if ls.tokens is None:
                 continue
             for slot, seq in lane.active.items():
@@ -338,18 +347,9 @@ class StepScheduler:
                     st.last_token = now_wall
         return out
 
-    def _joined(self, firsts: list[tuple[Sequence, int | BaseException]],
-                out: list[tuple[Sequence, int | BaseException]]) -> None:
-        """Prompts done: each sequence joins its lane's next step to be dispatched."""
-        for seq, first in firsts:
-            if isinstance(first, BaseException):
-                out.append((seq, first))
-                continue
-            assert seq.lane is not None  # it was prefilling: admitted to a lane
-            seq.joined = seq.lane.dispatched + 1
-            seq.live = True
-            self.prefilling.remove(seq)
-            out.append((seq, int(first)))
+    def _live(self, seq: Sequence) -> None:
+        seq.live = True
+        self.prefilling.remove(seq)
 
     def requeue(self, result: StepResult) -> None:
         """Preempted sequences (their cache already freed) wait again, at the front,
