@@ -192,6 +192,11 @@ class TelemetryMetrics:
         def worker_gauge(name: str, doc: str) -> Gauge:
             return Gauge(f"{NS}_{name}", doc, ["worker", "model"], registry=r)
 
+        # `up` first: a scrape (on the HTTP server's thread, while the loop may drop a
+        # worker) collects families in the order they were made, so it reads `up`
+        # before the worker's other series, which `_drop` removes before `up`.
+        self.w_up = Gauge(f"{NS}_worker_up", "1 per live worker, labelled with its state.",
+                          ["worker", "model", "state"], registry=r)
         self.w_queue = worker_gauge("worker_queue_depth", "Requests waiting in the worker.")
         self.w_in_flight = worker_gauge("worker_in_flight", "Requests the worker is running.")
         self.w_occupancy = worker_gauge("worker_batch_occupancy",
@@ -227,8 +232,6 @@ class TelemetryMetrics:
                                        "Memory in use (device where reported, else host RSS).")
         self.w_mem_limit = worker_gauge("worker_memory_limit_bytes",
                                         "The limit that memory in use is measured against.")
-        self.w_up = Gauge(f"{NS}_worker_up", "1 per live worker, labelled with its state.",
-                          ["worker", "model", "state"], registry=r)
         self.m_queue = Gauge(f"{NS}_model_queue_depth", "Queued requests over live workers.",
                              ["model"], registry=r)
         self.m_running = Gauge(f"{NS}_model_num_requests_running",
@@ -400,7 +403,8 @@ class TelemetryMetrics:
                   self.w_waiting, self.w_blocks, *self._worker_counters()):
             g.remove(worker, seen.model)
         self._refresh_model(seen.model)
-        # `up` last: a scrape that no longer sees the worker sees none of its series.
+        # `up` last: a scrape that no longer sees the worker sees none of its series
+        # (it reads `up` first: _build_worker_metrics).
         self.w_up.remove(worker, seen.model, seen.state)
 
     def _worker_counters(self) -> tuple[Counter, ...]:

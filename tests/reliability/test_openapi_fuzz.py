@@ -12,8 +12,13 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+# Imported here, on the main thread: imported first inside fuzz_operations' thread,
+# while the stack's threads compiled too, CPython 3.11 failed to compile one of its
+# modules ("AST constructor recursion depth mismatch", a race in the compiler).
+import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from schemathesis import GenerationMode
 
 from tests.reliability.conftest import DECODER, ENCODER
 from tests.reliability.replies import assert_clean
@@ -35,9 +40,6 @@ def check(response) -> None:
 
 
 def fuzz_operations(base_url: str) -> tuple[list[str], list[int]]:
-    import schemathesis
-    from schemathesis import GenerationMode
-
     schema = schemathesis.openapi.from_url(f"{base_url}/openapi.json")
     schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
     done, statuses = [], []

@@ -101,6 +101,34 @@ async def _serve(engine, works: list[tuple[int, GenerateWork]], chunk: int = 512
         task.cancel()
 
 
+async def _long_arrives(engine, ref) -> Trace:
+    """Eight short streams decode; a 90-token prompt arrives at their 4th step (while
+    it is held: 26 tokens of every short stream are still to come, more than the
+    iterations its prompt takes). Every text equals transformers'; the trace of the
+    engine's calls is returned."""
+    trace = Trace(engine, hold_at=4)
+    short = [[5 + i, 17, 30 + i, 42] for i in range(8)]
+    long = list(range(2, 92))
+    runner = DecoderRunner(LoadedModels(trace, "1", kind="decoder"), out := Recorder(),
+                           ThreadPoolExecutor(1), prefill_per_step=8, prefill_chunk=CHUNK)
+    task = asyncio.create_task(runner.run())
+    try:
+        for i, p in enumerate(short):
+            runner.submit(_work(f"s{i}", p, 30))
+        assert await asyncio.to_thread(trace.held.wait, 60)
+        runner.submit(_work("long", long, 8))
+        trace.go.set()
+        await wait_until(lambda: len(out.finished) == 9, timeout=300)
+    finally:
+        trace.go.set()
+        task.cancel()
+    assert out.errors == []
+    for i, p in enumerate(short):
+        assert out.texts(f"s{i}")[0][0] == _expected(engine, ref, p, 30), i
+    assert out.texts("long")[0][0] == _expected(engine, ref, long, 8)
+    return trace
+
+
 async def test_a_small_pool_makes_requests_wait_and_preempts_without_changing_text(tiny):
     """8 requests, 8 slots, a pool of 12 blocks (two old rows' worth): they cannot all
     fit, some wait and some are preempted as they grow; every text is unchanged."""
@@ -129,28 +157,7 @@ async def test_a_long_prompt_is_chunked_and_running_streams_miss_no_step(tiny):
     engine = DecoderEngine(path, "tiny", slots=9, max_context=128, prefill_buckets=(16,),
                            decode_windows=(32, 64), prefill_chunk=CHUNK)  # fmt: skip
     engine.warmup(progress=False)
-    trace = Trace(engine, hold_at=4)
-    short = [[5 + i, 17, 30 + i, 42] for i in range(8)]
-    long = list(range(2, 92))
-    runner = DecoderRunner(LoadedModels(trace, "1", kind="decoder"), out := Recorder(),
-                           ThreadPoolExecutor(1), prefill_per_step=8, prefill_chunk=CHUNK)
-    task = asyncio.create_task(runner.run())
-    try:
-        for i, p in enumerate(short):
-            runner.submit(_work(f"s{i}", p, 30))
-        # The long prompt arrives while step 4 is held: 26 tokens of every short stream
-        # are still to come, more than the iterations its prompt takes.
-        assert await asyncio.to_thread(trace.held.wait, 60)
-        runner.submit(_work("long", long, 8))
-        trace.go.set()
-        await wait_until(lambda: len(out.finished) == 9, timeout=300)
-    finally:
-        trace.go.set()
-        task.cancel()
-    assert out.errors == []
-    for i, p in enumerate(short):
-        assert out.texts(f"s{i}")[0][0] == _expected(engine, ref, p, 30), i
-    assert out.texts("long")[0][0] == _expected(engine, ref, long, 8)
+    trace = await _long_arrives(engine, ref)
     # Between two decode steps, at most one chunk of prompt was computed while streams
     # were decoding (a prompt with no stream waiting on it may take every chunk)...
     between, chunks = 0, 0
@@ -183,26 +190,8 @@ async def test_a_long_prompt_rides_in_the_streams_steps_when_they_mix(tiny):
     assert engine.programs.mixed_shapes == [(CHUNK, 9)]
     engine.programs.get("mixed", CHUNK, 9)  # as the background would
     assert engine.mixes()
-    trace = Trace(engine, hold_at=4)
-    short = [[5 + i, 17, 30 + i, 42] for i in range(8)]
+    trace = await _long_arrives(engine, ref)
     long = list(range(2, 92))
-    runner = DecoderRunner(LoadedModels(trace, "1", kind="decoder"), out := Recorder(),
-                           ThreadPoolExecutor(1), prefill_per_step=8, prefill_chunk=CHUNK)
-    task = asyncio.create_task(runner.run())
-    try:
-        for i, p in enumerate(short):
-            runner.submit(_work(f"s{i}", p, 30))
-        assert await asyncio.to_thread(trace.held.wait, 60)
-        runner.submit(_work("long", long, 8))
-        trace.go.set()
-        await wait_until(lambda: len(out.finished) == 9, timeout=300)
-    finally:
-        trace.go.set()
-        task.cancel()
-    assert out.errors == []
-    for i, p in enumerate(short):
-        assert out.texts(f"s{i}")[0][0] == _expected(engine, ref, p, 30), i
-    assert out.texts("long")[0][0] == _expected(engine, ref, long, 8)
     # No prompt pass of its own while streams decode: the long prompt's chunks all
     # rode in steps with the eight streams' rows, 16 - 8 prompt tokens each.
     assert all(what[1] == 0 for kind, what in trace.events if kind == "prefill")
