@@ -318,7 +318,7 @@ class DecoderEngine:
             return None  # already handed to the next step
         if mix and live and self.programs.mixed_shape(live, live + len(self._riding) + 1):
             if table.prefilling(slot) <= (budget or self.runner.chunk):
-                self.grammar.first_mask(slot)  # may be its last chunk: its grammar, now
+                self.grammar.first_mask(slot)  # may be its last chunk: its matcher, now
             self._riding.append((slot, budget))
             return None
         return self.runner.prefill(slot, budget)
@@ -326,8 +326,7 @@ class DecoderEngine:
     def mixes(self) -> bool:
         """Whether a mixed step may run: on the CPU kernel, once one of their programs
         is compiled (the background compiles them first; never on the serving path)."""
-        return any(self.programs.has(self.programs.key("mixed", *s))
-                   for s in self.programs.mixed_shapes)  # fmt: skip
+        return self.programs.mixed_shape(0, 1) is not None
 
     def make_room(self, victim: Victim) -> list[int]:
         preempted: list[int] = []

@@ -222,12 +222,16 @@ class SlotGrammars:
         prompt chunk's row gets its first mask (`first_mask` built its matcher)."""
         if not self.constrained(rows):
             return allowed
+        self._read_pending()
+        self.masked_steps += 1
+        return self._fill(np.asarray(rows))
+
+    def _read_pending(self) -> None:
+        """Read the step before (its tokens advance the matchers the masks come from)."""
         if self._pending is not None:
             self._pending.result()
             self._pending = None
             self.syncs += 1
-        self.masked_steps += 1
-        return self._fill(np.asarray(rows))
 
     def step_program(self, run, allowed, rows: np.ndarray):
         """The step to call for `rows` ([parts x B] slots) as (params, state, part,
@@ -236,10 +240,7 @@ class SlotGrammars:
         if not self.constrained(rows):
             return lambda params, state, part, tables, live: run(params, state, part, tables,
                                                                  live, allowed)  # fmt: skip
-        if self._pending is not None:
-            self._pending.result()  # its tokens reach the matchers (`consume`)
-            self._pending = None
-            self.syncs += 1
+        self._read_pending()
 
         def masked(params, state, part, tables, live):
             self.masked_steps += 1

@@ -139,8 +139,8 @@ class StepRunner:
             if left <= 0 or row >= width:
                 break
             job, end = table.next_chunk(slot, min(left, most) if most > 0 else left)
-            if end == len(job.prompt):  # its first token is drawn here, under its mask
-                self.grammar.first_mask(slot)  # builds its matcher (`step_masks` reads it)
+            if end == len(job.prompt):  # its first token is drawn here, under the mask
+                # of the matcher the engine built when it took the chunk (prefill_step)
                 self.state = programs.claim(self.state, np.int32(slot), job.seed, job.sampling)
                 commit[row] = True
             k = end - job.done
