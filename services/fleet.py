@@ -70,6 +70,13 @@ class Fleet:
         self.workers[hb.worker_id] = view
         return view
 
+    def excuse(self, seconds: float) -> None:
+        """Time this process was not running (a stalled loop, a starved core): it
+        proves no worker silent, so every worker's silence and stall clocks skip it."""
+        for w in self.workers.values():
+            w.seen += seconds
+            w.progress_at += seconds
+
     def expire(self, now: float | None = None) -> list[WorkerView]:
         """Drop workers silent for longer than expiry_s; return them."""
         now = time.monotonic() if now is None else now
