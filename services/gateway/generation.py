@@ -184,7 +184,9 @@ class Generation:
         preps = [Prepared(r, chat, GenerateWork(
             pid, name, version, prompt, budget, sampling, stop, req.n, req.stream, deadline, "",
             ignore_eos=req.ignore_eos, user=user, reserved=reserved,
-            stall_s=self.config.stall_timeout_s, end_by=call.end_by,
+            # Batch work pauses for interactive work (services.worker.decode.scheduler
+            # rule 6): a pause is no stall, and its whole time bounds it.
+            stall_s=0.0 if call.priority else self.config.stall_timeout_s, end_by=call.end_by,
             prompt_logprobs=_prompt_logprobs(req, chat),
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,

@@ -60,6 +60,9 @@ if TYPE_CHECKING:
 
 log = get_logger("worker.generation")
 FORMS_EVERY = 16  # busy iterations per compute-form measurement (one (bucket, form))
+# Batch rows may share an interactive step while they add at most this share to its
+# time (services.worker.decode.scheduler rule 6): interactive p99 within 1.2x of no batch.
+BATCH_STEP_SHARE = 0.1
 
 
 class DecoderRunner:
@@ -72,11 +75,12 @@ class DecoderRunner:
         self.models = models
         self.outbox = outbox
         self.executor = executor
-        self.sched = StepScheduler(models.resolve, prefill_per_step, prefill_chunk)
+        self.costs = GenCostBook()  # prefill and step costs, for the heartbeat (admission)
+        self.sched = StepScheduler(models.resolve, prefill_per_step, prefill_chunk,
+                                   riders=lambda n: self.costs.riders(n, BATCH_STEP_SHARE))
         self.output = OutputProcessor(outbox.worker_id, outbox.model)
         # Prefix-cache counts and preemptions, since start (Any: they go into Gauges by name).
         self.counters: dict[str, Any] = self.sched.counters
-        self.costs = GenCostBook()  # prefill and step costs, for the heartbeat (admission)
         self.steps = 0
         self.generated = 0  # tokens generated since start, over every request
         self._occ_sum = 0
@@ -331,12 +335,16 @@ class DecoderRunner:
     async def _retire(self) -> None:
         """Free the slots of finished, cancelled and expired sequences."""
         freed = self.sched.retiring(time.time())
-        if not freed:
+        yielded = self.sched.yielding()  # batch work making way for interactive work
+        if not freed and not yielded:
             return
         for _, _, seq in freed:  # how much of max_tokens sequences use: admission's estimate
             self.costs.finished(len(seq.tokens), seq.work.max_tokens)
         await asyncio.get_running_loop().run_in_executor(
-            self.executor, _free_slots, [(lane.engine, slot) for lane, slot, _ in freed])
+            self.executor, _free_slots, [(lane.engine, slot) for lane, slot, _ in freed + yielded])
+        if yielded:
+            log.debug("batch_yielded", sequences=len(yielded))
+            self.sched.park(yielded)
         done: dict[str, list[str]] = {}
         for req, running in self.sched.retire(freed):
             await self._close(req, running)

@@ -12,6 +12,7 @@ import numpy as np
 
 from services.worker.decode.scheduler import LaneStep, StepResult, StepScheduler
 from shared.messages import GenerateWork, Sampling
+from shared.priority import BATCH, INTERACTIVE
 from tests.support.mock_engine import MockDecoder
 
 NOW = 100.0  # perf_counter of the test's first schedule
@@ -48,15 +49,15 @@ class Versions:
 
 
 def work(rid: str, prompt_len: int = 2, n: int = 1, version: str = "",
-         deadline_in: float = 30.0) -> GenerateWork:
+         deadline_in: float = 30.0, priority: int = INTERACTIVE) -> GenerateWork:
     return GenerateWork(rid, "mock-lm", version, list(range(3, 3 + prompt_len)), 8,
                         Sampling(temperature=0), [], n, True, time.time() + deadline_in,
-                        f"reply.{rid}", "sched")
+                        f"reply.{rid}", "sched", priority=priority)
 
 
-def scheduler(per_step: int = 8, chunk: int = 512, **engines):
+def scheduler(per_step: int = 8, chunk: int = 512, riders=lambda n: 0, **engines):
     versions = Versions(**(engines or {"1": PoolDecoder(slots=2)}))
-    sched = StepScheduler(versions.resolve, per_step, chunk)
+    sched = StepScheduler(versions.resolve, per_step, chunk, riders=riders)
     sched.follow(versions.engines)
     return sched, versions
 
@@ -320,3 +321,77 @@ def test_a_resumed_request_runs_only_its_unfinished_choices_with_their_own_seeds
     assert [w.skipped(i) for i in range(3)] == [3, 5, 1]
     sched.schedule(time.time(), NOW)
     assert [seed for _, _, seed in versions.engines["1"].begun] == [10, 12]
+
+
+def _yield_to(sched: StepScheduler) -> list:
+    """What the runner does before a step: free the yielded slots, park them."""
+    out = sched.yielding()
+    for lane, slot, _ in out:
+        lane.engine.free(slot)
+    sched.park(out)
+    return out
+
+
+def test_batch_sequences_make_way_for_interactive_work_and_resume_where_they_were():
+    """A CPU worker (no batch rows ride an interactive step): an interactive request
+    arriving at a worker full of batch work takes a slot at once and steps alone;
+    the batch work resumes afterwards with its tokens so far, its first admission
+    kept."""
+    engine = PoolDecoder(slots=3)
+    sched, _ = scheduler(**{"1": engine})
+    for i, rid in enumerate("abc"):
+        sched.add(work(rid, priority=BATCH), NOW + i, seed=0)
+    _, first = sched.schedule(time.time(), NOW)
+    for i, seq in enumerate(first.admitted):
+        seq.admitted, seq.tokens = NOW + i, [7]
+    prefilled(sched, *first.admitted)
+    assert _yield_to(sched) == []  # batch alone keeps every slot
+
+    sched.add(work("i"), NOW + 5, seed=0)
+    yielded = _yield_to(sched)
+    assert ids(q for _, _, q in yielded) == [("c", 0), ("b", 0), ("a", 0)]  # newest first
+    lane = sched.lanes["1"]
+    assert lane.active == {} and not any(q.live for _, _, q in yielded)
+    plan, adm = sched.schedule(time.time(), NOW + 6)
+    assert ids(adm.admitted) == [("i", 0)]  # the batch work waits behind it
+    assert ids(sched.waiting) == [("a", 0), ("b", 0), ("c", 0)]
+    prefilled(sched, *adm.admitted)
+    _, adm = sched.schedule(time.time(), NOW + 7)
+    assert adm.admitted == []  # still none while the interactive one runs
+
+    # It ends: the batch work begins again, oldest first, from where it was.
+    (inter,) = lane.active.values()
+    assert inter.work.request_id == "i"
+    inter.finish = "length"
+    sched.retire(sched.retiring(time.time()))
+    _, adm = sched.schedule(time.time(), NOW + 8)
+    assert ids(adm.admitted) == [("a", 0), ("b", 0), ("c", 0)]
+    assert engine.begun[-3][1] == [3, 4, 7]  # its prompt plus its token so far
+    assert adm.admitted[0].admitted == NOW  # still counted from its first admission
+
+
+def test_where_rows_are_cheap_some_batch_rows_ride_with_interactive_ones():
+    """A GPU-like worker whose step cost lets 2 batch rows ride beside 1
+    interactive row: the 2 oldest stay, the third yields and does not begin
+    again while the interactive one runs."""
+    engine = PoolDecoder(slots=4)
+    sched, _ = scheduler(riders=lambda n: 2 * n, **{"1": engine})
+    for i, rid in enumerate("abc"):
+        sched.add(work(rid, priority=BATCH), NOW + i, seed=0)
+    _, first = sched.schedule(time.time(), NOW)
+    prefilled(sched, *first.admitted)
+    sched.add(work("i"), NOW + 5, seed=0)
+    assert ids(q for _, _, q in _yield_to(sched)) == [("c", 0)]
+    _, adm = sched.schedule(time.time(), NOW + 6)
+    assert ids(adm.admitted) == [("i", 0)]
+    assert ids(sched.waiting) == [("c", 0)]
+
+
+def test_interactive_prompts_take_the_chunk_budget_before_batch_ones():
+    engine = PoolDecoder(slots=4)
+    sched, _ = scheduler(chunk=4, riders=lambda n: 8, **{"1": engine})
+    sched.add(work("b", prompt_len=4, priority=BATCH), NOW, seed=0)
+    sched.add(work("i", prompt_len=4), NOW + 1, seed=0)
+    plan, adm = sched.schedule(time.time(), NOW)
+    assert ids(adm.admitted) == [("i", 0), ("b", 0)]  # interactive admitted first
+    assert [(q.work.request_id, n) for q, n in plan.prefill] == [("i", 4)]

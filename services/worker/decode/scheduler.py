@@ -27,6 +27,17 @@
      sequence gives its cache back: the one that began last (the least work lost,
      and the oldest requests keep going). `requeue()` puts those back at the front
      of the queue, oldest first; they re-run their prompt plus their tokens so far.
+  6. Batch work (shared.priority) yields to interactive work. Waiting interactive
+     sequences are admitted first, and their prompt chunks go first. While a lane
+     has interactive sequences, in it or waiting for it, at most `riders(n)` batch
+     sequences stay in it (n: the interactive ones): those whose rows add no more
+     than a small share to the step's time, by the worker's fitted step cost (none
+     on a CPU, where every row costs; most on a GPU, where rows are nearly free).
+     `yielding()` names the others, newest first; the worker frees their slots and
+     `park()` puts them back to wait. Freeing keys their full cache blocks, so
+     resuming re-runs only the last partial block (the prefix cache holds the rest).
+     A batch request carries no stall bound (the gateway sets none): a pause is
+     not a stall; its whole time still bounds it.
 
 No asyncio and no clocks: the caller passes the times, so the rules are tested as
 pure functions over a mock engine (tests/services/test_decode_scheduler.py).
@@ -40,6 +51,7 @@ from typing import TYPE_CHECKING, Callable
 
 from shared.errors import ServiceError
 from shared.messages import GenerateWork
+from shared.priority import INTERACTIVE
 
 if TYPE_CHECKING:
     import numpy as np
@@ -104,6 +116,11 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # generated so far (a re-run needs them)
     finish: str | None = None  # set by the output processor (or "cancelled" here)
 
+    @property
+    def batch(self) -> bool:
+        """In the batch lane: it yields to interactive work (rule 6)."""
+        return self.work.priority > INTERACTIVE
+
 
 @dataclass(eq=False)
 class Request:
@@ -154,8 +171,10 @@ class StepResult:
 
 
 class StepScheduler:
-    def __init__(self, resolve: Callable[[str], str], per_step: int, chunk: int) -> None:
+    def __init__(self, resolve: Callable[[str], str], per_step: int, chunk: int,
+                 riders: Callable[[int], int] = lambda n: 0) -> None:
         self.resolve = resolve  # a work's version -> the loaded one it runs on now
+        self.riders = riders  # interactive rows -> batch rows that may share their steps
         self.per_step = max(1, per_step)  # admissions per step
         self.chunk = max(1, chunk)  # prompt tokens per step, over all sequences
         self.lanes: dict[str, Lane] = {}
@@ -225,7 +244,7 @@ class StepScheduler:
     def schedule(self, now_wall: float, now: float) -> tuple[StepPlan, Admission]:
         adm = self._admit(now_wall, now)
         left, prefill = self.chunk, []
-        for seq in self.prefilling:
+        for seq in sorted(self.prefilling, key=lambda q: q.batch):  # interactive first
             if left <= 0:
                 break
             assert seq.lane is not None  # admitted: a prefilling sequence has its lane
@@ -234,10 +253,27 @@ class StepScheduler:
             prefill.append((seq, n))
         return StepPlan(prefill, [lane for lane in self.lanes.values() if lane.busy]), adm
 
+    def _target(self, seq: Sequence) -> str:
+        """The version a waiting sequence goes to if admitted now."""
+        st = self.requests.get(seq.work.request_id)
+        return (st.version if st is not None else "") or self.resolve(seq.work.version)
+
+    def _interactive(self, lane: Lane) -> int:
+        """Interactive sequences in `lane` or waiting for it."""
+        return (sum(not q.batch for q in lane.active.values())
+                + sum(not q.batch and self._target(q) == lane.version for q in self.waiting))
+
+    def _room_for_batch(self, lane: Lane) -> bool:
+        """Whether one more batch sequence may begin in `lane` now (rule 6)."""
+        n = self._interactive(lane)
+        return not n or sum(q.batch for q in lane.active.values()) < self.riders(n)
+
     def _admit(self, now_wall: float, now: float) -> Admission:
         adm = Admission()
         kept: list[Sequence] = []
         full: set[Lane] = set()
+        if any(q.batch for q in self.waiting):  # interactive first, each lane FIFO
+            self.waiting = deque(sorted(self.waiting, key=lambda q: q.batch))
         while self.waiting and len(adm.admitted) < self.per_step:
             seq = self.waiting.popleft()
             st = self.requests.get(seq.work.request_id)
@@ -246,6 +282,10 @@ class StepScheduler:
                 continue
             version = st.version or self.resolve(seq.work.version)
             lane = self.lanes.get(version)
+            if seq.batch and lane is not None and not self._room_for_batch(lane):
+                full.add(lane)  # batch waits behind interactive work: none goes now
+                kept.append(seq)
+                continue
             if lane is None:  # pinned to a version dropped meanwhile: cannot happen, but
                 self._refuse(seq, st, adm, ServiceError(  # answer, never wait forever
                     503, f"version {version} is not loaded on this worker; retry shortly",
@@ -368,6 +408,34 @@ class StepScheduler:
                 del ls.lane.active[slot]
                 seq.live, seq.slot = False, -1
                 back.append(seq)
+        back.sort(key=lambda q: q.admitted)
+        self.waiting.extendleft(reversed(back))
+
+    # ------------------------------------------------------------- yielding
+    def yielding(self) -> list[tuple[Lane, int, Sequence]]:
+        """Batch sequences to take out of their slots for interactive work (rule 6):
+        beyond the `riders` of each lane that has interactive sequences, newest
+        first. The engine frees them; then `park`."""
+        out = []
+        for lane in self.lanes.values():
+            n = self._interactive(lane)
+            if not n:
+                continue
+            batch = sorted((q for q in lane.active.values() if q.batch and q.finish is None),
+                           key=lambda q: q.began)
+            out += [(lane, q.slot, q) for q in reversed(batch[self.riders(n):])]
+        return out
+
+    def park(self, yielded: list[tuple[Lane, int, Sequence]]) -> None:
+        """Yielded sequences (their slots freed) wait again, oldest first, behind
+        the interactive ones; they resume with their prompt plus their tokens so far."""
+        back = []
+        for lane, slot, seq in yielded:
+            del lane.active[slot]
+            if seq in self.prefilling:
+                self.prefilling.remove(seq)
+            seq.live, seq.slot = False, -1
+            back.append(seq)
         back.sort(key=lambda q: q.admitted)
         self.waiting.extendleft(reversed(back))
 
