@@ -226,7 +226,9 @@ async def main_async(lines: int, rate: float, seconds: float, workdir: Path,
                     "quiet_chat": {"requests": len(quiet_chat),
                                    **harness.percentiles(quiet_chat, digits=1)},
                     "during_batch_chat": {"requests": len(during_chat),
-                                          **harness.percentiles(during_chat, digits=1)},
+                                          **harness.percentiles(during_chat, (50, 90, 99),
+                                                                digits=1),
+                                          "ms_in_order": [round(x * 1e3) for x in during_chat]},
                     "interactive_chat_lines": plain_chat})
     return out
 

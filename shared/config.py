@@ -50,7 +50,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     sse_write_timeout_s: float = 30.0  # an SSE stream whose client takes no bytes for this long is cancelled (its work too, freeing the worker's slot)
     sse_max_buffer_bytes: int = 8_388_608  # an SSE stream whose unwritten events pass this many bytes (a client reading slower than the model writes) is cancelled
     # --- batch runner (`python -m services.batch`)
-    batch_concurrency: int = 4  # requests of all batches in flight at once: the batch lane
+    batch_concurrency: int = 4  # requests per model, of all batches, in flight at once: the batch lane
     batch_max_lines: int = 50_000  # most requests in one batch's input file
     batch_lease_s: float = 15.0  # a batch runner's lease on a batch: renewed every third of it; a lease unmoved this long is taken over by another runner
     # --- scheduler

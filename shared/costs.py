@@ -175,16 +175,6 @@ class GenCostBook:
             self._generated = keep * self._generated + min(generated, max_tokens)
             self._budget = keep * self._budget + max_tokens
 
-    def riders(self, rows: int, share: float) -> int:
-        """How many more rows a decode step of `rows` takes while its time grows by
-        at most `share`, by the fitted step cost (0 until a step is timed)."""
-        step = self._decode.cost(self.KEY)
-        if step is None:
-            return 0
-        if step.per_token <= 0:
-            return 1 << 30
-        return int(share * (step.per_batch + step.per_token * rows) / step.per_token)
-
     def cost(self) -> GenCost | None:
         prefill, decode = self._prefill.cost(self.KEY), self._decode.cost(self.KEY)
         length = self._generated / self._budget if self._budget else 1.0

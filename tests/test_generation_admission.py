@@ -218,17 +218,3 @@ def test_a_cpu_workers_default_chunk_counts_a_step_per_128_prompt_tokens():
     err = refused(adm.admit, gen("fifth"))
     assert err.retry_after == pytest.approx(25 + 0.4 + 4 * 0.05 + 0.1 + 0.05 - 5, abs=0.1)
 
-
-def test_batch_rows_ride_an_interactive_step_only_where_rows_are_cheap():
-    """The rows a step takes while its time grows by at most a tenth: none before a
-    step is timed, none where a row costs as much as the step (a CPU), many where a
-    row is nearly free (a GPU)."""
-    book = GenCostBook()
-    assert book.riders(1, 0.1) == 0
-    cpu, gpu = GenCostBook(), GenCostBook()
-    for _ in range(20):
-        for rows in (1, 4, 8):
-            cpu.observe(0.030 + 0.030 * rows, 0, 0, rows)  # a row costs a step's base
-            gpu.observe(0.010 + 0.00001 * rows, 0, 0, rows)
-    assert cpu.riders(1, 0.1) == 0
-    assert gpu.riders(1, 0.1) > 50

@@ -16,7 +16,8 @@
      each marked `Tensorbus-Priority: batch` (shared.priority): the schedulers run
      it only on capacity interactive work leaves idle, and never refuse it for the
      work ahead or its deadline (services.scheduler.lane). At most
-     TENSORBUS_BATCH_CONCURRENCY requests of all batches are in flight. A 429 or
+     TENSORBUS_BATCH_CONCURRENCY requests per model, over all batches, are in flight
+     (a slow model's lines do not hold back another's). A 429 or
      503 (no idle room for a long while, or no gateway) is retried after its
      Retry-After, a few times.
   4. Each answer is stored under its line's key before the batch's counts move; a
@@ -36,7 +37,7 @@ import os
 import secrets
 import socket
 import time
-from typing import cast
+from typing import Callable, cast
 
 import msgspec
 from nats.aio.client import Client
@@ -83,7 +84,7 @@ class BatchRunner:
         self.nc = nc
         self.config = config
         self.store = store
-        self.lane = asyncio.Semaphore(max(1, config.batch_concurrency))
+        self.lanes: dict[str, asyncio.Semaphore] = {}  # model -> its requests in flight
         self.health = ServiceHealth()
         self.jobs: dict[str, asyncio.Event] = {}  # batch id -> its cancel event
         self.waiting: set[str] = set()  # active batches this runner holds no lease of
@@ -94,6 +95,15 @@ class BatchRunner:
         self._failure: BaseException | None = None
         self._micro: MicroService | None = None
 
+    def lane(self, model: object) -> asyncio.Semaphore:
+        """The bound on `model`'s requests in flight, over every batch: each model has
+        its own, so a slow model's lines (a generation parked behind interactive work)
+        do not hold back another model's."""
+        key = model if isinstance(model, str) else ""
+        sem = self.lanes.get(key)
+        if sem is None:
+            sem = self.lanes[key] = asyncio.Semaphore(max(1, self.config.batch_concurrency))
+        return sem
     async def run(self) -> None:
         self.store = self.store or await BatchStore.open(self.nc)
         self.leases = Leases(self.store.kv, self.owner, self.config.batch_lease_s)
@@ -234,17 +244,17 @@ class Job:
         await self._finish(len(lines))
 
     async def _feed(self, batch: Batch, lines: list[InputLine], done: dict[int, bool]) -> None:
-        lane = self.runner.lane
         async with asyncio.TaskGroup() as tg:
             for n, line in enumerate(lines):
                 if n in done:
                     continue
+                lane = self.runner.lane(line.body.get("model"))
                 await lane.acquire()
                 if self.cancel.is_set() or _past(batch):
                     lane.release()
                     break
                 task = tg.create_task(self._one(batch, n, line))
-                task.add_done_callback(lambda _: lane.release())  # run, failed or cancelled
+                task.add_done_callback(_releases(lane))  # run, failed or cancelled
 
     async def _one(self, batch: Batch, n: int, line: InputLine) -> None:
         out = await self._send(line)
@@ -373,3 +383,8 @@ def _float(raw: str | None) -> float | None:
         return float(raw) if raw else None
     except ValueError:
         return None
+
+
+def _releases(lane: asyncio.Semaphore) -> Callable[[asyncio.Task], None]:
+    """A done callback that releases `lane` (bound now, not when it runs)."""
+    return lambda _: lane.release()

@@ -60,9 +60,6 @@ if TYPE_CHECKING:
 
 log = get_logger("worker.generation")
 FORMS_EVERY = 16  # busy iterations per compute-form measurement (one (bucket, form))
-# Batch rows may share an interactive step while they add at most this share to its
-# time (services.worker.decode.scheduler rule 6): interactive p99 within 1.2x of no batch.
-BATCH_STEP_SHARE = 0.1
 
 
 class DecoderRunner:
@@ -77,7 +74,7 @@ class DecoderRunner:
         self.executor = executor
         self.costs = GenCostBook()  # prefill and step costs, for the heartbeat (admission)
         self.sched = StepScheduler(models.resolve, prefill_per_step, prefill_chunk,
-                                   riders=lambda n: self.costs.riders(n, BATCH_STEP_SHARE))
+                                   riders=self._riders)
         self.output = OutputProcessor(outbox.worker_id, outbox.model)
         # Prefix-cache counts and preemptions, since start (Any: they go into Gauges by name).
         self.counters: dict[str, Any] = self.sched.counters
@@ -97,6 +94,16 @@ class DecoderRunner:
         self._unmeasured: weakref.WeakSet = weakref.WeakSet()  # whose measuring failed
         models.on_change(self._follow)
         self._follow()
+
+    def _riders(self, interactive: int) -> int:
+        """Batch sequences that may share the steps of `interactive` ones
+        (services.worker.decode.scheduler rule 6): on a CPU a row costs about as much
+        as a step's base, so none; on an accelerator a row is nearly free until the
+        batch is large, so every slot (docs/decisions/0088)."""
+        engine = self.models.prod_engine
+        if engine is None or engine.info.device.split(":")[0] == "cpu":
+            return 0
+        return engine.info.slots
 
     # ------------------------------------------------------------- versions
     def _follow(self) -> None:

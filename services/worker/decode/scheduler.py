@@ -30,12 +30,12 @@
   6. Batch work (shared.priority) yields to interactive work. Waiting interactive
      sequences are admitted first, and their prompt chunks go first. While a lane
      has interactive sequences, in it or waiting for it, at most `riders(n)` batch
-     sequences stay in it (n: the interactive ones): those whose rows add no more
-     than a small share to the step's time, by the worker's fitted step cost (none
-     on a CPU, where every row costs; most on a GPU, where rows are nearly free).
-     `yielding()` names the others, newest first; the worker frees their slots and
-     `park()` puts them back to wait. Freeing keys their full cache blocks, so
-     resuming re-runs only the last partial block (the prefix cache holds the rest).
+     sequences stay in it (n: the interactive ones; the worker says how many: none
+     on a CPU, where every row costs about as much as the step's base, every slot on
+     an accelerator, where rows are nearly free). `yielding()` names the others,
+     newest first; the worker frees their slots and `park()` puts them back to
+     wait. Freeing keys their full cache blocks, so resuming re-runs only the last
+     partial block (the prefix cache holds the rest).
      A batch request carries no stall bound (the gateway sets none): a pause is
      not a stall; its whole time still bounds it.
 
