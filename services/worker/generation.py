@@ -97,9 +97,9 @@ class DecoderRunner:
 
     def _riders(self, interactive: int) -> int:
         """Batch sequences that may share the steps of `interactive` ones
-        (services.worker.decode.scheduler rule 6): on a CPU a row costs about as much
-        as a step's base, so none; on an accelerator a row is nearly free until the
-        batch is large, so every slot (docs/decisions/0088)."""
+        (services.worker.decode.scheduler rule 6): on a CPU each row adds about a
+        quarter of a one-row step, so none; on an accelerator a row is nearly free
+        until the batch is large, so every slot (docs/decisions/0088)."""
         engine = self.models.prod_engine
         if engine is None or engine.info.device.split(":")[0] == "cpu":
             return 0

@@ -31,7 +31,7 @@
      sequences are admitted first, and their prompt chunks go first. While a lane
      has interactive sequences, in it or waiting for it, at most `riders(n)` batch
      sequences stay in it (n: the interactive ones; the worker says how many: none
-     on a CPU, where every row costs about as much as the step's base, every slot on
+     on a CPU, where each row adds a large share of the step, every slot on
      an accelerator, where rows are nearly free). `yielding()` names the others,
      newest first; the worker frees their slots and `park()` puts them back to
      wait. Freeing keys their full cache blocks, so resuming re-runs only the last
