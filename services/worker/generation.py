@@ -342,7 +342,7 @@ class DecoderRunner:
     async def _retire(self) -> None:
         """Free the slots of finished, cancelled and expired sequences."""
         freed = self.sched.retiring(time.time())
-        yielded = self.sched.yielding()  # batch work making way for interactive work
+        yielded = self.sched.yielding(time.perf_counter())  # making way for interactive work
         if not freed and not yielded:
             return
         for _, _, seq in freed:  # how much of max_tokens sequences use: admission's estimate
@@ -351,7 +351,7 @@ class DecoderRunner:
             self.executor, _free_slots, [(lane.engine, slot) for lane, slot, _ in freed + yielded])
         if yielded:
             log.debug("batch_yielded", sequences=len(yielded))
-            self.sched.park(yielded)
+            self.sched.park(yielded, time.perf_counter())
         done: dict[str, list[str]] = {}
         for req, running in self.sched.retire(freed):
             await self._close(req, running)

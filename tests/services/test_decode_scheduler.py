@@ -10,7 +10,7 @@ import time
 import msgspec
 import numpy as np
 
-from services.worker.decode.scheduler import LaneStep, StepResult, StepScheduler
+from services.worker.decode.scheduler import MAX_PARK_S, LaneStep, StepResult, StepScheduler
 from shared.messages import GenerateWork, Sampling
 from shared.priority import BATCH, INTERACTIVE
 from tests.support.mock_engine import MockDecoder
@@ -323,12 +323,12 @@ def test_a_resumed_request_runs_only_its_unfinished_choices_with_their_own_seeds
     assert [seed for _, _, seed in versions.engines["1"].begun] == [10, 12]
 
 
-def _yield_to(sched: StepScheduler) -> list:
+def _yield_to(sched: StepScheduler, now: float = NOW) -> list:
     """What the runner does before a step: free the yielded slots, park them."""
-    out = sched.yielding()
+    out = sched.yielding(now)
     for lane, slot, _ in out:
         lane.engine.free(slot)
-    sched.park(out)
+    sched.park(out, now)
     return out
 
 
@@ -395,3 +395,27 @@ def test_interactive_prompts_take_the_chunk_budget_before_batch_ones():
     plan, adm = sched.schedule(time.time(), NOW)
     assert ids(adm.admitted) == [("i", 0), ("b", 0)]  # interactive admitted first
     assert [(q.work.request_id, n) for q, n in plan.prefill] == [("i", 4)]
+
+
+def test_a_batch_sequence_parked_long_enough_rides_beside_interactive_work():
+    """Steady interactive traffic cannot starve batch work past its time: once parked
+    for MAX_PARK_S in all, a batch sequence is admitted beside interactive work and
+    is not parked again."""
+    engine = PoolDecoder(slots=3)
+    sched, _ = scheduler(**{"1": engine})
+    sched.add(work("b", priority=BATCH), NOW, seed=0)
+    _, first = sched.schedule(time.time(), NOW)
+    prefilled(sched, *first.admitted)
+    sched.add(work("i"), NOW + 1, seed=0)
+    assert ids(q for _, _, q in _yield_to(sched, NOW + 1)) == [("b", 0)]
+    _, adm = sched.schedule(time.time(), NOW + 2)
+    assert ids(adm.admitted) == [("i", 0)]
+    prefilled(sched, *adm.admitted)
+    _, adm = sched.schedule(time.time(), NOW + MAX_PARK_S / 2)
+    assert adm.admitted == []  # still parked: the interactive one runs on
+    later = NOW + 1 + MAX_PARK_S
+    _, adm = sched.schedule(time.time(), later)
+    assert ids(adm.admitted) == [("b", 0)]  # parked long enough: it rides
+    prefilled(sched, *adm.admitted)
+    sched.add(work("j"), later, seed=0)
+    assert _yield_to(sched, later + 1) == []  # and is not parked again

@@ -37,7 +37,9 @@
      wait. Freeing keys their full cache blocks, so resuming re-runs only the last
      partial block (the prefix cache holds the rest).
      A batch request carries no stall bound (the gateway sets none): a pause is
-     not a stall; its whole time still bounds it.
+     not a stall; its whole time still bounds it. A batch sequence parked for
+     MAX_PARK_S in all rides from then on (admitted beside interactive work, never
+     parked again), so steady interactive traffic cannot starve it past its time.
 
 No asyncio and no clocks: the caller passes the times, so the rules are tested as
 pure functions over a mock engine (tests/services/test_decode_scheduler.py).
@@ -57,6 +59,9 @@ if TYPE_CHECKING:
     import numpy as np
 
     from engine.interface import Decoder, PendingStep
+
+# A batch sequence parked this long in all (seconds) is not parked again (rule 6).
+MAX_PARK_S = 60.0
 
 # The scheduler's counts since start, named as the heartbeat names them.
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "preemptions",
@@ -115,11 +120,19 @@ class Sequence:
     began: int = 0  # its lane's count when it was last begun (the newest is preempted first)
     tokens: list[int] = field(default_factory=list)  # generated so far (a re-run needs them)
     finish: str | None = None  # set by the output processor (or "cancelled" here)
+    parked_at: float = 0.0  # perf_counter when it was last parked (0: not parked now)
+    parked_s: float = 0.0  # seconds parked before that, in all
 
     @property
     def batch(self) -> bool:
         """In the batch lane: it yields to interactive work (rule 6)."""
         return self.work.priority > INTERACTIVE
+
+    def yields(self, now: float) -> bool:
+        """A batch sequence that still makes way for interactive work: one parked
+        for MAX_PARK_S in all does not (rule 6)."""
+        parked = self.parked_s + (now - self.parked_at if self.parked_at else 0.0)
+        return self.batch and parked < MAX_PARK_S
 
 
 @dataclass(eq=False)
@@ -263,10 +276,10 @@ class StepScheduler:
         return (sum(not q.batch for q in lane.active.values())
                 + sum(not q.batch and self._target(q) == lane.version for q in self.waiting))
 
-    def _room_for_batch(self, lane: Lane) -> bool:
-        """Whether one more batch sequence may begin in `lane` now (rule 6)."""
+    def _room_for_batch(self, lane: Lane, now: float) -> bool:
+        """Whether one more batch sequence that yields may begin in `lane` now (rule 6)."""
         n = self._interactive(lane)
-        return not n or sum(q.batch for q in lane.active.values()) < self.riders(n)
+        return not n or sum(q.yields(now) for q in lane.active.values()) < self.riders(n)
 
     def _admit(self, now_wall: float, now: float) -> Admission:
         adm = Admission()
@@ -282,7 +295,7 @@ class StepScheduler:
                 continue
             version = st.version or self.resolve(seq.work.version)
             lane = self.lanes.get(version)
-            if seq.batch and lane is not None and not self._room_for_batch(lane):
+            if seq.yields(now) and lane is not None and not self._room_for_batch(lane, now):
                 full.add(lane)  # batch waits behind interactive work: none goes now
                 kept.append(seq)
                 continue
@@ -315,6 +328,9 @@ class StepScheduler:
             seq.began = lane.began
             seq.lane, seq.slot = lane, slot
             seq.admitted = seq.admitted or now
+            if seq.parked_at:  # back from a pause: its time parked adds up
+                seq.parked_s += now - seq.parked_at
+                seq.parked_at = 0.0
             lane.active[slot] = seq
             self.prefilling.append(seq)
             adm.admitted.append(seq)
@@ -412,21 +428,21 @@ class StepScheduler:
         self.waiting.extendleft(reversed(back))
 
     # ------------------------------------------------------------- yielding
-    def yielding(self) -> list[tuple[Lane, int, Sequence]]:
+    def yielding(self, now: float) -> list[tuple[Lane, int, Sequence]]:
         """Batch sequences to take out of their slots for interactive work (rule 6):
         beyond the `riders` of each lane that has interactive sequences, newest
-        first. The engine frees them; then `park`."""
+        first (`now`: perf_counter). The engine frees them; then `park`."""
         out = []
         for lane in self.lanes.values():
             n = self._interactive(lane)
             if not n:
                 continue
-            batch = sorted((q for q in lane.active.values() if q.batch and q.finish is None),
-                           key=lambda q: q.began)
+            batch = sorted((q for q in lane.active.values()
+                            if q.yields(now) and q.finish is None), key=lambda q: q.began)
             out += [(lane, q.slot, q) for q in reversed(batch[self.riders(n):])]
         return out
 
-    def park(self, yielded: list[tuple[Lane, int, Sequence]]) -> None:
+    def park(self, yielded: list[tuple[Lane, int, Sequence]], now: float) -> None:
         """Yielded sequences (their slots freed) wait again, oldest first, behind
         the interactive ones; they resume with their prompt plus their tokens so far."""
         back = []
@@ -434,7 +450,7 @@ class StepScheduler:
             del lane.active[slot]
             if seq in self.prefilling:
                 self.prefilling.remove(seq)
-            seq.live, seq.slot = False, -1
+            seq.live, seq.slot, seq.parked_at = False, -1, now
             back.append(seq)
         back.sort(key=lambda q: q.admitted)
         self.waiting.extendleft(reversed(back))
