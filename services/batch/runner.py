@@ -104,6 +104,7 @@ class BatchRunner:
         if sem is None:
             sem = self.lanes[key] = asyncio.Semaphore(max(1, self.config.batch_concurrency))
         return sem
+
     async def run(self) -> None:
         self.store = self.store or await BatchStore.open(self.nc)
         self.leases = Leases(self.store.kv, self.owner, self.config.batch_lease_s)

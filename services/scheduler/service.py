@@ -428,14 +428,10 @@ class Scheduler:
             await asyncio.sleep(tick)
             now = time.monotonic()
             late, last = now - last - tick, now
-            if late > tick:
-                # This process was held up: heartbeats may be waiting unread in our own
-                # buffers, so a worker's silence counts only the time we were running.
-                # (Skipping one sweep was not enough: a loaded machine stalls in a row
-                # of shorter pauses, and the heartbeats catch up only after them.)
-                self.fleet.excuse(late)
-                if late > self.config.worker_expiry_s / 2:
-                    log.warning("scheduler_stalled", seconds=round(late, 2))
+            if late > tick:  # held up: heartbeats may wait unread in our buffers, so a
+                self.fleet.excuse(late)  # worker's silence counts only our running time
+            if late > self.config.worker_expiry_s / 2:  # and they may all come now
+                log.warning("scheduler_stalled", seconds=round(late, 2))
                 continue
             for gone in self.fleet.expire():
                 log.warning("worker_expired", worker_id=gone.worker_id)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.worker.decode.scheduler import Lane, Request, Sequence
+from services.worker.decode.sequences import Lane, Request, Sequence
 from shared.errors import ServiceError, out_of_time
 from shared.messages import GenChunk, GenDone, GenerateWork, Timing, TokenLogprob
 from shared.telemetry import itl_bucket, itl_counts

@@ -51,99 +51,21 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from services.worker.decode.sequences import MAX_PARK_S, Lane, Request, Sequence
 from shared.errors import ServiceError
 from shared.messages import GenerateWork
-from shared.priority import INTERACTIVE
 
 if TYPE_CHECKING:
     import numpy as np
 
     from engine.interface import Decoder, PendingStep
 
-# A batch sequence parked this long in all (seconds) is not parked again (rule 6).
-MAX_PARK_S = 60.0
+__all__ = ["MAX_PARK_S", "Admission", "Lane", "LaneStep", "Request", "Sequence", "StepPlan",
+           "StepResult", "StepScheduler"]
 
 # The scheduler's counts since start, named as the heartbeat names them.
 COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "preemptions",
             "spec_decode_drafts", "spec_decode_draft_tokens", "spec_decode_accepted_tokens")
-
-
-@dataclass(eq=False)
-class Lane:
-    """One loaded version's engine and the sequences in its KV slots."""
-
-    version: str
-    engine: Decoder
-    eos: frozenset[int]
-    max_context: int  # tokens per slot, prompt and generated together
-    active: dict[int, "Sequence"] = field(default_factory=dict)  # slot -> sequence
-    pending: PendingStep | None = None  # the dispatched decode step (a PendingStep), not yet read
-    dispatched: int = 0  # decode steps dispatched so far (the pending one's number)
-    seen: tuple[int, int] = (0, 0)  # the engine's prefix-cache queries and hits, counted
-    spec_seen: tuple[int, int, int] = (0, 0, 0)  # its speculation counts, counted
-    began: int = 0  # sequences begun on it so far (each one's `began` is its number)
-
-    @classmethod
-    def of(cls, version: str, engine: Decoder) -> "Lane":
-        info = engine.info
-        return cls(version, engine, frozenset(info.eos_token_ids), info.max_context)
-
-    def free_slot(self) -> int | None:
-        return next((s for s in range(self.engine.info.slots) if s not in self.active), None)
-
-    def victim(self, holders: list[int]) -> int:
-        """The preemption policy (`Decoder.make_room`): of the slots whose sequences
-        hold cache, the one that began last; a slot the lane does not know first."""
-        unknown = [s for s in holders if s not in self.active]
-        if unknown:
-            return unknown[-1]
-        return max(holders, key=lambda s: self.active[s].began)
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.active) or self.pending is not None
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One choice of a request, as the scheduler sees it."""
-
-    work: GenerateWork
-    index: int  # choice index within the request
-    seed: int
-    arrived: float  # perf_counter
-    lane: Lane | None = None
-    slot: int = -1
-    admitted: float = 0.0  # perf_counter of its first admission (0: never admitted)
-    joined: int = 0  # number of the first decode step that includes it
-    live: bool = False  # its prompt is computed: it is in decode steps
-    began: int = 0  # its lane's count when it was last begun (the newest is preempted first)
-    tokens: list[int] = field(default_factory=list)  # generated so far (a re-run needs them)
-    finish: str | None = None  # set by the output processor (or "cancelled" here)
-    parked_at: float = 0.0  # perf_counter when it was last parked (0: not parked now)
-    parked_s: float = 0.0  # seconds parked before that, in all
-
-    @property
-    def batch(self) -> bool:
-        """In the batch lane: it yields to interactive work (rule 6)."""
-        return self.work.priority > INTERACTIVE
-
-    def yields(self, now: float) -> bool:
-        """A batch sequence that still makes way for interactive work: one parked
-        for MAX_PARK_S in all does not (rule 6)."""
-        parked = self.parked_s + (now - self.parked_at if self.parked_at else 0.0)
-        return self.batch and parked < MAX_PARK_S
-
-
-@dataclass(eq=False)
-class Request:
-    work: GenerateWork
-    arrived: float
-    remaining: int  # choices not yet retired
-    version: str = ""  # fixed when its first choice is admitted
-    cancelled: bool = False
-    last_token: float = 0.0  # UNIX seconds of its latest token (0: none yet)
-    expired: str = ""  # why it ran out of time: "deadline" | "stall" | "max_time"
 
 
 @dataclass
@@ -266,15 +188,12 @@ class StepScheduler:
             prefill.append((seq, n))
         return StepPlan(prefill, [lane for lane in self.lanes.values() if lane.busy]), adm
 
-    def _target(self, seq: Sequence) -> str:
-        """The version a waiting sequence goes to if admitted now."""
-        st = self.requests.get(seq.work.request_id)
-        return (st.version if st is not None else "") or self.resolve(seq.work.version)
 
     def _interactive(self, lane: Lane) -> int:
         """Interactive sequences in `lane` or waiting for it."""
         return (sum(not q.batch for q in lane.active.values())
-                + sum(not q.batch and self._target(q) == lane.version for q in self.waiting))
+                + sum(not q.batch and self.resolve(self._version_of(q)) == lane.version
+                       for q in self.waiting))
 
     def _room_for_batch(self, lane: Lane, now: float) -> bool:
         """Whether one more batch sequence that yields may begin in `lane` now (rule 6)."""
@@ -295,7 +214,8 @@ class StepScheduler:
                 continue
             version = st.version or self.resolve(seq.work.version)
             lane = self.lanes.get(version)
-            if seq.yields(now) and lane is not None and not self._room_for_batch(lane, now):
+            if seq.yields(now) and lane is not None and (
+                    lane in full or not self._room_for_batch(lane, now)):
                 full.add(lane)  # batch waits behind interactive work: none goes now
                 kept.append(seq)
                 continue
@@ -410,7 +330,7 @@ class StepScheduler:
     def requeue(self, result: StepResult) -> None:
         """Preempted sequences (their cache already freed) wait again, at the front,
         oldest first; one that finished on its last token is retired as usual."""
-        back = []
+        out = []
         for ls in result.lanes:
             for slot in ls.preempted:
                 seq = ls.lane.active.get(slot)
@@ -419,12 +339,17 @@ class StepScheduler:
                 self.counters["preemptions"] += 1
                 if seq in self.prefilling:
                     self.prefilling.remove(seq)
-                if seq.finish is not None:
-                    continue  # `retiring` frees the slot (a no-op in the engine)
-                del ls.lane.active[slot]
-                seq.live, seq.slot = False, -1
-                back.append(seq)
-        back.sort(key=lambda q: q.admitted)
+                if seq.finish is None:  # else `retiring` frees the slot (a no-op in the engine)
+                    out.append((ls.lane, slot, seq))
+        self._wait_again(out)
+
+    def _wait_again(self, out: list[tuple[Lane, int, Sequence]]) -> None:
+        """Sequences taken out of their slots (cache freed) wait again at the front,
+        oldest first; they re-run their prompt plus their tokens so far."""
+        for lane, slot, seq in out:
+            del lane.active[slot]
+            seq.live, seq.slot = False, -1
+        back = sorted((q for _, _, q in out), key=lambda q: q.admitted)
         self.waiting.extendleft(reversed(back))
 
     # ------------------------------------------------------------- yielding
@@ -434,26 +359,21 @@ class StepScheduler:
         first (`now`: perf_counter). The engine frees them; then `park`."""
         out = []
         for lane in self.lanes.values():
-            n = self._interactive(lane)
-            if not n:
-                continue
-            batch = sorted((q for q in lane.active.values()
-                            if q.yields(now) and q.finish is None), key=lambda q: q.began)
-            out += [(lane, q.slot, q) for q in reversed(batch[self.riders(n):])]
+            batch = [q for q in lane.active.values() if q.yields(now) and q.finish is None]
+            n = self._interactive(lane) if batch else 0
+            if n:
+                batch.sort(key=lambda q: q.began)
+                out += [(lane, q.slot, q) for q in reversed(batch[self.riders(n):])]
         return out
 
     def park(self, yielded: list[tuple[Lane, int, Sequence]], now: float) -> None:
-        """Yielded sequences (their slots freed) wait again, oldest first, behind
-        the interactive ones; they resume with their prompt plus their tokens so far."""
-        back = []
-        for lane, slot, seq in yielded:
-            del lane.active[slot]
+        """Yielded sequences (their slots freed) wait again as preempted ones do;
+        `_admit` puts the interactive ones ahead of them."""
+        for _, _, seq in yielded:
             if seq in self.prefilling:
                 self.prefilling.remove(seq)
-            seq.live, seq.slot, seq.parked_at = False, -1, now
-            back.append(seq)
-        back.sort(key=lambda q: q.admitted)
-        self.waiting.extendleft(reversed(back))
+            seq.parked_at = now
+        self._wait_again(yielded)
 
     # ------------------------------------------------------------- retiring
     def retiring(self, now_wall: float) -> list[tuple[Lane, int, Sequence]]:
