@@ -170,7 +170,7 @@ WIDE = "/f32scales"  # a variant's suffix: a GGUF file's float16 scales held as 
 def _scales_widened(on: bool):
     """While an engine is built: kept GGUF blocks with their scales and minimums
     widened to float32 (what the kernel read before it read float16 ones)."""
-    from engine import gguf
+    from engine import gguf_blocks as gguf
 
     if not on:
         yield

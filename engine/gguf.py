@@ -141,39 +141,10 @@ def load_weights(path: str | Path) -> dict[str, np.ndarray]:
     return _load(path, keep=False)
 
 
-def kept_blocks(data, qtype):
-    """A Q8_0 or Q4_1 tensor's stored bytes -> the `engine.quant.QWeight` holding the
-    same numbers, contracted over its last axis (the file's [out, in] order): the
-    file's own integers, float16 scales and minimums (the CPU kernel widens them in
-    registers: a Q4_1 weight reads 20 bytes per 32 values, not 24), so w = q * scale
-    (+ offset), computed in float32, gives the gguf package's values bit for bit. Q4_1 keeps the first 16 values of a block in the low nibbles; the int4 form
-    pairs neighbours in a byte (the even one low), so only the nibbles move. None
-    for any other type."""
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES
-    from gguf import GGMLQuantizationType as T
-
-    from engine.quant import QWeight
-
-    if qtype not in (T.Q8_0, T.Q4_1):
-        return None
-    block, size = GGML_QUANT_SIZES[qtype]
-    rows, n = data.shape[:-1], data.shape[-1] // size * block
-    b = np.ascontiguousarray(data).view(np.uint8).reshape(-1, size)  # [blocks, bytes]
-    scale = b[:, 0:2].copy().view(np.float16).reshape(*rows, n // block)
-    if qtype == T.Q8_0:
-        q = b[:, 2:].view(np.int8).reshape(*rows, n).copy()
-        return QWeight(q, scale, None, len(rows), 8, block)
-    lo = b[:, 2:4].copy().view(np.float16).reshape(scale.shape)
-    qs = b[:, 4:]  # [blocks, 16]: values 0-15 in the low nibbles, 16-31 in the high ones
-    v = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)  # [blocks, 32]
-    q = (v[:, 0::2] | (v[:, 1::2] << np.uint8(4))).reshape(*rows, n // 2)
-    return QWeight(q, scale, lo, len(rows), 4, block)
-
-
 def load_blocks(path: str | Path) -> dict:
     """Every tensor of the file under Hugging Face names, as `load_weights` gives them,
-    except that Q8_0 and Q4_1 tensors stay as their blocks (`kept_blocks`): a model
+    except that tensors of the block types engine/gguf_blocks.py holds (Q8_0, Q4_0,
+    Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) stay as their blocks (`kept_blocks`): a model
     served as the file's blocks (quantization "gguf") skips expanding them to float32
     and rounding them back, most of a cold start's weight preparation (SmolLM2: 2.0
     s). q_proj and k_proj rows are un-permuted integers, scales and minimums alike."""
@@ -184,6 +155,10 @@ def _load(path: str | Path, keep: bool) -> dict:
     import dataclasses
 
     import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from engine.gguf_blocks import kept_blocks
+    from engine.quant import QWeight
 
     header = read_header(path)
     cfg = hf_config(header)
@@ -196,14 +171,15 @@ def _load(path: str | Path, keep: bool) -> dict:
         name = hf_name(gguf_name)
         if name is None:
             raise GGUFError(f"{path}: tensor {gguf_name!r} has no Llama counterpart")
-        w = kept_blocks(data, qtype) if keep else None
-        if w is None:  # [out, in] (numpy order); copied out of the file's map
-            w = np.array(dequantize(data, qtype), dtype=np.float32)
+        kept = kept_blocks(data, GGMLQuantizationType(qtype).name) if keep else None
+        # [out, in] (numpy order); copied out of the file's map
+        w: QWeight | np.ndarray = (kept if kept is not None
+                                   else np.array(dequantize(data, qtype), dtype=np.float32))
         part = gguf_name.split(".")[-2]  # weights and biases alike
         if permuted and part in heads:
             fix = lambda a: None if a is None else unpermute_rows(a, heads[part])  # noqa: E731
-            w = (dataclasses.replace(w, q=fix(w.q), scale=fix(w.scale), offset=fix(w.offset))
-                 if not isinstance(w, np.ndarray) else fix(w))  # fmt: skip
+            w = (unpermute_rows(w, heads[part]) if isinstance(w, np.ndarray)
+                 else dataclasses.replace(w, q=fix(w.q), scale=fix(w.scale), offset=fix(w.offset)))
         out[name] = w
     return out
 

@@ -142,13 +142,41 @@ def concatenated(ws: list, axis: int):
     contracted over the other axis (fused projections of a file's blocks)."""
     if not any(isinstance(w, QWeight) for w in ws):
         return np.concatenate(ws, axis=axis)
-    kinds = {(w.bits, w.group, w.axis, w.offset is None) if isinstance(w, QWeight) else None
-             for w in ws}  # fmt: skip
-    if len(kinds) > 1 or ws[0].axis == axis:
-        raise ValueError("fused weights must share one block kind, across the contracted axis")
+    if not all(isinstance(w, QWeight) for w in ws) or len({w.axis for w in ws}) > 1 \
+            or ws[0].axis == axis:
+        raise ValueError("fused weights must all be blocks, across the contracted axis")
+    kinds = {(w.bits, w.group, w.offset is None, np.dtype(w.scale.dtype)) for w in ws}
+    if len(kinds) > 1:  # e.g. a Q4_K file's Q6_K v_proj beside its Q4_K q and k
+        ws = widened(ws)
     cat = lambda f: np.concatenate([getattr(w, f) for w in ws], axis=axis)  # noqa: E731
     return dataclasses.replace(ws[0], q=cat("q"), scale=cat("scale"),
                                offset=None if ws[0].offset is None else cat("offset"))
+
+
+def widened(ws: list[QWeight]) -> list[QWeight]:
+    """Host QWeights of different kinds -> the same numbers in one kind: int8 if any
+    is (4-bit values are bytes 0-15), the smallest group (the larger groups' scales
+    repeated), an offset if any has one (zero elsewhere), float32 scales if their
+    dtypes differ. Exact: every value is q * scale + offset as before."""
+    bits = 8 if any(w.bits == 8 for w in ws) else 4
+    group = min(w.group for w in ws)
+    offset = any(w.offset is not None for w in ws)
+    dtype = ws[0].scale.dtype if len({np.dtype(w.scale.dtype) for w in ws}) == 1 else np.float32
+    out = []
+    for w in ws:
+        q, ax = np.asarray(w.q), w.axis
+        if w.bits == 4 and bits == 8:  # unpack along the contracted axis, even input low
+            q = np.stack([q & 0xF, q >> 4], axis=ax + 1)
+            shape = list(w.q.shape)
+            shape[ax] *= 2
+            q = q.reshape(shape).astype(np.int8)
+        if w.group % group:
+            raise ValueError(f"groups of {group} do not divide groups of {w.group}")
+        rep = lambda a: np.repeat(np.asarray(a), w.group // group, axis=ax).astype(dtype)  # noqa: E731
+        scale = rep(w.scale)
+        off = (rep(w.offset) if w.offset is not None else np.zeros_like(scale)) if offset else None
+        out.append(QWeight(q, scale, off, ax, bits, group, w.compute, w.n))
+    return out
 
 
 def dequantize(w: QWeight, dtype) -> jax.Array:

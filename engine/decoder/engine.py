@@ -45,6 +45,7 @@ import jax
 from tqdm import tqdm
 
 from engine import forms as form_sets
+from engine import jaxrt
 from engine import sharding
 from engine.decoder import attention as attention_kernel
 from engine.decoder import host, shapes
@@ -169,6 +170,7 @@ class DecoderEngine:
         self.speculation = Speculation(speculative, self.table, self.programs, self.runner)
         self._riding: list[tuple[int, int]] = []  # chunks handed to the next step (prefill_step)
         self._bytes = block_bytes(cfg, block, self._jdtype)
+        jaxrt.release_freed_memory()  # the weights' intermediate arrays, freed by now
         log.info(
             "decoder_loaded", model=name, family=cfg.family, dtype=info.dtype,
             quant=self.quant, forms=list(self.forms.held), devices=list(info.devices),

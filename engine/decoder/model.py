@@ -130,7 +130,7 @@ def _build_host_forms(model_dir: str | Path, cfg: DecoderConfig, quant: str,
 
 
 def _file_blocks(model_dir: str | Path) -> dict:
-    """A GGUF model's tensors with its Q8_0 / Q4_1 blocks kept (engine/gguf.py)."""
+    """A GGUF model's tensors with its blocks kept (engine/gguf_blocks.py)."""
     from engine import gguf
     from shared.gguf import find_file
 
@@ -147,20 +147,20 @@ _SOURCES = {
     "gate_up_w": ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
     "down_w": ("model.layers.{i}.mlp.down_proj.weight",),
 }  # fmt: skip
-# GGUF block type -> (mode, group) holding the same numbers: Q8_0 is 32 int8 values
-# with one scale (symmetric int8, groups of 32); Q4_1 is 32 four-bit values with a
-# scale and a minimum (the int4 form, groups of 32). Float tensors stay float.
-_BLOCKS = {"Q8_0": ("int8", 32), "Q4_1": ("int4", 32)}
 _FLOAT = {"F32", "F16", "BF16"}
 
 
 def gguf_blocks(model_dir: str | Path, cfg: DecoderConfig) -> dict[str, tuple[str, int]]:
-    """quant "gguf": for each quantized weight of the tree, the form that keeps the
-    file's blocks as they are. The weights are requantized from the file's
-    dequantized values with the blocks' own group size and formula, which gives back
-    each block's integers, scale and minimum (within float32 rounding); ValueError for
-    a model that is not one GGUF file, or a block type with no such form."""
+    """quant "gguf": for each quantized weight of the tree, the (mode, group) whose
+    layout holds the file's blocks (engine/gguf_blocks.py; the widest where a weight's
+    tensors differ, as a Q4_K_M file's Q6_K v_proj beside its Q4_K q_proj). Where the
+    blocks are read as they are (one device), they are kept exactly; where they cannot
+    be (several devices), the weights are requantized to that form from the file's
+    dequantized values: Q8_0 and Q4_1 give back their integers (within float32
+    rounding), the others are rounded once more. ValueError for a model that is not
+    one GGUF file, or a block type with no such form (Q2_K, Q3_K, the IQ types)."""
     from engine import gguf
+    from engine.gguf_blocks import BLOCK_TYPES
     from shared.gguf import find_file
 
     path = find_file(Path(model_dir)) if Path(model_dir).is_dir() else None
@@ -173,10 +173,13 @@ def gguf_blocks(model_dir: str | Path, cfg: DecoderConfig) -> dict[str, tuple[st
                  if n.format(i=i) in types}  # fmt: skip
         if not found or found <= _FLOAT:
             continue
-        if len(found) > 1 or not found <= set(_BLOCKS):
-            raise ValueError(f"quantization 'gguf' keeps Q8_0 and Q4_1 blocks; {leaf} is "
-                             f"stored as {', '.join(sorted(found))}: use int8 or int4")  # fmt: skip
-        out[leaf] = _BLOCKS[found.pop()]
+        if not found <= set(BLOCK_TYPES):
+            raise ValueError(f"quantization 'gguf' keeps {', '.join(BLOCK_TYPES)} blocks; "
+                             f"{leaf} is stored as {', '.join(sorted(found))}: use int8 or "
+                             f"int4")  # fmt: skip
+        forms = [BLOCK_TYPES[t] for t in found]
+        mode = "int8" if any(m == "int8" for m, _ in forms) else "int4"
+        out[leaf] = (mode, min(g for _, g in forms))
     return out
 
 

@@ -34,7 +34,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS, VOCAB = 256, 2, 1, 512, 2, 320
 CONTEXT = 32
 # GGML type -> (block bytes, where its f16 super-block scales sit)
-_K = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+_K = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)),
+      "Q3_K": (110, (108,))}
 
 
 def _k_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
@@ -60,7 +61,7 @@ def _tokenizer_metadata(w, tok_json: dict, pre: str) -> None:
     w.add_add_bos_token(False)
 
 
-def _write_qwen(path, arch: str, tok_json: dict, seed: int) -> None:
+def _write_qwen(path, arch: str, tok_json: dict, seed: int, down: str = "Q6_K") -> None:
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -99,7 +100,7 @@ def _write_qwen(path, arch: str, tok_json: dict, seed: int) -> None:
         kq(b + "attn_output.weight", HIDDEN, HEADS * head_dim, "Q4_K")
         kq(b + "ffn_gate.weight", FFN, HIDDEN, "Q4_K")
         kq(b + "ffn_up.weight", FFN, HIDDEN, "Q5_K")
-        kq(b + "ffn_down.weight", HIDDEN, FFN, "Q6_K")
+        kq(b + "ffn_down.weight", HIDDEN, FFN, down)
         if arch == "qwen2":
             for t, n in (("attn_q", HEADS), ("attn_k", KV_HEADS), ("attn_v", KV_HEADS)):
                 f32(b + t + ".bias", n * head_dim, scale=0.1)
@@ -144,7 +145,12 @@ def _tok_json(tok) -> dict:
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_k_quant_qwen_logits_equal_transformers(arch, tmp_path, jax_cache_dir):
+    """Both ways a worker may hold the file: float32 weights (quant none) and the
+    file's own blocks read by the CPU kernel (quant gguf, what auto picks on a CPU:
+    Q4_K / Q5_K / Q6_K kept exactly, engine/gguf_blocks.py)."""
     from transformers import AutoModelForCausalLM
+
+    from engine import kernels, quant
 
     d = tmp_path / arch
     d.mkdir()
@@ -157,34 +163,48 @@ def test_k_quant_qwen_logits_equal_transformers(arch, tmp_path, jax_cache_dir):
     ref = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=path.name,
                                                dtype=torch.float32).eval()
     assert type(ref).__name__ == {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
-    eng = DecoderEngine(d, f"tiny-{arch}", slots=1, max_context=CONTEXT,
-                        prefill_buckets=(CONTEXT,), decode_windows=())
-    fwd = jax.jit(lambda p, t: prompt_logits(p, eng.cfg, t))
-    for ids in ([5, 17, 300, 42, 9, 9, 1], list(range(40, 40 + CONTEXT))):
-        padded = np.zeros(CONTEXT, np.int32)
-        padded[: len(ids)] = ids
-        ours = np.asarray(fwd(eng.params, padded))[: len(ids)]
-        with torch.no_grad():
-            theirs = ref(torch.tensor([ids])).logits[0].numpy()
-        assert np.abs(theirs).max() > 0.1  # the blocks carry signal, not zeros
-        np.testing.assert_allclose(ours, theirs, atol=2e-3, rtol=0)
+    assert kernels.load() is not None, kernels.unavailable_reason()
+    for how in ("none", "gguf"):
+        eng = DecoderEngine(d, f"tiny-{arch}", slots=1, max_context=CONTEXT,
+                            prefill_buckets=(CONTEXT,), decode_windows=(), quant=how,
+                            forms_cache=None)  # fmt: skip
+        if how == "gguf":  # blocks, read by the kernel: no float32 copy of a weight
+            layer = eng.params["layers"][0]
+            assert layer["qkv_w"].compute == "kernel" and layer["down_w"].bits == 8
+            assert eng.params["lm_head"].compute == "kernel"
+            layers = eng.params["layers"]  # 12 bits a weight at most (a fused q/k/v of
+            # three types: int8 with float32 scales and offsets per 16), 6 for Q4_K
+            assert quant.tree_bytes(layers) < 0.4 * quant.float_bytes(layers, np.float32)
+        fwd = jax.jit(lambda p, t: prompt_logits(p, eng.cfg, t))
+        for ids in ([5, 17, 300, 42, 9, 9, 1], list(range(40, 40 + CONTEXT))):
+            padded = np.zeros(CONTEXT, np.int32)
+            padded[: len(ids)] = ids
+            ours = np.asarray(fwd(eng.params, padded))[: len(ids)]
+            with torch.no_grad():
+                theirs = ref(torch.tensor([ids])).logits[0].numpy()
+            assert np.abs(theirs).max() > 0.1  # the blocks carry signal, not zeros
+            np.testing.assert_allclose(ours, theirs, atol=2e-3, rtol=0, err_msg=how)
 
 
-def test_k_quant_blocks_are_refused_where_kept_as_blocks(tmp_path, capsys):
-    """TENSORBUS_QUANT=gguf keeps Q8_0 / Q4_1 blocks only: a K-quant file makes the
-    worker exit 78 (EX_CONFIG) naming the tensor and its type."""
-    from services.worker.engines import _check_gguf_blocks
+def test_block_types_with_no_kept_form_are_refused_where_kept_as_blocks(tmp_path, capsys):
+    """TENSORBUS_QUANT=gguf keeps the block types engine/gguf_blocks.py holds: a file
+    with a Q3_K tensor makes the worker exit 78 (EX_CONFIG) naming the tensor and its
+    type, and auto holds that file as float weights instead."""
+    from services.worker.engines import _check_gguf_blocks, resolve_quant
     from shared import catalog
     from shared.config import EX_CONFIG
 
     d = tmp_path / "q"
     d.mkdir()
-    _write_qwen(d / "tiny.gguf", "qwen2", _tok_json(_hf_tokenizer("qwen2")), seed=1)
+    _write_qwen(d / "tiny.gguf", "qwen2", _tok_json(_hf_tokenizer("qwen2")), seed=1,
+                down="Q3_K")
+    info = catalog.describe("tiny-qwen2", d)
     with pytest.raises(SystemExit) as exc:
-        _check_gguf_blocks(catalog.describe("tiny-qwen2", d))
+        _check_gguf_blocks(info)
     assert exc.value.code == EX_CONFIG == 78
     err = capsys.readouterr().err
-    assert "keeps Q8_0 and Q4_1 blocks" in err and "stored as Q6_K" in err, err
+    assert "Q4_K" in err and "down_w is stored as Q3_K" in err, err
+    assert resolve_quant("auto", info, "jax", "float32", 1) == "none"
 
 
 @pytest.mark.parametrize("pre", ["llama-bpe", "qwen2"])
