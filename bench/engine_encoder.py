@@ -1,4 +1,5 @@
-"""Encoder engine benchmark: JAX against torch eager on the same weights and inputs.
+"""Encoder engine benchmark: JAX against torch eager and ONNX Runtime on the same
+weights and inputs.
 
     .venv/bin/python -m bench.engine_encoder [--seconds 4] [--kinds short,long]
 
@@ -9,6 +10,9 @@ What `run()` measures, in one process, side by side:
   2. torch eager, two ways: transformers' `BertModel` plus mean pooling (the
      reference, as sentence-transformers runs it) and our `TorchEncoder`, both under
      `torch.inference_mode()` with torch's default thread count;
+  2b. the onnx engine (`OnnxEncoder`), float32 and int8 (the int8 graph is built
+     whatever its accuracy, which is reported beside it: `onnx_int8_min_cosine`, its
+     check against float32, and `onnx_int8_cosine_here`, on these inputs);
   3. two jit-compiled float32 matmuls, 2048^3 and the encoder's 1024x384x1536 FFN
      shape, so the encoder's GFLOP/s can be read as a share of the CPU's GEMM rate.
 Everything alternates in short rounds and each reports its median round, so that
@@ -141,6 +145,7 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
     from engine.encoder.config import BertConfig
     from engine.buckets import pad, plan
     from engine.encoder import EncoderEngine, packing
+    from engine.onnx_encoder import OnnxEncoder
     from engine.tokenizer import Tokenizer
     from engine.torch_encoder import TorchEncoder
 
@@ -154,6 +159,11 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
     jax_enc.embed(ids[:1])
     compile_s = time.perf_counter() - t0
     torch_enc = TorchEncoder(d, name=MODEL)
+    # Graphs kept beside the compilation cache as a worker keeps them (None: exported
+    # to a temporary folder); the int8 one whatever its check says: this measures speed.
+    onnx_dir = os.path.join(cache_dir, "onnx-encoders") if cache_dir else None
+    onnx_f32 = OnnxEncoder(d, name=MODEL, cache_dir=onnx_dir)
+    onnx_int8 = OnnxEncoder(d, name=MODEL, cache_dir=onnx_dir, quant="int8", min_int8_cosine=0.0)
     hf = _hf_reference(d)
     width = max(len(x) for x in ids)
     hf_ids, hf_mask = pad(ids, len(ids), width)  # torch pads to the longest input only
@@ -163,6 +173,8 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
         "jax_grid": lambda: grid.embed(ids),
         "torch_hf": lambda: hf(hf_ids, hf_mask),
         "torch_ours": lambda: torch_enc.embed(ids),
+        "onnx": lambda: onnx_f32.embed(ids),
+        "onnx_int8": lambda: onnx_int8.embed(ids),
         **{name: call for name, (call, _) in refs.items()},
     }
     for fn in fns.values():
@@ -177,6 +189,11 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
     grid_groups = plan(lengths, grid.batch_buckets, grid.seq_buckets, grid.max_batch,
                        grid.token_budget)  # fmt: skip
     gflops = flops / t["jax"] / 1e9
+    want = torch_enc.embed(ids)
+    got = onnx_int8.embed(ids)
+    int8_here = float(((got * want).sum(1) / (np.linalg.norm(got, axis=1)
+                                             * np.linalg.norm(want, axis=1))).min())  # fmt: skip
+    lat_s = min(seconds, 2.0)
     matmul = refs["matmul"][1] / t["matmul"] / 1e9
     gemm = refs["gemm"][1] / t["gemm"] / 1e9
     return {
@@ -191,11 +208,20 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
         "torch_engine_sentences_per_s": batch / t["torch_ours"],
         "ratio_vs_torch_eager": t["torch_hf"] / t["jax"],
         "ratio_vs_torch_engine": t["torch_ours"] / t["jax"],
-        "jax_batch1_p50_ms": _latency_ms(lambda: jax_enc.embed(ids[:1]), min(seconds, 2.0)),
-        "jax_grid_batch1_p50_ms": _latency_ms(lambda: grid.embed(ids[:1]), min(seconds, 2.0)),
+        "onnx_sentences_per_s": batch / t["onnx"],
+        "onnx_int8_sentences_per_s": batch / t["onnx_int8"],
+        "ratio_onnx_vs_jax": t["jax"] / t["onnx"],
+        "onnx_threads": onnx_f32.threads,
+        "onnx_int8_min_cosine": onnx_int8.int8_cosine,
+        "onnx_int8_cosine_here": int8_here,
+        "jax_batch1_p50_ms": _latency_ms(lambda: jax_enc.embed(ids[:1]), lat_s),
+        "jax_grid_batch1_p50_ms": _latency_ms(lambda: grid.embed(ids[:1]), lat_s),
         "torch_eager_batch1_p50_ms": _latency_ms(
-            lambda: hf(hf_ids[:1, : len(ids[0])], hf_mask[:1, : len(ids[0])]), min(seconds, 2.0)
+            lambda: hf(hf_ids[:1, : len(ids[0])], hf_mask[:1, : len(ids[0])]), lat_s
         ),
+        "torch_engine_batch1_p50_ms": _latency_ms(lambda: torch_enc.embed(ids[:1]), lat_s),
+        "onnx_batch1_p50_ms": _latency_ms(lambda: onnx_f32.embed(ids[:1]), lat_s),
+        "onnx_int8_batch1_p50_ms": _latency_ms(lambda: onnx_int8.embed(ids[:1]), lat_s),
         "jax_gflops": gflops,
         "matmul_gflops": matmul,
         "share_of_matmul": gflops / matmul,
@@ -204,6 +230,25 @@ def run(batch: int = 64, kind: str = "short", seconds: float = 4.0,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "load_avg_1m": os.getloadavg()[0],
     }
+
+
+# (label, throughput key, batch-1 latency key) of each engine in `summary`.
+_ROWS = [
+    ("jax (packed)", "jax_sentences_per_s", "jax_batch1_p50_ms"),
+    ("torch eager (transformers)", "torch_eager_sentences_per_s", "torch_eager_batch1_p50_ms"),
+    ("torch engine", "torch_engine_sentences_per_s", "torch_engine_batch1_p50_ms"),
+    ("onnx float32", "onnx_sentences_per_s", "onnx_batch1_p50_ms"),
+    ("onnx int8", "onnx_int8_sentences_per_s", "onnx_int8_batch1_p50_ms"),
+]
+
+
+def summary(out: dict) -> str:
+    """One row per engine and kind: sentences/s at the batch, batch-1 p50 latency."""
+    lines = ["| kind | engine | sentences/s | batch-1 p50 ms |", "|---|---|---|---|"]
+    for kind, r in out.items():
+        for label, rate, lat in _ROWS:
+            lines.append(f"| {kind} | {label} | {r[rate]:.0f} (batch {r['batch']}) | {r[lat]:.1f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -215,6 +260,7 @@ def main() -> None:
     args = ap.parse_args()
     out = {k: run(args.batch, k, args.seconds, args.cache_dir) for k in harness.csv_strs(args.kinds)}
     print(json.dumps(out, indent=2))
+    print(summary(out))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 from engine import buckets as bk
 from engine.dtypes import canonical_dtype
-from engine.encoder.config import BertConfig, relative_buckets
-from engine.encoder.spec import UnsupportedEncoder, dense_weights
+from engine.encoder.config import BertConfig, check_plain_bert, relative_buckets
+from engine.encoder.spec import dense_weights
 from engine.weights import COMMON_PREFIXES, load_weights, strip_prefix
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -74,15 +74,7 @@ class TorchEncoder:
         max_batch: int = 64,
     ) -> None:
         self.cfg = BertConfig(model_dir)
-        if self.cfg.spec.task != "embed":
-            raise UnsupportedEncoder("cross-encoders (rerankers) are scored by the JAX "
-                                     "engine only")  # fmt: skip
-        if self.cfg.family == "decoder":
-            raise UnsupportedEncoder("decoder-based embedders are computed by the JAX "
-                                     "engine only: TENSORBUS_ENGINE=jax")  # fmt: skip
-        if self.cfg.family == "modernbert":
-            raise UnsupportedEncoder("ModernBERT is computed by the JAX engine only: "
-                                     "TENSORBUS_ENGINE=jax")  # fmt: skip
+        check_plain_bert(self.cfg)
         self.name = name
         self.task = "embed"
         self.dtype = canonical_dtype(dtype)

@@ -80,7 +80,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "all-MiniLM-L6-v2"  # model this worker serves
     model_dir: str = ""  # load from this directory instead of the catalogue
     dtype: str = "float32"  # float32 / bfloat16 / float16, as VALUE[,MODEL=VALUE...]
-    engine: str = "jax"  # jax / torch, as VALUE[,MODEL=VALUE...]; unknown = exit 78
+    engine: str = "jax"  # jax / torch / onnx (encoders only; float or TENSORBUS_QUANT=int8), as VALUE[,MODEL=VALUE...]; unknown = exit 78
     tensor_parallel: str = "1"  # devices per worker (jax engine), as VALUE[,MODEL=VALUE...]; heads must divide
     quant: str = "auto"  # stored weights: auto (gguf for a GGUF decoder where the CPU kernel runs, else none) / none / int8 / int4 / fp8 / gguf (a GGUF file's own blocks: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) (jax engine), as VALUE[,MODEL=VALUE...]
     quant_form: str = "auto"  # quantized decoders' matmuls: auto (fastest per bucket, measured once, after ready) / float / dequant / w8a8 / kernel (the CPU kernel over int8/int4 groups; float32, one device; auto considers it for gguf) / kernel8 (the kernel with int8 activations for 4-bit groups), as VALUE[,MODEL=VALUE...]

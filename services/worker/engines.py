@@ -21,8 +21,11 @@ from shared.config import Config, bad_config, prefill_chunk_on
 if TYPE_CHECKING:  # the engines themselves are imported when one is built
     from engine.interface import Engine
 
-ENGINES = ("jax", "torch")
+ENGINES = ("jax", "torch", "onnx")  # onnx: encoders only (engine/onnx_encoder.py)
 DTYPES = ("float32", "bfloat16", "float16")
+# The onnx engine's stored weights: float, or its own int8 graph (refused at build
+# when its vectors stray from float32's: engine/onnx_encoder.py).
+ONNX_QUANTS = ("auto", "none", "int8")
 QUANTS = ("auto", "none", "int8", "int4", "fp8", "gguf")  # engine/quant.py; gguf: the file's own blocks
 
 
@@ -145,6 +148,9 @@ def check_decoder(info: catalog.ModelInfo, engine: str) -> None:
     architecture (read from its config alone): the reason, never an approximation."""
     if info.kind != "decoder":
         return
+    if engine == "onnx":
+        raise bad_config(f"{info.name}: the onnx engine computes sentence encoders only; "
+                         f"serve this decoder with TENSORBUS_ENGINE=jax or torch")
     from engine.decoder.config import UnsupportedDecoder, load_config
 
     try:
@@ -180,6 +186,25 @@ def check_split(config: Config, info: catalog.ModelInfo) -> None:
         raise bad_config(str(exc)) from None
 
 
+def _check_onnx(model: str, tp: int, quant: str, dtype: str) -> None:
+    """Exit 78 unless the onnx engine can run `model` so: it exports its graph with
+    torch and runs it on ONNX Runtime's CPU provider, one device, float32 or int8."""
+    missing = [m for m in ("onnxruntime", "onnx", "torch") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise bad_config(f"TENSORBUS_ENGINE=onnx for {model}: {', '.join(missing)} not installed "
+                         f"here (the image leaves torch out: pip install onnxruntime==1.30.0 "
+                         f"onnx==1.23.1 torch==2.13.0)")  # fmt: skip
+    if tp > 1 or quant not in ONNX_QUANTS:
+        raise bad_config(f"{model}: the onnx engine runs on one device with float or int8 "
+                         f"weights (TENSORBUS_QUANT={', '.join(ONNX_QUANTS)}); "
+                         f"TENSORBUS_TENSOR_PARALLEL={tp} and TENSORBUS_QUANT={quant!r} need "
+                         f"TENSORBUS_ENGINE=jax")  # fmt: skip
+    if dtype != "float32":
+        raise bad_config(f"{model}: the onnx engine computes float32 (ONNX Runtime's CPU "
+                         f"kernels for {dtype} are few and slower): TENSORBUS_DTYPE={dtype!r} "
+                         f"needs TENSORBUS_ENGINE=jax or torch")  # fmt: skip
+
+
 def engine_settings(config: Config, model: str,
                     info: catalog.ModelInfo | None = None) -> tuple[str, str]:
     """(engine, dtype) for `model`; exits 78 on a value no engine knows, a tensor
@@ -203,6 +228,8 @@ def engine_settings(config: Config, model: str,
         raise bad_config(f"{model}: the torch engine runs on one device with float weights; "
                          f"TENSORBUS_TENSOR_PARALLEL={tp} and TENSORBUS_QUANT={quant!r} need "
                          f"TENSORBUS_ENGINE=jax")  # fmt: skip
+    if engine == "onnx":
+        _check_onnx(model, tp, quant, dtype)
     local = bool(config.model_dir) and catalog.is_model_dir(config.model_dir)
     if info is None and (tp > 1 or quant == "gguf" or local):
         info = catalog.resolve(model, config.model_dir)
@@ -226,7 +253,8 @@ def prefill_chunk(config: Config) -> int:
 
 
 def cache_folder(config: Config) -> Path:
-    """The compilation cache (and the engines' prepared weights and kernels)."""
+    """The compilation cache (and the engines' prepared weights, kernels and, under
+    onnx-encoders/, the onnx engine's exported graphs)."""
     return Path(config.data_dir) / "jax-cache"
 
 
@@ -259,6 +287,11 @@ def _build(config: Config, info: catalog.ModelInfo, backend: str, dtype: str, tp
             from engine.torch_encoder import TorchEncoder
 
             return TorchEncoder(info.path, **kw)
+        if backend == "onnx":  # its exported graphs kept beside the compilation cache
+            from engine.onnx_encoder import OnnxEncoder
+
+            return OnnxEncoder(info.path, quant=quant,
+                               cache_dir=cache_folder(config) / "onnx-encoders", **kw)
         from engine.encoder import EncoderEngine
 
         # "first": ready after a first set, the rest compiled in the background; an

@@ -78,6 +78,11 @@ def test_engine_setting_picks_the_decoder_backend_per_model(tmp_path):
     ({"TENSORBUS_QUANT": "gguf"}, "encoders are not read from GGUF"),
     ({"TENSORBUS_MODEL": catalog.DEMO_LM, "TENSORBUS_QUANT": "gguf"}, "has none"),
     ({"TENSORBUS_ENGINE": "torch", "TENSORBUS_QUANT": "int8"}, "need TENSORBUS_ENGINE=jax"),
+    ({"TENSORBUS_ENGINE": "onnx", "TENSORBUS_QUANT": "int4"},
+     "the onnx engine runs on one device with float or int8 weights (TENSORBUS_QUANT=auto, "
+     "none, int8); TENSORBUS_TENSOR_PARALLEL=1 and TENSORBUS_QUANT='int4' need"),
+    ({"TENSORBUS_ENGINE": "onnx", "TENSORBUS_DTYPE": "bfloat16"},
+     "the onnx engine computes float32"),
     ({"TENSORBUS_SPECULATIVE": "off,all-MiniLM-L6-v2=eagle:3"}, "use off or ngram:K"),
 ])  # fmt: skip
 def test_worker_exits_78_when_the_model_cannot_split_or_quantize_so(env, says):
@@ -85,6 +90,46 @@ def test_worker_exits_78_when_the_model_cannot_split_or_quantize_so(env, says):
     assert done.returncode == EX_CONFIG, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("bad configuration:") and says in last, last
+
+
+def test_the_onnx_engine_keeps_its_graph_in_the_workers_cache_folder(tmp_path, capsys):
+    """TENSORBUS_ENGINE=onnx builds the onnx encoder per model, its exported graph kept
+    under the worker's cache folder, where the next build reads it back; int8 that
+    strays past its bound (a tiny random model's does) exits 78 with the cosine."""
+    from bench.support import tiny_encoders
+    from engine.onnx_encoder import OnnxEncoder
+    from services.worker.engines import build_engine, cache_folder
+
+    tiny_encoders.build(tmp_path, family="bert", pooling="mean")
+    info = catalog.describe("tiny", tmp_path / "st")
+    cfg = Config.from_env({}, data_dir=str(tmp_path / "data")).with_(engine="jax,tiny=onnx")
+    engine = build_engine(cfg, info)
+    assert isinstance(engine, OnnxEncoder) and engine.quant == "none"
+    assert engine.path.is_relative_to(cache_folder(cfg) / "onnx-encoders")
+    mtime = engine.path.stat().st_mtime_ns
+    again = build_engine(cfg, info)
+    assert again.path == engine.path and again.path.stat().st_mtime_ns == mtime
+    with pytest.raises(SystemExit) as exit_info:
+        build_engine(cfg.with_(quant="int8"), info)
+    assert exit_info.value.code == EX_CONFIG
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    assert said.startswith("bad configuration: tiny: int8 weights") and "below 0.999" in said
+
+
+def test_the_onnx_engine_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    from services.worker.engines import engine_settings
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "onnxruntime" else real(name, *a))
+    with pytest.raises(SystemExit) as exit_info:
+        engine_settings(Config.from_env({}).with_(engine="onnx"), catalog.ENCODER)
+    assert exit_info.value.code == EX_CONFIG
+    said = capsys.readouterr().err
+    assert "TENSORBUS_ENGINE=onnx for all-MiniLM-L6-v2: onnxruntime not installed" in said
+    assert "pip install onnxruntime==1.30.0" in said
 
 
 def test_quantized_and_split_settings_reach_the_jax_engine(tmp_path):
@@ -202,6 +247,9 @@ def test_build_engine_exits_78_on_a_pooling_it_does_not_serve(tmp_path):
      {}, "rope scaling 'proportional'"),
     ({"model_type": "qwen3", "head_dim": 8}, {"TENSORBUS_ENGINE": "torch"},
      "q/k norms (Qwen3, Gemma 3): serve this model with TENSORBUS_ENGINE=jax"),
+    ({"model_type": "llama"}, {"TENSORBUS_ENGINE": "onnx"},
+     "the onnx engine computes sentence encoders only; serve this decoder with "
+     "TENSORBUS_ENGINE=jax or torch"),
 ])  # fmt: skip
 def test_worker_exits_78_on_a_decoder_it_does_not_compute(tmp_path, config, env, says):
     import json
