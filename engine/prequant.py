@@ -5,6 +5,9 @@ A pre-quantized checkpoint loaded as if it were float is wrong without an error:
 float8 weights lose their scales (every matmul off by a factor per tensor, channel or
 block), and packed integer weights (AWQ, GPTQ) are not even the weights' shape. So:
 
+- Served: AWQ (`version: "gemm"`, 4 bits) and GPTQ (2, 4 or 8 bits, v1 and v2
+  zero points, act-order's `g_idx`) packed integers, read into float32 at load,
+  w = (q - zero) * scale, exactly (engine/packed_ints.py).
 - Served: FP8 weights, dequantized at load to float32 (w = q * scale), so every
   engine, dtype, compute form and `TENSORBUS_QUANT` downstream sees the float
   weights a float checkpoint would have given. Two layouts:
@@ -17,9 +20,9 @@ block), and packed integer weights (AWQ, GPTQ) are not even the weights' shape. 
   a quantized KV cache (kv_cache_scheme, k_scale / v_scale) describe compute this
   engine does in float: those scales are dropped, and the load's log line says so.
 - Refused (`UnsupportedQuantization`, a ValueError the decoder and encoder configs
-  turn into their own refusal: a worker exits 78): AWQ, GPTQ, bitsandbytes,
-  compressed-tensors' integer or packed formats, and any other method, each with
-  what to use instead.
+  turn into their own refusal: a worker exits 78): AWQ's other versions (gemv,
+  marlin, ...), GPTQ's 3-bit words, bitsandbytes, compressed-tensors' integer or
+  packed formats, and any other method, each with what to use instead.
 
 Modules a config leaves float (`ignore`, `modules_to_not_convert`, `ignored_layers`)
 need no list here: what is dequantized is decided by each tensor's stored dtype, and
@@ -41,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import numpy as np
 
-SERVED = "fp8, compressed-tensors (float8 weights)"
+SERVED = "awq (gemm), gptq (2, 4, 8 bits), fp8, compressed-tensors (float8 weights)"
 # compressed-tensors formats that store 8-bit float weights as they are (no packing).
 FLOAT_FORMATS = ("float-quantized", "naive-quantized")
 # Beside `X.weight`: the weight's scale (one of these), and tensors a float engine
@@ -65,9 +68,12 @@ class UnsupportedQuantization(ValueError):
 class Scheme:
     """What a served `quantization_config` says about the stored weights."""
 
-    method: str  # "fp8" | "compressed-tensors"
-    layouts: tuple[Layout, ...]  # the scale layouts the config declares
+    method: str  # "fp8" | "compressed-tensors" | "awq" | "gptq"
+    layouts: tuple[Layout, ...]  # the scale layouts the config declares (float8)
     ignored: tuple[str, ...] = ()  # what the config quantizes that is computed in float
+    bits: int = 0  # awq, gptq: bits a value
+    group: int = 0  # awq, gptq: inputs a scale and zero point cover (-1: all)
+    v2: bool = False  # gptq: zero points stored as they are (else minus one)
 
 
 def _advice(bits: Any = None) -> str:
@@ -112,6 +118,26 @@ def _fp8(q: dict) -> Scheme:
     if q.get("activation_scheme"):
         ignored = (f"{q['activation_scheme']} fp8 activations",)
     return Scheme("fp8", tuple(layouts), ignored)
+
+
+def _awq(q: dict) -> Scheme:
+    bits, version = q.get("bits", q.get("w_bit")), str(q.get("version", "gemm")).lower()
+    if version != "gemm":  # gemv and the kernels' own repackings lay words out otherwise
+        raise _refuse("awq", bits, f"version {version!r}; served: gemm")
+    if bits != 4 or q.get("zero_point") is False:
+        raise _refuse("awq", bits, f"{bits}-bit, zero_point {q.get('zero_point', True)}")
+    group = int(q.get("group_size", q.get("q_group_size", 128)))
+    return Scheme("awq", (), (), bits=4, group=group)
+
+
+def _gptq(q: dict) -> Scheme:
+    bits, fmt = q.get("bits"), str(q.get("checkpoint_format", "gptq")).lower()
+    if bits not in (2, 4, 8):  # 3-bit values straddle the int32 words
+        raise _refuse("gptq", bits, f"{bits}-bit; served: 2, 4, 8")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _refuse("gptq", bits, f"checkpoint_format {fmt!r}")
+    return Scheme("gptq", (), (), bits=bits, group=int(q.get("group_size", 128)),
+                  v2=fmt == "gptq_v2")  # fmt: skip
 
 
 def _weights_layout(w: dict, fmt: str) -> Layout:
@@ -168,8 +194,10 @@ def scheme(cfg: dict) -> Scheme | None:
         return _compressed_tensors(q)
     if method == "bitsandbytes":
         raise _refuse(method, _bnb_bits(q))
-    if method in ("awq", "gptq"):
-        raise _refuse(method, q.get("bits", q.get("w_bit")))
+    if method == "awq":
+        return _awq(q)
+    if method == "gptq":
+        return _gptq(q)
     raise UnsupportedQuantization(f"quantization method {method or 'unnamed'!r} is not "
                                   f"served (served: {SERVED}): {_advice()}")  # fmt: skip
 
@@ -228,7 +256,16 @@ def dequantize_weight(name: str, q, scale, layouts) -> np.ndarray:
 def dequantize(weights: dict, found: Scheme | None) -> tuple[dict, int]:
     """A checkpoint's tensors (full names), in place -> (the same dict with every
     float8 `X.weight` replaced by float32 `q * scale` and the scale tensors dropped,
-    how many were dequantized)."""
+    or every AWQ / GPTQ packed layer by its float32 `X.weight`; how many were
+    dequantized)."""
+    if found is not None and found.method in ("awq", "gptq"):
+        from engine import packed_ints
+
+        try:
+            n = packed_ints.dequantize(weights, found.method, found.bits, found.group, found.v2)
+        except ValueError as exc:
+            raise UnsupportedQuantization(str(exc)) from None
+        return weights, n
     float8 = sorted(n for n, a in weights.items() if _is_float8(a))
     if found is None:
         if float8:

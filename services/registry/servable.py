@@ -31,7 +31,7 @@ def encoder_refusal(path: str | Path) -> str | None:
 
 def decoder_refusal(path: str | Path) -> str | None:
     """Why no worker would serve the decoder in `path`, as far as its config.json's
-    `quantization_config` tells (engine/prequant.py: AWQ, GPTQ, bitsandbytes ...);
+    `quantization_config` tells (engine/prequant.py: bitsandbytes, AWQ gemv ...);
     None when that is served. Its architecture is checked by the worker at start
     only: the decoder engine's config module comes with jax."""
     import json

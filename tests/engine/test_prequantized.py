@@ -1,5 +1,6 @@
 """Checkpoints stored quantized by their publisher (engine/prequant.py): FP8 served
-exactly as its dequantized weights, every other method refused by name.
+exactly as its dequantized weights (AWQ and GPTQ: tests/engine/test_packed_ints.py),
+every other method and layout refused by name.
 
 A tiny Llama is built by transformers (tests/support/tiny_models.py); its linear
 weights are quantized here with torch to float8_e4m3fn, as a publisher's tool does
@@ -206,12 +207,12 @@ def test_group_scales_spread_over_their_inputs():
 LLAMA = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 REFUSED = [
-    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"},
-     "quantization method 'awq' is not served: use the float checkpoint with "
-     "TENSORBUS_QUANT=int4"),
-    ({"quant_method": "gptq", "bits": 8, "group_size": 128, "desc_act": False},
-     "quantization method 'gptq' is not served: use the float checkpoint with "
-     "TENSORBUS_QUANT=int8"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     "quantization method 'awq' (version 'gemv'; served: gemm) is not served: use the float "
+     "checkpoint with TENSORBUS_QUANT=int4"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128, "desc_act": False},
+     "quantization method 'gptq' (3-bit; served: 2, 4, 8) is not served: use the float "
+     "checkpoint with TENSORBUS_QUANT=int8, int4 or fp8"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"},
      "quantization method 'bitsandbytes' is not served: use the float checkpoint with "
      "TENSORBUS_QUANT=int4"),
@@ -242,23 +243,25 @@ def test_worker_exits_78_and_push_warns_naming_the_method(tmp_path, capsys):
     from shared import catalog
     from tests.services.test_registry import make_encoder_dir
 
-    awq = {"quant_method": "awq", "bits": 4}
+    awq = {"quant_method": "awq", "bits": 4, "version": "gemv"}
     dec = tmp_path / "dec"
     dec.mkdir()
     (dec / "config.json").write_text(json.dumps({**LLAMA, "quantization_config": awq}))
     with pytest.raises(SystemExit) as exc:
         check_decoder(catalog.describe("dec", dec), "jax")
     assert exc.value.code == 78 and "quantization method 'awq'" in capsys.readouterr().err
-    assert "quantization method 'awq' is not served" in serving_warning(dec)
+    assert "quantization method 'awq' (version 'gemv'; served: gemm) is not served" in \
+        serving_warning(dec)
 
     enc = make_encoder_dir(tmp_path / "enc")
     cfg = json.loads((enc / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 3}
     (enc / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SystemExit) as exc:
         check_encoder(catalog.describe("enc", enc))
     assert exc.value.code == 78 and "quantization method 'gptq'" in capsys.readouterr().err
-    assert "quantization method 'gptq' is not served" in serving_warning(enc)
+    assert "quantization method 'gptq' (3-bit; served: 2, 4, 8) is not served" in \
+        serving_warning(enc)
 
 
 def test_float8_without_its_scale_is_refused(tmp_path):
