@@ -22,21 +22,16 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from engine import prequant
-from engine.decoder.config import UnsupportedDecoder, from_dict, load_config
-from engine.decoder.model import load_params, prompt_logits
+from engine.decoder.config import UnsupportedDecoder, from_dict
 from engine.weights import load_weights
-from tests.support.tiny_models import build, hf_greedy, write_tokenizer
-
-CONTEXT = 64
-PROMPTS = [[5, 17, 300, 42], list(range(40, 61))]
+from tests.support.prequant_checks import CONTEXT, assert_logits_equal, assert_served_greedy_equal
+from tests.support.tiny_models import build, write_tokenizer
 LINEAR = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -142,27 +137,10 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _hf_logits(model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float().numpy()
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_fp8_logits_equal_transformers_on_the_dequantized_weights(checkpoints, variant):
     d, ref = checkpoints[variant]
-    cfg = load_config(d)
-    params = load_params(d, cfg, jnp.float32)
-    fwd = jax.jit(lambda p, t: prompt_logits(p, cfg, t))
-    _, float_model = checkpoints["float"]
-    for prompt in PROMPTS:
-        padded = np.zeros(32, np.int32)
-        padded[: len(prompt)] = prompt
-        ours = np.asarray(fwd(params, padded))[: len(prompt)]
-        want = _hf_logits(ref, prompt)
-        np.testing.assert_allclose(ours, want, atol=1e-4, rtol=0)
-        # The quantization moved the logits far past that tolerance: the match above
-        # is to the scaled float8 values, not to the float model they came from.
-        assert np.abs(want - _hf_logits(float_model, prompt)).max() > 1e-3
+    assert_logits_equal(d, ref, checkpoints["float"][1])
 
 
 def test_fp8_weights_are_float32_with_no_scale_left(checkpoints):
@@ -175,15 +153,8 @@ def test_fp8_weights_are_float32_with_no_scale_left(checkpoints):
 
 def test_served_greedy_tokens_equal_transformers_on_the_dequantized_weights(checkpoints):
     """The serving path (chunked prefill, paged decode) on the block-scaled checkpoint."""
-    from engine.decoder import DecoderEngine
-    from engine.decoder.static import generate_static
-
     d, ref = checkpoints["fp8-block"]
-    engine = DecoderEngine(d, "fp8-block", slots=2, max_context=CONTEXT,
-                           prefill_buckets=(16,), decode_windows=(64,))
-    engine.warmup(progress=False)
-    for prompt, ours in zip(PROMPTS, generate_static(engine, PROMPTS, 16)):
-        assert ours == hf_greedy(ref, prompt, 16)
+    assert_served_greedy_equal(d, "fp8-block", ref)
 
 
 def test_group_scales_spread_over_their_inputs():
