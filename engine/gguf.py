@@ -110,30 +110,16 @@ def _tensor_data(path: str | Path, header: Header):
 
 def dequantize(data, qtype):
     """A tensor's stored bytes -> float32, as the gguf package's `dequantize` computes
-    it (the same operations, so the same bits), over the whole tensor at once for the
-    block types llama.cpp's converters write most (Q8_0, Q4_0, Q4_1): the package
-    works 16 rows at a time (SmolLM2's engine build, which reads and prepares its
-    weights, took 4.5 s with it and 3.3-3.6 s with this). Other types go to the
-    package."""
-    import numpy as np
-    from gguf import GGML_QUANT_SIZES
-    from gguf import GGMLQuantizationType as T
+    it, bit for bit: whole tensors at once for the block types engine/gguf_blocks.py
+    reads (the package works 16 rows at a time: SmolLM2's engine build took 4.5 s
+    with it and 3.3-3.6 s without); other types go to the package."""
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as reference
 
-    if qtype not in (T.Q8_0, T.Q4_0, T.Q4_1):
-        return reference(data, qtype)
-    block, size = GGML_QUANT_SIZES[qtype]
-    shape = (*data.shape[:-1], data.shape[-1] // size * block)
-    b = np.ascontiguousarray(data).view(np.uint8).reshape(-1, size)  # [blocks, bytes]
-    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
-    if qtype == T.Q8_0:
-        return (b[:, 2:].view(np.int8).astype(np.float32) * d).reshape(shape)
-    qs = b[:, 4:] if qtype == T.Q4_1 else b[:, 2:]  # [blocks, 16]: low nibbles first
-    q = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=1)  # [blocks, 32]
-    if qtype == T.Q4_0:
-        return (d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)).reshape(shape)
-    m = b[:, 2:4].copy().view(np.float16).astype(np.float32)
-    return (d * q.astype(np.float32) + m).reshape(shape)
+    from engine.gguf_blocks import block_floats
+
+    w = block_floats(data, GGMLQuantizationType(qtype).name)
+    return reference(data, qtype) if w is None else w
 
 
 def load_weights(path: str | Path) -> dict[str, np.ndarray]:

@@ -109,6 +109,29 @@ def _values(b: np.ndarray, kind: str):
     return None
 
 
+def block_floats(data: np.ndarray, kind: str) -> np.ndarray | None:
+    """A tensor's stored bytes of GGUF type `kind` -> its float32 values, the gguf
+    package's `dequantize` bit for bit, over the whole tensor at once (the package
+    works 16 rows at a time); None for a type `BLOCK_TYPES` leaves out."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if kind not in BLOCK_TYPES:
+        return None
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    shape = (*data.shape[:-1], data.shape[-1] // size * block)
+    b = np.ascontiguousarray(data).view(np.uint8).reshape(-1, size)  # [blocks, bytes]
+    found = _values(b, kind)
+    assert found is not None  # every type of BLOCK_TYPES has its values
+    v, scale, offset, group = found
+    g = v.reshape(len(b), -1, group).astype(np.float32)  # [blocks, groups, G]
+    if kind == "Q4_0":  # (q - 8) * d, as the package: q * d - 8 d gives +0 where it has -0
+        g, offset = g - 8, None
+    w = g * scale.astype(np.float32)[..., None]
+    if offset is not None:
+        w = w + offset.astype(np.float32)[..., None]
+    return w.reshape(shape)
+
+
 def kept_blocks(data: np.ndarray, kind: str) -> QWeight | None:
     """A tensor's stored bytes ([rows..., bytes per row], the file's [out, in] order)
     of GGUF type `kind` (its name: "Q4_K") -> the QWeight contracted over its last

@@ -65,6 +65,19 @@ def test_kept_blocks_are_the_packages_values_bit_for_bit(kind):
     assert quant.tree_bytes(w) <= theirs.nbytes * 10 / 32
 
 
+@pytest.mark.parametrize("kind", sorted(_SCALES))
+def test_dequantized_tensors_are_the_packages_bit_for_bit(kind):
+    """engine/gguf.py's `dequantize` (the float path) reads the same values."""
+    from gguf import GGMLQuantizationType
+
+    from engine.gguf import dequantize
+
+    data = random_blocks(np.random.default_rng(9), 16, 512, kind)
+    ours, theirs = dequantize(data, GGMLQuantizationType[kind]), _reference(data, kind)
+    assert ours.shape == theirs.shape == (16, 512) and ours.dtype == np.float32
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), kind
+
+
 def test_a_fused_weight_of_several_types_keeps_every_value():
     """q_proj Q4_K, k_proj Q5_K, v_proj Q6_K (as a K-quant file mixes them) fused
     into one weight: one kind (int8, groups of 16, with offsets), the same numbers."""
